@@ -1,0 +1,306 @@
+//! The CPU backend: every op, on a persistent rayon pool sized to the cores the engine is given.
+//!
+//! Numerics follow llama.cpp's CPU backend where it matters for agreement: activations are
+//! quantized to the weight type's `vec_dot_type` before integer dot products, the KV cache is
+//! f16, queries are rounded to f16 before `K·q` and softmax weights before `V·p`, and sums of
+//! squares and softmax denominators accumulate in f64.
+
+use super::{AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
+use crate::error::BackendError;
+use crate::model::config::RopeStyle;
+use crate::model::weights::WeightMatrix;
+use crate::quant::{self, GgmlType};
+use half::f16;
+use rayon::prelude::*;
+
+/// Weight rows per parallel task in a matmul.
+const ROWS_PER_TASK: usize = 32;
+
+pub struct CpuBackend {
+    desc: BackendDescriptor,
+    pool: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    /// A CPU backend with `threads` workers (0 = one per available core).
+    pub fn new(threads: usize) -> Self {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("llmd-cpu-{i}"))
+            .build()
+            // Only fails if the OS refuses to spawn threads; nothing can run without them.
+            .expect("the OS must allow spawning CPU worker threads");
+        let desc = BackendDescriptor {
+            name: "cpu",
+            processor: Processor::Cpu,
+            available: true,
+            ops: vec![
+                OpKind::GetRows,
+                OpKind::MatMul,
+                OpKind::RmsNorm,
+                OpKind::Rope,
+                OpKind::Attention,
+                OpKind::SwiGlu,
+            ],
+            weight_types: GgmlType::ALL.to_vec(),
+            static_shapes: false,
+            max_tokens: None,
+            threads,
+        };
+        Self { desc, pool }
+    }
+}
+
+fn shape_err(op: &'static str, detail: String) -> BackendError {
+    BackendError::Shape { op, detail }
+}
+
+impl Backend for CpuBackend {
+    fn descriptor(&self) -> &BackendDescriptor {
+        &self.desc
+    }
+
+    fn matmul(
+        &self,
+        w: &WeightMatrix,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let (rows, cols) = (w.rows, w.cols);
+        if x.len() != n * cols || out.len() != n * rows {
+            return Err(shape_err(
+                "matmul",
+                format!(
+                    "{}: {rows}x{cols} weights, {} inputs, {} outputs for {n} tokens",
+                    w.name,
+                    x.len(),
+                    out.len()
+                ),
+            ));
+        }
+        let at = w.ty.vec_dot_type();
+        let arow = at
+            .row_bytes(cols)
+            .ok_or_else(|| shape_err("matmul", format!("{cols} columns for {at}")))?;
+        let mut xq = vec![0u8; n * arow];
+        for (xr, qr) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(arow)) {
+            quant::quantize_row(at, xr, qr)?;
+        }
+        let wrow = w.row_bytes();
+        let wb = w.bytes();
+        let ty = w.ty;
+        self.pool.install(|| {
+            if n == 1 {
+                out.par_chunks_mut(ROWS_PER_TASK)
+                    .enumerate()
+                    .for_each(|(ci, o)| {
+                        for (i, v) in o.iter_mut().enumerate() {
+                            let r = ci * ROWS_PER_TASK + i;
+                            *v = quant::blocks_dot(ty, &wb[r * wrow..(r + 1) * wrow], &xq);
+                        }
+                    });
+            } else {
+                // Each task takes a band of weight rows and all tokens, so a weight row is
+                // read once per batch; results land transposed and are put back after.
+                let mut out_t = vec![0f32; rows * n];
+                out_t
+                    .par_chunks_mut(ROWS_PER_TASK * n)
+                    .enumerate()
+                    .for_each(|(ci, o)| {
+                        for (rr, orow) in o.chunks_exact_mut(n).enumerate() {
+                            let r = ci * ROWS_PER_TASK + rr;
+                            let wr = &wb[r * wrow..(r + 1) * wrow];
+                            for (t, v) in orow.iter_mut().enumerate() {
+                                *v = quant::blocks_dot(ty, wr, &xq[t * arow..(t + 1) * arow]);
+                            }
+                        }
+                    });
+                for (r, col) in out_t.chunks_exact(n).enumerate() {
+                    for (t, v) in col.iter().enumerate() {
+                        out[t * rows + r] = *v;
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn get_rows(&self, w: &WeightMatrix, ids: &[u32], out: &mut [f32]) -> Result<(), BackendError> {
+        if out.len() != ids.len() * w.cols {
+            return Err(shape_err(
+                "get_rows",
+                format!("{} outputs for {} ids of {}", out.len(), ids.len(), w.cols),
+            ));
+        }
+        for (&id, o) in ids.iter().zip(out.chunks_exact_mut(w.cols)) {
+            let row = w.row(id as usize).ok_or_else(|| {
+                shape_err("get_rows", format!("row {id} of {} in {}", w.rows, w.name))
+            })?;
+            quant::dequantize_row(w.ty, row, o)?;
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &mut [f32], weight: &[f32], eps: f32) -> Result<(), BackendError> {
+        let d = weight.len();
+        if d == 0 || x.len() % d != 0 {
+            return Err(shape_err(
+                "rms_norm",
+                format!("{} values for rows of {d}", x.len()),
+            ));
+        }
+        for row in x.chunks_exact_mut(d) {
+            let sum: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            let mean = (sum / d as f64) as f32;
+            let scale = 1.0 / (mean + eps).sqrt();
+            for (v, w) in row.iter_mut().zip(weight) {
+                *v = (*v * scale) * w;
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        p: &RopeParams,
+        freq_factors: Option<&[f32]>,
+    ) -> Result<(), BackendError> {
+        let row = p.n_heads * p.head_dim;
+        if x.len() != positions.len() * row || p.rope_dims > p.head_dim || p.rope_dims % 2 != 0 {
+            return Err(shape_err(
+                "rope",
+                format!(
+                    "{} values for {} positions of {row}",
+                    x.len(),
+                    positions.len()
+                ),
+            ));
+        }
+        if freq_factors.is_some_and(|f| f.len() < p.rope_dims / 2) {
+            return Err(shape_err(
+                "rope",
+                "fewer frequency factors than rotated pairs".into(),
+            ));
+        }
+        let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
+        let half = p.rope_dims / 2;
+        let mut cs = vec![(0f32, 0f32); half];
+        for (xr, &pos) in x.chunks_exact_mut(row).zip(positions) {
+            // ggml computes the angle by repeated multiplication; we do the same.
+            let mut theta = pos as f32;
+            for (i, c) in cs.iter_mut().enumerate() {
+                let ff = freq_factors.map_or(1.0, |f| f[i]);
+                let t = p.freq_scale * (theta / ff);
+                *c = (t.cos(), t.sin());
+                theta *= theta_scale;
+            }
+            for head in xr.chunks_exact_mut(p.head_dim) {
+                for (i, &(cos, sin)) in cs.iter().enumerate() {
+                    let (a, b) = match p.style {
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        RopeStyle::Neox => (i, i + half),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos - x1 * sin;
+                    head[b] = x0 * sin + x1 * cos;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        s: &AttentionShape,
+        q: &[f32],
+        k: &[f16],
+        v: &[f16],
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let hd = s.head_dim;
+        let q_row = s.n_heads * hd;
+        let kv_row = s.n_kv_heads * hd;
+        let total = s.start + s.n_tokens;
+        if s.n_kv_heads == 0
+            || s.n_heads % s.n_kv_heads != 0
+            || q.len() != s.n_tokens * q_row
+            || out.len() != q.len()
+            || k.len() < total * kv_row
+            || v.len() < total * kv_row
+        {
+            return Err(shape_err(
+                "attention",
+                format!(
+                    "{s:?} with q {} k {} v {} out {}",
+                    q.len(),
+                    k.len(),
+                    v.len(),
+                    out.len()
+                ),
+            ));
+        }
+        let group = s.n_heads / s.n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        self.pool.install(|| {
+            out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+                let (t, h) = (i / s.n_heads, i % s.n_heads);
+                let kvh = h / group;
+                let n_ctx = s.start + t + 1;
+                let qh: Vec<f32> = q[t * q_row + h * hd..t * q_row + (h + 1) * hd]
+                    .iter()
+                    .map(|&x| f16::from_f32(x).to_f32())
+                    .collect();
+                let mut p = Vec::with_capacity(n_ctx);
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..n_ctx {
+                    let kj = &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+                    let mut acc = [0f32; 8];
+                    for (c, (a, b)) in qh.iter().zip(kj).enumerate() {
+                        acc[c & 7] += a * b.to_f32();
+                    }
+                    let sc = acc.iter().sum::<f32>() * scale;
+                    max = max.max(sc);
+                    p.push(sc);
+                }
+                let mut sum = 0f64;
+                for x in p.iter_mut() {
+                    *x = (*x - max).exp();
+                    sum += *x as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                o.fill(0.0);
+                for (j, &pj) in p.iter().enumerate() {
+                    let w = f16::from_f32(pj * inv).to_f32();
+                    let vj = &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+                    for (ov, vv) in o.iter_mut().zip(vj) {
+                        *ov += w * vv.to_f32();
+                    }
+                }
+            });
+        });
+        Ok(())
+    }
+
+    fn swiglu(&self, gate: &mut [f32], up: &[f32]) -> Result<(), BackendError> {
+        if gate.len() != up.len() {
+            return Err(shape_err(
+                "swiglu",
+                format!("gate {} vs up {}", gate.len(), up.len()),
+            ));
+        }
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+        Ok(())
+    }
+}

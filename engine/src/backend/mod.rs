@@ -1,0 +1,171 @@
+//! The processor abstraction. A backend describes itself with data (which ops, which weight
+//! types, static shapes or not, memory); the [`Planner`] asks before placing any work, so GPU and
+//! NPU backends slot in beside the CPU without reshaping the model code.
+
+pub mod cpu;
+
+use crate::error::BackendError;
+use crate::model::weights::WeightMatrix;
+use crate::quant::GgmlType;
+use half::f16;
+use std::sync::Arc;
+
+/// The kind of processor behind a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Processor {
+    Cpu,
+    Gpu,
+    Npu,
+}
+
+/// Operations the forward pass places on a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    /// Embedding lookup: rows of a (possibly quantized) matrix to f32.
+    GetRows,
+    /// Weight matrix times a batch of activation rows.
+    MatMul,
+    RmsNorm,
+    Rope,
+    /// Causal attention of new queries over a sequence's KV cache.
+    Attention,
+    /// `silu(gate) * up`.
+    SwiGlu,
+}
+
+/// One unit of work as the planner sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct OpDesc {
+    pub kind: OpKind,
+    /// Weight type for `MatMul` / `GetRows`.
+    pub weight_type: Option<GgmlType>,
+    /// Tokens in the batch.
+    pub n_tokens: usize,
+}
+
+/// What a backend can do, as data.
+#[derive(Clone, Debug)]
+pub struct BackendDescriptor {
+    pub name: &'static str,
+    pub processor: Processor,
+    /// False for a backend compiled out or with no device: it accepts no work.
+    pub available: bool,
+    pub ops: Vec<OpKind>,
+    pub weight_types: Vec<GgmlType>,
+    /// Needs graphs of fixed shape compiled ahead (NPUs); dynamic-shape backends say false.
+    pub static_shapes: bool,
+    /// Largest batch of tokens one op may carry, if limited.
+    pub max_tokens: Option<usize>,
+    pub threads: usize,
+}
+
+impl BackendDescriptor {
+    pub fn supports(&self, op: &OpDesc) -> bool {
+        self.available
+            && self.ops.contains(&op.kind)
+            && op
+                .weight_type
+                .is_none_or(|t| self.weight_types.contains(&t))
+            && self.max_tokens.is_none_or(|m| op.n_tokens <= m)
+    }
+}
+
+/// Shapes for attention over a KV cache.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Position of the first new query token; the cache holds `start + n_tokens` positions.
+    pub start: usize,
+    pub n_tokens: usize,
+}
+
+/// Rotary embedding parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeParams {
+    pub n_heads: usize,
+    pub head_dim: usize,
+    pub rope_dims: usize,
+    pub theta: f32,
+    pub freq_scale: f32,
+    pub style: crate::model::config::RopeStyle,
+}
+
+/// A processor that runs forward-pass ops. Buffers are plain host slices for now: the CPU
+/// works on them directly; device backends own their copies and say so in their descriptor.
+pub trait Backend: Send + Sync {
+    fn descriptor(&self) -> &BackendDescriptor;
+
+    fn supports(&self, op: &OpDesc) -> bool {
+        self.descriptor().supports(op)
+    }
+
+    /// `out[t][r] = dot(w.row(r), x[t])` for `n_tokens` rows of `x` (each `w.cols` long).
+    fn matmul(
+        &self,
+        w: &WeightMatrix,
+        x: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) -> Result<(), BackendError>;
+
+    /// `out[t] = w.row(ids[t])` as f32.
+    fn get_rows(&self, w: &WeightMatrix, ids: &[u32], out: &mut [f32]) -> Result<(), BackendError>;
+
+    /// In place over rows of `weight.len()`: `x * weight / rms(x)`.
+    fn rms_norm(&self, x: &mut [f32], weight: &[f32], eps: f32) -> Result<(), BackendError>;
+
+    /// Rotates each head of each row of `x` in place; row `t` is at position `positions[t]`.
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        p: &RopeParams,
+        freq_factors: Option<&[f32]>,
+    ) -> Result<(), BackendError>;
+
+    /// Causal attention of `q` (`n_tokens` × heads × head_dim) over the cache (`k`, `v`:
+    /// positions × kv_heads × head_dim, f16) into `out` (same shape as `q`).
+    fn attention(
+        &self,
+        s: &AttentionShape,
+        q: &[f32],
+        k: &[f16],
+        v: &[f16],
+        out: &mut [f32],
+    ) -> Result<(), BackendError>;
+
+    /// `gate = silu(gate) * up`, elementwise.
+    fn swiglu(&self, gate: &mut [f32], up: &[f32]) -> Result<(), BackendError>;
+}
+
+/// Chooses a backend for each op, in preference order, asking each whether it supports it.
+#[derive(Clone)]
+pub struct Planner {
+    backends: Vec<Arc<dyn Backend>>,
+}
+
+impl Planner {
+    /// Backends in order of preference.
+    pub fn new(backends: Vec<Arc<dyn Backend>>) -> Self {
+        Self { backends }
+    }
+
+    /// A planner over the CPU backend alone with `threads` worker threads (0 = all cores).
+    pub fn cpu(threads: usize) -> Self {
+        Self::new(vec![Arc::new(cpu::CpuBackend::new(threads))])
+    }
+
+    pub fn place(&self, op: &OpDesc) -> Result<&dyn Backend, BackendError> {
+        self.backends
+            .iter()
+            .find(|b| b.supports(op))
+            .map(|b| b.as_ref())
+            .ok_or_else(|| BackendError::NoBackend(format!("{op:?}")))
+    }
+
+    pub fn backends(&self) -> impl Iterator<Item = &BackendDescriptor> {
+        self.backends.iter().map(|b| b.descriptor())
+    }
+}

@@ -1,0 +1,94 @@
+//! Chat templates: the model's own Jinja template (GGUF `tokenizer.chat_template` or HF
+//! `tokenizer_config.json`), rendered with minijinja, or a built-in ChatML / Llama-3 template.
+
+use crate::error::ChatTemplateError;
+use serde::{Deserialize, Serialize};
+
+/// One message of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_owned(),
+            content: content.to_owned(),
+        }
+    }
+}
+
+/// ChatML, as used by SmolLM, Qwen and many others.
+pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Llama 3's header format.
+pub const LLAMA3: &str = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    pub source: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bytes", &self.source.len())
+            .finish()
+    }
+}
+
+fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(
+        minijinja::ErrorKind::InvalidOperation,
+        msg,
+    ))
+}
+
+impl ChatTemplate {
+    /// Compiles a Jinja template in the dialect HF chat templates use.
+    pub fn new(source: &str) -> Result<Self, ChatTemplateError> {
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned("chat", source.to_owned())
+            .map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
+        Ok(Self {
+            env,
+            source: source.to_owned(),
+        })
+    }
+
+    /// A built-in template by name: `chatml` or `llama3`.
+    pub fn builtin(name: &str) -> Option<Self> {
+        match name {
+            "chatml" => Self::new(CHATML).ok(),
+            "llama3" => Self::new(LLAMA3).ok(),
+            _ => None,
+        }
+    }
+
+    /// Renders a conversation, ending with the assistant's turn opened when `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String, ChatTemplateError> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token,
+            eos_token => eos_token,
+        })
+        .map_err(|e| ChatTemplateError::Render(e.to_string()))
+    }
+}

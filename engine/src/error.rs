@@ -1,0 +1,168 @@
+//! Engine errors: one typed enum per concern, named after what failed, with the numbers that matter.
+
+use thiserror::Error;
+
+/// A model file (GGUF or the HF layout) could not be imported.
+#[derive(Debug, Error)]
+pub enum FormatError {
+    #[error("cannot open model file {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("not a GGUF file: magic bytes are {found:02x?}, expected \"GGUF\"")]
+    BadMagic { found: [u8; 4] },
+    #[error("unsupported GGUF version {0} (supported: 2, 3)")]
+    UnsupportedVersion(u32),
+    #[error(
+        "GGUF file truncated: need {needed} bytes at offset {offset} for {what}, file has {len}"
+    )]
+    Truncated {
+        what: &'static str,
+        offset: u64,
+        needed: u64,
+        len: u64,
+    },
+    #[error("GGUF {what} count {count} cannot fit in the {remaining} bytes left in the file")]
+    CountTooLarge {
+        what: &'static str,
+        count: u64,
+        remaining: u64,
+    },
+    #[error("GGUF string at offset {offset} is not valid UTF-8")]
+    InvalidUtf8 { offset: u64 },
+    #[error("GGUF metadata key {key:?} has unknown value type {value_type}")]
+    UnknownValueType { key: String, value_type: u32 },
+    #[error("GGUF metadata key {key:?}: nested arrays are not supported")]
+    NestedArray { key: String },
+    #[error("GGUF metadata key {0:?} appears twice")]
+    DuplicateKey(String),
+    #[error("GGUF tensor {0:?} appears twice")]
+    DuplicateTensor(String),
+    #[error("GGUF alignment {0} is not a power of two between 1 and 65536")]
+    BadAlignment(u64),
+    #[error("tensor {name:?} has {n_dims} dimensions (at most 4 supported)")]
+    TooManyDims { name: String, n_dims: u32 },
+    #[error("tensor {name:?} has an invalid dimension {dim} at axis {axis}")]
+    BadDimension { name: String, axis: usize, dim: u64 },
+    #[error("tensor {name:?} has {elements} elements, which overflows or exceeds the file")]
+    TensorTooLarge { name: String, elements: String },
+    #[error("tensor {name:?} has unknown or unsupported type id {type_id}")]
+    UnknownTensorType { name: String, type_id: u32 },
+    #[error(
+        "tensor {name:?}: row length {row} is not a multiple of its type's block size {block}"
+    )]
+    RowNotBlockAligned { name: String, row: u64, block: u64 },
+    #[error(
+        "tensor {name:?}: data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
+    MisalignedTensor {
+        name: String,
+        offset: u64,
+        alignment: u64,
+    },
+    #[error(
+        "tensor {name:?}: bytes {start}..{end} lie outside the data section of {data_len} bytes"
+    )]
+    TensorOutOfBounds {
+        name: String,
+        start: u64,
+        end: u64,
+        data_len: u64,
+    },
+    #[error("tensors {a:?} and {b:?} overlap in the data section")]
+    OverlappingTensors { a: String, b: String },
+    #[error("metadata key {key:?} is missing")]
+    MissingKey { key: String },
+    #[error("metadata key {key:?} has the wrong type: expected {expected}")]
+    WrongKeyType { key: String, expected: &'static str },
+    #[error("tensor {0:?} is missing from the model")]
+    MissingTensor(String),
+    #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
+    ShapeMismatch {
+        name: String,
+        found: Vec<u64>,
+        expected: Vec<u64>,
+    },
+    #[error("unsupported model architecture {0:?} (supported: llama, mistral, qwen2)")]
+    UnsupportedArchitecture(String),
+    #[error("invalid model hyper-parameter {what}: {detail}")]
+    BadHyperParameter { what: &'static str, detail: String },
+    #[error("invalid HF model directory {path}: {detail}")]
+    BadHfLayout { path: String, detail: String },
+    #[error("safetensors file {path}: {detail}")]
+    Safetensors { path: String, detail: String },
+}
+
+/// The tokenizer could not be built or could not encode/decode.
+#[derive(Debug, Error)]
+pub enum TokenizerError {
+    #[error("unsupported tokenizer model {0:?} (supported: gpt2, llama)")]
+    UnsupportedModel(String),
+    #[error("unsupported pre-tokenizer {0:?}")]
+    UnsupportedPreTokenizer(String),
+    #[error("tokenizer vocabulary is invalid: {0}")]
+    BadVocabulary(String),
+    #[error("tokenizer failed: {0}")]
+    Backend(String),
+    #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
+    TokenOutOfRange { id: u32, vocab: usize },
+}
+
+/// A chat request could not be turned into a prompt.
+#[derive(Debug, Error)]
+pub enum ChatTemplateError {
+    #[error("the model has no chat template and none was configured")]
+    Missing,
+    #[error("chat template does not compile: {0}")]
+    Compile(String),
+    #[error("chat template failed while rendering: {0}")]
+    Render(String),
+}
+
+/// Generation parameters or the generation itself failed.
+#[derive(Debug, Error)]
+pub enum GenerateError {
+    #[error("invalid sampling parameter {name}: {detail}")]
+    InvalidSampling { name: &'static str, detail: String },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt of {prompt} tokens plus {max_new} new tokens exceeds the context of {context} tokens")]
+    ContextOverflow {
+        prompt: usize,
+        max_new: usize,
+        context: usize,
+    },
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    ChatTemplate(#[from] ChatTemplateError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// A backend refused or failed a unit of work.
+#[derive(Debug, Error)]
+pub enum BackendError {
+    #[error("backend {backend} does not support {op}")]
+    Unsupported { backend: &'static str, op: String },
+    #[error("no backend can run {0}")]
+    NoBackend(String),
+    #[error("shape mismatch in {op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+}
+
+/// Any engine error, for callers that do not care which part failed.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    ChatTemplate(#[from] ChatTemplateError),
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}

@@ -1,0 +1,237 @@
+//! The Hugging Face layout: `config.json` + `*.safetensors` + `tokenizer.json` in one directory.
+//!
+//! Tensors are renamed to their GGUF names so one builder serves both formats. HF checkpoints
+//! keep Q/K in rotate-half order, so they run with [`RopeStyle::Neox`].
+
+use super::{ModelBytes, TensorMap, TensorRef};
+use crate::error::FormatError;
+use crate::model::config::{Arch, ModelConfig, RopeStyle};
+use crate::quant::GgmlType;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    #[serde(default)]
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    vocab_size: usize,
+    #[serde(default = "default_context")]
+    max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    rope_theta: f64,
+    #[serde(default)]
+    rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    tie_word_embeddings: Option<bool>,
+}
+
+fn default_context() -> usize {
+    2048
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+
+/// A loaded HF directory.
+pub struct HfModel {
+    pub config: ModelConfig,
+    pub tensors: TensorMap,
+    pub tokenizer_json: PathBuf,
+    /// `chat_template` from `tokenizer_config.json`, if present.
+    pub chat_template: Option<String>,
+    pub tie_word_embeddings: bool,
+}
+
+fn bad(path: &Path, detail: impl Into<String>) -> FormatError {
+    FormatError::BadHfLayout {
+        path: path.display().to_string(),
+        detail: detail.into(),
+    }
+}
+
+/// Reads `dir/config.json`, maps every `*.safetensors` file and renames tensors to GGUF names.
+pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|source| FormatError::Io {
+        path: cfg_path.display().to_string(),
+        source,
+    })?;
+    let hf: HfConfig = serde_json::from_str(&text).map_err(|e| bad(&cfg_path, e.to_string()))?;
+    let kind = hf
+        .model_type
+        .clone()
+        .or_else(|| hf.architectures.first().cloned())
+        .unwrap_or_default();
+    let arch = match kind.as_str() {
+        "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
+        "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
+        other => return Err(FormatError::UnsupportedArchitecture(other.to_owned())),
+    };
+    let rope_freq_scale = match &hf.rope_scaling {
+        None | Some(serde_json::Value::Null) => 1.0,
+        Some(v) => {
+            let ty = v
+                .get("rope_type")
+                .or_else(|| v.get("type"))
+                .and_then(|t| t.as_str())
+                .unwrap_or("");
+            let factor = v.get("factor").and_then(|f| f.as_f64()).unwrap_or(1.0);
+            match ty {
+                "linear" if factor > 0.0 => (1.0 / factor) as f32,
+                "default" => 1.0,
+                other => {
+                    return Err(FormatError::BadHyperParameter {
+                        what: "rope scaling",
+                        detail: format!("unsupported type {other:?}"),
+                    })
+                }
+            }
+        }
+    };
+    let n_heads = hf.num_attention_heads;
+    let head_dim = hf.head_dim.unwrap_or(if n_heads > 0 {
+        hf.hidden_size / n_heads
+    } else {
+        0
+    });
+    let config = ModelConfig {
+        arch,
+        n_layers: hf.num_hidden_layers,
+        d_model: hf.hidden_size,
+        n_heads,
+        n_kv_heads: hf.num_key_value_heads.unwrap_or(n_heads),
+        head_dim,
+        ffn_dim: hf.intermediate_size,
+        vocab_size: hf.vocab_size,
+        context_length: hf.max_position_embeddings,
+        rope_theta: hf.rope_theta as f32,
+        rope_dims: head_dim,
+        rope_freq_scale,
+        rope_style: RopeStyle::Neox,
+        norm_eps: hf.rms_norm_eps as f32,
+    };
+    config.validate()?;
+
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| FormatError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(bad(dir, "no *.safetensors file"));
+    }
+    let mut tensors = TensorMap::new();
+    for path in &files {
+        let bytes = Arc::new(ModelBytes::map(path)?);
+        let st_err = |detail: String| FormatError::Safetensors {
+            path: path.display().to_string(),
+            detail,
+        };
+        let st =
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
+        let base = bytes.as_ptr() as usize;
+        for (name, view) in st.tensors() {
+            let ty = match view.dtype() {
+                safetensors::Dtype::F32 => GgmlType::F32,
+                safetensors::Dtype::F16 => GgmlType::F16,
+                safetensors::Dtype::BF16 => GgmlType::BF16,
+                other => {
+                    return Err(st_err(format!(
+                        "tensor {name:?} has unsupported dtype {other:?}"
+                    )))
+                }
+            };
+            let start = view.data().as_ptr() as usize - base;
+            let range = start..start + view.data().len();
+            let dims: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
+            if let Some(gguf_name) = gguf_name(&name) {
+                if tensors
+                    .insert(
+                        gguf_name.clone(),
+                        TensorRef {
+                            ty,
+                            dims,
+                            file: bytes.clone(),
+                            range,
+                        },
+                    )
+                    .is_some()
+                {
+                    return Err(FormatError::DuplicateTensor(gguf_name));
+                }
+            }
+        }
+    }
+    let tokenizer_json = dir.join("tokenizer.json");
+    if !tokenizer_json.is_file() {
+        return Err(bad(dir, "no tokenizer.json"));
+    }
+    let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| {
+            v.get("chat_template")
+                .and_then(|c| c.as_str())
+                .map(str::to_owned)
+        });
+    let tie_word_embeddings = hf
+        .tie_word_embeddings
+        .unwrap_or(!tensors.contains_key("output.weight"));
+    Ok(HfModel {
+        config,
+        tensors,
+        tokenizer_json,
+        chat_template,
+        tie_word_embeddings,
+    })
+}
+
+/// Maps an HF tensor name to its GGUF name; `None` for tensors the engine does not use
+/// (e.g. `rotary_emb.inv_freq`).
+fn gguf_name(hf: &str) -> Option<String> {
+    match hf {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let mapped = match part {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{mapped}"))
+}

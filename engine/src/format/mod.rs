@@ -1,0 +1,68 @@
+//! Model file formats: the strict GGUF reader, the HF layout (config.json + safetensors +
+//! tokenizer.json), and the tensor map both produce for the model builder.
+
+pub mod gguf;
+pub mod hf;
+
+use crate::error::FormatError;
+use crate::quant::GgmlType;
+use std::collections::BTreeMap;
+use std::ops::{Deref, Range};
+use std::path::Path;
+use std::sync::Arc;
+
+/// The bytes of a model file: memory-mapped from disk, or owned (tests, generated files).
+pub enum ModelBytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl ModelBytes {
+    /// Memory-maps a file read-only.
+    pub fn map(path: &Path) -> Result<Self, FormatError> {
+        let io = |source| FormatError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the map is read-only and private to this process. Model files are installed
+        // by the system and are not modified while in use; if one were truncated underneath
+        // us, reads would fault (SIGBUS) rather than return wrong data — the same contract as
+        // llama.cpp's mmap loader. No reference into the map outlives this `ModelBytes`.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        Ok(Self::Mapped(map))
+    }
+}
+
+impl Deref for ModelBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Mapped(m) => m,
+            Self::Owned(v) => v,
+        }
+    }
+}
+
+/// A tensor ready to use: its type, its shape (innermost dimension first) and its bytes.
+#[derive(Clone)]
+pub struct TensorRef {
+    pub ty: GgmlType,
+    pub dims: Vec<u64>,
+    pub file: Arc<ModelBytes>,
+    pub range: Range<usize>,
+}
+
+impl TensorRef {
+    pub fn bytes(&self) -> &[u8] {
+        &self.file[self.range.clone()]
+    }
+}
+
+/// Tensors by GGUF-style name (`blk.N.attn_q.weight`), whatever the file format.
+pub type TensorMap = BTreeMap<String, TensorRef>;
+
+/// Which on-disk layout a path holds.
+pub fn is_hf_dir(path: &Path) -> bool {
+    path.is_dir() && path.join("config.json").is_file()
+}

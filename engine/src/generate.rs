@@ -1,0 +1,288 @@
+//! Generation: prompt → tokens → chunked prefill → decode loop → streamed text.
+//!
+//! Text is streamed as whole UTF-8 characters only; text that might be the start of a stop
+//! sequence is held back until it is known not to be one.
+
+use crate::chat::ChatMessage;
+use crate::error::GenerateError;
+use crate::model::kv::KvCache;
+use crate::model::Logits;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::Model;
+use std::time::{Duration, Instant};
+
+/// Tokens per prefill chunk (each chunk is one bounded unit of work).
+pub const DEFAULT_PREFILL_CHUNK: usize = 256;
+/// Longest stop sequence accepted, in bytes.
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// What to generate from.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Raw text, tokenized as is (special-token text is not parsed).
+    Text(String),
+    /// A conversation, rendered with the model's chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced an end-of-generation token.
+    Eos,
+    /// `max_tokens` were generated.
+    Length,
+    /// A stop sequence appeared.
+    Stop,
+    /// The context window is full.
+    ContextFull,
+    /// The caller asked to stop.
+    Cancelled,
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Request start to the first generated token.
+    pub time_to_first_token: Duration,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+    pub finish: FinishReason,
+}
+
+impl GenerationStats {
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+    /// Decode rate over the tokens after the first (the first comes out of prefill).
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Whether the consumer wants more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
+/// Turns token bytes into text that is safe to show: whole characters, stop sequences cut.
+pub struct TextStream {
+    pending: Vec<u8>,
+    stop: Vec<String>,
+}
+
+impl TextStream {
+    pub fn new(stop: Vec<String>) -> Self {
+        Self {
+            pending: Vec::new(),
+            stop,
+        }
+    }
+
+    /// Adds bytes; returns the text now safe to emit and whether a stop sequence was hit.
+    pub fn push(&mut self, bytes: &[u8]) -> (String, bool) {
+        self.pending.extend_from_slice(bytes);
+        // Whole valid characters; a truncated tail waits, an invalid sequence becomes U+FFFD.
+        let (mut text, rest) = decode_prefix(&self.pending);
+        for s in &self.stop {
+            if let Some(at) = text.find(s.as_str()) {
+                text.truncate(at);
+                self.pending.clear();
+                return (text, true);
+            }
+        }
+        let hold = self
+            .stop
+            .iter()
+            .map(|s| longest_suffix_prefix(&text, s))
+            .max()
+            .unwrap_or(0);
+        let emit_len = text.len() - hold;
+        let held: Vec<u8> = text.as_bytes()[emit_len..].to_vec();
+        text.truncate(emit_len);
+        let mut pending = held;
+        pending.extend_from_slice(&self.pending[self.pending.len() - rest..]);
+        self.pending = pending;
+        (text, false)
+    }
+
+    /// Whatever is left at the end (an incomplete character becomes U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let s = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        s
+    }
+}
+
+/// Longest valid-UTF-8 prefix as text (invalid bytes replaced), and how many trailing bytes
+/// form an incomplete character that may still be completed.
+fn decode_prefix(b: &[u8]) -> (String, usize) {
+    let mut out = String::new();
+    let mut rest = b;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(s) => {
+                out.push_str(s);
+                return (out, 0);
+            }
+            Err(e) => {
+                let (good, bad) = rest.split_at(e.valid_up_to());
+                out.push_str(std::str::from_utf8(good).unwrap_or_default());
+                match e.error_len() {
+                    None => return (out, bad.len()),
+                    Some(n) => {
+                        out.push('\u{FFFD}');
+                        rest = &bad[n..];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`, on char boundaries.
+fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
+    let max = stop.len().saturating_sub(1).min(text.len());
+    (1..=max)
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
+impl Model {
+    /// Token ids of a prompt: chat prompts go through the chat template and have their
+    /// special tokens parsed; raw text does not.
+    pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<Vec<u32>, GenerateError> {
+        let tk = &self.tokenizer;
+        let ids = match prompt {
+            Prompt::Text(t) => tk.encode(t, false, tk.add_bos)?,
+            Prompt::Chat(messages) => {
+                let tmpl = self
+                    .chat_template
+                    .as_ref()
+                    .ok_or(crate::error::ChatTemplateError::Missing)?;
+                let text = tmpl.render(messages, true, tk.bos_text(), tk.eos_text())?;
+                // A template that writes the BOS text itself must not get a second one.
+                let add_bos = tk.add_bos
+                    && !(tk.bos.is_some()
+                        && !tk.bos_text().is_empty()
+                        && text.starts_with(tk.bos_text()));
+                tk.encode(&text, true, add_bos)?
+            }
+        };
+        if ids.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+
+    /// Generates a reply into a fresh KV cache. See [`Model::generate_in`].
+    pub fn generate(
+        &self,
+        req: &GenerateRequest,
+        on_text: impl FnMut(&str, &[u32]) -> Flow,
+    ) -> Result<GenerationStats, GenerateError> {
+        let mut kv = self.transformer.new_kv();
+        let tokens = self.prompt_tokens(&req.prompt)?;
+        self.generate_in(&mut kv, &tokens, req, on_text)
+    }
+
+    /// Feeds `prompt` after what `kv` holds and generates up to `req.max_tokens` tokens,
+    /// calling `on_text(text, ids)` as text becomes safe to show.
+    pub fn generate_in(
+        &self,
+        kv: &mut KvCache,
+        prompt: &[u32],
+        req: &GenerateRequest,
+        mut on_text: impl FnMut(&str, &[u32]) -> Flow,
+    ) -> Result<GenerationStats, GenerateError> {
+        let start = Instant::now();
+        if prompt.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        let context = self.transformer.config.context_length;
+        if kv.len() + prompt.len() > context {
+            return Err(GenerateError::ContextOverflow {
+                prompt: kv.len() + prompt.len(),
+                max_new: req.max_tokens,
+                context,
+            });
+        }
+        for s in &req.stop {
+            if s.is_empty() || s.len() > MAX_STOP_BYTES {
+                return Err(GenerateError::InvalidSampling {
+                    name: "stop",
+                    detail: format!("stop sequences must be 1..={MAX_STOP_BYTES} bytes"),
+                });
+            }
+        }
+        let mut sampler = Sampler::new(req.sampling.clone())?;
+        let vocab = self.tokenizer.vocab_size();
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(crate::error::TokenizerError::TokenOutOfRange { id: bad, vocab }.into());
+        }
+        let mut history: Vec<u32> = prompt.to_vec();
+        let mut logits = Vec::new();
+        for chunk in prompt.chunks(DEFAULT_PREFILL_CHUNK) {
+            logits = self.transformer.forward(kv, chunk, Logits::Last)?;
+        }
+        let prefill_time = start.elapsed();
+        let mut stream = TextStream::new(req.stop.clone());
+        let mut generated = 0usize;
+        let mut ttft = None;
+        let decode_start = Instant::now();
+        let finish = loop {
+            if generated >= req.max_tokens {
+                break FinishReason::Length;
+            }
+            let tok = sampler.sample(&mut logits, &history);
+            generated += 1;
+            ttft.get_or_insert_with(|| start.elapsed());
+            if self.tokenizer.is_eog(tok) {
+                break FinishReason::Eos;
+            }
+            history.push(tok);
+            let (text, stopped) = stream.push(self.tokenizer.token_bytes(tok)?);
+            if on_text(&text, &[tok]) == Flow::Stop {
+                break FinishReason::Cancelled;
+            }
+            if stopped {
+                break FinishReason::Stop;
+            }
+            if generated >= req.max_tokens {
+                break FinishReason::Length;
+            }
+            if kv.len() >= context {
+                break FinishReason::ContextFull;
+            }
+            logits = self.transformer.forward(kv, &[tok], Logits::Last)?;
+        };
+        if finish != FinishReason::Stop {
+            let tail = stream.finish();
+            if !tail.is_empty() {
+                on_text(&tail, &[]);
+            }
+        }
+        Ok(GenerationStats {
+            prompt_tokens: prompt.len(),
+            generated_tokens: generated,
+            time_to_first_token: ttft.unwrap_or_else(|| start.elapsed()),
+            prefill_time,
+            decode_time: decode_start.elapsed(),
+            finish,
+        })
+    }
+}

@@ -1,0 +1,125 @@
+//! llmd's inference engine: model formats (GGUF, HF layout), tokenizer and chat templates,
+//! llama-family architectures, quantized kernels, backends, KV cache, sampling and generation.
+//!
+//! No Binder or Android dependency lives here; the daemon drives the engine through [`Model`],
+//! [`model::Transformer::forward`] (one bounded unit of work per call) and [`generate`].
+
+pub mod backend;
+pub mod chat;
+pub mod error;
+pub mod format;
+pub mod generate;
+pub mod model;
+pub mod quant;
+pub mod sampling;
+pub mod tokenizer;
+
+use backend::Planner;
+use chat::ChatTemplate;
+use error::{EngineError, FormatError};
+use format::gguf::GgufFile;
+use model::config::ModelConfig;
+use model::weights::ModelWeights;
+use model::Transformer;
+use std::path::Path;
+use tokenizer::Tokenizer;
+
+/// How to load a model.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// CPU worker threads (0 = one per core).
+    pub threads: usize,
+}
+
+/// A loaded model: network, tokenizer and chat template.
+pub struct Model {
+    /// The file's base name without extension (the model's id).
+    pub name: String,
+    pub transformer: Transformer,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl Model {
+    /// Loads a GGUF file or an HF directory (`config.json` + `*.safetensors` + `tokenizer.json`).
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self, EngineError> {
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let planner = Planner::cpu(opts.threads);
+        if format::is_hf_dir(path) {
+            let hf = format::hf::load(path)?;
+            let tokenizer = Tokenizer::from_hf(&hf.tokenizer_json)?;
+            let mut tensors = hf.tensors;
+            if !hf.tie_word_embeddings && !tensors.contains_key("output.weight") {
+                return Err(FormatError::MissingTensor("lm_head.weight".into()).into());
+            }
+            if hf.tie_word_embeddings {
+                tensors.remove("output.weight");
+            }
+            let weights = ModelWeights::load(&hf.config, &tensors)?;
+            let chat_template = hf
+                .chat_template
+                .as_deref()
+                .map(ChatTemplate::new)
+                .transpose()?;
+            check_vocab(&hf.config, &tokenizer)?;
+            return Ok(Self {
+                name,
+                transformer: Transformer::new(hf.config, weights, planner),
+                tokenizer,
+                chat_template,
+            });
+        }
+        let g = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&g)?;
+        let tensors: format::TensorMap = g
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    format::TensorRef {
+                        ty: t.ty,
+                        dims: t.dims.clone(),
+                        file: g.bytes().clone(),
+                        range: g.tensor_range(t),
+                    },
+                )
+            })
+            .collect();
+        let weights = ModelWeights::load(&config, &tensors)?;
+        let tokenizer = Tokenizer::from_gguf(&g)?;
+        check_vocab(&config, &tokenizer)?;
+        let chat_template = g
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(ChatTemplate::new)
+            .transpose()?;
+        Ok(Self {
+            name,
+            transformer: Transformer::new(config, weights, planner),
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.transformer.config
+    }
+}
+
+fn check_vocab(c: &ModelConfig, t: &Tokenizer) -> Result<(), FormatError> {
+    if t.vocab_size() > c.vocab_size {
+        return Err(FormatError::BadHyperParameter {
+            what: "vocab_size",
+            detail: format!(
+                "tokenizer has {} tokens, the output head {}",
+                t.vocab_size(),
+                c.vocab_size
+            ),
+        });
+    }
+    Ok(())
+}

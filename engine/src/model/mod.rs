@@ -1,0 +1,169 @@
+//! Llama-family models (llama, mistral-style GQA, qwen2 with Q/K/V biases): configuration,
+//! weights, KV cache, and the forward pass, which places every op through the [`Planner`].
+
+pub mod config;
+pub mod kv;
+pub mod weights;
+
+use crate::backend::{AttentionShape, OpDesc, OpKind, Planner, RopeParams};
+use crate::error::BackendError;
+use config::ModelConfig;
+use kv::KvCache;
+use weights::{ModelWeights, WeightMatrix};
+
+/// Which logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token's (generation).
+    Last,
+    /// Every token's (perplexity, scoring).
+    All,
+}
+
+/// The network: configuration, weights and the backends that run it.
+pub struct Transformer {
+    pub config: ModelConfig,
+    pub weights: ModelWeights,
+    planner: Planner,
+}
+
+impl Transformer {
+    pub fn new(config: ModelConfig, weights: ModelWeights, planner: Planner) -> Self {
+        Self {
+            config,
+            weights,
+            planner,
+        }
+    }
+
+    pub fn planner(&self) -> &Planner {
+        &self.planner
+    }
+
+    pub fn new_kv(&self) -> KvCache {
+        KvCache::new(self.config.n_layers, self.config.kv_dim())
+    }
+
+    fn matmul(&self, w: &WeightMatrix, x: &[f32], n: usize) -> Result<Vec<f32>, BackendError> {
+        let op = OpDesc {
+            kind: OpKind::MatMul,
+            weight_type: Some(w.ty),
+            n_tokens: n,
+        };
+        let mut out = vec![0f32; n * w.rows];
+        self.planner.place(&op)?.matmul(w, x, n, &mut out)?;
+        Ok(out)
+    }
+
+    fn op(&self, kind: OpKind, n: usize) -> Result<&dyn crate::backend::Backend, BackendError> {
+        self.planner.place(&OpDesc {
+            kind,
+            weight_type: None,
+            n_tokens: n,
+        })
+    }
+
+    /// Runs `tokens` at the positions after what `kv` holds, appends their keys and values, and
+    /// returns logits (`vocab` per returned token).
+    pub fn forward(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        which: Logits,
+    ) -> Result<Vec<f32>, BackendError> {
+        let c = &self.config;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let start = kv.len();
+        if start + n > c.context_length {
+            return Err(BackendError::Shape {
+                op: "forward",
+                detail: format!(
+                    "{} positions exceed the context of {}",
+                    start + n,
+                    c.context_length
+                ),
+            });
+        }
+        let d = c.d_model;
+        let w = &self.weights;
+        let mut x = vec![0f32; n * d];
+        self.planner
+            .place(&OpDesc {
+                kind: OpKind::GetRows,
+                weight_type: Some(w.token_embd.ty),
+                n_tokens: n,
+            })?
+            .get_rows(&w.token_embd, tokens, &mut x)?;
+        let positions: Vec<usize> = (start..start + n).collect();
+        let rope = |heads| RopeParams {
+            n_heads: heads,
+            head_dim: c.head_dim,
+            rope_dims: c.rope_dims,
+            theta: c.rope_theta,
+            freq_scale: c.rope_freq_scale,
+            style: c.rope_style,
+        };
+        let attn_shape = AttentionShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            start,
+            n_tokens: n,
+        };
+        for (li, l) in w.layers.iter().enumerate() {
+            let mut h = x.clone();
+            self.op(OpKind::RmsNorm, n)?
+                .rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
+            let mut q = self.matmul(&l.wq, &h, n)?;
+            let mut k = self.matmul(&l.wk, &h, n)?;
+            let mut v = self.matmul(&l.wv, &h, n)?;
+            for (t, b) in [(&mut q, &l.bq), (&mut k, &l.bk), (&mut v, &l.bv)] {
+                if let Some(b) = b {
+                    for row in t.chunks_exact_mut(b.len()) {
+                        row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+                    }
+                }
+            }
+            let rope_op = self.op(OpKind::Rope, n)?;
+            rope_op.rope(
+                &mut q,
+                &positions,
+                &rope(c.n_heads),
+                w.rope_freqs.as_deref(),
+            )?;
+            rope_op.rope(
+                &mut k,
+                &positions,
+                &rope(c.n_kv_heads),
+                w.rope_freqs.as_deref(),
+            )?;
+            kv.append(li, &k, &v);
+            let (kc, vc) = kv.layer(li);
+            let mut attn = vec![0f32; n * c.q_dim()];
+            self.op(OpKind::Attention, n)?
+                .attention(&attn_shape, &q, kc, vc, &mut attn)?;
+            let o = self.matmul(&l.wo, &attn, n)?;
+            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+
+            let mut h = x.clone();
+            self.op(OpKind::RmsNorm, n)?
+                .rms_norm(&mut h, &l.ffn_norm, c.norm_eps)?;
+            let mut g = self.matmul(&l.w_gate, &h, n)?;
+            let u = self.matmul(&l.w_up, &h, n)?;
+            self.op(OpKind::SwiGlu, n)?.swiglu(&mut g, &u)?;
+            let down = self.matmul(&l.w_down, &g, n)?;
+            x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);
+        }
+        kv.advance(n);
+        let (mut last, rows) = match which {
+            Logits::Last => (x[(n - 1) * d..].to_vec(), 1),
+            Logits::All => (x, n),
+        };
+        self.op(OpKind::RmsNorm, rows)?
+            .rms_norm(&mut last, &w.output_norm, c.norm_eps)?;
+        self.matmul(&w.output, &last, rows)
+    }
+}

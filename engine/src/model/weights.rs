@@ -1,0 +1,195 @@
+//! Weights of a llama-family model, checked against the configuration before first use.
+
+use super::config::{Arch, ModelConfig};
+use crate::error::FormatError;
+use crate::format::{TensorMap, TensorRef};
+use crate::quant::{self, GgmlType};
+
+/// A 2-D weight: `rows` rows of `cols` elements, each row a whole number of blocks.
+#[derive(Clone)]
+pub struct WeightMatrix {
+    pub name: String,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    tensor: TensorRef,
+}
+
+impl WeightMatrix {
+    pub fn row_bytes(&self) -> usize {
+        self.tensor.range.len() / self.rows.max(1)
+    }
+    pub fn bytes(&self) -> &[u8] {
+        self.tensor.bytes()
+    }
+    pub fn row(&self, r: usize) -> Option<&[u8]> {
+        let rb = self.row_bytes();
+        (r < self.rows).then(|| &self.bytes()[r * rb..(r + 1) * rb])
+    }
+    /// Bytes of weights this matrix holds.
+    pub fn size_bytes(&self) -> usize {
+        self.tensor.range.len()
+    }
+}
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: WeightMatrix,
+    pub wk: WeightMatrix,
+    pub wv: WeightMatrix,
+    pub wo: WeightMatrix,
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: WeightMatrix,
+    pub w_up: WeightMatrix,
+    pub w_down: WeightMatrix,
+}
+
+pub struct ModelWeights {
+    pub token_embd: WeightMatrix,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: Vec<f32>,
+    /// The output head; shares `token_embd`'s bytes when embeddings are tied.
+    pub output: WeightMatrix,
+    /// Per-pair RoPE frequency divisors (llama-3 style scaling), if the model has them.
+    pub rope_freqs: Option<Vec<f32>>,
+}
+
+struct Loader<'a> {
+    t: &'a TensorMap,
+}
+
+impl Loader<'_> {
+    fn get(&self, name: &str) -> Result<&TensorRef, FormatError> {
+        self.t
+            .get(name)
+            .ok_or_else(|| FormatError::MissingTensor(name.to_owned()))
+    }
+
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<WeightMatrix, FormatError> {
+        let t = self.get(name)?;
+        let expected = vec![cols as u64, rows as u64];
+        if t.dims != expected {
+            return Err(FormatError::ShapeMismatch {
+                name: name.into(),
+                found: t.dims.clone(),
+                expected,
+            });
+        }
+        let need = t.ty.row_bytes(cols).and_then(|r| r.checked_mul(rows));
+        if need != Some(t.range.len()) {
+            return Err(FormatError::RowNotBlockAligned {
+                name: name.into(),
+                row: cols as u64,
+                block: t.ty.block_size() as u64,
+            });
+        }
+        Ok(WeightMatrix {
+            name: name.into(),
+            ty: t.ty,
+            rows,
+            cols,
+            tensor: t.clone(),
+        })
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, FormatError> {
+        let t = self.get(name)?;
+        if t.dims.iter().product::<u64>() != len as u64
+            || t.dims.iter().filter(|&&d| d != 1).count() > 1
+        {
+            return Err(FormatError::ShapeMismatch {
+                name: name.into(),
+                found: t.dims.clone(),
+                expected: vec![len as u64],
+            });
+        }
+        let mut out = vec![0f32; len];
+        quant::dequantize_row(t.ty, t.bytes(), &mut out).map_err(|e| {
+            FormatError::BadHyperParameter {
+                what: "tensor",
+                detail: format!("{name}: {e}"),
+            }
+        })?;
+        Ok(out)
+    }
+
+    fn opt_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>, FormatError> {
+        if self.t.contains_key(name) {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl ModelWeights {
+    /// Binds every tensor the architecture needs, checking names, shapes and sizes.
+    pub fn load(c: &ModelConfig, tensors: &TensorMap) -> Result<Self, FormatError> {
+        let l = Loader { t: tensors };
+        let (d, q, kv, f) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
+        let token_embd = l.matrix("token_embd.weight", c.vocab_size, d)?;
+        let output = if tensors.contains_key("output.weight") {
+            l.matrix("output.weight", c.vocab_size, d)?
+        } else {
+            WeightMatrix {
+                name: "output.weight (tied to token_embd.weight)".into(),
+                ..token_embd.clone()
+            }
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let biases = c.arch == Arch::Qwen2;
+            let bias = |s: &str, len| {
+                if biases {
+                    l.vector(&n(s), len).map(Some)
+                } else {
+                    l.opt_vector(&n(s), len)
+                }
+            };
+            layers.push(LayerWeights {
+                attn_norm: l.vector(&n("attn_norm.weight"), d)?,
+                wq: l.matrix(&n("attn_q.weight"), q, d)?,
+                wk: l.matrix(&n("attn_k.weight"), kv, d)?,
+                wv: l.matrix(&n("attn_v.weight"), kv, d)?,
+                wo: l.matrix(&n("attn_output.weight"), d, q)?,
+                bq: bias("attn_q.bias", q)?,
+                bk: bias("attn_k.bias", kv)?,
+                bv: bias("attn_v.bias", kv)?,
+                ffn_norm: l.vector(&n("ffn_norm.weight"), d)?,
+                w_gate: l.matrix(&n("ffn_gate.weight"), f, d)?,
+                w_up: l.matrix(&n("ffn_up.weight"), f, d)?,
+                w_down: l.matrix(&n("ffn_down.weight"), d, f)?,
+            });
+        }
+        Ok(Self {
+            token_embd,
+            layers,
+            output_norm: l.vector("output_norm.weight", d)?,
+            output,
+            rope_freqs: l.opt_vector("rope_freqs.weight", c.rope_dims / 2)?,
+        })
+    }
+
+    /// Total bytes of weights (the output head counted once when tied).
+    pub fn size_bytes(&self) -> usize {
+        let layer: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|m| m.size_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        let tied = std::ptr::eq(
+            self.output.bytes().as_ptr(),
+            self.token_embd.bytes().as_ptr(),
+        );
+        layer + self.token_embd.size_bytes() + if tied { 0 } else { self.output.size_bytes() }
+    }
+}

@@ -1,0 +1,513 @@
+//! Tokenizer: the `tokenizers` crate, built from a GGUF vocabulary (GPT-2 byte-level BPE or
+//! SentencePiece-style "llama" BPE) or loaded from an HF `tokenizer.json`.
+//!
+//! Both routes produce a `tokenizer.json` document, so one code path serves both. Pre-tokenizer
+//! regexes are llama.cpp's for each `tokenizer.ggml.pre` name, so ids match llama.cpp's.
+//! Decoding goes through a per-token byte table, which lets the generator stream text without
+//! ever splitting a UTF-8 character.
+
+use crate::error::TokenizerError;
+use crate::format::gguf::GgufFile;
+use serde_json::{json, Value as Json};
+use std::collections::HashMap;
+use std::path::Path;
+use std::str::FromStr;
+
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Token texts that end a turn in common chat formats (as llama.cpp's end-of-generation set).
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "</s>",
+];
+
+/// GGUF token types.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_BYTE: i64 = 6;
+
+pub struct Tokenizer {
+    /// Splits special (control) tokens out of the text.
+    full: tokenizers::Tokenizer,
+    /// Treats special-token text as plain text (user-defined tokens are still matched).
+    plain: tokenizers::Tokenizer,
+    /// The bytes each token stands for when decoded (empty for control tokens).
+    pieces: Vec<Vec<u8>>,
+    texts: Vec<String>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// Whether prompts get a BOS token prepended.
+    pub add_bos: bool,
+    eog: Vec<u32>,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
+    TokenizerError::Backend(e.to_string())
+}
+
+/// GPT-2's byte ↔ printable-character table: which byte each character of a byte-level token stands for.
+fn gpt2_char_to_byte() -> HashMap<char, u8> {
+    let mut map = HashMap::with_capacity(256);
+    let mut n = 0u32;
+    for b in 0u32..256 {
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            b
+        } else {
+            n += 1;
+            255 + n
+        };
+        if let Some(c) = char::from_u32(c) {
+            map.insert(c, b as u8);
+        }
+    }
+    map
+}
+
+fn split(regex: &str) -> Json {
+    json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false})
+}
+
+/// Pre-tokenizer and `ignore_merges` for a llama.cpp `tokenizer.ggml.pre` name.
+fn byte_level_pre(pre: &str) -> Result<(Json, bool), TokenizerError> {
+    let regexes: Vec<&str> = match pre {
+        "default" | "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "mpt" | "olmo"
+        | "jais" => vec![GPT2_REGEX],
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
+            vec![r"\p{N}", GPT2_REGEX]
+        }
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => vec![LLAMA3_REGEX],
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "hunyuan" | "megrez" => vec![QWEN2_REGEX],
+        other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_owned())),
+    };
+    let mut seq: Vec<Json> = regexes.into_iter().map(split).collect();
+    seq.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
+    let ignore_merges = matches!(
+        pre,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral"
+    );
+    Ok((
+        json!({"type": "Sequence", "pretokenizers": seq}),
+        ignore_merges,
+    ))
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` keys.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, TokenizerError> {
+        let bad = |s: &str| TokenizerError::BadVocabulary(s.to_owned());
+        let model = g
+            .get("tokenizer.ggml.model")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| bad("tokenizer.ggml.model is missing"))?;
+        let tokens: Vec<String> = g
+            .get("tokenizer.ggml.tokens")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| bad("tokenizer.ggml.tokens is missing"))?
+            .iter()
+            .map(|t| {
+                t.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| bad("a token is not a string"))
+            })
+            .collect::<Result<_, _>>()?;
+        if tokens.is_empty() || tokens.len() > u32::MAX as usize {
+            return Err(bad("empty vocabulary"));
+        }
+        let types: Vec<i64> = match g
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.as_array())
+        {
+            Some(a) if a.len() == tokens.len() => {
+                a.iter().map(|v| v.as_f64().unwrap_or(1.0) as i64).collect()
+            }
+            Some(_) => return Err(bad("token_type length differs from the vocabulary")),
+            None => vec![1; tokens.len()],
+        };
+        let id_key = |k: &str| -> Result<Option<u32>, TokenizerError> {
+            match g.get(k).and_then(|v| v.as_u64()) {
+                Some(id) if (id as usize) < tokens.len() => Ok(Some(id as u32)),
+                Some(id) => Err(TokenizerError::TokenOutOfRange {
+                    id: id as u32,
+                    vocab: tokens.len(),
+                }),
+                None => Ok(None),
+            }
+        };
+        let bos = id_key("tokenizer.ggml.bos_token_id")?;
+        let eos = id_key("tokenizer.ggml.eos_token_id")?;
+        let eot = id_key("tokenizer.ggml.eot_token_id")?;
+        let unk = id_key("tokenizer.ggml.unknown_token_id")?;
+        let add_bos_key = g
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.as_bool());
+
+        let vocab: serde_json::Map<String, Json> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), json!(i)))
+            .collect();
+        let added: Vec<Json> = types
+            .iter()
+            .enumerate()
+            .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
+            .map(|(i, &t)| added_token(i as u32, &tokens[i], t == TOKEN_TYPE_CONTROL))
+            .collect();
+
+        let (doc, pieces, add_bos_default) = match model {
+            "gpt2" => {
+                let merges = gguf_merges(g)?;
+                let pre = g
+                    .get("tokenizer.ggml.pre")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("default");
+                let (pre_tok, ignore_merges) = byte_level_pre(pre)?;
+                let c2b = gpt2_char_to_byte();
+                let pieces = tokens
+                    .iter()
+                    .zip(&types)
+                    .map(|(t, &ty)| match ty {
+                        TOKEN_TYPE_CONTROL => Vec::new(),
+                        TOKEN_TYPE_USER_DEFINED => t.as_bytes().to_vec(),
+                        _ => t
+                            .chars()
+                            .map(|c| c2b.get(&c).copied().unwrap_or(b'?'))
+                            .collect(),
+                    })
+                    .collect();
+                let doc = json!({
+                    "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+                    "normalizer": null, "pre_tokenizer": pre_tok, "post_processor": null,
+                    "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+                    "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                              "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                              "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
+                });
+                (doc, pieces, false)
+            }
+            "llama" => {
+                let scores: Vec<f32> =
+                    match g.get("tokenizer.ggml.scores").and_then(|v| v.as_array()) {
+                        Some(a) if a.len() == tokens.len() => {
+                            a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
+                        }
+                        _ => {
+                            return Err(bad(
+                                "tokenizer.ggml.scores is missing or of the wrong length",
+                            ))
+                        }
+                    };
+                let merges = spm_merges(&tokens, &types, &scores);
+                let add_space_prefix = g
+                    .get("tokenizer.ggml.add_space_prefix")
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(true);
+                let mut norm = vec![];
+                if add_space_prefix {
+                    norm.push(json!({"type": "Prepend", "prepend": "\u{2581}"}));
+                }
+                norm.push(
+                    json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}),
+                );
+                let pieces = tokens
+                    .iter()
+                    .zip(&types)
+                    .map(|(t, &ty)| spm_piece(t, ty))
+                    .collect();
+                let unk_token = unk.map(|u| tokens[u as usize].clone());
+                let doc = json!({
+                    "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+                    "normalizer": {"type": "Sequence", "normalizers": norm}, "pre_tokenizer": null, "post_processor": null,
+                    "decoder": null,
+                    "model": {"type": "BPE", "dropout": null, "unk_token": unk_token, "continuing_subword_prefix": null,
+                              "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                              "ignore_merges": false, "vocab": vocab, "merges": merges},
+                });
+                (doc, pieces, true)
+            }
+            other => return Err(TokenizerError::UnsupportedModel(other.to_owned())),
+        };
+        let mut eog: Vec<u32> = [eos, eot].into_iter().flatten().collect();
+        for (i, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
+            if ty == TOKEN_TYPE_CONTROL
+                && EOG_TEXTS.contains(&t.as_str())
+                && !eog.contains(&(i as u32))
+            {
+                eog.push(i as u32);
+            }
+        }
+        Self::from_doc(
+            doc,
+            pieces,
+            tokens,
+            bos,
+            eos,
+            add_bos_key.unwrap_or(add_bos_default),
+            eog,
+        )
+    }
+
+    /// Loads an HF `tokenizer.json`, with BOS/EOS and `add_bos_token` from `tokenizer_config.json`
+    /// and `eos_token_id` from `config.json` / `generation_config.json` beside it, when present.
+    pub fn from_hf(path: &Path) -> Result<Self, TokenizerError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| TokenizerError::Backend(format!("{}: {e}", path.display())))?;
+        let doc: Json = serde_json::from_str(&text).map_err(tok_err)?;
+        let probe = tokenizers::Tokenizer::from_str(&text).map_err(tok_err)?;
+        let n = probe.get_vocab_size(true);
+        let mut texts = vec![String::new(); n];
+        for (t, id) in probe.get_vocab(true) {
+            if let Some(slot) = texts.get_mut(id as usize) {
+                *slot = t;
+            }
+        }
+        let special: std::collections::HashSet<u32> = probe
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .collect();
+        let byte_level = doc
+            .get("decoder")
+            .is_some_and(|d| d.to_string().contains("\"ByteLevel\""));
+        let c2b = gpt2_char_to_byte();
+        let pieces = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if special.contains(&(i as u32)) {
+                    Vec::new()
+                } else if byte_level {
+                    t.chars()
+                        .map(|c| c2b.get(&c).copied().unwrap_or(b'?'))
+                        .collect()
+                } else {
+                    let is_byte = t.len() == 6 && t.starts_with("<0x") && t.ends_with('>');
+                    spm_piece(t, if is_byte { TOKEN_TYPE_BYTE } else { 1 })
+                }
+            })
+            .collect();
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name))
+                .ok()
+                .and_then(|t| serde_json::from_str::<Json>(&t).ok())
+        };
+        let tcfg = read("tokenizer_config.json");
+        let token_of = |v: Option<&Json>| -> Option<u32> {
+            let s = v.and_then(|v| {
+                v.as_str()
+                    .or_else(|| v.get("content").and_then(|c| c.as_str()))
+            })?;
+            probe.token_to_id(s)
+        };
+        let bos = token_of(tcfg.as_ref().and_then(|c| c.get("bos_token")));
+        let mut eos = token_of(tcfg.as_ref().and_then(|c| c.get("eos_token")));
+        let add_bos = tcfg
+            .as_ref()
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        let mut eog: Vec<u32> = eos.into_iter().collect();
+        for cfg in [read("generation_config.json"), read("config.json")]
+            .into_iter()
+            .flatten()
+        {
+            let ids: Vec<u64> = match cfg.get("eos_token_id") {
+                Some(Json::Number(x)) => x.as_u64().into_iter().collect(),
+                Some(Json::Array(a)) => a.iter().filter_map(|x| x.as_u64()).collect(),
+                _ => vec![],
+            };
+            for id in ids
+                .into_iter()
+                .filter(|&id| (id as usize) < n)
+                .map(|id| id as u32)
+            {
+                eos.get_or_insert(id);
+                if !eog.contains(&id) {
+                    eog.push(id);
+                }
+            }
+        }
+        for &id in &special {
+            if EOG_TEXTS.contains(&texts[id as usize].as_str()) && !eog.contains(&id) {
+                eog.push(id);
+            }
+        }
+        Self::from_doc(doc, pieces, texts, bos, eos, add_bos, eog)
+    }
+
+    fn from_doc(
+        doc: Json,
+        pieces: Vec<Vec<u8>>,
+        texts: Vec<String>,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        add_bos: bool,
+        eog: Vec<u32>,
+    ) -> Result<Self, TokenizerError> {
+        let full = tokenizers::Tokenizer::from_str(&doc.to_string()).map_err(tok_err)?;
+        let mut plain_doc = doc;
+        if let Some(Json::Array(added)) = plain_doc.get_mut("added_tokens") {
+            added.retain(|t| t.get("special").and_then(|s| s.as_bool()) == Some(false));
+        }
+        // Post-processors add BOS themselves; we add it explicitly instead.
+        plain_doc["post_processor"] = Json::Null;
+        let plain = tokenizers::Tokenizer::from_str(&plain_doc.to_string()).map_err(tok_err)?;
+        let mut full = full;
+        full.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+        Ok(Self {
+            full,
+            plain,
+            pieces,
+            texts,
+            bos,
+            eos,
+            add_bos,
+            eog,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+
+    /// Token ids for `text`. With `parse_special`, control-token text such as `<|im_start|>`
+    /// becomes that token (for rendered chat templates); without, it is tokenized as text.
+    pub fn encode(
+        &self,
+        text: &str,
+        parse_special: bool,
+        add_bos: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let t = if parse_special {
+            &self.full
+        } else {
+            &self.plain
+        };
+        let enc = t.encode_fast(text, false).map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
+        if add_bos {
+            if let Some(b) = self.bos {
+                ids.push(b);
+            }
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// The bytes a token decodes to (empty for control tokens).
+    pub fn token_bytes(&self, id: u32) -> Result<&[u8], TokenizerError> {
+        self.pieces
+            .get(id as usize)
+            .map(Vec::as_slice)
+            .ok_or(TokenizerError::TokenOutOfRange {
+                id,
+                vocab: self.pieces.len(),
+            })
+    }
+
+    /// The vocabulary text of a token (as stored in the model).
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        self.texts.get(id as usize).map(String::as_str)
+    }
+
+    /// Text of a sequence of tokens; invalid UTF-8 becomes U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            bytes.extend_from_slice(self.token_bytes(id)?);
+        }
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// Whether a token ends generation (EOS, end of turn).
+    pub fn is_eog(&self, id: u32) -> bool {
+        self.eog.contains(&id)
+    }
+
+    pub fn eog_tokens(&self) -> &[u32] {
+        &self.eog
+    }
+
+    /// The BOS token's text, for chat templates.
+    pub fn bos_text(&self) -> &str {
+        self.bos.and_then(|b| self.token_text(b)).unwrap_or("")
+    }
+
+    /// The EOS token's text, for chat templates.
+    pub fn eos_text(&self) -> &str {
+        self.eos.and_then(|b| self.token_text(b)).unwrap_or("")
+    }
+}
+
+fn added_token(id: u32, content: &str, special: bool) -> Json {
+    json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": special})
+}
+
+fn gguf_merges(g: &GgufFile) -> Result<Vec<Json>, TokenizerError> {
+    let merges = g
+        .get("tokenizer.ggml.merges")
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| TokenizerError::BadVocabulary("tokenizer.ggml.merges is missing".into()))?;
+    merges
+        .iter()
+        .map(|m| {
+            let s = m
+                .as_str()
+                .ok_or_else(|| TokenizerError::BadVocabulary("a merge is not a string".into()))?;
+            let (a, b) = s.split_once(' ').ok_or_else(|| {
+                TokenizerError::BadVocabulary(format!("merge {s:?} has no space"))
+            })?;
+            Ok(json!([a, b]))
+        })
+        .collect()
+}
+
+/// Merges equivalent to SentencePiece's score-driven BPE: every way of building a vocabulary
+/// token from two vocabulary tokens, ranked by the built token's score (highest first).
+fn spm_merges(tokens: &[String], types: &[i64], scores: &[f32]) -> Vec<Json> {
+    let index: HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let mut merges: Vec<(f32, usize, usize, usize)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if types[i] != 1 || t.chars().count() < 2 {
+            continue;
+        }
+        for (cut, _) in t.char_indices().skip(1) {
+            if let (Some(&a), Some(&b)) = (index.get(&t[..cut]), index.get(&t[cut..])) {
+                merges.push((scores[i], i, a, b));
+            }
+        }
+    }
+    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+    merges
+        .into_iter()
+        .map(|(_, _, a, b)| json!([tokens[a], tokens[b]]))
+        .collect()
+}
+
+fn spm_piece(t: &str, ty: i64) -> Vec<u8> {
+    match ty {
+        TOKEN_TYPE_CONTROL => Vec::new(),
+        TOKEN_TYPE_BYTE => t
+            .strip_prefix("<0x")
+            .and_then(|h| h.strip_suffix('>'))
+            .and_then(|h| u8::from_str_radix(h, 16).ok())
+            .map(|b| vec![b])
+            .unwrap_or_default(),
+        _ => t.replace('\u{2581}', " ").into_bytes(),
+    }
+}
