@@ -158,7 +158,7 @@ impl Backend for CpuBackend {
             ));
         }
         for row in x.chunks_exact_mut(d) {
-            let sum: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
             let mean = (sum / d as f64) as f32;
             let scale = 1.0 / (mean + eps).sqrt();
             for (v, w) in row.iter_mut().zip(weight) {

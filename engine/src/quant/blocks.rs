@@ -238,11 +238,59 @@ pub fn vec_dot(wty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> Result<f32, Backe
 }
 
 /// [`vec_dot`] without the length checks; the caller guarantees both rows match.
+///
+/// On x86-64 with AVX2 and FMA the same code is compiled for those features and chosen at run
+/// time, so `mul_add` is one instruction and the integer loops use 256-bit registers.
 #[inline]
 pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            return unsafe { vec_dot_avx2_fma(wty, w, a) };
+        }
+    }
+    vec_dot_portable(wty, w, a)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn vec_dot_avx2_fma(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_portable(wty, w, a)
+}
+
+/// Eight float lanes as one 256-bit register holds them. For 32-element blocks, lane `k`
+/// gathers the integer products of elements `4k..4k+4` and accumulates `scale × sum` with a
+/// fused multiply-add — the order llama.cpp's x86 kernels use, so rounding agrees with it.
+#[derive(Clone, Copy, Default)]
+struct Lanes([f32; 8]);
+
+impl Lanes {
+    #[inline(always)]
+    fn fma_block(&mut self, scale: f32, prod: &[i32; 32]) {
+        for k in 0..8 {
+            let s = prod[4 * k] + prod[4 * k + 1] + prod[4 * k + 2] + prod[4 * k + 3];
+            self.0[k] = scale.mul_add(s as f32, self.0[k]);
+        }
+    }
+
+    /// Horizontal sum in the order of `hsum_float_8` (high half + low half, then pairs).
+    #[inline(always)]
+    fn sum(&self) -> f32 {
+        let a = &self.0;
+        let r = [a[4] + a[0], a[5] + a[1], a[6] + a[2], a[7] + a[3]];
+        (r[0] + r[2]) + (r[1] + r[3])
+    }
+}
+
+#[inline(always)]
+fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     let at = wty.vec_dot_type();
     let wb = w.chunks_exact(wty.type_size());
     let ab = a.chunks_exact(at.type_size());
+    let mut lanes = Lanes::default();
+    let mut prod = [0i32; 32];
     match wty {
         GgmlType::F32 => dot_floats(w, a, 4, |b| f32_at(b, 0), |b| f32_at(b, 0)),
         GgmlType::F16 => dot_floats(w, a, 2, |b| f16_at(b, 0), |b| f16_at(b, 0)),
@@ -250,71 +298,65 @@ pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
             let cv = |b: &[u8]| bf16::from_le_bytes([b[0], b[1]]).to_f32();
             dot_floats(w, a, 2, cv, cv)
         }
-        GgmlType::Q4_0 => wb
-            .zip(ab)
-            .map(|(w, a)| {
-                let mut s = 0i32;
+        GgmlType::Q4_0 => {
+            for (w, a) in wb.zip(ab) {
                 for j in 0..16 {
-                    s += ((w[2 + j] & 0xF) as i32 - 8) * a[2 + j] as i8 as i32;
-                    s += ((w[2 + j] >> 4) as i32 - 8) * a[18 + j] as i8 as i32;
+                    prod[j] = ((w[2 + j] & 0xF) as i32 - 8) * a[2 + j] as i8 as i32;
+                    prod[j + 16] = ((w[2 + j] >> 4) as i32 - 8) * a[18 + j] as i8 as i32;
                 }
-                s as f32 * f16_at(w, 0) * f16_at(a, 0)
-            })
-            .sum(),
-        GgmlType::Q4_1 => wb
-            .zip(ab)
-            .map(|(w, a)| {
-                let mut s = 0i32;
+                lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
+            }
+            lanes.sum()
+        }
+        GgmlType::Q4_1 => {
+            let mut summs = 0f32;
+            for (w, a) in wb.zip(ab) {
+                summs += f16_at(w, 2) * f16_at(a, 2);
                 for j in 0..16 {
-                    s += (w[4 + j] & 0xF) as i32 * a[4 + j] as i8 as i32;
-                    s += (w[4 + j] >> 4) as i32 * a[20 + j] as i8 as i32;
+                    prod[j] = (w[4 + j] & 0xF) as i32 * a[4 + j] as i8 as i32;
+                    prod[j + 16] = (w[4 + j] >> 4) as i32 * a[20 + j] as i8 as i32;
                 }
-                f16_at(w, 0) * f16_at(a, 0) * s as f32 + f16_at(w, 2) * f16_at(a, 2)
-            })
-            .sum(),
+                lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
+            }
+            lanes.sum() + summs
+        }
         GgmlType::Q5_0 | GgmlType::Q5_1 => {
             let (qh_at, a_at, offset) = if wty == GgmlType::Q5_0 {
                 (2, 2, 16)
             } else {
                 (4, 4, 0)
             };
-            wb.zip(ab)
-                .map(|(w, a)| {
-                    let qh =
-                        u32::from_le_bytes([w[qh_at], w[qh_at + 1], w[qh_at + 2], w[qh_at + 3]]);
-                    let qs = &w[qh_at + 4..qh_at + 20];
-                    let mut s = 0i32;
-                    for j in 0..16 {
-                        let xh0 = (((qh >> j) << 4) & 0x10) as i32;
-                        let xh1 = ((qh >> (j + 12)) & 0x10) as i32;
-                        s += (((qs[j] & 0xF) as i32 | xh0) - offset) * a[a_at + j] as i8 as i32;
-                        s += (((qs[j] >> 4) as i32 | xh1) - offset) * a[a_at + 16 + j] as i8 as i32;
-                    }
-                    let scaled = f16_at(w, 0) * f16_at(a, 0) * s as f32;
-                    if wty == GgmlType::Q5_0 {
-                        scaled
-                    } else {
-                        scaled + f16_at(w, 2) * f16_at(a, 2)
-                    }
-                })
-                .sum()
+            let mut summs = 0f32;
+            for (w, a) in wb.zip(ab) {
+                if wty == GgmlType::Q5_1 {
+                    summs += f16_at(w, 2) * f16_at(a, 2);
+                }
+                let qh = u32::from_le_bytes([w[qh_at], w[qh_at + 1], w[qh_at + 2], w[qh_at + 3]]);
+                let qs = &w[qh_at + 4..qh_at + 20];
+                for j in 0..16 {
+                    let xh0 = (((qh >> j) << 4) & 0x10) as i32;
+                    let xh1 = ((qh >> (j + 12)) & 0x10) as i32;
+                    prod[j] = (((qs[j] & 0xF) as i32 | xh0) - offset) * a[a_at + j] as i8 as i32;
+                    prod[j + 16] =
+                        (((qs[j] >> 4) as i32 | xh1) - offset) * a[a_at + 16 + j] as i8 as i32;
+                }
+                lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
+            }
+            lanes.sum() + summs
         }
         GgmlType::Q8_0 | GgmlType::Q8_1 => {
             let at_q = if wty == GgmlType::Q8_0 { 2 } else { 4 };
-            wb.zip(ab)
-                .map(|(w, a)| {
-                    let mut s = 0i32;
-                    for j in 0..32 {
-                        s += w[at_q + j] as i8 as i32 * a[at_q + j] as i8 as i32;
-                    }
-                    let scaled = f16_at(w, 0) * f16_at(a, 0) * s as f32;
-                    if wty == GgmlType::Q8_0 {
-                        scaled
-                    } else {
-                        scaled + f16_at(w, 2) * f16_at(a, 2)
-                    }
-                })
-                .sum()
+            let mut summs = 0f32;
+            for (w, a) in wb.zip(ab) {
+                if wty == GgmlType::Q8_1 {
+                    summs += f16_at(w, 2) * f16_at(a, 2);
+                }
+                for j in 0..32 {
+                    prod[j] = w[at_q + j] as i8 as i32 * a[at_q + j] as i8 as i32;
+                }
+                lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
+            }
+            lanes.sum() + summs
         }
         GgmlType::Q4_K | GgmlType::Q5_K => wb.zip(ab).map(|(w, a)| dot_q45k_q8k(wty, w, a)).sum(),
         GgmlType::Q6_K => wb

@@ -1,0 +1,174 @@
+//! Tier 2: the real default model against llama.cpp's outputs on the same GGUF
+//! (tests/golden/smollm2.*, made by tools/golden/make_golden.py).
+
+mod common;
+
+use common::*;
+use llmd_engine::chat::ChatMessage;
+use llmd_engine::generate::Prompt;
+use llmd_engine::model::Logits;
+use llmd_engine::sampling::argmax;
+
+// Logit tolerances. Both engines quantize activations to Q8_1/Q8_0 blocks before every
+// matmul and keep an f16 KV cache, so a one-ulp difference in a float sum can flip one
+// activation's rounding and move logits by ~0.1: agreement is bounded by that noise, not by
+// exactness. tools/golden/noise_floor.py measures llama.cpp against itself (one batch vs one
+// token at a time) on these prompts: KL up to 7.9e-3, max |Δp| up to 0.033, max centred
+// |Δlogit| up to 0.65. Our engine against llama.cpp measured KL ≤ 6.1e-3, |Δp| ≤ 0.024,
+// centred |Δlogit| ≤ 0.84. The bounds below sit just above llama.cpp's own disagreement.
+/// KL(llama.cpp ‖ ours) of the next-token distributions, in nats.
+const KL_TOL: f64 = 1e-2;
+/// Largest difference of any token's probability.
+const PROB_ABS_TOL: f64 = 0.04;
+/// Largest |Δlogit| after removing the mean difference (softmax ignores a constant shift).
+const CENTRED_LOGIT_TOL: f64 = 1.0;
+/// A greedy step where llama.cpp's best and second-best logits are closer than this is a near
+/// tie: the logit noise above (centred |Δlogit| up to ~0.8) can order them either way, and
+/// llama.cpp itself flips such steps when the batch shape changes (it did at margins of 0.019,
+/// 0.039 and 0.072 on these prompts). At a near tie our token must be one llama.cpp scores
+/// within this margin of its best; after it the two continuations differ and are not compared.
+const NEAR_TIE_MARGIN: f64 = 0.25;
+/// The bar: at least this many prompts match llama.cpp's 32 greedy tokens exactly.
+const MIN_EXACT_PROMPTS: usize = 5;
+/// Chunk size used to split the prompt in this test, so prefill crosses chunk boundaries.
+const TEST_CHUNK: usize = 64;
+
+#[test]
+fn greedy_tokens_and_logits_match_llama_cpp() {
+    let model = default_model();
+    let g = golden();
+    let n_vocab = g["n_vocab"].as_u64().expect("n_vocab") as usize;
+    assert_eq!(n_vocab, model.tokenizer.vocab_size());
+    let logits_ref = golden_logits();
+    let prompts = g["prompts"].as_array().expect("prompts");
+    let mut exact = Vec::new();
+    assert!(prompts.len() >= 5);
+    for (i, p) in prompts.iter().enumerate() {
+        let name = p["name"].as_str().expect("name");
+        let prompt = if p["chat"].as_bool() == Some(true) {
+            let msgs: Vec<ChatMessage> =
+                serde_json::from_value(p["messages"].clone()).expect("messages");
+            Prompt::Chat(msgs)
+        } else {
+            Prompt::Text(p["text"].as_str().expect("text").to_owned())
+        };
+        let expected_prompt = ids(&p["prompt_ids"]);
+        let tokens = model.prompt_tokens(&prompt).expect("prompt tokenizes");
+        assert_eq!(tokens, expected_prompt, "prompt ids differ for {name}");
+
+        let mut kv = model.transformer.new_kv();
+        let mut logits = Vec::new();
+        for chunk in tokens.chunks(TEST_CHUNK) {
+            logits = model
+                .transformer
+                .forward(&mut kv, chunk, Logits::Last)
+                .expect("prefill");
+        }
+        let reference = &logits_ref[i * n_vocab..(i + 1) * n_vocab];
+        let agreement = compare_logits(&logits, reference);
+        eprintln!("{name}: {agreement:?}");
+        assert!(
+            agreement.kl <= KL_TOL,
+            "{name}: KL {} > {KL_TOL}",
+            agreement.kl
+        );
+        assert!(
+            agreement.max_prob_diff <= PROB_ABS_TOL,
+            "{name}: max |Δp| {} > {PROB_ABS_TOL}",
+            agreement.max_prob_diff
+        );
+        assert!(
+            agreement.centred_max <= CENTRED_LOGIT_TOL,
+            "{name}: centred |Δlogit| {} > {CENTRED_LOGIT_TOL}",
+            agreement.centred_max
+        );
+
+        let mut greedy = Vec::new();
+        for _ in 0..g["n_greedy"].as_u64().expect("n_greedy") {
+            let t = argmax(&logits);
+            greedy.push(t);
+            logits = model
+                .transformer
+                .forward(&mut kv, &[t], Logits::Last)
+                .expect("decode");
+        }
+        let want = ids(&p["greedy_ids"]);
+        match greedy.iter().zip(&want).position(|(a, b)| a != b) {
+            None => exact.push(name.to_owned()),
+            Some(step) => {
+                let margin = p["margins"][step].as_f64().expect("margin");
+                let near = ids(&p["near"][step]);
+                eprintln!("{name}: step {step} is a near tie (llama.cpp margin {margin:.3}): ours {} vs {}", greedy[step], want[step]);
+                assert!(
+                    margin < NEAR_TIE_MARGIN,
+                    "{name}: greedy token {step} differs where llama.cpp is sure (margin {margin})"
+                );
+                assert!(
+                    near.contains(&greedy[step]),
+                    "{name}: token {} at step {step} is not among llama.cpp's near-best {near:?}",
+                    greedy[step]
+                );
+            }
+        }
+    }
+    eprintln!("prompts matching all greedy tokens: {exact:?}");
+    assert!(
+        exact.len() >= MIN_EXACT_PROMPTS,
+        "only {} prompts match exactly: {exact:?}",
+        exact.len()
+    );
+}
+
+#[derive(Debug)]
+struct Agreement {
+    kl: f64,
+    max_prob_diff: f64,
+    centred_max: f64,
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let m = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let s: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum();
+    x.iter().map(|&v| v as f64 - m - s.ln()).collect()
+}
+
+fn compare_logits(ours: &[f32], reference: &[f32]) -> Agreement {
+    let (a, b) = (log_softmax(ours), log_softmax(reference));
+    let kl = b.iter().zip(&a).map(|(lb, la)| lb.exp() * (lb - la)).sum();
+    let max_prob_diff = b
+        .iter()
+        .zip(&a)
+        .map(|(lb, la)| (lb.exp() - la.exp()).abs())
+        .fold(0.0, f64::max);
+    let mean = ours
+        .iter()
+        .zip(reference)
+        .map(|(x, y)| (x - y) as f64)
+        .sum::<f64>()
+        / ours.len() as f64;
+    let centred_max = ours
+        .iter()
+        .zip(reference)
+        .map(|(x, y)| ((x - y) as f64 - mean).abs())
+        .fold(0.0, f64::max);
+    Agreement {
+        kl,
+        max_prob_diff,
+        centred_max,
+    }
+}
+
+#[test]
+fn tokenizer_matches_llama_cpp_and_round_trips() {
+    let model = default_model();
+    for case in golden()["tokenizer_cases"].as_array().expect("cases") {
+        let text = case["text"].as_str().expect("text");
+        let got = model.tokenizer.encode(text, false, false).expect("encodes");
+        assert_eq!(got, ids(&case["ids"]), "ids differ for {text:?}");
+        assert_eq!(
+            model.tokenizer.decode(&got).expect("decodes"),
+            text,
+            "round trip of {text:?}"
+        );
+    }
+}
