@@ -80,13 +80,8 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     };
     sampling.validate().map_err(|e| e.to_string())?;
     let load_start = std::time::Instant::now();
-    let model = Model::load(
-        &args.model,
-        &LoadOptions {
-            threads: args.threads,
-        },
-    )
-    .map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let model = Model::load(&args.model, &LoadOptions { threads: args.threads })
+        .map_err(|e| format!("{}: {e}", args.model.display()))?;
     let load_time = load_start.elapsed();
     let prompt = if args.chat {
         let mut msgs = Vec::new();
@@ -98,21 +93,11 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     } else {
         Prompt::Text(prompt_text)
     };
-    let req = GenerateRequest {
-        prompt,
-        sampling,
-        max_tokens: args.max_tokens as usize,
-        stop: args.stop.clone(),
-    };
-    let tokens = model
-        .prompt_tokens(&req.prompt)
-        .map_err(|e| e.to_string())?;
+    let req = GenerateRequest { prompt, sampling, max_tokens: args.max_tokens as usize, stop: args.stop.clone() };
+    let tokens = model.prompt_tokens(&req.prompt).map_err(|e| e.to_string())?;
     let ctx = model.config().context_length;
     if tokens.len() >= ctx {
-        return Err(format!(
-            "the prompt has {} tokens; the model's context holds {ctx}",
-            tokens.len()
-        ));
+        return Err(format!("the prompt has {} tokens; the model's context holds {ctx}", tokens.len()));
     }
     let mut kv = model.transformer.new_kv();
     let mut out = std::io::stdout().lock();

@@ -13,10 +13,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        Self {
-            role: role.to_owned(),
-            content: content.to_owned(),
-        }
+        Self { role: role.to_owned(), content: content.to_owned() }
     }
 }
 
@@ -34,17 +31,12 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("bytes", &self.source.len())
-            .finish()
+        f.debug_struct("ChatTemplate").field("bytes", &self.source.len()).finish()
     }
 }
 
 fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
-    Err(minijinja::Error::new(
-        minijinja::ErrorKind::InvalidOperation,
-        msg,
-    ))
+    Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
 }
 
 impl ChatTemplate {
@@ -54,12 +46,8 @@ impl ChatTemplate {
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
-        env.add_template_owned("chat", source.to_owned())
-            .map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
-        Ok(Self {
-            env,
-            source: source.to_owned(),
-        })
+        env.add_template_owned("chat", source.to_owned()).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
+        Ok(Self { env, source: source.to_owned() })
     }
 
     /// A built-in template by name: `chatml` or `llama3`.
@@ -79,10 +67,7 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<String, ChatTemplateError> {
-        let tmpl = self
-            .env
-            .get_template("chat")
-            .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        let tmpl = self.env.get_template("chat").map_err(|e| ChatTemplateError::Render(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,

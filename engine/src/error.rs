@@ -6,29 +6,15 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum FormatError {
     #[error("cannot open model file {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error("not a GGUF file: magic bytes are {found:02x?}, expected \"GGUF\"")]
     BadMagic { found: [u8; 4] },
     #[error("unsupported GGUF version {0} (supported: 2, 3)")]
     UnsupportedVersion(u32),
-    #[error(
-        "GGUF file truncated: need {needed} bytes at offset {offset} for {what}, file has {len}"
-    )]
-    Truncated {
-        what: &'static str,
-        offset: u64,
-        needed: u64,
-        len: u64,
-    },
+    #[error("GGUF file truncated: need {needed} bytes at offset {offset} for {what}, file has {len}")]
+    Truncated { what: &'static str, offset: u64, needed: u64, len: u64 },
     #[error("GGUF {what} count {count} cannot fit in the {remaining} bytes left in the file")]
-    CountTooLarge {
-        what: &'static str,
-        count: u64,
-        remaining: u64,
-    },
+    CountTooLarge { what: &'static str, count: u64, remaining: u64 },
     #[error("GGUF string at offset {offset} is not valid UTF-8")]
     InvalidUtf8 { offset: u64 },
     #[error("GGUF metadata key {key:?} has unknown value type {value_type}")]
@@ -49,27 +35,12 @@ pub enum FormatError {
     TensorTooLarge { name: String, elements: String },
     #[error("tensor {name:?} has unknown or unsupported type id {type_id}")]
     UnknownTensorType { name: String, type_id: u32 },
-    #[error(
-        "tensor {name:?}: row length {row} is not a multiple of its type's block size {block}"
-    )]
+    #[error("tensor {name:?}: row length {row} is not a multiple of its type's block size {block}")]
     RowNotBlockAligned { name: String, row: u64, block: u64 },
-    #[error(
-        "tensor {name:?}: data offset {offset} is not a multiple of the alignment {alignment}"
-    )]
-    MisalignedTensor {
-        name: String,
-        offset: u64,
-        alignment: u64,
-    },
-    #[error(
-        "tensor {name:?}: bytes {start}..{end} lie outside the data section of {data_len} bytes"
-    )]
-    TensorOutOfBounds {
-        name: String,
-        start: u64,
-        end: u64,
-        data_len: u64,
-    },
+    #[error("tensor {name:?}: data offset {offset} is not a multiple of the alignment {alignment}")]
+    MisalignedTensor { name: String, offset: u64, alignment: u64 },
+    #[error("tensor {name:?}: bytes {start}..{end} lie outside the data section of {data_len} bytes")]
+    TensorOutOfBounds { name: String, start: u64, end: u64, data_len: u64 },
     #[error("tensors {a:?} and {b:?} overlap in the data section")]
     OverlappingTensors { a: String, b: String },
     #[error("metadata key {key:?} is missing")]
@@ -79,11 +50,7 @@ pub enum FormatError {
     #[error("tensor {0:?} is missing from the model")]
     MissingTensor(String),
     #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
-    ShapeMismatch {
-        name: String,
-        found: Vec<u64>,
-        expected: Vec<u64>,
-    },
+    ShapeMismatch { name: String, found: Vec<u64>, expected: Vec<u64> },
     #[error("unsupported model architecture {0:?} (supported: llama, mistral, qwen2)")]
     UnsupportedArchitecture(String),
     #[error("invalid model hyper-parameter {what}: {detail}")]
@@ -128,11 +95,7 @@ pub enum GenerateError {
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("prompt of {prompt} tokens plus {max_new} new tokens exceeds the context of {context} tokens")]
-    ContextOverflow {
-        prompt: usize,
-        max_new: usize,
-        context: usize,
-    },
+    ContextOverflow { prompt: usize, max_new: usize, context: usize },
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]

@@ -84,10 +84,7 @@ pub struct TextStream {
 
 impl TextStream {
     pub fn new(stop: Vec<String>) -> Self {
-        Self {
-            pending: Vec::new(),
-            stop,
-        }
+        Self { pending: Vec::new(), stop }
     }
 
     /// Adds bytes; returns the text now safe to emit and whether a stop sequence was hit.
@@ -102,12 +99,7 @@ impl TextStream {
                 return (text, true);
             }
         }
-        let hold = self
-            .stop
-            .iter()
-            .map(|s| longest_suffix_prefix(&text, s))
-            .max()
-            .unwrap_or(0);
+        let hold = self.stop.iter().map(|s| longest_suffix_prefix(&text, s)).max().unwrap_or(0);
         let emit_len = text.len() - hold;
         let held: Vec<u8> = text.as_bytes()[emit_len..].to_vec();
         text.truncate(emit_len);
@@ -156,9 +148,7 @@ fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
     let max = stop.len().saturating_sub(1).min(text.len());
     (1..=max)
         .rev()
-        .find(|&n| {
-            text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..])
-        })
+        .find(|&n| text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..]))
         .unwrap_or(0)
 }
 
@@ -170,16 +160,11 @@ impl Model {
         let ids = match prompt {
             Prompt::Text(t) => tk.encode(t, false, tk.add_bos)?,
             Prompt::Chat(messages) => {
-                let tmpl = self
-                    .chat_template
-                    .as_ref()
-                    .ok_or(crate::error::ChatTemplateError::Missing)?;
+                let tmpl = self.chat_template.as_ref().ok_or(crate::error::ChatTemplateError::Missing)?;
                 let text = tmpl.render(messages, true, tk.bos_text(), tk.eos_text())?;
                 // A template that writes the BOS text itself must not get a second one.
-                let add_bos = tk.add_bos
-                    && !(tk.bos.is_some()
-                        && !tk.bos_text().is_empty()
-                        && text.starts_with(tk.bos_text()));
+                let add_bos =
+                    tk.add_bos && !(tk.bos.is_some() && !tk.bos_text().is_empty() && text.starts_with(tk.bos_text()));
                 tk.encode(&text, true, add_bos)?
             }
         };

@@ -43,10 +43,7 @@ pub struct Model {
 impl Model {
     /// Loads a GGUF file or an HF directory (`config.json` + `*.safetensors` + `tokenizer.json`).
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self, EngineError> {
-        let name = path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let planner = Planner::cpu(opts.threads);
         if format::is_hf_dir(path) {
             let hf = format::hf::load(path)?;
@@ -59,11 +56,7 @@ impl Model {
                 tensors.remove("output.weight");
             }
             let weights = ModelWeights::load(&hf.config, &tensors)?;
-            let chat_template = hf
-                .chat_template
-                .as_deref()
-                .map(ChatTemplate::new)
-                .transpose()?;
+            let chat_template = hf.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
             check_vocab(&hf.config, &tokenizer)?;
             return Ok(Self {
                 name,
@@ -92,17 +85,9 @@ impl Model {
         let weights = ModelWeights::load(&config, &tensors)?;
         let tokenizer = Tokenizer::from_gguf(&g)?;
         check_vocab(&config, &tokenizer)?;
-        let chat_template = g
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-            .map(ChatTemplate::new)
-            .transpose()?;
-        Ok(Self {
-            name,
-            transformer: Transformer::new(config, weights, planner),
-            tokenizer,
-            chat_template,
-        })
+        let chat_template =
+            g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(ChatTemplate::new).transpose()?;
+        Ok(Self { name, transformer: Transformer::new(config, weights, planner), tokenizer, chat_template })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -114,11 +99,7 @@ fn check_vocab(c: &ModelConfig, t: &Tokenizer) -> Result<(), FormatError> {
     if t.vocab_size() > c.vocab_size {
         return Err(FormatError::BadHyperParameter {
             what: "vocab_size",
-            detail: format!(
-                "tokenizer has {} tokens, the output head {}",
-                t.vocab_size(),
-                c.vocab_size
-            ),
+            detail: format!("tokenizer has {} tokens, the output head {}", t.vocab_size(), c.vocab_size),
         });
     }
     Ok(())

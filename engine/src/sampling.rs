@@ -41,19 +41,13 @@ pub const MAX_TEMPERATURE: f32 = 100.0;
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, ..Self::default() }
     }
 
     pub fn validate(&self) -> Result<(), GenerateError> {
         let bad = |name, detail: String| Err(GenerateError::InvalidSampling { name, detail });
         if !(self.temperature.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&self.temperature)) {
-            return bad(
-                "temperature",
-                format!("{} (must be 0..={MAX_TEMPERATURE})", self.temperature),
-            );
+            return bad("temperature", format!("{} (must be 0..={MAX_TEMPERATURE})", self.temperature));
         }
         if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("{} (must be in (0, 1])", self.top_p));
@@ -61,14 +55,8 @@ impl SamplingParams {
         if !(self.min_p.is_finite() && (0.0..=1.0).contains(&self.min_p)) {
             return bad("min_p", format!("{} (must be in [0, 1])", self.min_p));
         }
-        if !(self.repetition_penalty.is_finite()
-            && self.repetition_penalty > 0.0
-            && self.repetition_penalty <= 10.0)
-        {
-            return bad(
-                "repetition_penalty",
-                format!("{} (must be in (0, 10])", self.repetition_penalty),
-            );
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return bad("repetition_penalty", format!("{} (must be in (0, 10])", self.repetition_penalty));
         }
         Ok(())
     }
@@ -106,11 +94,7 @@ impl Sampler {
             for &t in recent {
                 if let Some(l) = logits.get_mut(t as usize) {
                     if seen.insert(t) {
-                        *l = if *l > 0.0 {
-                            *l / p.repetition_penalty
-                        } else {
-                            *l * p.repetition_penalty
-                        };
+                        *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
                     }
                 }
             }
@@ -118,12 +102,8 @@ impl Sampler {
         if p.temperature == 0.0 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| !l.is_nan())
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
             cand.truncate(p.top_k);
@@ -166,10 +146,7 @@ impl Sampler {
 
 fn softmax(cand: &[(u32, f32)], temperature: f32) -> Vec<f32> {
     let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-    let mut e: Vec<f32> = cand
-        .iter()
-        .map(|c| ((c.1 - max) / temperature).exp())
-        .collect();
+    let mut e: Vec<f32> = cand.iter().map(|c| ((c.1 - max) / temperature).exp()).collect();
     let sum: f32 = e.iter().sum();
     e.iter_mut().for_each(|x| *x /= sum);
     e

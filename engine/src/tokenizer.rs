@@ -18,16 +18,8 @@ const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|
 const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Token texts that end a turn in common chat formats (as llama.cpp's end-of-generation set).
-const EOG_TEXTS: &[&str] = &[
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|end_of_text|>",
-    "<EOT>",
-    "</s>",
-];
+const EOG_TEXTS: &[&str] =
+    &["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "</s>"];
 
 /// GGUF token types.
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -58,8 +50,7 @@ fn gpt2_char_to_byte() -> HashMap<char, u8> {
     let mut map = HashMap::with_capacity(256);
     let mut n = 0u32;
     for b in 0u32..256 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         let c = if printable {
             b
         } else {
@@ -80,8 +71,7 @@ fn split(regex: &str) -> Json {
 /// Pre-tokenizer and `ignore_merges` for a llama.cpp `tokenizer.ggml.pre` name.
 fn byte_level_pre(pre: &str) -> Result<(Json, bool), TokenizerError> {
     let regexes: Vec<&str> = match pre {
-        "default" | "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "mpt" | "olmo"
-        | "jais" => vec![GPT2_REGEX],
+        "default" | "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "mpt" | "olmo" | "jais" => vec![GPT2_REGEX],
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
             vec![r"\p{N}", GPT2_REGEX]
         }
@@ -91,14 +81,8 @@ fn byte_level_pre(pre: &str) -> Result<(Json, bool), TokenizerError> {
     };
     let mut seq: Vec<Json> = regexes.into_iter().map(split).collect();
     seq.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
-    let ignore_merges = matches!(
-        pre,
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral"
-    );
-    Ok((
-        json!({"type": "Sequence", "pretokenizers": seq}),
-        ignore_merges,
-    ))
+    let ignore_merges = matches!(pre, "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral");
+    Ok((json!({"type": "Sequence", "pretokenizers": seq}), ignore_merges))
 }
 
 impl Tokenizer {
@@ -112,34 +96,22 @@ impl Tokenizer {
         let tokens: Vec<String> = g
             .get("tokenizer.ggml.tokens")
             .and_then(|v| v.as_array())
-            .ok_or_else(|| bad("tokenizer.ggml.tokens is missing"))?
-            .iter()
-            .map(|t| {
-                t.as_str()
-                    .map(str::to_owned)
-                    .ok_or_else(|| bad("a token is not a string"))
-            })
-            .collect::<Result<_, _>>()?;
+            .and_then(|a| a.as_strings())
+            .ok_or_else(|| bad("tokenizer.ggml.tokens is missing or not an array of strings"))?
+            .to_vec();
         if tokens.is_empty() || tokens.len() > u32::MAX as usize {
             return Err(bad("empty vocabulary"));
         }
-        let types: Vec<i64> = match g
-            .get("tokenizer.ggml.token_type")
-            .and_then(|v| v.as_array())
-        {
-            Some(a) if a.len() == tokens.len() => {
-                a.iter().map(|v| v.as_f64().unwrap_or(1.0) as i64).collect()
-            }
-            Some(_) => return Err(bad("token_type length differs from the vocabulary")),
-            None => vec![1; tokens.len()],
-        };
+        let types: Vec<i64> =
+            match g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()).and_then(|a| a.to_f64()) {
+                Some(a) if a.len() == tokens.len() => a.iter().map(|&v| v as i64).collect(),
+                Some(_) => return Err(bad("token_type length differs from the vocabulary")),
+                None => vec![1; tokens.len()],
+            };
         let id_key = |k: &str| -> Result<Option<u32>, TokenizerError> {
             match g.get(k).and_then(|v| v.as_u64()) {
                 Some(id) if (id as usize) < tokens.len() => Ok(Some(id as u32)),
-                Some(id) => Err(TokenizerError::TokenOutOfRange {
-                    id: id as u32,
-                    vocab: tokens.len(),
-                }),
+                Some(id) => Err(TokenizerError::TokenOutOfRange { id: id as u32, vocab: tokens.len() }),
                 None => Ok(None),
             }
         };
@@ -147,15 +119,10 @@ impl Tokenizer {
         let eos = id_key("tokenizer.ggml.eos_token_id")?;
         let eot = id_key("tokenizer.ggml.eot_token_id")?;
         let unk = id_key("tokenizer.ggml.unknown_token_id")?;
-        let add_bos_key = g
-            .get("tokenizer.ggml.add_bos_token")
-            .and_then(|v| v.as_bool());
+        let add_bos_key = g.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool());
 
-        let vocab: serde_json::Map<String, Json> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), json!(i)))
-            .collect();
+        let vocab: serde_json::Map<String, Json> =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
         let added: Vec<Json> = types
             .iter()
             .enumerate()
@@ -166,10 +133,7 @@ impl Tokenizer {
         let (doc, pieces, add_bos_default) = match model {
             "gpt2" => {
                 let merges = gguf_merges(g)?;
-                let pre = g
-                    .get("tokenizer.ggml.pre")
-                    .and_then(|v| v.as_str())
-                    .unwrap_or("default");
+                let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
                 let (pre_tok, ignore_merges) = byte_level_pre(pre)?;
                 let c2b = gpt2_char_to_byte();
                 let pieces = tokens
@@ -178,10 +142,7 @@ impl Tokenizer {
                     .map(|(t, &ty)| match ty {
                         TOKEN_TYPE_CONTROL => Vec::new(),
                         TOKEN_TYPE_USER_DEFINED => t.as_bytes().to_vec(),
-                        _ => t
-                            .chars()
-                            .map(|c| c2b.get(&c).copied().unwrap_or(b'?'))
-                            .collect(),
+                        _ => t.chars().map(|c| c2b.get(&c).copied().unwrap_or(b'?')).collect(),
                     })
                     .collect();
                 let doc = json!({
@@ -196,33 +157,19 @@ impl Tokenizer {
             }
             "llama" => {
                 let scores: Vec<f32> =
-                    match g.get("tokenizer.ggml.scores").and_then(|v| v.as_array()) {
-                        Some(a) if a.len() == tokens.len() => {
-                            a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect()
-                        }
-                        _ => {
-                            return Err(bad(
-                                "tokenizer.ggml.scores is missing or of the wrong length",
-                            ))
-                        }
+                    match g.get("tokenizer.ggml.scores").and_then(|v| v.as_array()).and_then(|a| a.to_f64()) {
+                        Some(a) if a.len() == tokens.len() => a.iter().map(|&v| v as f32).collect(),
+                        _ => return Err(bad("tokenizer.ggml.scores is missing or of the wrong length")),
                     };
                 let merges = spm_merges(&tokens, &types, &scores);
-                let add_space_prefix = g
-                    .get("tokenizer.ggml.add_space_prefix")
-                    .and_then(|v| v.as_bool())
-                    .unwrap_or(true);
+                let add_space_prefix =
+                    g.get("tokenizer.ggml.add_space_prefix").and_then(|v| v.as_bool()).unwrap_or(true);
                 let mut norm = vec![];
                 if add_space_prefix {
                     norm.push(json!({"type": "Prepend", "prepend": "\u{2581}"}));
                 }
-                norm.push(
-                    json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}),
-                );
-                let pieces = tokens
-                    .iter()
-                    .zip(&types)
-                    .map(|(t, &ty)| spm_piece(t, ty))
-                    .collect();
+                norm.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}));
+                let pieces = tokens.iter().zip(&types).map(|(t, &ty)| spm_piece(t, ty)).collect();
                 let unk_token = unk.map(|u| tokens[u as usize].clone());
                 let doc = json!({
                     "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
@@ -238,29 +185,18 @@ impl Tokenizer {
         };
         let mut eog: Vec<u32> = [eos, eot].into_iter().flatten().collect();
         for (i, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
-            if ty == TOKEN_TYPE_CONTROL
-                && EOG_TEXTS.contains(&t.as_str())
-                && !eog.contains(&(i as u32))
-            {
+            if ty == TOKEN_TYPE_CONTROL && EOG_TEXTS.contains(&t.as_str()) && !eog.contains(&(i as u32)) {
                 eog.push(i as u32);
             }
         }
-        Self::from_doc(
-            doc,
-            pieces,
-            tokens,
-            bos,
-            eos,
-            add_bos_key.unwrap_or(add_bos_default),
-            eog,
-        )
+        Self::from_doc(doc, pieces, tokens, bos, eos, add_bos_key.unwrap_or(add_bos_default), eog)
     }
 
     /// Loads an HF `tokenizer.json`, with BOS/EOS and `add_bos_token` from `tokenizer_config.json`
     /// and `eos_token_id` from `config.json` / `generation_config.json` beside it, when present.
     pub fn from_hf(path: &Path) -> Result<Self, TokenizerError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| TokenizerError::Backend(format!("{}: {e}", path.display())))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| TokenizerError::Backend(format!("{}: {e}", path.display())))?;
         let doc: Json = serde_json::from_str(&text).map_err(tok_err)?;
         let probe = tokenizers::Tokenizer::from_str(&text).map_err(tok_err)?;
         let n = probe.get_vocab_size(true);
@@ -270,15 +206,9 @@ impl Tokenizer {
                 *slot = t;
             }
         }
-        let special: std::collections::HashSet<u32> = probe
-            .get_added_tokens_decoder()
-            .iter()
-            .filter(|(_, t)| t.special)
-            .map(|(&id, _)| id)
-            .collect();
-        let byte_level = doc
-            .get("decoder")
-            .is_some_and(|d| d.to_string().contains("\"ByteLevel\""));
+        let special: std::collections::HashSet<u32> =
+            probe.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
+        let byte_level = doc.get("decoder").is_some_and(|d| d.to_string().contains("\"ByteLevel\""));
         let c2b = gpt2_char_to_byte();
         let pieces = texts
             .iter()
@@ -287,9 +217,7 @@ impl Tokenizer {
                 if special.contains(&(i as u32)) {
                     Vec::new()
                 } else if byte_level {
-                    t.chars()
-                        .map(|c| c2b.get(&c).copied().unwrap_or(b'?'))
-                        .collect()
+                    t.chars().map(|c| c2b.get(&c).copied().unwrap_or(b'?')).collect()
                 } else {
                     let is_byte = t.len() == 6 && t.starts_with("<0x") && t.ends_with('>');
                     spm_piece(t, if is_byte { TOKEN_TYPE_BYTE } else { 1 })
@@ -298,40 +226,24 @@ impl Tokenizer {
             .collect();
         let dir = path.parent().unwrap_or(Path::new("."));
         let read = |name: &str| {
-            std::fs::read_to_string(dir.join(name))
-                .ok()
-                .and_then(|t| serde_json::from_str::<Json>(&t).ok())
+            std::fs::read_to_string(dir.join(name)).ok().and_then(|t| serde_json::from_str::<Json>(&t).ok())
         };
         let tcfg = read("tokenizer_config.json");
         let token_of = |v: Option<&Json>| -> Option<u32> {
-            let s = v.and_then(|v| {
-                v.as_str()
-                    .or_else(|| v.get("content").and_then(|c| c.as_str()))
-            })?;
+            let s = v.and_then(|v| v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())))?;
             probe.token_to_id(s)
         };
         let bos = token_of(tcfg.as_ref().and_then(|c| c.get("bos_token")));
         let mut eos = token_of(tcfg.as_ref().and_then(|c| c.get("eos_token")));
-        let add_bos = tcfg
-            .as_ref()
-            .and_then(|c| c.get("add_bos_token"))
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false);
+        let add_bos = tcfg.as_ref().and_then(|c| c.get("add_bos_token")).and_then(|v| v.as_bool()).unwrap_or(false);
         let mut eog: Vec<u32> = eos.into_iter().collect();
-        for cfg in [read("generation_config.json"), read("config.json")]
-            .into_iter()
-            .flatten()
-        {
+        for cfg in [read("generation_config.json"), read("config.json")].into_iter().flatten() {
             let ids: Vec<u64> = match cfg.get("eos_token_id") {
                 Some(Json::Number(x)) => x.as_u64().into_iter().collect(),
                 Some(Json::Array(a)) => a.iter().filter_map(|x| x.as_u64()).collect(),
                 _ => vec![],
             };
-            for id in ids
-                .into_iter()
-                .filter(|&id| (id as usize) < n)
-                .map(|id| id as u32)
-            {
+            for id in ids.into_iter().filter(|&id| (id as usize) < n).map(|id| id as u32) {
                 eos.get_or_insert(id);
                 if !eog.contains(&id) {
                     eog.push(id);
@@ -365,16 +277,7 @@ impl Tokenizer {
         let plain = tokenizers::Tokenizer::from_str(&plain_doc.to_string()).map_err(tok_err)?;
         let mut full = full;
         full.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
-        Ok(Self {
-            full,
-            plain,
-            pieces,
-            texts,
-            bos,
-            eos,
-            add_bos,
-            eog,
-        })
+        Ok(Self { full, plain, pieces, texts, bos, eos, add_bos, eog })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -383,17 +286,8 @@ impl Tokenizer {
 
     /// Token ids for `text`. With `parse_special`, control-token text such as `<|im_start|>`
     /// becomes that token (for rendered chat templates); without, it is tokenized as text.
-    pub fn encode(
-        &self,
-        text: &str,
-        parse_special: bool,
-        add_bos: bool,
-    ) -> Result<Vec<u32>, TokenizerError> {
-        let t = if parse_special {
-            &self.full
-        } else {
-            &self.plain
-        };
+    pub fn encode(&self, text: &str, parse_special: bool, add_bos: bool) -> Result<Vec<u32>, TokenizerError> {
+        let t = if parse_special { &self.full } else { &self.plain };
         let enc = t.encode_fast(text, false).map_err(tok_err)?;
         let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
         if add_bos {
@@ -410,10 +304,7 @@ impl Tokenizer {
         self.pieces
             .get(id as usize)
             .map(Vec::as_slice)
-            .ok_or(TokenizerError::TokenOutOfRange {
-                id,
-                vocab: self.pieces.len(),
-            })
+            .ok_or(TokenizerError::TokenOutOfRange { id, vocab: self.pieces.len() })
     }
 
     /// The vocabulary text of a token (as stored in the model).
@@ -458,16 +349,13 @@ fn gguf_merges(g: &GgufFile) -> Result<Vec<Json>, TokenizerError> {
     let merges = g
         .get("tokenizer.ggml.merges")
         .and_then(|v| v.as_array())
-        .ok_or_else(|| TokenizerError::BadVocabulary("tokenizer.ggml.merges is missing".into()))?;
+        .and_then(|a| a.as_strings())
+        .ok_or_else(|| TokenizerError::BadVocabulary("tokenizer.ggml.merges is missing or not strings".into()))?;
     merges
         .iter()
-        .map(|m| {
-            let s = m
-                .as_str()
-                .ok_or_else(|| TokenizerError::BadVocabulary("a merge is not a string".into()))?;
-            let (a, b) = s.split_once(' ').ok_or_else(|| {
-                TokenizerError::BadVocabulary(format!("merge {s:?} has no space"))
-            })?;
+        .map(|s| {
+            let (a, b) =
+                s.split_once(' ').ok_or_else(|| TokenizerError::BadVocabulary(format!("merge {s:?} has no space")))?;
             Ok(json!([a, b]))
         })
         .collect()
@@ -476,11 +364,7 @@ fn gguf_merges(g: &GgufFile) -> Result<Vec<Json>, TokenizerError> {
 /// Merges equivalent to SentencePiece's score-driven BPE: every way of building a vocabulary
 /// token from two vocabulary tokens, ranked by the built token's score (highest first).
 fn spm_merges(tokens: &[String], types: &[i64], scores: &[f32]) -> Vec<Json> {
-    let index: HashMap<&str, usize> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.as_str(), i))
-        .collect();
+    let index: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
     let mut merges: Vec<(f32, usize, usize, usize)> = Vec::new();
     for (i, t) in tokens.iter().enumerate() {
         if types[i] != 1 || t.chars().count() < 2 {
@@ -493,10 +377,7 @@ fn spm_merges(tokens: &[String], types: &[i64], scores: &[f32]) -> Vec<Json> {
         }
     }
     merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
-    merges
-        .into_iter()
-        .map(|(_, _, a, b)| json!([tokens[a], tokens[b]]))
-        .collect()
+    merges.into_iter().map(|(_, _, a, b)| json!([tokens[a], tokens[b]])).collect()
 }
 
 fn spm_piece(t: &str, ty: i64) -> Vec<u8> {

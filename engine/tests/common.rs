@@ -15,43 +15,31 @@ pub fn default_model_path() -> PathBuf {
         return PathBuf::from(p);
     }
     let p = repo_root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "the default model is missing at {}: run scripts/fetch-model.sh first",
-        p.display()
-    );
+    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh first", p.display());
     p
 }
 
 pub fn default_model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| {
-        Model::load(&default_model_path(), &LoadOptions { threads: 2 })
-            .expect("the default model loads")
+        Model::load(&default_model_path(), &LoadOptions { threads: 2 }).expect("the default model loads")
     })
 }
 
 pub fn golden() -> &'static serde_json::Value {
     static G: OnceLock<serde_json::Value> = OnceLock::new();
     G.get_or_init(|| {
-        let text = std::fs::read_to_string(repo_root().join("tests/golden/smollm2.json"))
-            .expect("golden file is committed");
+        let text =
+            std::fs::read_to_string(repo_root().join("tests/golden/smollm2.json")).expect("golden file is committed");
         serde_json::from_str(&text).expect("golden file is JSON")
     })
 }
 
 pub fn golden_logits() -> Vec<f32> {
-    let b = std::fs::read(repo_root().join("tests/golden/smollm2.logits.f32"))
-        .expect("golden logits are committed");
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    let b = std::fs::read(repo_root().join("tests/golden/smollm2.logits.f32")).expect("golden logits are committed");
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("an id list")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
+    v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
 }

@@ -46,8 +46,7 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
     for (i, p) in prompts.iter().enumerate() {
         let name = p["name"].as_str().expect("name");
         let prompt = if p["chat"].as_bool() == Some(true) {
-            let msgs: Vec<ChatMessage> =
-                serde_json::from_value(p["messages"].clone()).expect("messages");
+            let msgs: Vec<ChatMessage> = serde_json::from_value(p["messages"].clone()).expect("messages");
             Prompt::Chat(msgs)
         } else {
             Prompt::Text(p["text"].as_str().expect("text").to_owned())
@@ -59,19 +58,12 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
         let mut kv = model.transformer.new_kv();
         let mut logits = Vec::new();
         for chunk in tokens.chunks(TEST_CHUNK) {
-            logits = model
-                .transformer
-                .forward(&mut kv, chunk, Logits::Last)
-                .expect("prefill");
+            logits = model.transformer.forward(&mut kv, chunk, Logits::Last).expect("prefill");
         }
         let reference = &logits_ref[i * n_vocab..(i + 1) * n_vocab];
         let agreement = compare_logits(&logits, reference);
         eprintln!("{name}: {agreement:?}");
-        assert!(
-            agreement.kl <= KL_TOL,
-            "{name}: KL {} > {KL_TOL}",
-            agreement.kl
-        );
+        assert!(agreement.kl <= KL_TOL, "{name}: KL {} > {KL_TOL}", agreement.kl);
         assert!(
             agreement.max_prob_diff <= PROB_ABS_TOL,
             "{name}: max |Δp| {} > {PROB_ABS_TOL}",
@@ -87,10 +79,7 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
         for _ in 0..g["n_greedy"].as_u64().expect("n_greedy") {
             let t = argmax(&logits);
             greedy.push(t);
-            logits = model
-                .transformer
-                .forward(&mut kv, &[t], Logits::Last)
-                .expect("decode");
+            logits = model.transformer.forward(&mut kv, &[t], Logits::Last).expect("decode");
         }
         let want = ids(&p["greedy_ids"]);
         match greedy.iter().zip(&want).position(|(a, b)| a != b) {
@@ -98,7 +87,10 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
             Some(step) => {
                 let margin = p["margins"][step].as_f64().expect("margin");
                 let near = ids(&p["near"][step]);
-                eprintln!("{name}: step {step} is a near tie (llama.cpp margin {margin:.3}): ours {} vs {}", greedy[step], want[step]);
+                eprintln!(
+                    "{name}: step {step} is a near tie (llama.cpp margin {margin:.3}): ours {} vs {}",
+                    greedy[step], want[step]
+                );
                 assert!(
                     margin < NEAR_TIE_MARGIN,
                     "{name}: greedy token {step} differs where llama.cpp is sure (margin {margin})"
@@ -112,11 +104,7 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
         }
     }
     eprintln!("prompts matching all greedy tokens: {exact:?}");
-    assert!(
-        exact.len() >= MIN_EXACT_PROMPTS,
-        "only {} prompts match exactly: {exact:?}",
-        exact.len()
-    );
+    assert!(exact.len() >= MIN_EXACT_PROMPTS, "only {} prompts match exactly: {exact:?}", exact.len());
 }
 
 #[derive(Debug)]
@@ -135,27 +123,10 @@ fn log_softmax(x: &[f32]) -> Vec<f64> {
 fn compare_logits(ours: &[f32], reference: &[f32]) -> Agreement {
     let (a, b) = (log_softmax(ours), log_softmax(reference));
     let kl = b.iter().zip(&a).map(|(lb, la)| lb.exp() * (lb - la)).sum();
-    let max_prob_diff = b
-        .iter()
-        .zip(&a)
-        .map(|(lb, la)| (lb.exp() - la.exp()).abs())
-        .fold(0.0, f64::max);
-    let mean = ours
-        .iter()
-        .zip(reference)
-        .map(|(x, y)| (x - y) as f64)
-        .sum::<f64>()
-        / ours.len() as f64;
-    let centred_max = ours
-        .iter()
-        .zip(reference)
-        .map(|(x, y)| ((x - y) as f64 - mean).abs())
-        .fold(0.0, f64::max);
-    Agreement {
-        kl,
-        max_prob_diff,
-        centred_max,
-    }
+    let max_prob_diff = b.iter().zip(&a).map(|(lb, la)| (lb.exp() - la.exp()).abs()).fold(0.0, f64::max);
+    let mean = ours.iter().zip(reference).map(|(x, y)| (x - y) as f64).sum::<f64>() / ours.len() as f64;
+    let centred_max = ours.iter().zip(reference).map(|(x, y)| ((x - y) as f64 - mean).abs()).fold(0.0, f64::max);
+    Agreement { kl, max_prob_diff, centred_max }
 }
 
 #[test]
@@ -165,10 +136,6 @@ fn tokenizer_matches_llama_cpp_and_round_trips() {
         let text = case["text"].as_str().expect("text");
         let got = model.tokenizer.encode(text, false, false).expect("encodes");
         assert_eq!(got, ids(&case["ids"]), "ids differ for {text:?}");
-        assert_eq!(
-            model.tokenizer.decode(&got).expect("decodes"),
-            text,
-            "round trip of {text:?}"
-        );
+        assert_eq!(model.tokenizer.decode(&got).expect("decodes"), text, "round trip of {text:?}");
     }
 }

@@ -5,11 +5,7 @@ use llmd_daemon::cli::{self, RunArgs};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "llmctl",
-    version,
-    about = "Command line for the llmd on-device LLM service"
-)]
+#[command(name = "llmctl", version, about = "Command line for the llmd on-device LLM service")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -28,7 +24,10 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Run(args) if !args.local => Err("talking to the llmd daemon is not in this build yet; pass --local to run the engine in-process".to_owned()),
+        Command::Run(args) if !args.local => {
+            Err("talking to the llmd daemon is not in this build yet; pass --local to run the engine in-process"
+                .to_owned())
+        }
         Command::Run(args) => cli::run_local(args),
     };
     match result {

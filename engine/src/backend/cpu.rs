@@ -24,13 +24,8 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// A CPU backend with `threads` workers (0 = one per available core).
     pub fn new(threads: usize) -> Self {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            threads
-        };
+        let threads =
+            if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("llmd-cpu-{i}"))
@@ -67,29 +62,16 @@ impl Backend for CpuBackend {
         &self.desc
     }
 
-    fn matmul(
-        &self,
-        w: &WeightMatrix,
-        x: &[f32],
-        n: usize,
-        out: &mut [f32],
-    ) -> Result<(), BackendError> {
+    fn matmul(&self, w: &WeightMatrix, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), BackendError> {
         let (rows, cols) = (w.rows, w.cols);
         if x.len() != n * cols || out.len() != n * rows {
             return Err(shape_err(
                 "matmul",
-                format!(
-                    "{}: {rows}x{cols} weights, {} inputs, {} outputs for {n} tokens",
-                    w.name,
-                    x.len(),
-                    out.len()
-                ),
+                format!("{}: {rows}x{cols} weights, {} inputs, {} outputs for {n} tokens", w.name, x.len(), out.len()),
             ));
         }
         let at = w.ty.vec_dot_type();
-        let arow = at
-            .row_bytes(cols)
-            .ok_or_else(|| shape_err("matmul", format!("{cols} columns for {at}")))?;
+        let arow = at.row_bytes(cols).ok_or_else(|| shape_err("matmul", format!("{cols} columns for {at}")))?;
         let mut xq = vec![0u8; n * arow];
         for (xr, qr) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(arow)) {
             quant::quantize_row(at, xr, qr)?;
@@ -99,30 +81,25 @@ impl Backend for CpuBackend {
         let ty = w.ty;
         self.pool.install(|| {
             if n == 1 {
-                out.par_chunks_mut(ROWS_PER_TASK)
-                    .enumerate()
-                    .for_each(|(ci, o)| {
-                        for (i, v) in o.iter_mut().enumerate() {
-                            let r = ci * ROWS_PER_TASK + i;
-                            *v = quant::blocks_dot(ty, &wb[r * wrow..(r + 1) * wrow], &xq);
-                        }
-                    });
+                out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(ci, o)| {
+                    for (i, v) in o.iter_mut().enumerate() {
+                        let r = ci * ROWS_PER_TASK + i;
+                        *v = quant::blocks_dot(ty, &wb[r * wrow..(r + 1) * wrow], &xq);
+                    }
+                });
             } else {
                 // Each task takes a band of weight rows and all tokens, so a weight row is
                 // read once per batch; results land transposed and are put back after.
                 let mut out_t = vec![0f32; rows * n];
-                out_t
-                    .par_chunks_mut(ROWS_PER_TASK * n)
-                    .enumerate()
-                    .for_each(|(ci, o)| {
-                        for (rr, orow) in o.chunks_exact_mut(n).enumerate() {
-                            let r = ci * ROWS_PER_TASK + rr;
-                            let wr = &wb[r * wrow..(r + 1) * wrow];
-                            for (t, v) in orow.iter_mut().enumerate() {
-                                *v = quant::blocks_dot(ty, wr, &xq[t * arow..(t + 1) * arow]);
-                            }
+                out_t.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(ci, o)| {
+                    for (rr, orow) in o.chunks_exact_mut(n).enumerate() {
+                        let r = ci * ROWS_PER_TASK + rr;
+                        let wr = &wb[r * wrow..(r + 1) * wrow];
+                        for (t, v) in orow.iter_mut().enumerate() {
+                            *v = quant::blocks_dot(ty, wr, &xq[t * arow..(t + 1) * arow]);
                         }
-                    });
+                    }
+                });
                 for (r, col) in out_t.chunks_exact(n).enumerate() {
                     for (t, v) in col.iter().enumerate() {
                         out[t * rows + r] = *v;
@@ -135,15 +112,12 @@ impl Backend for CpuBackend {
 
     fn get_rows(&self, w: &WeightMatrix, ids: &[u32], out: &mut [f32]) -> Result<(), BackendError> {
         if out.len() != ids.len() * w.cols {
-            return Err(shape_err(
-                "get_rows",
-                format!("{} outputs for {} ids of {}", out.len(), ids.len(), w.cols),
-            ));
+            return Err(shape_err("get_rows", format!("{} outputs for {} ids of {}", out.len(), ids.len(), w.cols)));
         }
         for (&id, o) in ids.iter().zip(out.chunks_exact_mut(w.cols)) {
-            let row = w.row(id as usize).ok_or_else(|| {
-                shape_err("get_rows", format!("row {id} of {} in {}", w.rows, w.name))
-            })?;
+            let row = w
+                .row(id as usize)
+                .ok_or_else(|| shape_err("get_rows", format!("row {id} of {} in {}", w.rows, w.name)))?;
             quant::dequantize_row(w.ty, row, o)?;
         }
         Ok(())
@@ -152,10 +126,7 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &mut [f32], weight: &[f32], eps: f32) -> Result<(), BackendError> {
         let d = weight.len();
         if d == 0 || x.len() % d != 0 {
-            return Err(shape_err(
-                "rms_norm",
-                format!("{} values for rows of {d}", x.len()),
-            ));
+            return Err(shape_err("rms_norm", format!("{} values for rows of {d}", x.len())));
         }
         for row in x.chunks_exact_mut(d) {
             let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
@@ -177,20 +148,10 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let row = p.n_heads * p.head_dim;
         if x.len() != positions.len() * row || p.rope_dims > p.head_dim || p.rope_dims % 2 != 0 {
-            return Err(shape_err(
-                "rope",
-                format!(
-                    "{} values for {} positions of {row}",
-                    x.len(),
-                    positions.len()
-                ),
-            ));
+            return Err(shape_err("rope", format!("{} values for {} positions of {row}", x.len(), positions.len())));
         }
         if freq_factors.is_some_and(|f| f.len() < p.rope_dims / 2) {
-            return Err(shape_err(
-                "rope",
-                "fewer frequency factors than rotated pairs".into(),
-            ));
+            return Err(shape_err("rope", "fewer frequency factors than rotated pairs".into()));
         }
         let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
         let half = p.rope_dims / 2;
@@ -240,13 +201,7 @@ impl Backend for CpuBackend {
         {
             return Err(shape_err(
                 "attention",
-                format!(
-                    "{s:?} with q {} k {} v {} out {}",
-                    q.len(),
-                    k.len(),
-                    v.len(),
-                    out.len()
-                ),
+                format!("{s:?} with q {} k {} v {} out {}", q.len(), k.len(), v.len(), out.len()),
             ));
         }
         let group = s.n_heads / s.n_kv_heads;
@@ -293,10 +248,7 @@ impl Backend for CpuBackend {
 
     fn swiglu(&self, gate: &mut [f32], up: &[f32]) -> Result<(), BackendError> {
         if gate.len() != up.len() {
-            return Err(shape_err(
-                "swiglu",
-                format!("gate {} vs up {}", gate.len(), up.len()),
-            ));
+            return Err(shape_err("swiglu", format!("gate {} vs up {}", gate.len(), up.len())));
         }
         for (g, u) in gate.iter_mut().zip(up) {
             *g = *g / (1.0 + (-*g).exp()) * u;

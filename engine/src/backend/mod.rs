@@ -63,9 +63,7 @@ impl BackendDescriptor {
     pub fn supports(&self, op: &OpDesc) -> bool {
         self.available
             && self.ops.contains(&op.kind)
-            && op
-                .weight_type
-                .is_none_or(|t| self.weight_types.contains(&t))
+            && op.weight_type.is_none_or(|t| self.weight_types.contains(&t))
             && self.max_tokens.is_none_or(|m| op.n_tokens <= m)
     }
 }
@@ -102,13 +100,7 @@ pub trait Backend: Send + Sync {
     }
 
     /// `out[t][r] = dot(w.row(r), x[t])` for `n_tokens` rows of `x` (each `w.cols` long).
-    fn matmul(
-        &self,
-        w: &WeightMatrix,
-        x: &[f32],
-        n_tokens: usize,
-        out: &mut [f32],
-    ) -> Result<(), BackendError>;
+    fn matmul(&self, w: &WeightMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), BackendError>;
 
     /// `out[t] = w.row(ids[t])` as f32.
     fn get_rows(&self, w: &WeightMatrix, ids: &[u32], out: &mut [f32]) -> Result<(), BackendError>;

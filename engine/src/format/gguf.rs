@@ -27,7 +27,7 @@ pub enum Value {
     F32(f32),
     Bool(bool),
     String(String),
-    Array(Vec<Value>),
+    Array(Array),
     U64(u64),
     I64(i64),
     F64(f64),
@@ -67,11 +67,77 @@ impl Value {
             _ => None,
         }
     }
-    pub fn as_array(&self) -> Option<&[Value]> {
+    pub fn as_array(&self) -> Option<&Array> {
         match self {
             Value::Array(a) => Some(a),
             _ => None,
         }
+    }
+}
+
+/// A metadata array, stored by element type so it takes no more memory than its encoding
+/// (plus the fixed size of a `String` per string element).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Array {
+    U8(Vec<u8>),
+    I8(Vec<i8>),
+    U16(Vec<u16>),
+    I16(Vec<i16>),
+    U32(Vec<u32>),
+    I32(Vec<i32>),
+    F32(Vec<f32>),
+    Bool(Vec<bool>),
+    String(Vec<String>),
+    U64(Vec<u64>),
+    I64(Vec<i64>),
+    F64(Vec<f64>),
+}
+
+impl Array {
+    pub fn len(&self) -> usize {
+        match self {
+            Array::U8(v) => v.len(),
+            Array::I8(v) => v.len(),
+            Array::U16(v) => v.len(),
+            Array::I16(v) => v.len(),
+            Array::U32(v) => v.len(),
+            Array::I32(v) => v.len(),
+            Array::F32(v) => v.len(),
+            Array::Bool(v) => v.len(),
+            Array::String(v) => v.len(),
+            Array::U64(v) => v.len(),
+            Array::I64(v) => v.len(),
+            Array::F64(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn as_strings(&self) -> Option<&[String]> {
+        match self {
+            Array::String(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Numeric elements as f64 (`None` for strings).
+    pub fn to_f64(&self) -> Option<Vec<f64>> {
+        Some(match self {
+            Array::U8(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::I8(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::U16(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::I16(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::U32(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::I32(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
+            Array::U64(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::I64(v) => v.iter().map(|&x| x as f64).collect(),
+            Array::F64(v) => v.clone(),
+            Array::String(_) => return None,
+        })
     }
 }
 
@@ -125,12 +191,7 @@ impl<'a> Cursor<'a> {
     }
     fn take(&mut self, n: u64, what: &'static str) -> Result<&'a [u8], FormatError> {
         if n > self.remaining() {
-            return Err(FormatError::Truncated {
-                what,
-                offset: self.pos as u64,
-                needed: n,
-                len: self.b.len() as u64,
-            });
+            return Err(FormatError::Truncated { what, offset: self.pos as u64, needed: n, len: self.b.len() as u64 });
         }
         let s = &self.b[self.pos..self.pos + n as usize];
         self.pos += n as usize;
@@ -152,11 +213,7 @@ impl<'a> Cursor<'a> {
     fn count(&mut self, what: &'static str, min_item: u64) -> Result<u64, FormatError> {
         let n = self.u64(what)?;
         if n.saturating_mul(min_item) > self.remaining() {
-            return Err(FormatError::CountTooLarge {
-                what,
-                count: n,
-                remaining: self.remaining(),
-            });
+            return Err(FormatError::CountTooLarge { what, count: n, remaining: self.remaining() });
         }
         Ok(n)
     }
@@ -164,9 +221,7 @@ impl<'a> Cursor<'a> {
         let len = self.u64(what)?;
         let start = self.pos as u64;
         let s = self.take(len, what)?;
-        std::str::from_utf8(s)
-            .map(str::to_owned)
-            .map_err(|_| FormatError::InvalidUtf8 { offset: start })
+        std::str::from_utf8(s).map(str::to_owned).map_err(|_| FormatError::InvalidUtf8 { offset: start })
     }
 }
 
@@ -183,12 +238,20 @@ fn min_value_size(value_type: u32) -> Option<u64> {
     })
 }
 
-fn read_value(
+fn read_array<T>(
     c: &mut Cursor<'_>,
-    key: &str,
-    value_type: u32,
-    in_array: bool,
-) -> Result<Value, FormatError> {
+    n: u64,
+    mut one: impl FnMut(&mut Cursor<'_>) -> Result<T, FormatError>,
+) -> Result<Vec<T>, FormatError> {
+    // `n` was checked against the bytes left, so this allocation is bounded by the file.
+    let mut v = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        v.push(one(c)?);
+    }
+    Ok(v)
+}
+
+fn read_value(c: &mut Cursor<'_>, key: &str, value_type: u32) -> Result<Value, FormatError> {
     Ok(match value_type {
         0 => Value::U8(c.array::<1>("u8 value")?[0]),
         1 => Value::I8(c.array::<1>("i8 value")?[0] as i8),
@@ -200,38 +263,32 @@ fn read_value(
         7 => Value::Bool(c.array::<1>("bool value")?[0] != 0),
         8 => Value::String(c.string("string value")?),
         9 => {
-            if in_array {
-                return Err(FormatError::NestedArray {
-                    key: key.to_owned(),
-                });
-            }
             let elem_type = c.u32("array element type")?;
-            let min = min_value_size(elem_type).ok_or_else(|| FormatError::UnknownValueType {
-                key: key.to_owned(),
-                value_type: elem_type,
-            })?;
             if elem_type == 9 {
-                return Err(FormatError::NestedArray {
-                    key: key.to_owned(),
-                });
+                return Err(FormatError::NestedArray { key: key.to_owned() });
             }
+            let min = min_value_size(elem_type)
+                .ok_or_else(|| FormatError::UnknownValueType { key: key.to_owned(), value_type: elem_type })?;
             let n = c.count("array element", min)?;
-            // Bounded by the file size through `count` above.
-            let mut items = Vec::with_capacity(n as usize);
-            for _ in 0..n {
-                items.push(read_value(c, key, elem_type, true)?);
-            }
-            Value::Array(items)
+            Value::Array(match elem_type {
+                0 => Array::U8(c.take(n, "u8 array")?.to_vec()),
+                1 => Array::I8(c.take(n, "i8 array")?.iter().map(|&b| b as i8).collect()),
+                2 => Array::U16(read_array(c, n, |c| Ok(u16::from_le_bytes(c.array("u16 value")?)))?),
+                3 => Array::I16(read_array(c, n, |c| Ok(i16::from_le_bytes(c.array("i16 value")?)))?),
+                4 => Array::U32(read_array(c, n, |c| c.u32("u32 value"))?),
+                5 => Array::I32(read_array(c, n, |c| Ok(i32::from_le_bytes(c.array("i32 value")?)))?),
+                6 => Array::F32(read_array(c, n, |c| Ok(f32::from_le_bytes(c.array("f32 value")?)))?),
+                7 => Array::Bool(c.take(n, "bool array")?.iter().map(|&b| b != 0).collect()),
+                8 => Array::String(read_array(c, n, |c| c.string("string value"))?),
+                10 => Array::U64(read_array(c, n, |c| c.u64("u64 value"))?),
+                11 => Array::I64(read_array(c, n, |c| Ok(i64::from_le_bytes(c.array("i64 value")?)))?),
+                _ => Array::F64(read_array(c, n, |c| Ok(f64::from_le_bytes(c.array("f64 value")?)))?),
+            })
         }
         10 => Value::U64(c.u64("u64 value")?),
         11 => Value::I64(i64::from_le_bytes(c.array("i64 value")?)),
         12 => Value::F64(f64::from_le_bytes(c.array("f64 value")?)),
-        other => {
-            return Err(FormatError::UnknownValueType {
-                key: key.to_owned(),
-                value_type: other,
-            })
-        }
+        other => return Err(FormatError::UnknownValueType { key: key.to_owned(), value_type: other }),
     })
 }
 
@@ -262,7 +319,7 @@ impl GgufFile {
         for _ in 0..n_kv {
             let key = c.string("metadata key")?;
             let value_type = c.u32("metadata value type")?;
-            let value = read_value(&mut c, &key, value_type, false)?;
+            let value = read_value(&mut c, &key, value_type)?;
             if metadata.insert(key.clone(), value).is_some() {
                 return Err(FormatError::DuplicateKey(key));
             }
@@ -301,10 +358,7 @@ impl GgufFile {
             let type_id = c.u32("tensor type")?;
             let ty = GgmlType::from_id(type_id)
                 .filter(|t| !matches!(t, GgmlType::Q8_1 | GgmlType::Q8_K))
-                .ok_or_else(|| FormatError::UnknownTensorType {
-                    name: name.clone(),
-                    type_id,
-                })?;
+                .ok_or_else(|| FormatError::UnknownTensorType { name: name.clone(), type_id })?;
             let offset = c.u64("tensor offset")?;
             let elements = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
             let row = dims.first().copied().unwrap_or(1);
@@ -315,31 +369,18 @@ impl GgufFile {
             let size = elements
                 .and_then(|e| (e / block).checked_mul(ty.type_size() as u64))
                 .filter(|&s| s <= b.len() as u64)
-                .ok_or_else(|| FormatError::TensorTooLarge {
-                    name: name.clone(),
-                    elements: format!("{dims:?}"),
-                })?;
+                .ok_or_else(|| FormatError::TensorTooLarge { name: name.clone(), elements: format!("{dims:?}") })?;
             if !names.insert(name.clone()) {
                 return Err(FormatError::DuplicateTensor(name));
             }
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                ty,
-                offset,
-                size,
-            });
+            tensors.push(TensorInfo { name, dims, ty, offset, size });
         }
 
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
         let data_len = (b.len() as u64).saturating_sub(data_start);
         for t in &tensors {
             if t.offset % alignment != 0 {
-                return Err(FormatError::MisalignedTensor {
-                    name: t.name.clone(),
-                    offset: t.offset,
-                    alignment,
-                });
+                return Err(FormatError::MisalignedTensor { name: t.name.clone(), offset: t.offset, alignment });
             }
             let end = t.offset.checked_add(t.size).filter(|&e| e <= data_len);
             if end.is_none() {
@@ -355,20 +396,10 @@ impl GgufFile {
         order.sort_by_key(|t| t.offset);
         for w in order.windows(2) {
             if w[0].offset + w[0].size > w[1].offset {
-                return Err(FormatError::OverlappingTensors {
-                    a: w[0].name.clone(),
-                    b: w[1].name.clone(),
-                });
+                return Err(FormatError::OverlappingTensors { a: w[0].name.clone(), b: w[1].name.clone() });
             }
         }
-        Ok(Self {
-            bytes: Arc::new(bytes),
-            version,
-            metadata,
-            tensors,
-            alignment,
-            data_start,
-        })
+        Ok(Self { bytes: Arc::new(bytes), version, metadata, tensors, alignment, data_start })
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
@@ -396,32 +427,19 @@ impl GgufFile {
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, FormatError> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| FormatError::MissingKey { key: key.into() })?;
-        v.as_str().ok_or(FormatError::WrongKeyType {
-            key: key.into(),
-            expected: "string",
-        })
+        let v = self.get(key).ok_or_else(|| FormatError::MissingKey { key: key.into() })?;
+        v.as_str().ok_or(FormatError::WrongKeyType { key: key.into(), expected: "string" })
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64, FormatError> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| FormatError::MissingKey { key: key.into() })?;
-        v.as_u64().ok_or(FormatError::WrongKeyType {
-            key: key.into(),
-            expected: "unsigned integer",
-        })
+        let v = self.get(key).ok_or_else(|| FormatError::MissingKey { key: key.into() })?;
+        v.as_u64().ok_or(FormatError::WrongKeyType { key: key.into(), expected: "unsigned integer" })
     }
 
     pub fn get_f64_opt(&self, key: &str) -> Result<Option<f64>, FormatError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or(FormatError::WrongKeyType {
-                key: key.into(),
-                expected: "number",
-            }),
+            Some(v) => v.as_f64().map(Some).ok_or(FormatError::WrongKeyType { key: key.into(), expected: "number" }),
         }
     }
 

@@ -59,25 +59,16 @@ pub struct HfModel {
 }
 
 fn bad(path: &Path, detail: impl Into<String>) -> FormatError {
-    FormatError::BadHfLayout {
-        path: path.display().to_string(),
-        detail: detail.into(),
-    }
+    FormatError::BadHfLayout { path: path.display().to_string(), detail: detail.into() }
 }
 
 /// Reads `dir/config.json`, maps every `*.safetensors` file and renames tensors to GGUF names.
 pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
     let cfg_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|source| FormatError::Io {
-        path: cfg_path.display().to_string(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(&cfg_path)
+        .map_err(|source| FormatError::Io { path: cfg_path.display().to_string(), source })?;
     let hf: HfConfig = serde_json::from_str(&text).map_err(|e| bad(&cfg_path, e.to_string()))?;
-    let kind = hf
-        .model_type
-        .clone()
-        .or_else(|| hf.architectures.first().cloned())
-        .unwrap_or_default();
+    let kind = hf.model_type.clone().or_else(|| hf.architectures.first().cloned()).unwrap_or_default();
     let arch = match kind.as_str() {
         "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
         "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
@@ -86,11 +77,7 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
     let rope_freq_scale = match &hf.rope_scaling {
         None | Some(serde_json::Value::Null) => 1.0,
         Some(v) => {
-            let ty = v
-                .get("rope_type")
-                .or_else(|| v.get("type"))
-                .and_then(|t| t.as_str())
-                .unwrap_or("");
+            let ty = v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("");
             let factor = v.get("factor").and_then(|f| f.as_f64()).unwrap_or(1.0);
             match ty {
                 "linear" if factor > 0.0 => (1.0 / factor) as f32,
@@ -105,11 +92,7 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
         }
     };
     let n_heads = hf.num_attention_heads;
-    let head_dim = hf.head_dim.unwrap_or(if n_heads > 0 {
-        hf.hidden_size / n_heads
-    } else {
-        0
-    });
+    let head_dim = hf.head_dim.unwrap_or(if n_heads > 0 { hf.hidden_size / n_heads } else { 0 });
     let config = ModelConfig {
         arch,
         n_layers: hf.num_hidden_layers,
@@ -129,10 +112,7 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
     config.validate()?;
 
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|source| FormatError::Io {
-            path: dir.display().to_string(),
-            source,
-        })?
+        .map_err(|source| FormatError::Io { path: dir.display().to_string(), source })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
@@ -143,40 +123,21 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
     let mut tensors = TensorMap::new();
     for path in &files {
         let bytes = Arc::new(ModelBytes::map(path)?);
-        let st_err = |detail: String| FormatError::Safetensors {
-            path: path.display().to_string(),
-            detail,
-        };
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
+        let st_err = |detail: String| FormatError::Safetensors { path: path.display().to_string(), detail };
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
         let base = bytes.as_ptr() as usize;
         for (name, view) in st.tensors() {
             let ty = match view.dtype() {
                 safetensors::Dtype::F32 => GgmlType::F32,
                 safetensors::Dtype::F16 => GgmlType::F16,
                 safetensors::Dtype::BF16 => GgmlType::BF16,
-                other => {
-                    return Err(st_err(format!(
-                        "tensor {name:?} has unsupported dtype {other:?}"
-                    )))
-                }
+                other => return Err(st_err(format!("tensor {name:?} has unsupported dtype {other:?}"))),
             };
             let start = view.data().as_ptr() as usize - base;
             let range = start..start + view.data().len();
             let dims: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
             if let Some(gguf_name) = gguf_name(&name) {
-                if tensors
-                    .insert(
-                        gguf_name.clone(),
-                        TensorRef {
-                            ty,
-                            dims,
-                            file: bytes.clone(),
-                            range,
-                        },
-                    )
-                    .is_some()
-                {
+                if tensors.insert(gguf_name.clone(), TensorRef { ty, dims, file: bytes.clone(), range }).is_some() {
                     return Err(FormatError::DuplicateTensor(gguf_name));
                 }
             }
@@ -189,21 +150,9 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
     let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| {
-            v.get("chat_template")
-                .and_then(|c| c.as_str())
-                .map(str::to_owned)
-        });
-    let tie_word_embeddings = hf
-        .tie_word_embeddings
-        .unwrap_or(!tensors.contains_key("output.weight"));
-    Ok(HfModel {
-        config,
-        tensors,
-        tokenizer_json,
-        chat_template,
-        tie_word_embeddings,
-    })
+        .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_owned));
+    let tie_word_embeddings = hf.tie_word_embeddings.unwrap_or(!tensors.contains_key("output.weight"));
+    Ok(HfModel { config, tensors, tokenizer_json, chat_template, tie_word_embeddings })
 }
 
 /// Maps an HF tensor name to its GGUF name; `None` for tensors the engine does not use

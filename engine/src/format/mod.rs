@@ -20,10 +20,7 @@ pub enum ModelBytes {
 impl ModelBytes {
     /// Memory-maps a file read-only.
     pub fn map(path: &Path) -> Result<Self, FormatError> {
-        let io = |source| FormatError::Io {
-            path: path.display().to_string(),
-            source,
-        };
+        let io = |source| FormatError::Io { path: path.display().to_string(), source };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the map is read-only and private to this process. Model files are installed
         // by the system and are not modified while in use; if one were truncated underneath

@@ -64,10 +64,8 @@ impl ModelConfig {
         let k = |s: &str| format!("{arch_name}.{s}");
         let usize_key = |s: &str| -> Result<usize, FormatError> {
             let v = g.get_u64(&k(s))?;
-            usize::try_from(v).map_err(|_| FormatError::BadHyperParameter {
-                what: "size",
-                detail: format!("{} = {v}", k(s)),
-            })
+            usize::try_from(v)
+                .map_err(|_| FormatError::BadHyperParameter { what: "size", detail: format!("{} = {v}", k(s)) })
         };
         let n_layers = usize_key("block_count")?;
         let d_model = usize_key("embedding_length")?;
@@ -102,16 +100,10 @@ impl ModelConfig {
                 })
             }
         };
-        let norm_eps = g
-            .get_f64_opt(&k("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-5) as f32;
+        let norm_eps = g.get_f64_opt(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5) as f32;
         let vocab_size = match g.get_u64_opt(&k("vocab_size"))? {
             Some(v) => v as usize,
-            None => g
-                .get("tokenizer.ggml.tokens")
-                .and_then(|v| v.as_array())
-                .map(|a| a.len())
-                .unwrap_or(0),
+            None => g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()).unwrap_or(0),
         };
         let c = Self {
             arch,
@@ -137,10 +129,7 @@ impl ModelConfig {
     pub fn validate(&self) -> Result<(), FormatError> {
         let bad = |what, detail: String| Err(FormatError::BadHyperParameter { what, detail });
         if self.n_layers == 0 || self.n_layers > MAX_LAYERS {
-            return bad(
-                "block_count",
-                format!("{} (1..={MAX_LAYERS})", self.n_layers),
-            );
+            return bad("block_count", format!("{} (1..={MAX_LAYERS})", self.n_layers));
         }
         for (what, v) in [
             ("embedding_length", self.d_model),
@@ -153,22 +142,13 @@ impl ModelConfig {
             }
         }
         if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
-            return bad(
-                "head_count",
-                format!("{} query heads, {} KV heads", self.n_heads, self.n_kv_heads),
-            );
+            return bad("head_count", format!("{} query heads, {} KV heads", self.n_heads, self.n_kv_heads));
         }
         if self.rope_dims == 0 || self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
-            return bad(
-                "rope.dimension_count",
-                format!("{} for head size {}", self.rope_dims, self.head_dim),
-            );
+            return bad("rope.dimension_count", format!("{} for head size {}", self.rope_dims, self.head_dim));
         }
         if self.context_length == 0 || self.context_length > MAX_CONTEXT {
-            return bad(
-                "context_length",
-                format!("{} (1..={MAX_CONTEXT})", self.context_length),
-            );
+            return bad("context_length", format!("{} (1..={MAX_CONTEXT})", self.context_length));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return bad("rope.freq_base", format!("{}", self.rope_theta));

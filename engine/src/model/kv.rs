@@ -11,12 +11,7 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(n_layers: usize, kv_dim: usize) -> Self {
-        Self {
-            kv_dim,
-            len: 0,
-            k: vec![Vec::new(); n_layers],
-            v: vec![Vec::new(); n_layers],
-        }
+        Self { kv_dim, len: 0, k: vec![Vec::new(); n_layers], v: vec![Vec::new(); n_layers] }
     }
 
     /// Positions held.

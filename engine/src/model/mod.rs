@@ -29,11 +29,7 @@ pub struct Transformer {
 
 impl Transformer {
     pub fn new(config: ModelConfig, weights: ModelWeights, planner: Planner) -> Self {
-        Self {
-            config,
-            weights,
-            planner,
-        }
+        Self { config, weights, planner }
     }
 
     pub fn planner(&self) -> &Planner {
@@ -45,32 +41,19 @@ impl Transformer {
     }
 
     fn matmul(&self, w: &WeightMatrix, x: &[f32], n: usize) -> Result<Vec<f32>, BackendError> {
-        let op = OpDesc {
-            kind: OpKind::MatMul,
-            weight_type: Some(w.ty),
-            n_tokens: n,
-        };
+        let op = OpDesc { kind: OpKind::MatMul, weight_type: Some(w.ty), n_tokens: n };
         let mut out = vec![0f32; n * w.rows];
         self.planner.place(&op)?.matmul(w, x, n, &mut out)?;
         Ok(out)
     }
 
     fn op(&self, kind: OpKind, n: usize) -> Result<&dyn crate::backend::Backend, BackendError> {
-        self.planner.place(&OpDesc {
-            kind,
-            weight_type: None,
-            n_tokens: n,
-        })
+        self.planner.place(&OpDesc { kind, weight_type: None, n_tokens: n })
     }
 
     /// Runs `tokens` at the positions after what `kv` holds, appends their keys and values, and
     /// returns logits (`vocab` per returned token).
-    pub fn forward(
-        &self,
-        kv: &mut KvCache,
-        tokens: &[u32],
-        which: Logits,
-    ) -> Result<Vec<f32>, BackendError> {
+    pub fn forward(&self, kv: &mut KvCache, tokens: &[u32], which: Logits) -> Result<Vec<f32>, BackendError> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 {
@@ -80,22 +63,14 @@ impl Transformer {
         if start + n > c.context_length {
             return Err(BackendError::Shape {
                 op: "forward",
-                detail: format!(
-                    "{} positions exceed the context of {}",
-                    start + n,
-                    c.context_length
-                ),
+                detail: format!("{} positions exceed the context of {}", start + n, c.context_length),
             });
         }
         let d = c.d_model;
         let w = &self.weights;
         let mut x = vec![0f32; n * d];
         self.planner
-            .place(&OpDesc {
-                kind: OpKind::GetRows,
-                weight_type: Some(w.token_embd.ty),
-                n_tokens: n,
-            })?
+            .place(&OpDesc { kind: OpKind::GetRows, weight_type: Some(w.token_embd.ty), n_tokens: n })?
             .get_rows(&w.token_embd, tokens, &mut x)?;
         let positions: Vec<usize> = (start..start + n).collect();
         let rope = |heads| RopeParams {
@@ -106,17 +81,11 @@ impl Transformer {
             freq_scale: c.rope_freq_scale,
             style: c.rope_style,
         };
-        let attn_shape = AttentionShape {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-            start,
-            n_tokens: n,
-        };
+        let attn_shape =
+            AttentionShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, start, n_tokens: n };
         for (li, l) in w.layers.iter().enumerate() {
             let mut h = x.clone();
-            self.op(OpKind::RmsNorm, n)?
-                .rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
+            self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
             let mut q = self.matmul(&l.wq, &h, n)?;
             let mut k = self.matmul(&l.wk, &h, n)?;
             let mut v = self.matmul(&l.wv, &h, n)?;
@@ -128,29 +97,17 @@ impl Transformer {
                 }
             }
             let rope_op = self.op(OpKind::Rope, n)?;
-            rope_op.rope(
-                &mut q,
-                &positions,
-                &rope(c.n_heads),
-                w.rope_freqs.as_deref(),
-            )?;
-            rope_op.rope(
-                &mut k,
-                &positions,
-                &rope(c.n_kv_heads),
-                w.rope_freqs.as_deref(),
-            )?;
+            rope_op.rope(&mut q, &positions, &rope(c.n_heads), w.rope_freqs.as_deref())?;
+            rope_op.rope(&mut k, &positions, &rope(c.n_kv_heads), w.rope_freqs.as_deref())?;
             kv.append(li, &k, &v);
             let (kc, vc) = kv.layer(li);
             let mut attn = vec![0f32; n * c.q_dim()];
-            self.op(OpKind::Attention, n)?
-                .attention(&attn_shape, &q, kc, vc, &mut attn)?;
+            self.op(OpKind::Attention, n)?.attention(&attn_shape, &q, kc, vc, &mut attn)?;
             let o = self.matmul(&l.wo, &attn, n)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
             let mut h = x.clone();
-            self.op(OpKind::RmsNorm, n)?
-                .rms_norm(&mut h, &l.ffn_norm, c.norm_eps)?;
+            self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.ffn_norm, c.norm_eps)?;
             let mut g = self.matmul(&l.w_gate, &h, n)?;
             let u = self.matmul(&l.w_up, &h, n)?;
             self.op(OpKind::SwiGlu, n)?.swiglu(&mut g, &u)?;
@@ -162,8 +119,7 @@ impl Transformer {
             Logits::Last => (x[(n - 1) * d..].to_vec(), 1),
             Logits::All => (x, n),
         };
-        self.op(OpKind::RmsNorm, rows)?
-            .rms_norm(&mut last, &w.output_norm, c.norm_eps)?;
+        self.op(OpKind::RmsNorm, rows)?.rms_norm(&mut last, &w.output_norm, c.norm_eps)?;
         self.matmul(&w.output, &last, rows)
     }
 }

@@ -63,20 +63,14 @@ struct Loader<'a> {
 
 impl Loader<'_> {
     fn get(&self, name: &str) -> Result<&TensorRef, FormatError> {
-        self.t
-            .get(name)
-            .ok_or_else(|| FormatError::MissingTensor(name.to_owned()))
+        self.t.get(name).ok_or_else(|| FormatError::MissingTensor(name.to_owned()))
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<WeightMatrix, FormatError> {
         let t = self.get(name)?;
         let expected = vec![cols as u64, rows as u64];
         if t.dims != expected {
-            return Err(FormatError::ShapeMismatch {
-                name: name.into(),
-                found: t.dims.clone(),
-                expected,
-            });
+            return Err(FormatError::ShapeMismatch { name: name.into(), found: t.dims.clone(), expected });
         }
         let need = t.ty.row_bytes(cols).and_then(|r| r.checked_mul(rows));
         if need != Some(t.range.len()) {
@@ -86,20 +80,12 @@ impl Loader<'_> {
                 block: t.ty.block_size() as u64,
             });
         }
-        Ok(WeightMatrix {
-            name: name.into(),
-            ty: t.ty,
-            rows,
-            cols,
-            tensor: t.clone(),
-        })
+        Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone() })
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, FormatError> {
         let t = self.get(name)?;
-        if t.dims.iter().product::<u64>() != len as u64
-            || t.dims.iter().filter(|&&d| d != 1).count() > 1
-        {
+        if t.dims.iter().product::<u64>() != len as u64 || t.dims.iter().filter(|&&d| d != 1).count() > 1 {
             return Err(FormatError::ShapeMismatch {
                 name: name.into(),
                 found: t.dims.clone(),
@@ -107,12 +93,8 @@ impl Loader<'_> {
             });
         }
         let mut out = vec![0f32; len];
-        quant::dequantize_row(t.ty, t.bytes(), &mut out).map_err(|e| {
-            FormatError::BadHyperParameter {
-                what: "tensor",
-                detail: format!("{name}: {e}"),
-            }
-        })?;
+        quant::dequantize_row(t.ty, t.bytes(), &mut out)
+            .map_err(|e| FormatError::BadHyperParameter { what: "tensor", detail: format!("{name}: {e}") })?;
         Ok(out)
     }
 
@@ -134,10 +116,7 @@ impl ModelWeights {
         let output = if tensors.contains_key("output.weight") {
             l.matrix("output.weight", c.vocab_size, d)?
         } else {
-            WeightMatrix {
-                name: "output.weight (tied to token_embd.weight)".into(),
-                ..token_embd.clone()
-            }
+            WeightMatrix { name: "output.weight (tied to token_embd.weight)".into(), ..token_embd.clone() }
         };
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
@@ -186,10 +165,7 @@ impl ModelWeights {
                     .sum::<usize>()
             })
             .sum();
-        let tied = std::ptr::eq(
-            self.output.bytes().as_ptr(),
-            self.token_embd.bytes().as_ptr(),
-        );
+        let tied = std::ptr::eq(self.output.bytes().as_ptr(), self.token_embd.bytes().as_ptr());
         layer + self.token_embd.size_bytes() + if tied { 0 } else { self.output.size_bytes() }
     }
 }

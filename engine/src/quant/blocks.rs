@@ -24,10 +24,7 @@ fn check_row(op: &'static str, ty: GgmlType, n: usize, bytes: usize) -> Result<(
             op,
             detail: format!("{ty} row of {n} elements needs {expected} bytes, got {bytes}"),
         }),
-        None => Err(BackendError::Shape {
-            op,
-            detail: format!("{n} elements is not a whole number of {ty} blocks"),
-        }),
+        None => Err(BackendError::Shape { op, detail: format!("{n} elements is not a whole number of {ty} blocks") }),
     }
 }
 
@@ -37,10 +34,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        (
-            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
 }
 
@@ -69,11 +63,8 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), B
                 }
             }
             GgmlType::Q5_0 | GgmlType::Q5_1 => {
-                let (d, m, qh_at) = if ty == GgmlType::Q5_0 {
-                    (f16_at(b, 0), 0.0, 2)
-                } else {
-                    (f16_at(b, 0), f16_at(b, 2), 4)
-                };
+                let (d, m, qh_at) =
+                    if ty == GgmlType::Q5_0 { (f16_at(b, 0), 0.0, 2) } else { (f16_at(b, 0), f16_at(b, 2), 4) };
                 let qh = u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
                 let qs = &b[qh_at + 4..qh_at + 20];
                 let offset = if ty == GgmlType::Q5_0 { 16 } else { 0 };
@@ -210,10 +201,7 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<(), Backe
                     b[4 + j] = q as i8 as u8;
                 }
                 for g in 0..16 {
-                    let s: i16 = b[4 + 16 * g..4 + 16 * g + 16]
-                        .iter()
-                        .map(|&q| q as i8 as i16)
-                        .sum();
+                    let s: i16 = b[4 + 16 * g..4 + 16 * g + 16].iter().map(|&q| q as i8 as i16).sum();
                     b[260 + 2 * g..262 + 2 * g].copy_from_slice(&s.to_le_bytes());
                 }
                 b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
@@ -245,8 +233,7 @@ pub fn vec_dot(wty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> Result<f32, Backe
 pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU supports AVX2 and FMA, checked just above.
             return unsafe { vec_dot_avx2_fma(wty, w, a) };
         }
@@ -321,11 +308,7 @@ fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
             lanes.sum() + summs
         }
         GgmlType::Q5_0 | GgmlType::Q5_1 => {
-            let (qh_at, a_at, offset) = if wty == GgmlType::Q5_0 {
-                (2, 2, 16)
-            } else {
-                (4, 4, 0)
-            };
+            let (qh_at, a_at, offset) = if wty == GgmlType::Q5_0 { (2, 2, 16) } else { (4, 4, 0) };
             let mut summs = 0f32;
             for (w, a) in wb.zip(ab) {
                 if wty == GgmlType::Q5_1 {
@@ -337,8 +320,7 @@ fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
                     let xh0 = (((qh >> j) << 4) & 0x10) as i32;
                     let xh1 = ((qh >> (j + 12)) & 0x10) as i32;
                     prod[j] = (((qs[j] & 0xF) as i32 | xh0) - offset) * a[a_at + j] as i8 as i32;
-                    prod[j + 16] =
-                        (((qs[j] >> 4) as i32 | xh1) - offset) * a[a_at + 16 + j] as i8 as i32;
+                    prod[j + 16] = (((qs[j] >> 4) as i32 | xh1) - offset) * a[a_at + 16 + j] as i8 as i32;
                 }
                 lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
             }
@@ -393,11 +375,7 @@ fn dot_q45k_q8k(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     let (d, dmin) = (f16_at(w, 0), f16_at(w, 2));
     let d8 = f32_at(a, 0);
     let scales = &w[4..16];
-    let (qh, ql) = if wty == GgmlType::Q5_K {
-        (&w[16..48], &w[48..176])
-    } else {
-        (&w[0..0], &w[16..144])
-    };
+    let (qh, ql) = if wty == GgmlType::Q5_K { (&w[16..48], &w[48..176]) } else { (&w[0..0], &w[16..144]) };
     let aq = &a[4..260];
     let (mut sumi, mut summ) = (0i32, 0i32);
     for g in 0..4 {
@@ -416,21 +394,14 @@ fn dot_q45k_q8k(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
         let (sc2, m2) = scale_min_k4(2 * g + 1, scales);
         sumi += sc1 as i32 * s_lo + sc2 as i32 * s_hi;
         let bsum = |k: usize| i16::from_le_bytes([a[260 + 2 * k], a[261 + 2 * k]]) as i32;
-        summ += m1 as i32 * (bsum(4 * g) + bsum(4 * g + 1))
-            + m2 as i32 * (bsum(4 * g + 2) + bsum(4 * g + 3));
+        summ += m1 as i32 * (bsum(4 * g) + bsum(4 * g + 1)) + m2 as i32 * (bsum(4 * g + 2) + bsum(4 * g + 3));
     }
     d8 * (d * sumi as f32 - dmin * summ as f32)
 }
 
 /// Float dot product with eight independent accumulators (as a SIMD register would hold).
 #[inline(always)]
-fn dot_floats(
-    w: &[u8],
-    a: &[u8],
-    size: usize,
-    cw: impl Fn(&[u8]) -> f32,
-    ca: impl Fn(&[u8]) -> f32,
-) -> f32 {
+fn dot_floats(w: &[u8], a: &[u8], size: usize, cw: impl Fn(&[u8]) -> f32, ca: impl Fn(&[u8]) -> f32) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut wi = w.chunks_exact(size);
     let mut ai = a.chunks_exact(size);
