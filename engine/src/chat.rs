@@ -77,3 +77,41 @@ impl ChatTemplate {
         .map_err(|e| ChatTemplateError::Render(e.to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_renders_with_generation_prompt() {
+        let t = ChatTemplate::builtin("chatml").expect("builtin");
+        let out = t
+            .render(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")], true, "", "")
+            .expect("renders");
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn llama3_renders_bos_and_headers() {
+        let t = ChatTemplate::builtin("llama3").expect("builtin");
+        let out =
+            t.render(&[ChatMessage::new("user", " Hi ")], true, "<|begin_of_text|>", "<|eot_id|>").expect("renders");
+        assert_eq!(out, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+    }
+
+    #[test]
+    fn template_errors_are_typed() {
+        assert!(matches!(ChatTemplate::new("{% for %}"), Err(ChatTemplateError::Compile(_))));
+        let t = ChatTemplate::new("{{ raise_exception('only user messages') }}").expect("compiles");
+        match t.render(&[], true, "", "") {
+            Err(ChatTemplateError::Render(m)) => assert!(m.contains("only user messages"), "{m}"),
+            other => panic!("expected a render error, got {other:?}"),
+        }
+        // Python string methods used by HF templates work.
+        let t = ChatTemplate::new("{{ messages[0]['content'].strip().upper() }}").expect("compiles");
+        assert_eq!(t.render(&[ChatMessage::new("user", " hi ")], false, "", "").expect("renders"), "HI");
+    }
+}

@@ -271,3 +271,51 @@ impl Model {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_character_split_across_tokens_is_held_until_whole() {
+        let mut s = TextStream::new(vec![]);
+        let euro = "€".as_bytes(); // 3 bytes
+        assert_eq!(s.push(&euro[..1]), (String::new(), false));
+        assert_eq!(s.push(&euro[1..2]), (String::new(), false));
+        assert_eq!(s.push(&euro[2..]), ("€".to_owned(), false));
+        let emoji = "🎉x".as_bytes();
+        assert_eq!(s.push(&emoji[..2]), (String::new(), false));
+        assert_eq!(s.push(&emoji[2..]), ("🎉x".to_owned(), false));
+        assert_eq!(s.finish(), "");
+    }
+
+    #[test]
+    fn invalid_bytes_become_replacement_characters() {
+        let mut s = TextStream::new(vec![]);
+        assert_eq!(s.push(&[b'a', 0xff, b'b']), ("a\u{FFFD}b".to_owned(), false));
+        // An incomplete character at the very end is replaced when the stream finishes.
+        assert_eq!(s.push(&[0xe2, 0x82]), (String::new(), false));
+        assert_eq!(s.finish(), "\u{FFFD}");
+    }
+
+    #[test]
+    fn stop_sequences_are_cut_even_across_tokens() {
+        let mut s = TextStream::new(vec!["STOP".into(), "\n\n".into()]);
+        assert_eq!(s.push(b"hello ST"), ("hello ".to_owned(), false));
+        assert_eq!(s.push(b"O"), (String::new(), false));
+        assert_eq!(s.push(b"P and more"), (String::new(), true));
+        let mut s = TextStream::new(vec!["STOP".into()]);
+        assert_eq!(s.push(b"ST"), (String::new(), false));
+        assert_eq!(s.push(b"AR"), ("STAR".to_owned(), false));
+        let mut s = TextStream::new(vec!["\n\n".into()]);
+        assert_eq!(s.push(b"line\n"), ("line".to_owned(), false));
+        assert_eq!(s.push(b"\nnext"), (String::new(), true));
+    }
+
+    #[test]
+    fn suffix_prefix_respects_char_boundaries() {
+        assert_eq!(longest_suffix_prefix("abcé", "éx"), "é".len());
+        assert_eq!(longest_suffix_prefix("abc", "xyz"), 0);
+        assert_eq!(longest_suffix_prefix("ab", "b"), 0, "a whole match is not a prefix to hold");
+    }
+}

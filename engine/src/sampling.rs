@@ -151,3 +151,89 @@ fn softmax(cand: &[(u32, f32)], temperature: f32) -> Vec<f32> {
     e.iter_mut().for_each(|x| *x /= sum);
     e
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        vec![1.0, 3.0, 2.5, -1.0, 0.0, 2.9]
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        let mut s = Sampler::new(SamplingParams::greedy()).expect("valid");
+        assert_eq!(s.sample(&mut logits(), &[]), 1);
+        assert_eq!(argmax(&[0.5, 2.0, 2.0]), 1);
+    }
+
+    #[test]
+    fn invalid_parameters_are_rejected() {
+        for p in [
+            SamplingParams { temperature: -1.0, ..Default::default() },
+            SamplingParams { temperature: f32::NAN, ..Default::default() },
+            SamplingParams { temperature: 1e9, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { top_p: 1.5, ..Default::default() },
+            SamplingParams { min_p: -0.1, ..Default::default() },
+            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+            SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() },
+        ] {
+            assert!(Sampler::new(p.clone()).is_err(), "{p:?} accepted");
+        }
+    }
+
+    #[test]
+    fn a_seed_reproduces_a_run_and_another_seed_differs() {
+        let params =
+            |seed| SamplingParams { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, seed, ..Default::default() };
+        let run = |seed| {
+            let mut s = Sampler::new(params(seed)).expect("valid");
+            (0..64).map(|_| s.sample(&mut logits(), &[])).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_filters_hold() {
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() }).expect("valid");
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut logits(), &[]), 1);
+        }
+        // min_p = 0.5 keeps tokens with p ≥ 0.5·p_max: logits ≥ 3 + ln 0.5 ≈ 2.31 → ids 1, 2, 5.
+        let mut s =
+            Sampler::new(SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.5, ..Default::default() })
+                .expect("valid");
+        for _ in 0..200 {
+            assert!([1, 2, 5].contains(&s.sample(&mut logits(), &[])));
+        }
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_the_softmax() {
+        // Two tokens with logits 0 and ln 3: probabilities 1/4 and 3/4.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 1,
+            ..Default::default()
+        })
+        .expect("valid");
+        let n = 20_000;
+        let ones = (0..n).filter(|_| s.sample(&mut vec![0.0, 3f32.ln()], &[]) == 1).count();
+        let p = ones as f64 / n as f64;
+        // Binomial standard deviation at n = 20000 is ~0.003; allow 5 of them.
+        assert!((p - 0.75).abs() < 0.015, "p = {p}");
+    }
+
+    #[test]
+    fn repetition_penalty_discourages_recent_tokens() {
+        let mut s =
+            Sampler::new(SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() }).expect("valid");
+        // Token 1 (3.0) is penalised to 1.5, so 5 (2.9) wins.
+        assert_eq!(s.sample(&mut logits(), &[1]), 5);
+    }
+}

@@ -256,3 +256,110 @@ impl Backend for CpuBackend {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{ModelBytes, TensorRef};
+    use std::sync::Arc;
+
+    /// f16 rounding of queries, keys, values and softmax weights: ~2^-11 relative each.
+    const ATTENTION_TOL: f32 = 5e-3;
+
+    fn det(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    fn rope(style: RopeStyle) -> RopeParams {
+        RopeParams { n_heads: 2, head_dim: 8, rope_dims: 8, theta: 10000.0, freq_scale: 1.0, style }
+    }
+
+    #[test]
+    fn interleaved_rope_on_gguf_permuted_rows_equals_neox_rope() {
+        // GGUF's converter reorders each head's rows so that pair (2i, 2i+1) holds HF's (i, i+d/2).
+        let cpu = CpuBackend::new(1);
+        let hd = 8;
+        let x = det(2 * hd, 3);
+        let permute = |v: &[f32]| -> Vec<f32> {
+            let mut out = vec![0f32; v.len()];
+            for h in 0..2 {
+                for i in 0..hd / 2 {
+                    out[h * hd + 2 * i] = v[h * hd + i];
+                    out[h * hd + 2 * i + 1] = v[h * hd + i + hd / 2];
+                }
+            }
+            out
+        };
+        for pos in [0usize, 1, 7, 1000] {
+            let mut neox = x.clone();
+            cpu.rope(&mut neox, &[pos], &rope(RopeStyle::Neox), None).expect("rope");
+            let mut inter = permute(&x);
+            cpu.rope(&mut inter, &[pos], &rope(RopeStyle::Interleaved), None).expect("rope");
+            assert_eq!(inter, permute(&neox), "position {pos}");
+        }
+    }
+
+    #[test]
+    fn attention_matches_a_float64_reference() {
+        let cpu = CpuBackend::new(2);
+        let (n_heads, n_kv, hd, start, n) = (4, 2, 16, 5, 3);
+        let total = start + n;
+        let q = det(n * n_heads * hd, 1);
+        let k: Vec<f16> = det(total * n_kv * hd, 2).into_iter().map(f16::from_f32).collect();
+        let v: Vec<f16> = det(total * n_kv * hd, 3).into_iter().map(f16::from_f32).collect();
+        let mut out = vec![0f32; q.len()];
+        let s = AttentionShape { n_heads, n_kv_heads: n_kv, head_dim: hd, start, n_tokens: n };
+        cpu.attention(&s, &q, &k, &v, &mut out).expect("attention");
+        for t in 0..n {
+            for h in 0..n_heads {
+                let kvh = h / (n_heads / n_kv);
+                let ctx = start + t + 1;
+                let scores: Vec<f64> = (0..ctx)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| q[(t * n_heads + h) * hd + d] as f64 * k[(j * n_kv + kvh) * hd + d].to_f64())
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for d in 0..hd {
+                    let want: f64 =
+                        (0..ctx).map(|j| (scores[j] - m).exp() / z * v[(j * n_kv + kvh) * hd + d].to_f64()).sum();
+                    let got = out[(t * n_heads + h) * hd + d];
+                    assert!((got as f64 - want).abs() <= ATTENTION_TOL as f64, "t{t} h{h} d{d}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batched_matmul_equals_one_token_at_a_time() {
+        let cpu = CpuBackend::new(2);
+        let (rows, cols, n) = (70, 64, 5);
+        let mut raw = vec![0u8; rows * GgmlType::Q8_0.row_bytes(cols).expect("blocks")];
+        for (r, chunk) in raw.chunks_exact_mut(GgmlType::Q8_0.row_bytes(cols).expect("blocks")).enumerate() {
+            quant::quantize_row(GgmlType::Q8_0, &det(cols, r as u32), chunk).expect("quantize");
+        }
+        let len = raw.len();
+        let tensor = TensorRef {
+            ty: GgmlType::Q8_0,
+            dims: vec![cols as u64, rows as u64],
+            file: Arc::new(ModelBytes::Owned(raw)),
+            range: 0..len,
+        };
+        let w = WeightMatrix::from_tensor("w", rows, cols, tensor);
+        let x = det(n * cols, 99);
+        let mut batched = vec![0f32; n * rows];
+        cpu.matmul(&w, &x, n, &mut batched).expect("matmul");
+        for t in 0..n {
+            let mut one = vec![0f32; rows];
+            cpu.matmul(&w, &x[t * cols..(t + 1) * cols], 1, &mut one).expect("matmul");
+            assert_eq!(&batched[t * rows..(t + 1) * rows], &one[..], "token {t}");
+        }
+        assert!(cpu.matmul(&w, &x, n + 1, &mut batched).is_err(), "shape mismatch is an error");
+    }
+}

@@ -16,6 +16,11 @@ pub struct WeightMatrix {
 }
 
 impl WeightMatrix {
+    /// Wraps a tensor already checked to hold `rows` × `cols` elements of its type.
+    pub fn from_tensor(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
+        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor }
+    }
+
     pub fn row_bytes(&self) -> usize {
         self.tensor.range.len() / self.rows.max(1)
     }
