@@ -29,6 +29,8 @@ const TOKEN_TYPE_BYTE: i64 = 6;
 pub struct Tokenizer {
     /// Splits special (control) tokens out of the text.
     full: tokenizers::Tokenizer,
+    /// The `tokenizer.json` document this tokenizer was built from.
+    hf_json: String,
     /// Treats special-token text as plain text (user-defined tokens are still matched).
     plain: tokenizers::Tokenizer,
     /// The bytes each token stands for when decoded (empty for control tokens).
@@ -267,7 +269,8 @@ impl Tokenizer {
         add_bos: bool,
         eog: Vec<u32>,
     ) -> Result<Self, TokenizerError> {
-        let full = tokenizers::Tokenizer::from_str(&doc.to_string()).map_err(tok_err)?;
+        let hf_json = doc.to_string();
+        let full = tokenizers::Tokenizer::from_str(&hf_json).map_err(tok_err)?;
         let mut plain_doc = doc;
         if let Some(Json::Array(added)) = plain_doc.get_mut("added_tokens") {
             added.retain(|t| t.get("special").and_then(|s| s.as_bool()) == Some(false));
@@ -277,7 +280,12 @@ impl Tokenizer {
         let plain = tokenizers::Tokenizer::from_str(&plain_doc.to_string()).map_err(tok_err)?;
         let mut full = full;
         full.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
-        Ok(Self { full, plain, pieces, texts, bos, eos, add_bos, eog })
+        Ok(Self { full, hf_json, plain, pieces, texts, bos, eos, add_bos, eog })
+    }
+
+    /// This tokenizer as an HF `tokenizer.json` document (e.g. to export a GGUF model's).
+    pub fn hf_json(&self) -> &str {
+        &self.hf_json
     }
 
     pub fn vocab_size(&self) -> usize {
