@@ -29,19 +29,19 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_NEW_TOKENS as u64))]
     pub max_tokens: u64,
     /// Sampling temperature; 0 picks the most likely token (greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Sample from the K most likely tokens only (0 = no limit).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
     /// Sample from the smallest set of tokens whose probability reaches P.
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than P times the most likely one.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Penalise recently generated tokens (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
     /// Random seed; the same seed and parameters give the same text.
     #[arg(long, default_value_t = 0)]
@@ -116,7 +116,10 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
             return Err(format!("writing to standard output: {e}"));
         }
     }
-    let _ = writeln!(out);
+    // Keep a shell prompt off the last line, but write only the generated text into pipes.
+    if std::io::IsTerminal::is_terminal(&out) {
+        let _ = writeln!(out);
+    }
     eprintln!(
         "load {:.2} s | prompt {} tokens, {:.1} tok/s | generation {} tokens, {:.1} tok/s | first token {:.0} ms | finish {:?}",
         load_time.as_secs_f64(),

@@ -1,0 +1,114 @@
+//! `llmctl run --local` as a user runs it: the real binary, the real default model.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn model() -> PathBuf {
+    let p = std::env::var_os("LLMD_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
+    p
+}
+
+fn llmctl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_llmctl")).args(args).stdin(Stdio::null()).output().expect("llmctl runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Greedy text of the golden prompt "capital" for its first 8 tokens, as llama.cpp decodes them
+/// (tests/golden/smollm2.json: ids 7042 30 198 198 504 1797 1918 553).
+const CAPITAL_8: &str = " Paris.\n\nThe United States has";
+
+#[test]
+fn run_local_prints_only_the_generated_text_and_rates_on_stderr() {
+    let m = model();
+    let o = llmctl(&[
+        "run",
+        "--local",
+        "--model",
+        m.to_str().expect("utf-8 path"),
+        "--max-tokens",
+        "8",
+        "The capital of France is",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), CAPITAL_8);
+    let e = stderr(&o);
+    assert!(e.contains("prompt 5 tokens") && e.contains("generation 8 tokens") && e.contains("tok/s"), "{e}");
+}
+
+#[test]
+fn chat_mode_streams_a_reply_and_stops_at_end_of_turn() {
+    let m = model();
+    let o = llmctl(&[
+        "run",
+        "--local",
+        "--model",
+        m.to_str().expect("utf-8 path"),
+        "--chat",
+        "--max-tokens",
+        "64",
+        "Say hello.",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8(o.stdout).expect("utf-8");
+    assert!(!text.trim().is_empty());
+    assert!(!text.contains("<|im_end|>") && !text.contains("<|im_start|>"), "control tokens leaked: {text:?}");
+}
+
+#[test]
+fn sampling_with_a_seed_is_reproducible() {
+    let m = model();
+    let args = [
+        "run",
+        "--local",
+        "--model",
+        m.to_str().expect("utf-8 path"),
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "42",
+        "Once upon a time",
+    ];
+    let a = llmctl(&args);
+    let b = llmctl(&args);
+    assert!(a.status.success(), "{}", stderr(&a));
+    assert_eq!(a.stdout, b.stdout);
+}
+
+#[test]
+fn bad_input_exits_non_zero_with_a_one_line_reason() {
+    let m = model();
+    let m = m.to_str().expect("utf-8 path");
+    let garbage = std::env::temp_dir().join(format!("llmd-garbage-{}.gguf", std::process::id()));
+    std::fs::write(&garbage, b"GGUF\x03\x00\x00\x00 not really a model").expect("write");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["run", "--local", "--model", "/nonexistent/model.gguf", "hi"], "cannot open"),
+        (vec!["run", "--local", "--model", garbage.to_str().expect("path"), "hi"], "tensor count"),
+        (vec!["run", "--local", "--model", m, "--temperature", "-1", "hi"], "temperature"),
+        (vec!["run", "--local", "--model", m, "--top-p", "0", "hi"], "top_p"),
+        (vec!["run", "--local", "--model", m, ""], "empty"),
+        (vec!["run", "--model", m, "hi"], "--local"),
+    ];
+    for (args, needle) in cases {
+        let o = llmctl(&args);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(o.stdout.is_empty(), "{args:?} wrote to stdout");
+        assert!(e.contains(needle), "{args:?}: {e:?} does not mention {needle:?}");
+        assert_eq!(e.trim_end().lines().count(), 1, "{args:?}: reason is not one line: {e:?}");
+    }
+    let o = llmctl(&["run", "--local", "--model", m, "--max-tokens", "0", "hi"]);
+    assert!(!o.status.success(), "max-tokens 0 accepted");
+    let _ = std::fs::remove_file(garbage);
+}
