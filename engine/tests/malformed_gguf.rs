@@ -131,6 +131,11 @@ fn malformed_files_give_typed_errors() {
     assert_eq!(g.tensor_data(g.tensor("mat").expect("mat")).len(), 2 * 2 * 34);
     assert_eq!(g.get("test.tokens").and_then(|v| v.as_array()).map(|a| a.len()), Some(3));
 
+    // Version 2 has the same layout as version 3.
+    let mut v2 = Gguf::valid();
+    v2.version = 2;
+    assert_eq!(parse(v2.bytes()).expect("GGUF v2 parses").version, 2);
+
     // Truncated at every byte.
     let full = good.bytes();
     for cut in 0..full.len() {
