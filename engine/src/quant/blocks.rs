@@ -233,8 +233,11 @@ pub fn vec_dot(wty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> Result<f32, Backe
 pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            // SAFETY: the CPU supports AVX2, FMA and F16C, checked just above.
             return unsafe { vec_dot_avx2_fma(wty, w, a) };
         }
     }
@@ -242,7 +245,7 @@ pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn vec_dot_avx2_fma(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     vec_dot_portable(wty, w, a)
 }
@@ -255,9 +258,9 @@ struct Lanes([f32; 8]);
 
 impl Lanes {
     #[inline(always)]
-    fn fma_block(&mut self, scale: f32, prod: &[i32; 32]) {
+    fn fma_block(&mut self, scale: f32, prod: &[i16; 32]) {
         for k in 0..8 {
-            let s = prod[4 * k] + prod[4 * k + 1] + prod[4 * k + 2] + prod[4 * k + 3];
+            let s = prod[4 * k] as i32 + prod[4 * k + 1] as i32 + prod[4 * k + 2] as i32 + prod[4 * k + 3] as i32;
             self.0[k] = scale.mul_add(s as f32, self.0[k]);
         }
     }
@@ -277,7 +280,8 @@ fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     let wb = w.chunks_exact(wty.type_size());
     let ab = a.chunks_exact(at.type_size());
     let mut lanes = Lanes::default();
-    let mut prod = [0i32; 32];
+    // Products of a ≤5-bit weight (or an i8) and an i8 fit in i16; sums of four go to i32.
+    let mut prod = [0i16; 32];
     match wty {
         GgmlType::F32 => dot_floats(w, a, 4, |b| f32_at(b, 0), |b| f32_at(b, 0)),
         GgmlType::F16 => dot_floats(w, a, 2, |b| f16_at(b, 0), |b| f16_at(b, 0)),
@@ -286,10 +290,10 @@ fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
             dot_floats(w, a, 2, cv, cv)
         }
         GgmlType::Q4_0 => {
-            for (w, a) in wb.zip(ab) {
+            for (w, a) in w.as_chunks::<18>().0.iter().zip(a.as_chunks::<34>().0) {
                 for j in 0..16 {
-                    prod[j] = ((w[2 + j] & 0xF) as i32 - 8) * a[2 + j] as i8 as i32;
-                    prod[j + 16] = ((w[2 + j] >> 4) as i32 - 8) * a[18 + j] as i8 as i32;
+                    prod[j] = ((w[2 + j] & 0xF) as i16 - 8) * a[2 + j] as i8 as i16;
+                    prod[j + 16] = ((w[2 + j] >> 4) as i16 - 8) * a[18 + j] as i8 as i16;
                 }
                 lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
             }
@@ -297,44 +301,59 @@ fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
         }
         GgmlType::Q4_1 => {
             let mut summs = 0f32;
-            for (w, a) in wb.zip(ab) {
+            for (w, a) in w.as_chunks::<20>().0.iter().zip(a.as_chunks::<36>().0) {
                 summs += f16_at(w, 2) * f16_at(a, 2);
                 for j in 0..16 {
-                    prod[j] = (w[4 + j] & 0xF) as i32 * a[4 + j] as i8 as i32;
-                    prod[j + 16] = (w[4 + j] >> 4) as i32 * a[20 + j] as i8 as i32;
+                    prod[j] = (w[4 + j] & 0xF) as i16 * a[4 + j] as i8 as i16;
+                    prod[j + 16] = (w[4 + j] >> 4) as i16 * a[20 + j] as i8 as i16;
                 }
                 lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
             }
             lanes.sum() + summs
         }
-        GgmlType::Q5_0 | GgmlType::Q5_1 => {
-            let (qh_at, a_at, offset) = if wty == GgmlType::Q5_0 { (2, 2, 16) } else { (4, 4, 0) };
-            let mut summs = 0f32;
-            for (w, a) in wb.zip(ab) {
-                if wty == GgmlType::Q5_1 {
-                    summs += f16_at(w, 2) * f16_at(a, 2);
-                }
-                let qh = u32::from_le_bytes([w[qh_at], w[qh_at + 1], w[qh_at + 2], w[qh_at + 3]]);
-                let qs = &w[qh_at + 4..qh_at + 20];
+        GgmlType::Q5_0 => {
+            for (w, a) in w.as_chunks::<22>().0.iter().zip(a.as_chunks::<34>().0) {
+                let qh = u32::from_le_bytes([w[2], w[3], w[4], w[5]]);
                 for j in 0..16 {
-                    let xh0 = (((qh >> j) << 4) & 0x10) as i32;
-                    let xh1 = ((qh >> (j + 12)) & 0x10) as i32;
-                    prod[j] = (((qs[j] & 0xF) as i32 | xh0) - offset) * a[a_at + j] as i8 as i32;
-                    prod[j + 16] = (((qs[j] >> 4) as i32 | xh1) - offset) * a[a_at + 16 + j] as i8 as i32;
+                    let xh0 = (((qh >> j) << 4) & 0x10) as i16;
+                    let xh1 = ((qh >> (j + 12)) & 0x10) as i16;
+                    prod[j] = (((w[6 + j] & 0xF) as i16 | xh0) - 16) * a[2 + j] as i8 as i16;
+                    prod[j + 16] = (((w[6 + j] >> 4) as i16 | xh1) - 16) * a[18 + j] as i8 as i16;
+                }
+                lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
+            }
+            lanes.sum()
+        }
+        GgmlType::Q5_1 => {
+            let mut summs = 0f32;
+            for (w, a) in w.as_chunks::<24>().0.iter().zip(a.as_chunks::<36>().0) {
+                summs += f16_at(w, 2) * f16_at(a, 2);
+                let qh = u32::from_le_bytes([w[4], w[5], w[6], w[7]]);
+                for j in 0..16 {
+                    let xh0 = (((qh >> j) << 4) & 0x10) as i16;
+                    let xh1 = ((qh >> (j + 12)) & 0x10) as i16;
+                    prod[j] = ((w[8 + j] & 0xF) as i16 | xh0) * a[4 + j] as i8 as i16;
+                    prod[j + 16] = ((w[8 + j] >> 4) as i16 | xh1) * a[20 + j] as i8 as i16;
                 }
                 lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
             }
             lanes.sum() + summs
         }
-        GgmlType::Q8_0 | GgmlType::Q8_1 => {
-            let at_q = if wty == GgmlType::Q8_0 { 2 } else { 4 };
-            let mut summs = 0f32;
-            for (w, a) in wb.zip(ab) {
-                if wty == GgmlType::Q8_1 {
-                    summs += f16_at(w, 2) * f16_at(a, 2);
-                }
+        GgmlType::Q8_0 => {
+            for (w, a) in w.as_chunks::<34>().0.iter().zip(a.as_chunks::<34>().0) {
                 for j in 0..32 {
-                    prod[j] = w[at_q + j] as i8 as i32 * a[at_q + j] as i8 as i32;
+                    prod[j] = w[2 + j] as i8 as i16 * a[2 + j] as i8 as i16;
+                }
+                lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
+            }
+            lanes.sum()
+        }
+        GgmlType::Q8_1 => {
+            let mut summs = 0f32;
+            for (w, a) in w.as_chunks::<36>().0.iter().zip(a.as_chunks::<36>().0) {
+                summs += f16_at(w, 2) * f16_at(a, 2);
+                for j in 0..32 {
+                    prod[j] = w[4 + j] as i8 as i16 * a[4 + j] as i8 as i16;
                 }
                 lanes.fma_block(f16_at(w, 0) * f16_at(a, 0), &prod);
             }
