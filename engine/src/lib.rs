@@ -55,7 +55,10 @@ impl Model {
             if hf.tie_word_embeddings {
                 tensors.remove("output.weight");
             }
-            let weights = ModelWeights::load(&hf.config, &tensors)?;
+            let mut weights = ModelWeights::load(&hf.config, &tensors)?;
+            if weights.rope_freqs.is_none() {
+                weights.rope_freqs = hf.rope_freq_factors;
+            }
             let chat_template = hf.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
             check_vocab(&hf.config, &tokenizer)?;
             return Ok(Self {

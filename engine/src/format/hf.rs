@@ -56,6 +56,31 @@ pub struct HfModel {
     /// `chat_template` from `tokenizer_config.json`, if present.
     pub chat_template: Option<String>,
     pub tie_word_embeddings: bool,
+    /// Per-pair RoPE divisors computed from llama-3 style `rope_scaling` (GGUF stores these as
+    /// the `rope_freqs.weight` tensor).
+    pub rope_freq_factors: Option<Vec<f32>>,
+}
+
+/// Llama 3.1's RoPE frequency divisors, as llama.cpp's converter writes them to `rope_freqs`:
+/// long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+fn llama3_freq_factors(theta: f64, head_dim: usize, factor: f64, low: f64, high: f64, orig_ctx: f64) -> Vec<f32> {
+    let low_wavelen = orig_ctx / low;
+    let high_wavelen = orig_ctx / high;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (orig_ctx / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            f as f32
+        })
+        .collect()
 }
 
 fn bad(path: &Path, detail: impl Into<String>) -> FormatError {
@@ -74,14 +99,31 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
         "qwen2" | "Qwen2ForCausalLM" => Arch::Qwen2,
         other => return Err(FormatError::UnsupportedArchitecture(other.to_owned())),
     };
+    let n_heads = hf.num_attention_heads;
+    let head_dim = hf.head_dim.unwrap_or(if n_heads > 0 { hf.hidden_size / n_heads } else { 0 });
+    let mut rope_freq_factors = None;
     let rope_freq_scale = match &hf.rope_scaling {
         None | Some(serde_json::Value::Null) => 1.0,
         Some(v) => {
             let ty = v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("");
-            let factor = v.get("factor").and_then(|f| f.as_f64()).unwrap_or(1.0);
+            let num = |k: &str| v.get(k).and_then(|f| f.as_f64());
+            let factor = num("factor").unwrap_or(1.0);
             match ty {
                 "linear" if factor > 0.0 => (1.0 / factor) as f32,
                 "default" => 1.0,
+                "llama3" => {
+                    let (lo, hi, orig) = match (num("low_freq_factor"), num("high_freq_factor"), num("original_max_position_embeddings")) {
+                        (Some(lo), Some(hi), Some(orig)) if hi > lo && lo > 0.0 && orig > 0.0 && factor > 0.0 => (lo, hi, orig),
+                        _ => {
+                            return Err(FormatError::BadHyperParameter {
+                                what: "rope scaling",
+                                detail: "llama3 scaling needs factor, low_freq_factor < high_freq_factor and original_max_position_embeddings".into(),
+                            })
+                        }
+                    };
+                    rope_freq_factors = Some(llama3_freq_factors(hf.rope_theta, head_dim, factor, lo, hi, orig));
+                    1.0
+                }
                 other => {
                     return Err(FormatError::BadHyperParameter {
                         what: "rope scaling",
@@ -91,8 +133,6 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
             }
         }
     };
-    let n_heads = hf.num_attention_heads;
-    let head_dim = hf.head_dim.unwrap_or(if n_heads > 0 { hf.hidden_size / n_heads } else { 0 });
     let config = ModelConfig {
         arch,
         n_layers: hf.num_hidden_layers,
@@ -152,7 +192,7 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_owned));
     let tie_word_embeddings = hf.tie_word_embeddings.unwrap_or(!tensors.contains_key("output.weight"));
-    Ok(HfModel { config, tensors, tokenizer_json, chat_template, tie_word_embeddings })
+    Ok(HfModel { config, tensors, tokenizer_json, chat_template, tie_word_embeddings, rope_freq_factors })
 }
 
 /// Maps an HF tensor name to its GGUF name; `None` for tensors the engine does not use
@@ -183,4 +223,27 @@ fn gguf_name(hf: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{mapped}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_factors_follow_the_published_rule() {
+        // Llama 3.1 8B: θ = 500000, head 128, factor 8, low 1, high 4, original context 8192.
+        let f = llama3_freq_factors(500000.0, 128, 8.0, 1.0, 4.0, 8192.0);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0, "the fastest frequencies are kept");
+        assert_eq!(f[63], 8.0, "the slowest are divided by the factor");
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "monotonic in between");
+    }
+
+    #[test]
+    fn tensor_names_map_to_gguf() {
+        assert_eq!(gguf_name("model.layers.12.self_attn.k_proj.bias").as_deref(), Some("blk.12.attn_k.bias"));
+        assert_eq!(gguf_name("model.embed_tokens.weight").as_deref(), Some("token_embd.weight"));
+        assert_eq!(gguf_name("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
+    }
 }
