@@ -194,11 +194,64 @@ impl Model {
         req: &GenerateRequest,
         mut on_text: impl FnMut(&str, &[u32]) -> Flow,
     ) -> Result<GenerationStats, GenerateError> {
-        let start = Instant::now();
+        let mut g = Generation::new(self, kv, prompt.to_vec(), req)?;
+        loop {
+            let out = g.step(self, kv)?;
+            if !out.ids.is_empty() || !out.text.is_empty() {
+                if on_text(&out.text, &out.ids) == Flow::Stop {
+                    return Ok(g.cancel());
+                }
+            }
+            if let Some(stats) = out.done {
+                return Ok(stats);
+            }
+        }
+    }
+}
+
+/// What one [`Generation::step`] produced.
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    /// Text now safe to show (possibly empty).
+    pub text: String,
+    /// Tokens sampled in this step (empty for a prefill chunk).
+    pub ids: Vec<u32>,
+    /// Set when the generation has ended.
+    pub done: Option<GenerationStats>,
+}
+
+/// One request's generation as a sequence of bounded steps — a prefill chunk or one decode
+/// step each — so a scheduler can interleave requests and cancel between steps.
+///
+/// States: prefilling (chunks of the prompt left) → decoding (sample, emit, feed) → done.
+/// The model and KV cache are passed to every step rather than held, so the caller decides
+/// where they live; the same `kv` must be passed each time.
+pub struct Generation {
+    sampler: Sampler,
+    stream: TextStream,
+    history: Vec<u32>,
+    prompt: Vec<u32>,
+    prefilled: usize,
+    prefill_chunk: usize,
+    logits: Vec<f32>,
+    generated: usize,
+    max_tokens: usize,
+    start: Instant,
+    prefill_time: Option<Duration>,
+    decode_start: Option<Instant>,
+    first_token: Option<Duration>,
+    /// The last sampled token when it has not been fed to the model (it ended the turn).
+    unfed: Option<u32>,
+    done: bool,
+}
+
+impl Generation {
+    /// Validates the request against the model and the cache's free context.
+    pub fn new(model: &Model, kv: &KvCache, prompt: Vec<u32>, req: &GenerateRequest) -> Result<Self, GenerateError> {
         if prompt.is_empty() {
             return Err(GenerateError::EmptyPrompt);
         }
-        let context = self.transformer.config.context_length;
+        let context = model.transformer.config.context_length;
         if kv.len() + prompt.len() > context {
             return Err(GenerateError::ContextOverflow {
                 prompt: kv.len() + prompt.len(),
@@ -214,61 +267,118 @@ impl Model {
                 });
             }
         }
-        let mut sampler = Sampler::new(req.sampling.clone())?;
-        let vocab = self.tokenizer.vocab_size();
+        let vocab = model.tokenizer.vocab_size();
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(crate::error::TokenizerError::TokenOutOfRange { id: bad, vocab }.into());
         }
-        let mut history: Vec<u32> = prompt.to_vec();
-        let mut logits = Vec::new();
-        for chunk in prompt.chunks(DEFAULT_PREFILL_CHUNK) {
-            logits = self.transformer.forward(kv, chunk, Logits::Last)?;
-        }
-        let prefill_time = start.elapsed();
-        let mut stream = TextStream::new(req.stop.clone());
-        let mut generated = 0usize;
-        let mut ttft = None;
-        let decode_start = Instant::now();
-        let finish = loop {
-            if generated >= req.max_tokens {
-                break FinishReason::Length;
-            }
-            let tok = sampler.sample(&mut logits, &history);
-            generated += 1;
-            ttft.get_or_insert_with(|| start.elapsed());
-            if self.tokenizer.is_eog(tok) {
-                break FinishReason::Eos;
-            }
-            history.push(tok);
-            let (text, stopped) = stream.push(self.tokenizer.token_bytes(tok)?);
-            if on_text(&text, &[tok]) == Flow::Stop {
-                break FinishReason::Cancelled;
-            }
-            if stopped {
-                break FinishReason::Stop;
-            }
-            if generated >= req.max_tokens {
-                break FinishReason::Length;
-            }
-            if kv.len() >= context {
-                break FinishReason::ContextFull;
-            }
-            logits = self.transformer.forward(kv, &[tok], Logits::Last)?;
-        };
-        if finish != FinishReason::Stop {
-            let tail = stream.finish();
-            if !tail.is_empty() {
-                on_text(&tail, &[]);
-            }
-        }
-        Ok(GenerationStats {
-            prompt_tokens: prompt.len(),
-            generated_tokens: generated,
-            time_to_first_token: ttft.unwrap_or_else(|| start.elapsed()),
-            prefill_time,
-            decode_time: decode_start.elapsed(),
-            finish,
+        Ok(Self {
+            sampler: Sampler::new(req.sampling.clone())?,
+            stream: TextStream::new(req.stop.clone()),
+            history: prompt.clone(),
+            prompt,
+            prefilled: 0,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            logits: Vec::new(),
+            generated: 0,
+            max_tokens: req.max_tokens,
+            start: Instant::now(),
+            prefill_time: None,
+            decode_start: None,
+            first_token: None,
+            unfed: None,
+            done: false,
         })
+    }
+
+    /// Sets the prefill chunk size (tokens per prefill step).
+    pub fn with_prefill_chunk(mut self, chunk: usize) -> Self {
+        self.prefill_chunk = chunk.max(1);
+        self
+    }
+
+    /// Whether the prompt is still being read.
+    pub fn is_prefilling(&self) -> bool {
+        self.prefilled < self.prompt.len()
+    }
+
+    /// The token that ended the turn without being fed to the model, if any: a multi-turn
+    /// caller feeds it before the next turn (or drops it, as for an end-of-turn token the
+    /// chat template writes again).
+    pub fn unfed_token(&self) -> Option<u32> {
+        self.unfed
+    }
+
+    /// Tokens sampled so far (excluding the prompt).
+    pub fn generated_ids(&self) -> &[u32] {
+        &self.history[self.prompt.len()..]
+    }
+
+    /// Runs one unit of work.
+    pub fn step(&mut self, model: &Model, kv: &mut KvCache) -> Result<StepOutput, GenerateError> {
+        if self.done {
+            return Ok(StepOutput { done: Some(self.stats(FinishReason::Length)), ..Default::default() });
+        }
+        if self.is_prefilling() {
+            let end = (self.prefilled + self.prefill_chunk).min(self.prompt.len());
+            self.logits = model.transformer.forward(kv, &self.prompt[self.prefilled..end], Logits::Last)?;
+            self.prefilled = end;
+            if !self.is_prefilling() {
+                self.prefill_time = Some(self.start.elapsed());
+                self.decode_start = Some(Instant::now());
+            }
+            return Ok(StepOutput::default());
+        }
+        if self.generated >= self.max_tokens {
+            return Ok(self.finish(FinishReason::Length, String::new(), vec![]));
+        }
+        let tok = self.sampler.sample(&mut self.logits, &self.history);
+        self.generated += 1;
+        self.first_token.get_or_insert_with(|| self.start.elapsed());
+        if model.tokenizer.is_eog(tok) {
+            self.unfed = Some(tok);
+            return Ok(self.finish(FinishReason::Eos, String::new(), vec![tok]));
+        }
+        self.history.push(tok);
+        let (text, stopped) = self.stream.push(model.tokenizer.token_bytes(tok)?);
+        if stopped {
+            self.unfed = Some(tok);
+            return Ok(self.finish(FinishReason::Stop, text, vec![tok]));
+        }
+        if self.generated >= self.max_tokens {
+            self.unfed = Some(tok);
+            return Ok(self.finish(FinishReason::Length, text, vec![tok]));
+        }
+        if kv.len() >= model.transformer.config.context_length {
+            self.unfed = Some(tok);
+            return Ok(self.finish(FinishReason::ContextFull, text, vec![tok]));
+        }
+        self.logits = model.transformer.forward(kv, &[tok], Logits::Last)?;
+        Ok(StepOutput { text, ids: vec![tok], done: None })
+    }
+
+    /// Ends the generation early (the caller cancelled).
+    pub fn cancel(&mut self) -> GenerationStats {
+        self.done = true;
+        self.stats(FinishReason::Cancelled)
+    }
+
+    fn finish(&mut self, reason: FinishReason, mut text: String, ids: Vec<u32>) -> StepOutput {
+        if reason != FinishReason::Stop {
+            text.push_str(&self.stream.finish());
+        }
+        self.done = true;
+        StepOutput { text, ids, done: Some(self.stats(reason)) }
+    }
+
+    fn stats(&self, finish: FinishReason) -> GenerationStats {
+        GenerationStats {
+            prompt_tokens: self.prompt.len(),
+            generated_tokens: self.generated,
+            time_to_first_token: self.first_token.unwrap_or_else(|| self.start.elapsed()),
+            prefill_time: self.prefill_time.unwrap_or_else(|| self.start.elapsed()),
+            decode_time: self.decode_start.map(|d| d.elapsed()).unwrap_or_default(),
+            finish,
+        }
     }
 }
 

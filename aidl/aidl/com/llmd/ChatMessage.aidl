@@ -1,0 +1,7 @@
+package com.llmd;
+
+/** One turn of a conversation. role: "system", "user" or "assistant". */
+parcelable ChatMessage {
+    @utf8InCpp String role;
+    @utf8InCpp String content;
+}

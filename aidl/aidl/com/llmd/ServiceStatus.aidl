@@ -1,0 +1,12 @@
+package com.llmd;
+
+/** The daemon at a glance. */
+parcelable ServiceStatus {
+    int interfaceVersion;
+    int modelsInstalled;
+    int sessionsOpen;
+    int requestsQueued;
+    int requestsRunning;
+    long kvCacheBytes;
+    long weightBytes;
+}
