@@ -1,33 +1,20 @@
-//! `llmctl` subcommands that run the engine in-process (`--local`).
+//! `llmctl` subcommands: `run` (in-process with `--local`, or through the daemon), `chat`,
+//! `models`, `status`, `dump`.
 
+use crate::client::{self, Connection};
 use llmd_engine::chat::ChatMessage;
 use llmd_engine::generate::{Flow, GenerateRequest, Prompt};
 use llmd_engine::sampling::SamplingParams;
 use llmd_engine::{LoadOptions, Model};
-use std::io::Write;
+use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
-/// Largest `--max-tokens` accepted (the context window bounds it further).
-pub const MAX_NEW_TOKENS: usize = 1 << 20;
+/// Largest `--max-tokens` accepted (the context window and the daemon's limits bound it further).
+pub const MAX_NEW_TOKENS: u64 = 1 << 20;
 
-/// Options of `llmctl run`.
-#[derive(clap::Args, Debug)]
-pub struct RunArgs {
-    /// Run the engine inside llmctl instead of asking the llmd daemon.
-    #[arg(long)]
-    pub local: bool,
-    /// Model file (GGUF) or HF directory (config.json + *.safetensors + tokenizer.json).
-    #[arg(long, value_name = "PATH")]
-    pub model: PathBuf,
-    /// Treat the prompt as a user message and apply the model's chat template.
-    #[arg(long)]
-    pub chat: bool,
-    /// System message for --chat (the template's default if omitted).
-    #[arg(long, requires = "chat")]
-    pub system: Option<String>,
-    /// Most tokens to generate.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_NEW_TOKENS as u64))]
-    pub max_tokens: u64,
+/// Sampling options shared by `run` and `chat`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SamplingArgs {
     /// Sampling temperature; 0 picks the most likely token (greedy).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
@@ -46,42 +33,100 @@ pub struct RunArgs {
     /// Random seed; the same seed and parameters give the same text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+/// Options of `llmctl run`.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Run the engine inside llmctl instead of asking the llmd daemon.
+    #[arg(long)]
+    pub local: bool,
+    /// With --local: a model file (GGUF) or HF directory. Otherwise: the id of an installed
+    /// model (default: the first one `llmctl models` lists).
+    #[arg(long, value_name = "PATH|ID")]
+    pub model: Option<String>,
+    /// Treat the prompt as a user message and apply the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat (the template's default if omitted).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_NEW_TOKENS))]
+    pub max_tokens: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Stop when this text appears (may be given several times).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// CPU threads (0 = one per core).
+    /// With --local: CPU threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// The prompt; "-" reads it from standard input.
     pub prompt: String,
 }
 
-/// Runs `llmctl run --local`: generated text only on stdout, rates on stderr.
-pub fn run_local(args: &RunArgs) -> Result<(), String> {
-    let prompt_text = if args.prompt == "-" {
+/// Options of `llmctl chat`.
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    /// Id of an installed model (default: the first one).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// System message opening the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per reply.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=MAX_NEW_TOKENS))]
+    pub max_tokens: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+fn read_prompt(arg: &str) -> Result<String, String> {
+    let text = if arg == "-" {
         let mut s = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
             .map_err(|e| format!("reading the prompt from standard input: {e}"))?;
         s
     } else {
-        args.prompt.clone()
+        arg.to_owned()
     };
-    if prompt_text.is_empty() {
+    if text.is_empty() {
         return Err("the prompt is empty".into());
     }
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        ..SamplingParams::default()
-    };
+    Ok(text)
+}
+
+/// Keeps a shell prompt off the last line, but writes only the generated text into pipes.
+fn end_line(out: &mut impl Write) {
+    if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        let _ = writeln!(out);
+    }
+}
+
+/// `llmctl run --local`: generated text only on stdout, rates on stderr.
+pub fn run_local(args: &RunArgs) -> Result<(), String> {
+    let model_path = PathBuf::from(args.model.as_deref().ok_or("--local needs --model PATH")?);
+    let prompt_text = read_prompt(&args.prompt)?;
+    let sampling = args.sampling.params();
     sampling.validate().map_err(|e| e.to_string())?;
     let load_start = std::time::Instant::now();
-    let model = Model::load(&args.model, &LoadOptions { threads: args.threads })
-        .map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let model = Model::load(&model_path, &LoadOptions { threads: args.threads })
+        .map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_time = load_start.elapsed();
     let prompt = if args.chat {
         let mut msgs = Vec::new();
@@ -116,10 +161,7 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
             return Err(format!("writing to standard output: {e}"));
         }
     }
-    // Keep a shell prompt off the last line, but write only the generated text into pipes.
-    if std::io::IsTerminal::is_terminal(&out) {
-        let _ = writeln!(out);
-    }
+    end_line(&mut out);
     eprintln!(
         "load {:.2} s | prompt {} tokens, {:.1} tok/s | generation {} tokens, {:.1} tok/s | first token {:.0} ms | finish {:?}",
         load_time.as_secs_f64(),
@@ -130,5 +172,113 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
         stats.time_to_first_token.as_secs_f64() * 1e3,
         stats.finish,
     );
+    Ok(())
+}
+
+/// `llmctl run` through the daemon: the same output contract as `--local`; Ctrl-C cancels.
+pub fn run_remote(conn: &Connection, args: &RunArgs) -> Result<(), String> {
+    let prompt_text = read_prompt(&args.prompt)?;
+    let session = client::open_session(conn, args.model.as_deref())?;
+    let req = if args.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = &args.system {
+            msgs.push(("system".to_owned(), s.clone()));
+        }
+        msgs.push(("user".to_owned(), prompt_text));
+        client::request(None, msgs, &args.sampling, args.max_tokens, &args.stop)
+    } else {
+        client::request(Some(&prompt_text), vec![], &args.sampling, args.max_tokens, &args.stop)
+    };
+    let mut out = std::io::stdout().lock();
+    let stats = client::stream(&session, &req, &mut out)?;
+    end_line(&mut out);
+    eprintln!("{}", client::stats_line(&stats));
+    let _ = session.close();
+    if stats.finishReason == "cancelled" {
+        return Err("cancelled".into());
+    }
+    Ok(())
+}
+
+/// `llmctl chat`: a multi-turn conversation on standard input, one user turn per line.
+/// `/reset` forgets the conversation; end of input ends it.
+pub fn chat(conn: &Connection, args: &ChatArgs) -> Result<(), String> {
+    let session = client::open_session(conn, args.model.as_deref())?;
+    let mut first = true;
+    let stdin = std::io::stdin();
+    let interactive = std::io::IsTerminal::is_terminal(&stdin);
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).map_err(|e| format!("reading standard input: {e}"))? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.is_empty() {
+            continue;
+        }
+        if line == "/reset" {
+            session.reset().map_err(|e| client::describe(&e))?;
+            first = true;
+            continue;
+        }
+        let mut msgs = Vec::new();
+        if first {
+            if let Some(s) = &args.system {
+                msgs.push(("system".to_owned(), s.clone()));
+            }
+        }
+        msgs.push(("user".to_owned(), line.to_owned()));
+        let req = client::request(None, msgs, &args.sampling, args.max_tokens, &[]);
+        let mut out = std::io::stdout().lock();
+        match client::stream(&session, &req, &mut out) {
+            Ok(stats) => {
+                let _ = writeln!(out);
+                tracing::debug!("{}", client::stats_line(&stats));
+                first = false;
+            }
+            Err(e) => {
+                let _ = writeln!(out);
+                eprintln!("llmctl: {e}");
+            }
+        }
+    }
+    let _ = session.close();
+    Ok(())
+}
+
+pub fn models(conn: &Connection) -> Result<(), String> {
+    let models = conn.service.listModels().map_err(|e| client::describe(&e))?;
+    println!("{:<40} {:<8} {:>6} {:>8} {:>10} {:>5}", "ID", "ARCH", "LAYERS", "CONTEXT", "WEIGHTS_MB", "CHAT");
+    for m in models {
+        println!(
+            "{:<40} {:<8} {:>6} {:>8} {:>10.1} {:>5}",
+            m.id,
+            m.architecture,
+            m.layers,
+            m.contextLength,
+            m.weightBytes as f64 / 1e6,
+            if m.hasChatTemplate { "yes" } else { "no" }
+        );
+    }
+    Ok(())
+}
+
+pub fn status(conn: &Connection) -> Result<(), String> {
+    let s = conn.service.getStatus().map_err(|e| client::describe(&e))?;
+    println!("interface_version {}", s.interfaceVersion);
+    println!("models_installed {}", s.modelsInstalled);
+    println!("sessions_open {}", s.sessionsOpen);
+    println!("requests_queued {}", s.requestsQueued);
+    println!("requests_running {}", s.requestsRunning);
+    println!("kv_cache_bytes {}", s.kvCacheBytes);
+    println!("weight_bytes {}", s.weightBytes);
+    Ok(())
+}
+
+pub fn dump(conn: &Connection) -> Result<(), String> {
+    print!("{}", conn.service.dumpState().map_err(|e| client::describe(&e))?);
     Ok(())
 }

@@ -1,6 +1,14 @@
-//! llmd's service side: for now the `llmctl` command line and what it shares with the daemon
-//! that follows (the service, sessions, scheduler and residency land in later changes).
+//! llmd's service side: configuration, permissions, sessions, the work queue and engine
+//! worker, the `ILlmService` Binder object, and the `llmctl` command line.
 
 #![forbid(unsafe_code)]
 
 pub mod cli;
+pub mod client;
+pub mod config;
+pub mod error;
+pub mod models;
+pub mod permission;
+pub mod scheduler;
+pub mod service;
+pub mod session;

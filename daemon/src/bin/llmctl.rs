@@ -1,12 +1,20 @@
 //! `llmctl`: the engineer's command line for llmd.
 
 use clap::{Parser, Subcommand};
-use llmd_daemon::cli::{self, RunArgs};
+use llmd_daemon::cli::{self, ChatArgs, RunArgs};
+use llmd_daemon::client;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
 #[command(name = "llmctl", version, about = "Command line for the llmd on-device LLM service")]
 struct Cli {
+    /// Reach llmd over this Unix socket instead of kernel Binder.
+    #[arg(long, global = true, env = "LLMD_SOCKET", value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Service name to look up.
+    #[arg(long, global = true, default_value = "llmd")]
+    service: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -15,6 +23,14 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming it to standard output.
     Run(RunArgs),
+    /// A multi-turn conversation: one user message per line of standard input.
+    Chat(ChatArgs),
+    /// List the installed models.
+    Models,
+    /// Show the daemon's status.
+    Status,
+    /// Print the daemon's state: models, sessions, queues, memory, config (admin).
+    Dump,
 }
 
 fn main() -> ExitCode {
@@ -24,11 +40,14 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Run(args) if !args.local => {
-            Err("talking to the llmd daemon is not in this build yet; pass --local to run the engine in-process"
-                .to_owned())
-        }
-        Command::Run(args) => cli::run_local(args),
+        Command::Run(args) if args.local => cli::run_local(args),
+        cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
+            Command::Run(args) => cli::run_remote(&conn, args),
+            Command::Chat(args) => cli::chat(&conn, args),
+            Command::Models => cli::models(&conn),
+            Command::Status => cli::status(&conn),
+            Command::Dump => cli::dump(&conn),
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

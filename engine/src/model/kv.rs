@@ -45,12 +45,14 @@ impl KvCache {
         self.len += n;
     }
 
-    /// Forgets every position after the first `len` (e.g. to rewind a rejected turn).
+    /// Forgets every position after the first `len` (e.g. to rewind a cancelled turn) and
+    /// returns the memory they held.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
         let keep = self.len * self.kv_dim;
         for x in self.k.iter_mut().chain(self.v.iter_mut()) {
             x.truncate(keep);
+            x.shrink_to_fit();
         }
     }
 

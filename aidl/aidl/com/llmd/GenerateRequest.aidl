@@ -7,6 +7,7 @@ import com.llmd.Priority;
  * What to generate. Either `prompt` (raw text, continued as is) or `messages` (a conversation,
  * rendered with the model's chat template and appended to the session's context).
  */
+@RustDerive(Clone=true, PartialEq=true)
 parcelable GenerateRequest {
     @utf8InCpp String prompt;
     ChatMessage[] messages;

@@ -1,6 +1,7 @@
 package com.llmd;
 
 /** How a request went. */
+@RustDerive(Clone=true, PartialEq=true)
 parcelable GenerationStats {
     int promptTokens;
     int generatedTokens;

@@ -1,6 +1,7 @@
 package com.llmd;
 
 /** An installed model. */
+@RustDerive(Clone=true, PartialEq=true)
 parcelable ModelInfo {
     @utf8InCpp String id;
     @utf8InCpp String architecture;

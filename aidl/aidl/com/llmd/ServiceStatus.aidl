@@ -1,6 +1,7 @@
 package com.llmd;
 
 /** The daemon at a glance. */
+@RustDerive(Clone=true, PartialEq=true)
 parcelable ServiceStatus {
     int interfaceVersion;
     int modelsInstalled;

@@ -1,0 +1,126 @@
+//! `llmd`: the on-device LLM service daemon.
+
+use clap::Parser;
+use llmd_daemon::config::{Config, KernelBinder};
+use llmd_daemon::{models, service};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(name = "llmd", version, about = "On-device LLM system service")]
+struct Args {
+    /// TOML configuration file (flags below override it).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Directory of models (*.gguf files, HF directories); a model's id is its file name without extension.
+    #[arg(long, value_name = "DIR")]
+    models_dir: Option<PathBuf>,
+    /// Serve this model file or HF directory (may be repeated).
+    #[arg(long, value_name = "PATH")]
+    model: Vec<PathBuf>,
+    /// Serve Binder over this Unix socket.
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Register with kernel Binder: auto (when a binder device exists), on, off.
+    #[arg(long, value_enum)]
+    kernel_binder: Option<KernelArg>,
+    /// CPU threads for inference (0 = one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum KernelArg {
+    Auto,
+    On,
+    Off,
+}
+
+/// Binder threads serving socket connections (they only validate and enqueue).
+const SOCKET_THREADS: u32 = 16;
+
+fn binder_device_exists() -> bool {
+    ["/dev/binderfs/binder", "/dev/binder"].iter().any(|p| std::path::Path::new(p).exists())
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let mut config = match &args.config {
+        Some(p) => Config::from_file(p).map_err(|e| e.to_string())?,
+        None => Config::default(),
+    };
+    if let Some(d) = args.models_dir {
+        config.models_dir = Some(d);
+    }
+    config.models.extend(args.model);
+    if let Some(s) = args.socket {
+        config.socket = Some(std::path::absolute(&s).map_err(|e| format!("socket path {}: {e}", s.display()))?);
+    }
+    if let Some(k) = args.kernel_binder {
+        config.kernel_binder = match k {
+            KernelArg::Auto => KernelBinder::Auto,
+            KernelArg::On => KernelBinder::On,
+            KernelArg::Off => KernelBinder::Off,
+        };
+    }
+    if let Some(t) = args.threads {
+        config.threads = t;
+    }
+    config.validate().map_err(|e| e.to_string())?;
+    let kernel = match config.kernel_binder {
+        KernelBinder::On => true,
+        KernelBinder::Off => false,
+        KernelBinder::Auto => binder_device_exists(),
+    };
+    if !kernel && config.socket.is_none() {
+        return Err("nothing to serve on: no binder device and no --socket".into());
+    }
+    tracing::info!("effective configuration:\n{}", config.to_toml());
+    let paths = models::discover(&config)?;
+    let loaded = models::load_all(&paths, config.threads);
+    if loaded.is_empty() {
+        return Err("no model could be loaded".into());
+    }
+    let name = config.service_name.clone();
+    let socket = config.socket.clone();
+    let shared = service::Shared::start(config, loaded).map_err(|e| format!("starting the engine worker: {e}"))?;
+    let mut guards = Vec::new();
+    if let Some(path) = &socket {
+        if path.exists() {
+            std::fs::remove_file(path).map_err(|e| format!("removing stale socket {}: {e}", path.display()))?;
+        }
+        let server = rsbinder::serve(llmd_daemon::client::socket_uri(path))
+            .map(|s| s.with(|o| o.threads = Some(SOCKET_THREADS)))
+            .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
+            .and_then(|s| s.spawn())
+            .map_err(|e| format!("serving on {}: {e:?}", path.display()))?;
+        tracing::info!(socket = %path.display(), "serving Binder over a Unix socket");
+        eprintln!("llmd: serving {} model(s) on {}", shared.models.len(), path.display());
+        guards.push(server);
+    }
+    if kernel {
+        let server = rsbinder::serve(rsbinder::Endpoint::kernel())
+            .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
+            .and_then(|s| s.spawn())
+            .map_err(|e| format!("registering {name:?} with the service manager: {e:?}"))?;
+        tracing::info!(service = %name, "registered with the kernel Binder service manager");
+        eprintln!("llmd: registered {name:?} with the service manager");
+        guards.push(server);
+    }
+    loop {
+        std::thread::park();
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("LLMD_LOG").unwrap_or_else(|_| "info".into()))
+        .init();
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("llmd: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

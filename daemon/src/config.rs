@@ -1,0 +1,153 @@
+//! The daemon's configuration: one typed struct read from TOML, overridden by flags, validated
+//! once at start-up, logged once and shown in `dump`.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Whether to register with the kernel Binder service manager.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelBinder {
+    /// When a binder device exists.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Every `*.gguf` file and HF directory here is a model; its id is the name without extension.
+    pub models_dir: Option<PathBuf>,
+    /// Model files or HF directories served in addition to `models_dir`.
+    pub models: Vec<PathBuf>,
+    /// Serve Binder over this Unix socket (for hosts without kernel Binder, and tests).
+    pub socket: Option<PathBuf>,
+    pub kernel_binder: KernelBinder,
+    /// Name registered with the service manager and on the socket.
+    pub service_name: String,
+    /// CPU threads for inference (0 = one per core).
+    pub threads: usize,
+    /// Tokens per prefill step (a unit of scheduled work).
+    pub prefill_chunk: usize,
+    pub limits: Limits,
+    pub permissions: Permissions,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    pub max_sessions_per_uid: usize,
+    pub max_sessions: usize,
+    /// Requests queued or running per uid.
+    pub max_requests_per_uid: usize,
+    /// Requests queued or running in all.
+    pub max_requests: usize,
+    pub max_prompt_tokens: usize,
+    pub max_new_tokens: usize,
+    /// Longest prompt or message accepted, in bytes (checked before tokenizing).
+    pub max_prompt_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_sessions_per_uid: 8,
+            max_sessions: 64,
+            max_requests_per_uid: 4,
+            max_requests: 32,
+            max_prompt_tokens: 4096,
+            max_new_tokens: 4096,
+            max_prompt_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// Who may call what. On Android the uids come from the caller's Binder identity; on the
+/// socket transport from the peer's credentials (SO_PEERCRED).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Permissions {
+    /// Uids that may use the service (list models, open sessions, generate); empty = every uid.
+    pub allowed_uids: Vec<u32>,
+    /// Uids that may also call admin methods (dump, prefetch). The daemon's own uid always may.
+    pub admin_uids: Vec<u32>,
+}
+
+impl Default for Permissions {
+    fn default() -> Self {
+        // root and Android's shell user.
+        Self { allowed_uids: Vec::new(), admin_uids: vec![0, 2000] }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            models_dir: None,
+            models: Vec::new(),
+            socket: None,
+            kernel_binder: KernelBinder::Auto,
+            service_name: "llmd".into(),
+            threads: 0,
+            prefill_chunk: llmd_engine::generate::DEFAULT_PREFILL_CHUNK,
+            limits: Limits::default(),
+            permissions: Permissions::default(),
+        }
+    }
+}
+
+/// A configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        toml::from_str(&text)
+            .map_err(|e| ConfigError::Parse { path: path.display().to_string(), message: e.to_string() })
+    }
+
+    /// Checks what start-up relies on.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.models_dir.is_none() && self.models.is_empty() {
+            return bad("no models: set models_dir or models (or pass --models-dir / --model)".into());
+        }
+        if self.service_name.is_empty() || self.service_name.len() > 128 {
+            return bad("service_name must be 1..=128 characters".into());
+        }
+        if self.prefill_chunk == 0 {
+            return bad("prefill_chunk must be at least 1".into());
+        }
+        let l = &self.limits;
+        for (name, v) in [
+            ("max_sessions_per_uid", l.max_sessions_per_uid),
+            ("max_sessions", l.max_sessions),
+            ("max_requests_per_uid", l.max_requests_per_uid),
+            ("max_requests", l.max_requests),
+            ("max_prompt_tokens", l.max_prompt_tokens),
+            ("max_new_tokens", l.max_new_tokens),
+            ("max_prompt_bytes", l.max_prompt_bytes),
+        ] {
+            if v == 0 {
+                return bad(format!("limits.{name} must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The effective configuration as TOML (for logs and dump).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# config not printable: {e}"))
+    }
+}

@@ -1,0 +1,69 @@
+//! Every way a service call fails, and the one place it becomes an AIDL `ErrorCode`.
+
+use llmd_aidl::ErrorCode::ErrorCode;
+use llmd_engine::error::GenerateError;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ServiceError {
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("model {0:?} is not installed")]
+    ModelNotFound(String),
+    #[error("uid {uid} may not call {method}")]
+    PermissionDenied { uid: u32, method: &'static str },
+    #[error("uid {uid} has reached its limit of {limit} {what}")]
+    QuotaExceeded { uid: u32, what: &'static str, limit: usize },
+    #[error("request too large: {0}")]
+    RequestTooLarge(String),
+    #[error("busy: {0}")]
+    Busy(String),
+    #[error("request cancelled")]
+    Cancelled,
+    #[error("session is closed or not yours")]
+    SessionClosed,
+    #[error("model {id:?} failed to load: {reason}")]
+    ModelLoadFailed { id: String, reason: String },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ServiceError {
+    /// The wire code for this error. The only mapping from errors to `ErrorCode`.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::InvalidArgument(_) => ErrorCode::INVALID_ARGUMENT,
+            Self::ModelNotFound(_) => ErrorCode::MODEL_NOT_FOUND,
+            Self::PermissionDenied { .. } => ErrorCode::PERMISSION_DENIED,
+            Self::QuotaExceeded { .. } => ErrorCode::QUOTA_EXCEEDED,
+            Self::RequestTooLarge(_) => ErrorCode::REQUEST_TOO_LARGE,
+            Self::Busy(_) => ErrorCode::BUSY,
+            Self::Cancelled => ErrorCode::CANCELLED,
+            Self::SessionClosed => ErrorCode::SESSION_CLOSED,
+            Self::ModelLoadFailed { .. } => ErrorCode::MODEL_LOAD_FAILED,
+            Self::Internal(_) => ErrorCode::INTERNAL,
+        }
+    }
+
+    /// As a Binder status: a service-specific error carrying the code and this message.
+    pub fn into_status(self) -> rsbinder::Status {
+        let code = self.code().0;
+        rsbinder::Status::new_service_specific_error(code, Some(self.to_string()))
+    }
+}
+
+impl From<GenerateError> for ServiceError {
+    fn from(e: GenerateError) -> Self {
+        match e {
+            GenerateError::InvalidSampling { .. } | GenerateError::EmptyPrompt => Self::InvalidArgument(e.to_string()),
+            GenerateError::ContextOverflow { .. } => Self::RequestTooLarge(e.to_string()),
+            GenerateError::Tokenizer(_) | GenerateError::ChatTemplate(_) => Self::InvalidArgument(e.to_string()),
+            GenerateError::Backend(_) => Self::Internal(e.to_string()),
+        }
+    }
+}
+
+/// Reads an `ErrorCode` back out of a Binder status (client side).
+pub fn error_code_of(status: &rsbinder::Status) -> Option<ErrorCode> {
+    (status.exception_code() == rsbinder::ExceptionCode::ServiceSpecific)
+        .then(|| ErrorCode(status.service_specific_error()))
+}

@@ -1,0 +1,59 @@
+//! Finding and loading the installed models: every `*.gguf` file and HF directory in the
+//! models directory, plus explicitly named ones; a model's id is its name without extension.
+
+use crate::config::Config;
+use llmd_engine::{LoadOptions, Model};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Model files (or HF directories) named by the configuration, by id.
+pub fn discover(config: &Config) -> Result<BTreeMap<String, PathBuf>, String> {
+    let mut found = BTreeMap::new();
+    let mut add = |path: PathBuf| -> Result<(), String> {
+        let id = model_id(&path).ok_or_else(|| format!("{}: cannot derive a model id", path.display()))?;
+        if let Some(prev) = found.insert(id.clone(), path.clone()) {
+            return Err(format!("two models named {id:?}: {} and {}", prev.display(), path.display()));
+        }
+        Ok(())
+    };
+    if let Some(dir) = &config.models_dir {
+        let entries = std::fs::read_dir(dir).map_err(|e| format!("models directory {}: {e}", dir.display()))?;
+        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort();
+        for p in paths {
+            if p.extension().is_some_and(|x| x == "gguf") && p.is_file() || llmd_engine::format::is_hf_dir(&p) {
+                add(p)?;
+            }
+        }
+    }
+    for p in &config.models {
+        add(p.clone())?;
+    }
+    if found.is_empty() {
+        return Err("no models found (a models directory holds *.gguf files or HF directories)".into());
+    }
+    Ok(found)
+}
+
+pub fn model_id(path: &Path) -> Option<String> {
+    let name = if path.is_dir() { path.file_name() } else { path.file_stem() };
+    name.map(|n| n.to_string_lossy().into_owned()).filter(|n| !n.is_empty())
+}
+
+/// Loads every model; one that fails is reported and left out, so one bad file does not stop
+/// the daemon serving the others.
+pub fn load_all(paths: &BTreeMap<String, PathBuf>, threads: usize) -> BTreeMap<String, Arc<Model>> {
+    let mut models = BTreeMap::new();
+    for (id, path) in paths {
+        let t = std::time::Instant::now();
+        match Model::load(path, &LoadOptions { threads }) {
+            Ok(m) => {
+                tracing::info!(model = %id, seconds = t.elapsed().as_secs_f64(), "model loaded");
+                models.insert(id.clone(), Arc::new(m));
+            }
+            Err(e) => tracing::error!(model = %id, "model not loaded: {e}"),
+        }
+    }
+    models
+}
