@@ -119,6 +119,9 @@ impl Scheduler {
         let limits = &shared_arc.config.limits;
         {
             let mut book = self.book();
+            if job.session.lock().active_request.is_some() {
+                return Err(ServiceError::Busy("this session is already generating; wait for it or cancel it".into()));
+            }
             let mine = book.per_uid.get(&job.uid).copied().unwrap_or(0);
             if mine >= limits.max_requests_per_uid {
                 return Err(ServiceError::QuotaExceeded {
@@ -326,6 +329,7 @@ impl Worker {
                 Err(_) => {
                     inner.kv.truncate(r.rewind_to);
                     inner.tokens.truncate(r.rewind_to);
+                    inner.pending.clear();
                 }
             }
             inner.active_request = None;
@@ -374,6 +378,7 @@ fn prepare(
         TurnInput::Text(t) => {
             let add_bos = inner.tokens.is_empty() && tk.add_bos;
             let mut full = inner.tokens.clone();
+            full.extend_from_slice(&inner.pending);
             full.extend(tk.encode(t, false, add_bos).map_err(|e| ServiceError::InvalidArgument(e.to_string()))?);
             full
         }
@@ -404,6 +409,7 @@ fn prepare(
     }
     inner.kv.truncate(common);
     inner.tokens.truncate(common);
+    inner.pending.clear();
     Ok((full[common..].to_vec(), full, common))
 }
 
@@ -411,7 +417,7 @@ fn prepare(
 fn commit(r: &Running, inner: &mut SessionInner) {
     let mut tokens = r.context.clone();
     tokens.extend_from_slice(r.gen.generated_ids());
-    tokens.truncate(inner.kv.len());
+    inner.pending = tokens.split_off(inner.kv.len().min(tokens.len()));
     inner.tokens = tokens;
     if let TurnInput::Chat(new) = &r.job.input {
         inner.messages.extend(new.iter().cloned());

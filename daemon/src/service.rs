@@ -107,7 +107,13 @@ impl Shared {
             model_id: model_id.to_owned(),
             model,
             context_limit,
-            inner: Mutex::new(SessionInner { kv, tokens: Vec::new(), messages: Vec::new(), active_request: None }),
+            inner: Mutex::new(SessionInner {
+                kv,
+                tokens: Vec::new(),
+                messages: Vec::new(),
+                pending: Vec::new(),
+                active_request: None,
+            }),
             closed: AtomicBool::new(false),
         });
         sessions.insert(id, core.clone());

@@ -38,6 +38,9 @@ pub struct SessionInner {
     /// The tokens whose keys and values `kv` holds, in order.
     pub tokens: Vec<u32>,
     pub messages: Vec<ChatMessage>,
+    /// Tokens generated at the end of the last turn but not yet fed to the model; a raw-text
+    /// turn feeds them first (a chat turn re-renders the reply instead).
+    pub pending: Vec<u32>,
     pub active_request: Option<u64>,
 }
 
@@ -53,6 +56,7 @@ impl SessionCore {
         inner.kv.clear();
         inner.tokens.clear();
         inner.messages.clear();
+        inner.pending.clear();
     }
 }
 
@@ -127,6 +131,9 @@ fn validate_request(req: &GenerateRequest, limits: &crate::config::Limits) -> Re
     }
     if req.stop.len() > 16 {
         return bad("at most 16 stop sequences");
+    }
+    if req.stop.iter().any(|s| s.is_empty() || s.len() > llmd_engine::generate::MAX_STOP_BYTES) {
+        return bad("stop sequences must be 1..=256 bytes");
     }
     let bytes = req.prompt.len() + req.messages.iter().map(|m| m.content.len() + m.role.len()).sum::<usize>();
     if bytes > limits.max_prompt_bytes {

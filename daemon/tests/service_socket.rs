@@ -1,0 +1,419 @@
+//! Tier 3: the llmd daemon and its clients over Binder-over-Unix-socket, with the real model.
+//! Each test starts its own daemon (its own socket and limits) and stops it at the end.
+
+use llmd_aidl::ErrorCode::ErrorCode;
+use llmd_aidl::GenerateRequest::GenerateRequest;
+use llmd_aidl::ILlmSession::ILlmSession;
+use llmd_aidl::SessionOptions::SessionOptions;
+use llmd_daemon::client::{self, Connection, Event};
+use llmd_daemon::error::error_code_of;
+use rsbinder::Strong;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const MODEL_ID: &str = "SmolLM2-135M-Instruct.Q4_1";
+/// Longest a daemon may take to start (load the model, bind the socket).
+const STARTUP: Duration = Duration::from_secs(60);
+
+fn model() -> PathBuf {
+    let p = std::env::var_os("LLMD_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
+    p
+}
+
+/// Tests share the machine's two cores: one daemon at a time keeps their timing meaningful.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+struct Daemon {
+    _turn: std::sync::MutexGuard<'static, ()>,
+    child: Child,
+    socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Daemon {
+    /// Starts llmd on the default model with extra TOML `config` lines.
+    fn start(config: &str) -> Self {
+        let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir =
+            std::env::temp_dir().join(format!("llmd-e2e-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let socket = dir.join("llmd.sock");
+        let cfg = dir.join("llmd.toml");
+        std::fs::write(&cfg, config).expect("config written");
+        let child = Command::new(env!("CARGO_BIN_EXE_llmd"))
+            .args([
+                "--config",
+                cfg.to_str().expect("path"),
+                "--model",
+                model().to_str().expect("path"),
+                "--socket",
+                socket.to_str().expect("path"),
+            ])
+            .args(["--kernel-binder", "off", "--threads", "2"])
+            .env("LLMD_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("llmd starts");
+        let d = Daemon { _turn: turn, child, socket, dir };
+        let t = Instant::now();
+        while !d.socket.exists() {
+            assert!(t.elapsed() < STARTUP, "llmd did not create its socket");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    fn connect(&self) -> Connection {
+        client::connect(Some(&self.socket), "llmd").expect("client connects")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What one request produced.
+#[derive(Debug, Default)]
+struct Outcome {
+    text: String,
+    ids: Vec<i32>,
+    error: Option<(ErrorCode, String)>,
+    finish: String,
+}
+
+fn greedy(prompt: &str, max_tokens: i32) -> GenerateRequest {
+    GenerateRequest { prompt: prompt.into(), temperature: 0.0, maxTokens: max_tokens, ..GenerateRequest::default() }
+}
+
+fn chat(msg: &str, max_tokens: i32) -> GenerateRequest {
+    GenerateRequest {
+        messages: vec![llmd_aidl::ChatMessage::ChatMessage { role: "user".into(), content: msg.into() }],
+        temperature: 0.0,
+        maxTokens: max_tokens,
+        ..GenerateRequest::default()
+    }
+}
+
+/// Sends a request and collects everything it streams until it ends.
+fn run(session: &Strong<dyn ILlmSession>, req: &GenerateRequest) -> Outcome {
+    let (cb, _tx, rx) = client::callback();
+    let mut o = Outcome::default();
+    if let Err(status) = session.generate(req, &cb) {
+        o.error = Some((error_code_of(&status).unwrap_or(ErrorCode::INTERNAL), client::describe(&status)));
+        return o;
+    }
+    loop {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("the request ends") {
+            Event::Tokens(t, ids) => {
+                o.text.push_str(&t);
+                o.ids.extend(ids);
+            }
+            Event::Completed(s) => {
+                o.finish = s.finishReason;
+                return o;
+            }
+            Event::Error(code, m) => {
+                o.error = Some((ErrorCode(code), m));
+                return o;
+            }
+            _ => {}
+        }
+    }
+}
+
+fn session(conn: &Connection) -> Strong<dyn ILlmSession> {
+    conn.service.openSession(MODEL_ID, &SessionOptions::default()).expect("session opens")
+}
+
+fn code_of<T: std::fmt::Debug>(r: Result<T, rsbinder::Status>) -> ErrorCode {
+    error_code_of(&r.expect_err("the call fails")).expect("a service-specific error")
+}
+
+fn golden_capital_ids(n: usize) -> Vec<i32> {
+    let g: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/golden/smollm2.json")).expect("golden"),
+    )
+    .expect("JSON");
+    let p = g["prompts"].as_array().expect("prompts").iter().find(|p| p["name"] == "capital").expect("capital");
+    p["greedy_ids"].as_array().expect("ids").iter().take(n).map(|x| x.as_i64().expect("id") as i32).collect()
+}
+
+#[test]
+fn four_clients_streaming_at_once_each_get_their_solo_greedy_tokens() {
+    let d = Daemon::start("");
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea,",
+        "def fibonacci(n):",
+        "The three primary colors are",
+    ];
+    let solo: Vec<Vec<i32>> = prompts
+        .iter()
+        .map(|p| {
+            let conn = d.connect();
+            run(&session(&conn), &greedy(p, 16)).ids
+        })
+        .collect();
+    assert_eq!(solo[0], golden_capital_ids(16), "the daemon's greedy tokens differ from llama.cpp's golden ones");
+    let socket = d.socket.clone();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (socket, p) = (socket.clone(), p.to_string());
+            std::thread::spawn(move || {
+                let conn = client::connect(Some(&socket), "llmd").expect("connects");
+                let o = run(&session(&conn), &greedy(&p, 16));
+                assert!(o.error.is_none(), "{o:?}");
+                o.ids
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.join().expect("client thread"), solo[i], "client {i} got other tokens when running concurrently");
+    }
+}
+
+#[test]
+fn cancel_stops_within_one_step_and_returns_kv_memory() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let s = session(&conn);
+    let baseline = conn.service.getStatus().expect("status").kvCacheBytes;
+    let (cb, _tx, rx) = client::callback();
+    let id = s.generate(&greedy("The capital of France is", 400), &cb).expect("queued");
+    let mut tokens = 0;
+    while tokens < 5 {
+        match rx.recv_timeout(Duration::from_secs(60)).expect("tokens stream") {
+            Event::Tokens(_, ids) => tokens += ids.len(),
+            Event::Error(c, m) => panic!("request failed: {c} {m}"),
+            Event::Completed(s) => panic!("request ended early: {}", s.finishReason),
+            _ => {}
+        }
+    }
+    s.cancel(id).expect("cancel accepted");
+    let mut after = 0;
+    let end = loop {
+        match rx.recv_timeout(Duration::from_secs(30)).expect("the request ends") {
+            Event::Tokens(_, ids) => after += ids.len(),
+            Event::Error(code, _) => break ErrorCode(code),
+            Event::Completed(s) => panic!("completed ({}) despite the cancel", s.finishReason),
+            _ => {}
+        }
+    };
+    assert_eq!(end, ErrorCode::CANCELLED);
+    assert!(after <= 1, "{after} tokens arrived after cancel returned (at most the step in flight)");
+    let status = conn.service.getStatus().expect("status");
+    assert_eq!(status.kvCacheBytes, baseline, "the cancelled turn's KV memory was not returned");
+    assert_eq!(status.requestsRunning + status.requestsQueued, 0);
+    assert!(conn.service.dumpState().expect("dump").contains("kv_tokens 0 kv_bytes 0"), "dump shows KV left behind");
+    // The session still works after a cancel.
+    assert_eq!(run(&s, &greedy("The capital of France is", 4)).ids, golden_capital_ids(4));
+}
+
+#[test]
+fn a_killed_client_is_detected_and_its_session_freed() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args([
+            "--socket",
+            d.socket.to_str().expect("path"),
+            "run",
+            "--max-tokens",
+            "1000",
+            "Write a long essay about rivers.",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("llmctl starts");
+    let t = Instant::now();
+    while conn.service.getStatus().expect("status").requestsRunning == 0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the client's request never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.kill().expect("kill");
+    let _ = child.wait();
+    let t = Instant::now();
+    loop {
+        let s = conn.service.getStatus().expect("status");
+        if s.sessionsOpen == 0 && s.requestsRunning == 0 && s.kvCacheBytes == 0 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "the dead client's session is still there: {s:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The daemon keeps serving.
+    assert_eq!(run(&session(&conn), &greedy("The capital of France is", 4)).ids, golden_capital_ids(4));
+}
+
+#[test]
+fn a_two_turn_session_keeps_its_context() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let s = session(&conn);
+    let first = run(&s, &chat("My name is Ada and I live in Paris.", 24));
+    assert!(first.error.is_none(), "{first:?}");
+    let second = run(&s, &chat("Where do I live?", 24));
+    assert!(second.error.is_none(), "{second:?}");
+    // The same conversation computed from scratch in-process gives the same second answer...
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2 }).expect("model");
+    let conv = vec![
+        llmd_engine::chat::ChatMessage::new("user", "My name is Ada and I live in Paris."),
+        llmd_engine::chat::ChatMessage::new("assistant", &first.text),
+        llmd_engine::chat::ChatMessage::new("user", "Where do I live?"),
+    ];
+    let req = llmd_engine::generate::GenerateRequest {
+        prompt: llmd_engine::generate::Prompt::Chat(conv),
+        sampling: llmd_engine::sampling::SamplingParams::greedy(),
+        max_tokens: 24,
+        stop: vec![],
+    };
+    let mut ids = Vec::new();
+    m.generate(&req, |_, i| {
+        ids.extend(i.iter().map(|&t| t as i32));
+        llmd_engine::generate::Flow::Continue
+    })
+    .expect("local generation");
+    assert_eq!(second.ids, ids, "turn two differs from the whole conversation run at once");
+    // ...and a fresh session asked only the second question answers differently.
+    let fresh = run(&session(&conn), &chat("Where do I live?", 24));
+    assert_ne!(fresh.ids, second.ids, "turn two did not depend on turn one");
+    // Raw-text turns continue the context too.
+    // Raw-text turns continue the context too: turn two equals one run over the first prompt,
+    // the first reply's tokens and the second prompt.
+    let s2 = session(&conn);
+    let a = run(&s2, &greedy("The capital of France is", 3));
+    let b = run(&s2, &greedy(" The capital of Italy is", 3));
+    let mut context = m.tokenizer.encode("The capital of France is", false, m.tokenizer.add_bos).expect("encode");
+    context.extend(a.ids.iter().map(|&t| t as u32));
+    context.extend(m.tokenizer.encode(" The capital of Italy is", false, false).expect("encode"));
+    let mut kv = m.transformer.new_kv();
+    let raw = llmd_engine::generate::GenerateRequest {
+        prompt: llmd_engine::generate::Prompt::Text(String::new()),
+        sampling: llmd_engine::sampling::SamplingParams::greedy(),
+        max_tokens: 3,
+        stop: vec![],
+    };
+    let mut whole = Vec::new();
+    m.generate_in(&mut kv, &context, &raw, |_, i| {
+        whole.extend(i.iter().map(|&t| t as i32));
+        llmd_engine::generate::Flow::Continue
+    })
+    .expect("local generation");
+    assert_eq!(b.ids, whole);
+}
+
+#[test]
+fn over_limit_requests_get_their_error_code_while_others_are_served() {
+    let d = Daemon::start(
+        "[limits]\nmax_sessions_per_uid = 2\nmax_requests_per_uid = 1\nmax_new_tokens = 64\nmax_prompt_tokens = 32\n",
+    );
+    let conn = d.connect();
+    let a = session(&conn);
+    let b = session(&conn);
+    assert_eq!(code_of(conn.service.openSession(MODEL_ID, &SessionOptions::default())), ErrorCode::QUOTA_EXCEEDED);
+    let (cb, _tx, rx) = client::callback();
+    a.generate(&greedy("The capital of France is", 48), &cb).expect("first request queued");
+    let (cb2, _tx2, _rx2) = client::callback();
+    assert_eq!(
+        code_of(b.generate(&greedy("Hello", 8), &cb2)),
+        ErrorCode::QUOTA_EXCEEDED,
+        "a second request in flight for the uid"
+    );
+    assert_eq!(code_of(a.generate(&greedy("Hello", 8), &cb2)), ErrorCode::BUSY, "a second request on a busy session");
+    // The first request is unaffected.
+    let mut ids = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).expect("events") {
+            Event::Tokens(_, i) => ids.extend(i),
+            Event::Completed(_) => break,
+            Event::Error(c, m) => panic!("first request failed: {c} {m}"),
+            _ => {}
+        }
+    }
+    assert_eq!(ids[..32], golden_capital_ids(32)[..], "the first request's tokens changed under the refused ones");
+    assert_eq!(code_of(b.generate(&greedy("Hello", 65), &cb2)), ErrorCode::REQUEST_TOO_LARGE);
+    let long = "word ".repeat(100);
+    let o = run(&b, &greedy(&long, 8));
+    assert_eq!(o.error.map(|e| e.0), Some(ErrorCode::REQUEST_TOO_LARGE), "a prompt over max_prompt_tokens");
+    assert!(run(&b, &greedy("Hello", 4)).error.is_none(), "the daemon keeps serving");
+}
+
+#[test]
+fn malformed_requests_get_clear_errors() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let s = session(&conn);
+    let (cb, _tx, _rx) = client::callback();
+    let err = |r: GenerateRequest| code_of(s.generate(&r, &cb));
+    assert_eq!(err(greedy("", 8)), ErrorCode::INVALID_ARGUMENT, "empty prompt");
+    assert_eq!(
+        code_of(conn.service.openSession("no-such-model", &SessionOptions::default())),
+        ErrorCode::MODEL_NOT_FOUND
+    );
+    assert_eq!(code_of(conn.service.getModelInfo("")), ErrorCode::INVALID_ARGUMENT);
+    assert_eq!(
+        err(GenerateRequest { temperature: -1.0, ..greedy("hi", 8) }),
+        ErrorCode::INVALID_ARGUMENT,
+        "negative temperature"
+    );
+    assert_eq!(
+        err(GenerateRequest { temperature: f32::NAN, ..greedy("hi", 8) }),
+        ErrorCode::INVALID_ARGUMENT,
+        "NaN temperature"
+    );
+    assert_eq!(
+        err(GenerateRequest { topP: 0.0, temperature: 0.7, ..greedy("hi", 8) }),
+        ErrorCode::INVALID_ARGUMENT,
+        "topP 0"
+    );
+    assert_eq!(err(GenerateRequest { topK: -3, ..greedy("hi", 8) }), ErrorCode::INVALID_ARGUMENT, "negative topK");
+    assert_eq!(err(greedy("hi", i32::MAX)), ErrorCode::REQUEST_TOO_LARGE, "absurd max tokens");
+    assert_eq!(err(greedy("hi", 0)), ErrorCode::INVALID_ARGUMENT, "zero max tokens");
+    assert_eq!(
+        err(GenerateRequest { messages: chat("x", 4).messages, ..greedy("hi", 4) }),
+        ErrorCode::INVALID_ARGUMENT,
+        "prompt and messages"
+    );
+    let bad_role = GenerateRequest {
+        messages: vec![llmd_aidl::ChatMessage::ChatMessage { role: "root".into(), content: "x".into() }],
+        ..greedy("", 4)
+    };
+    assert_eq!(err(bad_role), ErrorCode::INVALID_ARGUMENT, "unknown role");
+    assert_eq!(
+        err(GenerateRequest { stop: vec![String::new()], ..greedy("hi", 4) }).0,
+        ErrorCode::INVALID_ARGUMENT.0,
+        "empty stop sequence"
+    );
+    assert_eq!(
+        code_of(conn.service.openSession(MODEL_ID, &SessionOptions { contextTokens: -1 })),
+        ErrorCode::INVALID_ARGUMENT
+    );
+    // Invalid text on the wire (an unpaired UTF-16 surrogate where a string belongs) is refused
+    // by the parcel layer before it reaches the service; the daemon keeps serving.
+    let binder = conn.service.as_binder();
+    let remote = binder.as_remote().expect("a remote binder");
+    let mut data = remote.prepare_transact(true).expect("parcel");
+    data.write(&1i32).expect("length");
+    data.write(&0xD800i32).expect("lone surrogate + terminator");
+    let get_model_info = rsbinder::FIRST_CALL_TRANSACTION + 1;
+    let reply = remote.submit_transact(get_model_info, &data, rsbinder::FLAG_CLEAR_BUF);
+    let refused = match reply {
+        Err(_) => true,
+        Ok(Some(mut r)) => !r.read::<rsbinder::Status>().expect("status").is_ok(),
+        Ok(None) => false,
+    };
+    assert!(refused, "a string with invalid UTF-16 was accepted");
+    assert!(run(&s, &greedy("The capital of France is", 2)).error.is_none(), "the daemon keeps serving");
+}
