@@ -1,7 +1,7 @@
 //! `llmctl`'s side of the service: connecting (Unix socket or kernel Binder), streaming a
 //! request's callbacks, and the commands that talk to the daemon.
 
-use crate::error::error_code_of;
+use crate::error::{code_name, error_code_of};
 use llmd_aidl::ChatMessage::ChatMessage;
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::GenerationStats::GenerationStats;
@@ -39,7 +39,7 @@ impl Drop for Connection {
 /// Describes a failed Binder call, with the llmd error code when there is one.
 pub fn describe(status: &rsbinder::Status) -> String {
     match error_code_of(status) {
-        Some(code) => format!("{} ({:?})", status.message().unwrap_or("service error"), code),
+        Some(code) => format!("{} ({})", status.message().unwrap_or("service error"), code_name(code)),
         None => format!("{status}"),
     }
 }

@@ -69,6 +69,7 @@ fs="$work/fs"
 mkdir -p "$fs"/{bin,dev,proc,sys,tmp,lib,models}
 cp /bin/busybox "$fs/bin/busybox"
 cp "$HUB" "$BIN/llmd" "$BIN/llmctl" "$fs/bin/"
+strip --strip-debug "$fs/bin/llmd" "$fs/bin/llmctl" "$fs/bin/rsb_hub" 2>/dev/null || true
 cp "$KDIR/binder_linux.ko" "$fs/lib/"
 cp "$MODEL" "$fs/models/"
 cat > "$fs/init" <<'INIT'
