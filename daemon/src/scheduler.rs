@@ -119,7 +119,8 @@ impl Scheduler {
         let limits = &shared_arc.config.limits;
         {
             let mut book = self.book();
-            if job.session.lock().active_request.is_some() {
+            let mut inner = job.session.lock();
+            if inner.active_request.is_some() {
                 return Err(ServiceError::Busy("this session is already generating; wait for it or cancel it".into()));
             }
             let mine = book.per_uid.get(&job.uid).copied().unwrap_or(0);
@@ -132,10 +133,6 @@ impl Scheduler {
             }
             if book.jobs.len() >= limits.max_requests {
                 return Err(ServiceError::Busy(format!("{} requests in flight; retry later", book.jobs.len())));
-            }
-            let mut inner = job.session.lock();
-            if inner.active_request.is_some() {
-                return Err(ServiceError::Busy("this session is already generating; wait for it or cancel it".into()));
             }
             job.id = book.next_id;
             book.next_id += 1;

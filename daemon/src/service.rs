@@ -6,7 +6,7 @@
 use crate::config::Config;
 use crate::error::ServiceError;
 use crate::permission::{self, Access, Caller};
-use crate::scheduler::{Job, Scheduler, Worker};
+use crate::scheduler::{Scheduler, Worker};
 use crate::session::{SessionBinder, SessionCore, SessionInner};
 use llmd_aidl::ILlmService::{BnLlmService, ILlmService};
 use llmd_aidl::ILlmSession::{BnLlmSession, ILlmSession};
@@ -283,9 +283,4 @@ impl ILlmService for LlmService {
         })()
         .map_err(ServiceError::into_status)
     }
-}
-
-#[allow(dead_code)]
-fn _assert_job_send(j: Job) -> impl Send {
-    j
 }

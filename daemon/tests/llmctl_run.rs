@@ -98,7 +98,7 @@ fn bad_input_exits_non_zero_with_a_one_line_reason() {
         (vec!["run", "--local", "--model", m, "--temperature", "-1", "hi"], "temperature"),
         (vec!["run", "--local", "--model", m, "--top-p", "0", "hi"], "top_p"),
         (vec!["run", "--local", "--model", m, ""], "empty"),
-        (vec!["run", "--model", m, "hi"], "--local"),
+        (vec!["--socket", "/nonexistent/llmd.sock", "run", "--model", m, "hi"], "cannot connect"),
     ];
     for (args, needle) in cases {
         let o = llmctl(&args);

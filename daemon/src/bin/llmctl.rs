@@ -38,6 +38,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("LLMD_LOG"))
         .init();
+    // An empty LLMD_SOCKET means "not set" (clap would reject it as a missing value).
+    if std::env::var_os("LLMD_SOCKET").is_some_and(|v| v.is_empty()) {
+        std::env::remove_var("LLMD_SOCKET");
+    }
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Run(args) if args.local => cli::run_local(args),
@@ -52,7 +56,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("llmctl: error: {e}");
+            // One line, whatever the cause's own formatting.
+            eprintln!("llmctl: error: {}", e.split_whitespace().collect::<Vec<_>>().join(" "));
             ExitCode::FAILURE
         }
     }
