@@ -1,19 +1,19 @@
-//! Generates Rust from the AIDL files with rsbinder-aidl.
+//! Generates Rust from the AIDL files with rsbinder-aidl (the same function the Soong host
+//! tool `llmd_aidl_gen` runs).
 
-use std::path::PathBuf;
+include!("gen/generate.rs");
 
 fn main() {
-    let dir = PathBuf::from("aidl/com/llmd");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+    let dir = std::path::PathBuf::from("aidl/com/llmd");
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
         .expect("aidl directory")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "aidl"))
         .collect();
     files.sort();
-    let mut b = rsbinder_aidl::Builder::new();
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
-        b = b.source(f.clone());
     }
-    b.output(PathBuf::from("llmd_aidl.rs")).generate().expect("AIDL compiles");
+    println!("cargo:rerun-if-changed=gen/generate.rs");
+    generate(&files, std::path::Path::new("llmd_aidl.rs")).expect("AIDL compiles");
 }

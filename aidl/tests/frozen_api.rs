@@ -1,6 +1,6 @@
-//! The interface is versioned like a stable AIDL interface: `aidl_api/<N>/` holds the frozen
+//! The interface is versioned like a stable AIDL interface: `aidl_api/com.llmd/<N>/` holds the frozen
 //! definition of each released version, and the current one must not change a frozen version.
-//! To change the interface: bump `ILlmService.VERSION`, then copy `aidl/` to `aidl_api/<VERSION>/`.
+//! To change the interface: bump `ILlmService.VERSION`, then copy `aidl/` to `aidl_api/com.llmd/<VERSION>/` (Soong: `m com.llmd-freeze-api`).
 
 use std::path::Path;
 
@@ -18,7 +18,7 @@ fn files(dir: &Path) -> Vec<(String, String)> {
 fn the_current_version_is_frozen_unchanged() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let version = llmd_aidl::ILlmService::VERSION;
-    let frozen = root.join(format!("aidl_api/{version}/com/llmd"));
-    assert!(frozen.is_dir(), "version {version} has no frozen copy in aidl_api/{version}/");
+    let frozen = root.join(format!("aidl_api/com.llmd/{version}/com/llmd"));
+    assert!(frozen.is_dir(), "version {version} has no frozen copy in aidl_api/com.llmd/{version}/");
     assert_eq!(files(&root.join("aidl/com/llmd")), files(&frozen), "the interface changed without a version bump");
 }
