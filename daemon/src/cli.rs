@@ -279,6 +279,6 @@ pub fn status(conn: &Connection) -> Result<(), String> {
 }
 
 pub fn dump(conn: &Connection) -> Result<(), String> {
-    print!("{}", conn.service.dumpState().map_err(|e| client::describe(&e))?);
+    print!("{}", conn.admin()?.dumpState().map_err(|e| client::describe(&e))?);
     Ok(())
 }

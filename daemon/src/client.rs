@@ -6,6 +6,7 @@ use llmd_aidl::ChatMessage::ChatMessage;
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::GenerationStats::GenerationStats;
 use llmd_aidl::IGenerationCallback::{BnGenerationCallback, IGenerationCallback};
+use llmd_aidl::ILlmAdmin::ILlmAdmin;
 use llmd_aidl::ILlmService::ILlmService;
 use llmd_aidl::ILlmSession::ILlmSession;
 use llmd_aidl::SessionOptions::SessionOptions;
@@ -26,6 +27,19 @@ pub fn socket_uri(path: &Path) -> rsbinder::Uri {
 pub struct Connection {
     pub service: Strong<dyn ILlmService>,
     rpc: Option<rsbinder::Client>,
+    name: String,
+}
+
+impl Connection {
+    /// The admin service ("<name>.admin"): dump and prefetch.
+    pub fn admin(&self) -> Result<Strong<dyn ILlmAdmin>, String> {
+        let admin = format!("{}.admin", self.name);
+        match &self.rpc {
+            Some(c) => c.get::<dyn ILlmAdmin>(&admin).map_err(|e| format!("no service {admin:?}: {e:?}")),
+            None => rsbinder::connect::<dyn ILlmAdmin>(rsbinder::Endpoint::kernel().with_service(&admin))
+                .map_err(|e| format!("service {admin:?} not found: {e:?}")),
+        }
+    }
 }
 
 impl Drop for Connection {
@@ -54,7 +68,7 @@ pub fn connect(socket: Option<&Path>, name: &str) -> Result<Connection, String> 
             let service = client
                 .get::<dyn ILlmService>(name)
                 .map_err(|e| format!("llmd at {} has no service {name:?}: {e:?}", abs.display()))?;
-            Ok(Connection { service, rpc: Some(client) })
+            Ok(Connection { service, rpc: Some(client), name: name.to_owned() })
         }
         None => {
             rsbinder::ProcessState::init_default()
@@ -62,7 +76,7 @@ pub fn connect(socket: Option<&Path>, name: &str) -> Result<Connection, String> 
             rsbinder::ProcessState::start_thread_pool();
             let service = rsbinder::connect::<dyn ILlmService>(rsbinder::Endpoint::kernel().with_service(name))
                 .map_err(|e| format!("service {name:?} not found: {e:?}"))?;
-            Ok(Connection { service, rpc: None })
+            Ok(Connection { service, rpc: None, name: name.to_owned() })
         }
     }
 }

@@ -8,6 +8,7 @@ use crate::error::ServiceError;
 use crate::permission::{self, Access, Caller};
 use crate::scheduler::{Scheduler, Worker};
 use crate::session::{SessionBinder, SessionCore, SessionInner};
+use llmd_aidl::ILlmAdmin::{BnLlmAdmin, ILlmAdmin};
 use llmd_aidl::ILlmService::{BnLlmService, ILlmService};
 use llmd_aidl::ILlmSession::{BnLlmSession, ILlmSession};
 use llmd_aidl::ModelInfo::ModelInfo;
@@ -265,10 +266,32 @@ impl ILlmService for LlmService {
         })()
         .map_err(ServiceError::into_status)
     }
+}
 
+/// The admin Binder object, registered as "<service_name>.admin".
+pub struct LlmAdmin {
+    shared: Arc<Shared>,
+}
+
+impl LlmAdmin {
+    pub fn new_binder(shared: Arc<Shared>) -> rsbinder::Strong<dyn ILlmAdmin> {
+        BnLlmAdmin::new_binder(Self { shared })
+    }
+
+    fn guard(&self, method: &'static str) -> Result<Caller, ServiceError> {
+        let caller = Caller::current();
+        tracing::debug!(uid = caller.uid, pid = caller.pid, method, "admin call");
+        permission::check(&self.shared.config.permissions, caller, Access::Admin, method)?;
+        Ok(caller)
+    }
+}
+
+impl rsbinder::Interface for LlmAdmin {}
+
+impl ILlmAdmin for LlmAdmin {
     fn prefetch(&self, model_id: &str) -> rsbinder::BinderResult<()> {
         (|| {
-            self.guard(Access::Admin, "prefetch")?;
+            self.guard("prefetch")?;
             // Every installed model is loaded (memory-mapped) at start-up today; residency
             // management makes this load on demand.
             self.shared.model(model_id).map(|_| ())
@@ -278,7 +301,7 @@ impl ILlmService for LlmService {
 
     fn dumpState(&self) -> rsbinder::BinderResult<String> {
         (|| {
-            self.guard(Access::Admin, "dump")?;
+            self.guard("dump")?;
             Ok(self.shared.dump())
         })()
         .map_err(ServiceError::into_status)

@@ -215,7 +215,10 @@ fn cancel_stops_within_one_step_and_returns_kv_memory() {
     let status = conn.service.getStatus().expect("status");
     assert_eq!(status.kvCacheBytes, baseline, "the cancelled turn's KV memory was not returned");
     assert_eq!(status.requestsRunning + status.requestsQueued, 0);
-    assert!(conn.service.dumpState().expect("dump").contains("kv_tokens 0 kv_bytes 0"), "dump shows KV left behind");
+    assert!(
+        conn.admin().expect("admin").dumpState().expect("dump").contains("kv_tokens 0 kv_bytes 0"),
+        "dump shows KV left behind"
+    );
     // The session still works after a cancel.
     assert_eq!(run(&s, &greedy("The capital of France is", 4)).ids, golden_capital_ids(4));
 }

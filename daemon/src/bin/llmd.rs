@@ -81,6 +81,7 @@ fn run(args: Args) -> Result<(), String> {
         return Err("no model could be loaded".into());
     }
     let name = config.service_name.clone();
+    let admin_name = format!("{name}.admin");
     let socket = config.socket.clone();
     let shared = service::Shared::start(config, loaded).map_err(|e| format!("starting the engine worker: {e}"))?;
     let mut guards = Vec::new();
@@ -91,6 +92,7 @@ fn run(args: Args) -> Result<(), String> {
         let server = rsbinder::serve(llmd_daemon::client::socket_uri(path))
             .map(|s| s.with(|o| o.threads = Some(SOCKET_THREADS)))
             .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
+            .and_then(|s| s.add(&admin_name, service::LlmAdmin::new_binder(shared.clone()).as_binder()))
             .and_then(|s| s.spawn())
             .map_err(|e| format!("serving on {}: {e:?}", path.display()))?;
         tracing::info!(socket = %path.display(), "serving Binder over a Unix socket");
@@ -100,6 +102,7 @@ fn run(args: Args) -> Result<(), String> {
     if kernel {
         let server = rsbinder::serve(rsbinder::Endpoint::kernel())
             .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
+            .and_then(|s| s.add(&admin_name, service::LlmAdmin::new_binder(shared.clone()).as_binder()))
             .and_then(|s| s.spawn())
             .map_err(|e| format!("registering {name:?} with the service manager: {e:?}"))?;
         tracing::info!(service = %name, "registered with the kernel Binder service manager");

@@ -6,8 +6,9 @@ import com.llmd.ServiceStatus;
 import com.llmd.SessionOptions;
 
 /**
- * llmd's entry point: registered as "llmd" with the service manager, or served as the root
- * object of the daemon's Unix socket. Errors are service-specific codes from ErrorCode.
+ * llmd's entry point for apps: registered as "llmd" with the service manager (and on the
+ * daemon's Unix socket). Errors are service-specific codes from ErrorCode. Administration is
+ * a separate service, ILlmAdmin ("llmd.admin"), that the SELinux policy keeps apps from finding.
  */
 interface ILlmService {
     /** Bumped when methods are added; a client checks getStatus().interfaceVersion. */
@@ -17,8 +18,4 @@ interface ILlmService {
     ModelInfo getModelInfo(@utf8InCpp String modelId);
     ILlmSession openSession(@utf8InCpp String modelId, in SessionOptions options);
     ServiceStatus getStatus();
-    /** Loads a model ahead of use (admin). */
-    void prefetch(@utf8InCpp String modelId);
-    /** The daemon's state as text: models, sessions, queues, memory, config; never prompts (admin). */
-    @utf8InCpp String dumpState();
 }
