@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite (what CI runs): unit and integration tests with the real default model
 # (engine against llama.cpp's golden outputs, the daemon over Binder-over-socket), the Android
-# cross-check of every crate, the SELinux policy, and real kernel Binder in a QEMU VM.
+# cross-check of every crate, the SELinux policy, the Kotlin client on the JVM, and real
+# kernel Binder in a QEMU VM.
 # LLMD_SKIP_VM=1 skips the VM test (for quick local runs; CI always runs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,8 @@ echo "== cargo check --target aarch64-linux-android" >&2
 cargo check --release --target aarch64-linux-android --workspace
 echo "== sepolicy (tests/sepolicy/check.sh)" >&2
 tests/sepolicy/check.sh
+echo "== Kotlin client on the JVM (client-kotlin/build.sh)" >&2
+client-kotlin/build.sh
 if [ "${LLMD_SKIP_VM:-0}" != 1 ]; then
   echo "== kernel Binder in a VM (tests/kernel-binder/run.sh)" >&2
   tests/kernel-binder/run.sh

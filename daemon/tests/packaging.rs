@@ -176,6 +176,27 @@ fn the_aidl_interface_covers_every_aidl_file_and_is_versioned() {
 }
 
 #[test]
+fn the_kotlin_client_links_the_java_backend_of_the_interface() {
+    let bps = blueprints();
+    let m = bps
+        .iter()
+        .flat_map(|(_, b)| &b.modules)
+        .find(|m| m.get_string("name").map(String::as_str) == Some("llmd-client"))
+        .expect("an llmd-client module");
+    assert_eq!(m.typ, "android_library");
+    assert!(
+        strings(m.get("static_libs"))
+            .iter()
+            .any(|l| l == &format!("com.llmd-V{}-java", llmd_aidl::ILlmService::VERSION)),
+        "llmd-client does not link com.llmd's Java backend"
+    );
+    assert!(
+        strings(m.get("srcs")).iter().any(|s| s.starts_with("src/main/kotlin")),
+        "llmd-client has no Kotlin sources"
+    );
+}
+
+#[test]
 fn the_init_service_runs_llmd_with_its_config_and_least_privilege() {
     let rc = std::fs::read_to_string(root().join("init/llmd.rc")).expect("init/llmd.rc");
     let lines: Vec<&str> = rc.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
