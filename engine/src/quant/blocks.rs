@@ -237,8 +237,16 @@ pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
         {
-            // SAFETY: the CPU supports AVX2, FMA and F16C, checked just above.
-            return unsafe { vec_dot_avx2_fma(wty, w, a) };
+            // SAFETY: the CPU supports AVX2, FMA and F16C, checked just above; the kernels
+            // read only within the whole blocks of `w` and `a`.
+            return unsafe {
+                match wty {
+                    GgmlType::Q4_1 => super::x86::dot_q4_1_q8_1(w, a),
+                    GgmlType::Q4_0 => super::x86::dot_q4_0_q8_0(w, a),
+                    GgmlType::Q8_0 => super::x86::dot_q8_0_q8_0(w, a),
+                    _ => vec_dot_avx2_fma(wty, w, a),
+                }
+            };
         }
     }
     vec_dot_portable(wty, w, a)
@@ -275,7 +283,7 @@ impl Lanes {
 }
 
 #[inline(always)]
-fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+pub(super) fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     let at = wty.vec_dot_type();
     let wb = w.chunks_exact(wty.type_size());
     let ab = a.chunks_exact(at.type_size());

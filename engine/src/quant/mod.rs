@@ -7,6 +7,8 @@
 //! integer dot product per block and one float multiply per block.
 
 mod blocks;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub(crate) use blocks::vec_dot_unchecked as blocks_dot;
 pub use blocks::{dequantize_row, quantize_row, vec_dot};
