@@ -35,6 +35,69 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
+/// HF templates' `strftime_now(format)` (Llama 3.1+ put the date in the system prompt): the
+/// current UTC time with `%d %m %Y %y %b %B %H %M %S %%`.
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format_utc(secs, &format)
+}
+
+fn format_utc(secs: u64, format: &str) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let days = (secs / 86_400) as i64;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s) = ((secs / 3600) % 24, (secs / 60) % 60, secs % 60);
+    let name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&name[..3]),
+            Some('B') => out.push_str(name),
+            Some('H') => out.push_str(&format!("{h:02}")),
+            Some('M') => out.push_str(&format!("{m:02}")),
+            Some('S') => out.push_str(&format!("{s:02}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
 fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
     Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
 }
@@ -46,6 +109,7 @@ impl ChatTemplate {
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_owned()).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
         Ok(Self { env, source: source.to_owned() })
     }
@@ -100,6 +164,16 @@ mod tests {
         let out =
             t.render(&[ChatMessage::new("user", " Hi ")], true, "<|begin_of_text|>", "<|eot_id|>").expect("renders");
         assert_eq!(out, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+    }
+
+    #[test]
+    fn strftime_now_formats_dates_like_python() {
+        // 2026-11-22 08:57:03 UTC.
+        assert_eq!(format_utc(1_795_337_823, "%d %b %Y"), "22 Nov 2026");
+        assert_eq!(format_utc(1_795_337_823, "%Y-%m-%d %H:%M:%S %B %y %%"), "2026-11-22 08:57:03 November 26 %");
+        assert_eq!(format_utc(951_782_400, "%d %b %Y"), "29 Feb 2000", "leap day");
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}").expect("compiles");
+        assert_eq!(t.render(&[], false, "", "").expect("renders").len(), 4);
     }
 
     #[test]

@@ -237,7 +237,12 @@ impl Tokenizer {
         };
         let bos = token_of(tcfg.as_ref().and_then(|c| c.get("bos_token")));
         let mut eos = token_of(tcfg.as_ref().and_then(|c| c.get("eos_token")));
-        let add_bos = tcfg.as_ref().and_then(|c| c.get("add_bos_token")).and_then(|v| v.as_bool()).unwrap_or(false);
+        let bos_text = bos.and_then(|b| texts.get(b as usize)).cloned().unwrap_or_default();
+        let add_bos = tcfg
+            .as_ref()
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(|v| v.as_bool())
+            .unwrap_or_else(|| post_processor_prepends(doc.get("post_processor"), &bos_text));
         let mut eog: Vec<u32> = eos.into_iter().collect();
         for cfg in [read("generation_config.json"), read("config.json")].into_iter().flatten() {
             let ids: Vec<u64> = match cfg.get("eos_token_id") {
@@ -349,6 +354,30 @@ impl Tokenizer {
     }
 }
 
+/// Whether a `tokenizer.json` post-processor puts `bos` first (how Llama 3 style tokenizers
+/// add BOS when `tokenizer_config.json` does not say `add_bos_token`).
+fn post_processor_prepends(pp: Option<&Json>, bos: &str) -> bool {
+    let Some(pp) = pp else { return false };
+    if bos.is_empty() {
+        return false;
+    }
+    match pp.get("type").and_then(|t| t.as_str()) {
+        Some("TemplateProcessing") => pp
+            .get("single")
+            .and_then(|s| s.as_array())
+            .and_then(|s| s.first())
+            .and_then(|first| first.get("SpecialToken"))
+            .and_then(|t| t.get("id"))
+            .and_then(|id| id.as_str())
+            .is_some_and(|id| id == bos),
+        Some("Sequence") => pp
+            .get("processors")
+            .and_then(|p| p.as_array())
+            .is_some_and(|ps| ps.iter().any(|p| post_processor_prepends(Some(p), bos))),
+        _ => false,
+    }
+}
+
 fn added_token(id: u32, content: &str, special: bool) -> Json {
     json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": special})
 }
@@ -398,5 +427,34 @@ fn spm_piece(t: &str, ty: i64) -> Vec<u8> {
             .map(|b| vec![b])
             .unwrap_or_default(),
         _ => t.replace('\u{2581}', " ").into_bytes(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_template_post_processor_means_bos_is_added() {
+        let llama3 = json!({"type": "Sequence", "processors": [
+            {"type": "ByteLevel"},
+            {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]}
+        ]});
+        assert!(post_processor_prepends(Some(&llama3), "<|begin_of_text|>"));
+        assert!(!post_processor_prepends(Some(&llama3), "<s>"));
+        assert!(!post_processor_prepends(Some(&json!({"type": "ByteLevel"})), "<s>"));
+        assert!(!post_processor_prepends(None, "<s>"));
+    }
+
+    #[test]
+    fn gpt2_byte_table_covers_every_byte_once() {
+        let t = gpt2_char_to_byte();
+        assert_eq!(t.len(), 256);
+        let mut seen = [false; 256];
+        for &b in t.values() {
+            seen[b as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
+        assert_eq!(t[&'\u{120}'], b' ', "Ġ is the space byte");
     }
 }
