@@ -233,10 +233,7 @@ pub fn vec_dot(wty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> Result<f32, Backe
 pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-        {
+        if has_avx2_fma_f16c() {
             // SAFETY: the CPU supports AVX2, FMA and F16C, checked just above; the kernels
             // read only within the whole blocks of `w` and `a`.
             return unsafe {
@@ -250,6 +247,17 @@ pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
         }
     }
     vec_dot_portable(wty, w, a)
+}
+
+/// Whether the x86 kernels can run (checked once).
+#[cfg(target_arch = "x86_64")]
+fn has_avx2_fma_f16c() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    })
 }
 
 #[cfg(target_arch = "x86_64")]

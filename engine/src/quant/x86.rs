@@ -7,9 +7,13 @@
 
 use std::arch::x86_64::*;
 
-#[inline(always)]
+/// An IEEE half at `b[i..i + 2]`, converted by the F16C instruction (exact, like `half`'s
+/// conversion, without its per-call feature check).
+#[inline]
+#[target_feature(enable = "f16c")]
 fn f16(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+    let bits = u16::from_le_bytes([b[i], b[i + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
 /// # Safety
@@ -64,8 +68,8 @@ fn sub<const N: usize>(b: &[u8], at: usize) -> &[u8; N] {
 /// Q4_1 weights · Q8_1 activations.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut summs = 0f32;
@@ -81,8 +85,8 @@ pub unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
 /// Q4_0 weights · Q8_0 activations.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (w, a) in w.as_chunks::<18>().0.iter().zip(a.as_chunks::<34>().0) {
@@ -97,8 +101,8 @@ pub unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
 /// Q8_0 weights · Q8_0 activations.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     for (w, a) in w.as_chunks::<34>().0.iter().zip(a.as_chunks::<34>().0) {
