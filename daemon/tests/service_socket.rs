@@ -211,7 +211,9 @@ fn cancel_stops_within_one_step_and_returns_kv_memory() {
         }
     };
     assert_eq!(end, ErrorCode::CANCELLED);
-    assert!(after <= 1, "{after} tokens arrived after cancel returned (at most the step in flight)");
+    // At most the unit the worker was running when the cancel landed, plus one oneway
+    // callback already on its way (sent before the cancel, delivered after it returned).
+    assert!(after <= 2, "{after} tokens arrived after cancel returned (more than one decode step)");
     let status = conn.service.getStatus().expect("status");
     assert_eq!(status.kvCacheBytes, baseline, "the cancelled turn's KV memory was not returned");
     assert_eq!(status.requestsRunning + status.requestsQueued, 0);
