@@ -242,7 +242,8 @@ pub struct Generation {
     first_token: Option<Duration>,
     /// The last sampled token when it has not been fed to the model (it ended the turn).
     unfed: Option<u32>,
-    done: bool,
+    /// Why it ended, once it has.
+    finished: Option<FinishReason>,
 }
 
 impl Generation {
@@ -286,7 +287,7 @@ impl Generation {
             decode_start: None,
             first_token: None,
             unfed: None,
-            done: false,
+            finished: None,
         })
     }
 
@@ -315,8 +316,8 @@ impl Generation {
 
     /// Runs one unit of work.
     pub fn step(&mut self, model: &Model, kv: &mut KvCache) -> Result<StepOutput, GenerateError> {
-        if self.done {
-            return Ok(StepOutput { done: Some(self.stats(FinishReason::Length)), ..Default::default() });
+        if let Some(reason) = self.finished {
+            return Ok(StepOutput { done: Some(self.stats(reason)), ..Default::default() });
         }
         if self.is_prefilling() {
             let end = (self.prefilled + self.prefill_chunk).min(self.prompt.len());
@@ -358,7 +359,7 @@ impl Generation {
 
     /// Ends the generation early (the caller cancelled).
     pub fn cancel(&mut self) -> GenerationStats {
-        self.done = true;
+        self.finished = Some(FinishReason::Cancelled);
         self.stats(FinishReason::Cancelled)
     }
 
@@ -366,7 +367,7 @@ impl Generation {
         if reason != FinishReason::Stop {
             text.push_str(&self.stream.finish());
         }
-        self.done = true;
+        self.finished = Some(reason);
         StepOutput { text, ids, done: Some(self.stats(reason)) }
     }
 
