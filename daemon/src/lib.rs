@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod config;

@@ -31,6 +31,9 @@ enum Command {
     Status,
     /// Print the daemon's state: models, sessions, queues, memory, config (admin).
     Dump,
+    /// Measure prefill and decode speed and peak memory (`--local`), optionally side by side
+    /// with llama.cpp (`--compare-llamacpp`).
+    Bench(llmd_daemon::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,12 +48,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Run(args) if args.local => cli::run_local(args),
+        Command::Bench(args) => llmd_daemon::bench::bench(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
             Command::Run(args) => cli::run_remote(&conn, args),
             Command::Chat(args) => cli::chat(&conn, args),
             Command::Models => cli::models(&conn),
             Command::Status => cli::status(&conn),
             Command::Dump => cli::dump(&conn),
+            Command::Bench(args) => llmd_daemon::bench::bench(args),
         }),
     };
     match result {

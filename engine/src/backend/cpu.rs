@@ -5,10 +5,12 @@
 //! f16, queries are rounded to f16 before `K·q` and softmax weights before `V·p`, and sums of
 //! squares and softmax denominators accumulate in f64.
 
+use super::attn_kernels::AttnKernels;
 use super::{AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
 use crate::error::BackendError;
 use crate::model::config::RopeStyle;
 use crate::model::weights::WeightMatrix;
+use crate::quant::packed::{Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use crate::quant::{self, GgmlType};
 use half::f16;
 use rayon::prelude::*;
@@ -53,6 +55,50 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// `out[t * rows + r]` for the packed weights `p` (shapes checked by the caller).
+    fn matmul_packed(&self, p: &PackedMatrix, x: &[f32], n: usize, out: &mut [f32]) {
+        let kernel = Kernel::best();
+        let (rows, tiles) = (p.rows, p.tiles());
+        ACTS.with(|acts| {
+            let mut acts = acts.borrow_mut();
+            acts.quantize(x, n, p.cols);
+            let acts = &*acts;
+            let per_task = tiles.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
+            let direct = n == 1 && rows % TILE_ROWS == 0;
+            let mut scratch = if direct { Vec::new() } else { vec![0f32; tiles * TILE_ROWS * n] };
+            let dst: &mut [f32] = if direct { out } else { &mut scratch };
+            self.pool.install(|| {
+                dst.par_chunks_mut(per_task * TILE_ROWS * n).enumerate().for_each(|(ci, o)| {
+                    for (k, ot) in o.chunks_exact_mut(TILE_ROWS * n).enumerate() {
+                        kernel.run(p, ci * per_task + k, acts, 0, n, ot);
+                    }
+                });
+            });
+            if !direct {
+                // Tile-major [tile][token][lane] back to token-major [token][row].
+                for (tile, tb) in scratch.chunks_exact(TILE_ROWS * n).enumerate() {
+                    let r0 = tile * TILE_ROWS;
+                    let lanes = (rows - r0).min(TILE_ROWS);
+                    for (t, src) in tb.chunks_exact(TILE_ROWS).enumerate() {
+                        out[t * rows + r0..t * rows + r0 + lanes].copy_from_slice(&src[..lanes]);
+                    }
+                }
+            }
+        });
+    }
+}
+
+thread_local! {
+    /// Attention scores of the current (token, head), reused between tasks on this thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Quantized activations of the current matmul, reused between calls on this thread.
+    static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
+}
+
+/// Parallel tasks per worker thread in a packed matmul (a little slack for uneven progress).
+const TASKS_PER_THREAD: usize = 4;
+
 fn shape_err(op: &'static str, detail: String) -> BackendError {
     BackendError::Shape { op, detail }
 }
@@ -69,6 +115,10 @@ impl Backend for CpuBackend {
                 "matmul",
                 format!("{}: {rows}x{cols} weights, {} inputs, {} outputs for {n} tokens", w.name, x.len(), out.len()),
             ));
+        }
+        if let Some(p) = &w.packed {
+            self.matmul_packed(p, x, n, out);
+            return Ok(());
         }
         let at = w.ty.vec_dot_type();
         let arow = at.row_bytes(cols).ok_or_else(|| shape_err("matmul", format!("{cols} columns for {at}")))?;
@@ -115,6 +165,12 @@ impl Backend for CpuBackend {
             return Err(shape_err("get_rows", format!("{} outputs for {} ids of {}", out.len(), ids.len(), w.cols)));
         }
         for (&id, o) in ids.iter().zip(out.chunks_exact_mut(w.cols)) {
+            if let Some(p) = &w.packed {
+                if (id as usize) < p.rows {
+                    p.dequantize_row(id as usize, o);
+                    continue;
+                }
+            }
             let row = w
                 .row(id as usize)
                 .ok_or_else(|| shape_err("get_rows", format!("row {id} of {} in {}", w.rows, w.name)))?;
@@ -206,41 +262,39 @@ impl Backend for CpuBackend {
         }
         let group = s.n_heads / s.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
+        let kern = AttnKernels::best();
+        let tasks = s.n_tokens * s.n_heads;
+        let per_task = tasks.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
         self.pool.install(|| {
-            out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
-                let (t, h) = (i / s.n_heads, i % s.n_heads);
-                let kvh = h / group;
-                let n_ctx = s.start + t + 1;
-                let qh: Vec<f32> = q[t * q_row + h * hd..t * q_row + (h + 1) * hd]
-                    .iter()
-                    .map(|&x| f16::from_f32(x).to_f32())
-                    .collect();
-                let mut p = Vec::with_capacity(n_ctx);
-                let mut max = f32::NEG_INFINITY;
-                for j in 0..n_ctx {
-                    let kj = &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
-                    let mut acc = [0f32; 8];
-                    for (c, (a, b)) in qh.iter().zip(kj).enumerate() {
-                        acc[c & 7] += a * b.to_f32();
+            out.par_chunks_mut(hd * per_task).enumerate().for_each(|(ci, oc)| {
+                SCORES.with(|p| {
+                    let mut p = p.borrow_mut();
+                    let mut qh = vec![0f32; hd];
+                    for (k_, o) in oc.chunks_exact_mut(hd).enumerate() {
+                        let i = ci * per_task + k_;
+                        let (t, h) = (i / s.n_heads, i % s.n_heads);
+                        let kvh = h / group;
+                        let n_ctx = s.start + t + 1;
+                        for (d, &x) in qh.iter_mut().zip(&q[t * q_row + h * hd..t * q_row + (h + 1) * hd]) {
+                            *d = f16::from_f32(x).to_f32();
+                        }
+                        p.clear();
+                        p.extend((0..n_ctx).map(|j| {
+                            (kern.dot)(&qh, &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd]) * scale
+                        }));
+                        let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                        let mut sum = 0f64;
+                        for x in p.iter_mut() {
+                            *x = (*x - max).exp();
+                            sum += *x as f64;
+                        }
+                        (kern.scale_round)(&mut p, (1.0 / sum) as f32);
+                        o.fill(0.0);
+                        for (j, &w) in p.iter().enumerate() {
+                            (kern.axpy)(w, &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd], o);
+                        }
                     }
-                    let sc = acc.iter().sum::<f32>() * scale;
-                    max = max.max(sc);
-                    p.push(sc);
-                }
-                let mut sum = 0f64;
-                for x in p.iter_mut() {
-                    *x = (*x - max).exp();
-                    sum += *x as f64;
-                }
-                let inv = (1.0 / sum) as f32;
-                o.fill(0.0);
-                for (j, &pj) in p.iter().enumerate() {
-                    let w = f16::from_f32(pj * inv).to_f32();
-                    let vj = &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
-                    for (ov, vv) in o.iter_mut().zip(vj) {
-                        *ov += w * vv.to_f32();
-                    }
-                }
+                });
             });
         });
         Ok(())

@@ -2,6 +2,7 @@
 //! types, static shapes or not, memory); the [`Planner`] asks before placing any work, so GPU and
 //! NPU backends slot in beside the CPU without reshaping the model code.
 
+pub mod attn_kernels;
 pub mod cpu;
 
 use crate::error::BackendError;

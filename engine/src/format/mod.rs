@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 /// The bytes of a model file: memory-mapped from disk, or owned (tests, generated files).
 pub enum ModelBytes {
-    Mapped(memmap2::Mmap),
+    /// The map and the open file (read with `pread` where touching the map would cost
+    /// resident memory, e.g. when repacking weights into a copy).
+    Mapped(memmap2::Mmap, std::fs::File),
     Owned(Vec<u8>),
 }
 
@@ -27,7 +29,19 @@ impl ModelBytes {
         // us, reads would fault (SIGBUS) rather than return wrong data — the same contract as
         // llama.cpp's mmap loader. No reference into the map outlives this `ModelBytes`.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        Ok(Self::Mapped(map))
+        Ok(Self::Mapped(map, file))
+    }
+
+    /// Copies `buf.len()` bytes at `offset` into `buf` without touching the map's pages.
+    pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> std::io::Result<()> {
+        match self {
+            Self::Mapped(_, file) => std::os::unix::fs::FileExt::read_exact_at(file, buf, offset as u64),
+            Self::Owned(v) => {
+                let src = v.get(offset..offset + buf.len()).ok_or(std::io::ErrorKind::UnexpectedEof)?;
+                buf.copy_from_slice(src);
+                Ok(())
+            }
+        }
     }
 }
 
@@ -35,7 +49,7 @@ impl Deref for ModelBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
-            Self::Mapped(m) => m,
+            Self::Mapped(m, _) => m,
             Self::Owned(v) => v,
         }
     }

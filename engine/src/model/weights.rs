@@ -3,7 +3,9 @@
 use super::config::{Arch, ModelConfig};
 use crate::error::FormatError;
 use crate::format::{TensorMap, TensorRef};
+use crate::quant::packed::{PackKind, PackedMatrix};
 use crate::quant::{self, GgmlType};
+use std::sync::Arc;
 
 /// A 2-D weight: `rows` rows of `cols` elements, each row a whole number of blocks.
 #[derive(Clone)]
@@ -13,12 +15,16 @@ pub struct WeightMatrix {
     pub rows: usize,
     pub cols: usize,
     tensor: TensorRef,
+    /// The same weights in the CPU kernels' tile layout, when the type has one (read from the
+    /// file without touching the map, so the map's pages do not count against resident memory).
+    pub packed: Option<Arc<PackedMatrix>>,
 }
 
 impl WeightMatrix {
     /// Wraps a tensor already checked to hold `rows` × `cols` elements of its type.
     pub fn from_tensor(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
-        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor }
+        let packed = pack(&tensor, rows, cols).ok().flatten();
+        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed }
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -62,6 +68,14 @@ pub struct ModelWeights {
     pub rope_freqs: Option<Vec<f32>>,
 }
 
+/// The tile-layout copy of a tensor whose type has one.
+fn pack(t: &TensorRef, rows: usize, cols: usize) -> std::io::Result<Option<Arc<PackedMatrix>>> {
+    let Some(kind) = PackKind::of(t.ty) else { return Ok(None) };
+    let row_bytes = t.range.len() / rows.max(1);
+    let p = PackedMatrix::pack(kind, rows, cols, |r0, buf| t.file.read_at(t.range.start + r0 * row_bytes, buf))?;
+    Ok(Some(Arc::new(p)))
+}
+
 struct Loader<'a> {
     t: &'a TensorMap,
 }
@@ -85,7 +99,9 @@ impl Loader<'_> {
                 block: t.ty.block_size() as u64,
             });
         }
-        Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone() })
+        let packed = pack(t, rows, cols)
+            .map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?;
+        Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone(), packed })
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, FormatError> {

@@ -1,0 +1,405 @@
+//! `llmctl bench --local`: prefill and decode speed and peak memory of the engine on one model,
+//! optionally side by side with llama.cpp (through PyPI `llama-cpp-python`) in the same run.
+//!
+//! What is timed: the forward passes only — no tokenization, no sampling. Prefill of N tokens
+//! runs the prompt in the engine's own prefill chunks (`DEFAULT_PREFILL_CHUNK`) from an empty
+//! cache and returns the last token's logits; decode feeds a fixed 128-token continuation one
+//! token at a time after a 128-token prompt (teacher-forced, so both engines do identical work).
+//! llama.cpp gets the same token ids, the same thread count, `n_batch` 512 (its default).
+//! Runs alternate between the engines; each figure is the median over `--reps` runs after one
+//! warm-up. Peak memory is VmHWM minus the RSS just before the model was loaded (so Python's own
+//! interpreter is not charged to llama.cpp), and the absolute VmHWM is printed beside it.
+
+use llmd_engine::generate::DEFAULT_PREFILL_CHUNK;
+use llmd_engine::model::Logits;
+use llmd_engine::{LoadOptions, Model};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+/// The llama.cpp worker, embedded so the command works from any directory.
+const LLAMACPP_WORKER: &str = include_str!("../../tools/bench/llamacpp_worker.py");
+
+/// English prose for benchmark prompts, repeated as needed (the same ids go to both engines).
+const BENCH_TEXT: &str = "The harbour town woke slowly that morning. Fishing boats came in one by one, \
+their decks stacked with crates of silver fish, and the gulls followed them in wide, noisy circles. \
+On the quay, traders set up their stalls and argued about prices while children ran between the \
+nets. An old woman sold bread from a wooden cart; she had done so for forty years and knew every \
+sailor by name. Further up the hill, the school bell rang, and the streets filled with the sound of \
+footsteps and laughter. By noon the fog had lifted, and the lighthouse stood white against a clear \
+blue sky. Visitors walked along the cliffs to watch the waves break on the rocks below, and some \
+stopped at the small museum that told the story of the great storm of the last century, when the \
+sea had swallowed half the harbour wall in a single night. ";
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Run the engine inside llmctl (the only mode so far).
+    #[arg(long)]
+    pub local: bool,
+    /// A model file (GGUF) or HF directory.
+    #[arg(long, value_name = "PATH")]
+    pub model: PathBuf,
+    /// CPU threads for both engines (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Also run llama.cpp (Python module `llama_cpp`) on the same model and print ratios.
+    #[arg(long)]
+    pub compare_llamacpp: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Measured runs per figure (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub reps: u64,
+    /// Prompt lengths for prefill, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1024")]
+    pub prefill: Vec<usize>,
+    /// Prompt tokens before the decode measurement.
+    #[arg(long, default_value_t = 128)]
+    pub decode_prompt: usize,
+    /// Decode steps measured.
+    #[arg(long, default_value_t = 128)]
+    pub decode_tokens: usize,
+    /// Python interpreter for --compare-llamacpp.
+    #[arg(long, default_value = "python3", env = "LLMD_BENCH_PYTHON")]
+    pub python: String,
+}
+
+fn status_kb(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with(key) && l[key.len()..].starts_with(':')).and_then(|l| {
+                l.split_whitespace().nth(1).and_then(|v| v.parse().ok())
+            })
+        })
+        .unwrap_or(0)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The llama.cpp worker process.
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn start(python: &str) -> Result<Self, String> {
+        let mut child = Command::new(python)
+            .arg("-c")
+            .arg(LLAMACPP_WORKER)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting {python} for llama.cpp: {e}"))?;
+        let stdin = child.stdin.take().ok_or("no stdin for the llama.cpp worker")?;
+        let stdout = BufReader::new(child.stdout.take().ok_or("no stdout for the llama.cpp worker")?);
+        Ok(Self { child, stdin, stdout })
+    }
+
+    fn call(&mut self, req: Value) -> Result<Value, String> {
+        writeln!(self.stdin, "{req}").and_then(|_| self.stdin.flush()).map_err(|e| format!("llama.cpp worker: {e}"))?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).map_err(|e| format!("llama.cpp worker: {e}"))?;
+        if line.is_empty() {
+            return Err("the llama.cpp worker exited (is llama-cpp-python installed? scripts/setup-llamacpp.sh)".into());
+        }
+        let v: Value = serde_json::from_str(&line).map_err(|e| format!("llama.cpp worker said {line:?}: {e}"))?;
+        if v["ok"] != json!(true) {
+            return Err(format!("llama.cpp: {}", v["error"].as_str().unwrap_or("unknown error")));
+        }
+        Ok(v)
+    }
+
+    fn seconds(v: &Value) -> Result<f64, String> {
+        v["seconds"].as_f64().ok_or_else(|| format!("llama.cpp worker reply without seconds: {v}"))
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
+        let _ = self.child.wait();
+    }
+}
+
+/// One engine's figures.
+#[derive(Default, Clone)]
+struct Figures {
+    prefill: Vec<(usize, f64)>,
+    decode: f64,
+    peak_rss_mb: f64,
+    hwm_mb: f64,
+}
+
+fn ours_prefill(model: &Model, tokens: &[u32]) -> Result<f64, String> {
+    let mut kv = model.transformer.new_kv();
+    let t0 = Instant::now();
+    for c in tokens.chunks(DEFAULT_PREFILL_CHUNK) {
+        model.transformer.forward(&mut kv, c, Logits::Last).map_err(|e| e.to_string())?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+fn ours_decode(model: &Model, prompt: &[u32], steps: &[u32]) -> Result<f64, String> {
+    let mut kv = model.transformer.new_kv();
+    for c in prompt.chunks(DEFAULT_PREFILL_CHUNK) {
+        model.transformer.forward(&mut kv, c, Logits::Last).map_err(|e| e.to_string())?;
+    }
+    let t0 = Instant::now();
+    for &t in steps {
+        model.transformer.forward(&mut kv, &[t], Logits::Last).map_err(|e| e.to_string())?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// Read bandwidth in bytes/s over a buffer of `bytes`, summed by `threads` threads.
+fn read_bandwidth(bytes: usize, threads: usize) -> f64 {
+    let words = (bytes / 8).max(1 << 16);
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let per = words.div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = buf
+                .chunks(per)
+                .map(|c| {
+                    s.spawn(move || {
+                        let mut acc = [0u64; 8];
+                        for w in c.chunks_exact(8) {
+                            for i in 0..8 {
+                                acc[i] = acc[i].wrapping_add(w[i]);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, |a, b| a.wrapping_add(b))
+        });
+        std::hint::black_box(total);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    (words * 8) as f64 / best
+}
+
+pub fn bench(args: &BenchArgs) -> Result<(), String> {
+    if !args.local {
+        return Err("bench needs --local for now (it runs the engine inside llmctl)".into());
+    }
+    if args.prefill.is_empty() || args.prefill.contains(&0) || args.decode_prompt == 0 || args.decode_tokens == 0 {
+        return Err("prompt lengths and decode steps must be at least 1".into());
+    }
+    let threads = if args.threads == 0 {
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    } else {
+        args.threads
+    };
+    let reps = args.reps as usize;
+    let rss_before = status_kb("VmRSS");
+    let t0 = Instant::now();
+    let model = Model::load(&args.model, &LoadOptions { threads }).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let c = model.config().clone();
+    let longest = args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_prompt + args.decode_tokens);
+    if longest > c.context_length {
+        return Err(format!("{longest} positions exceed the model's context of {}", c.context_length));
+    }
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    while ids.len() < longest {
+        text.push_str(BENCH_TEXT);
+        ids = model.tokenizer.encode(&text, false, model.tokenizer.add_bos).map_err(|e| e.to_string())?;
+    }
+    let decode_prompt = &ids[..args.decode_prompt];
+    let decode_steps = &ids[args.decode_prompt..args.decode_prompt + args.decode_tokens];
+
+    let mut peer = if args.compare_llamacpp {
+        let mut p = Peer::start(&args.python)?;
+        let r = p.call(json!({
+            "op": "load", "model": args.model.display().to_string(), "threads": threads,
+            "n_ctx": longest.div_ceil(256) * 256, "n_batch": 512,
+        }))?;
+        Some((p, r))
+    } else {
+        None
+    };
+    if !args.json {
+        eprintln!(
+            "model {} ({} layers, d_model {}, {:.1} MB of weights), {threads} threads, load {load_s:.2} s; {reps} runs per figure after a warm-up",
+            args.model.display(),
+            c.n_layers,
+            c.d_model,
+            model.transformer.weights.size_bytes() as f64 / 1e6
+        );
+    }
+
+    let mut ours: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 1];
+    let mut theirs: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 1];
+    for rep in 0..=reps {
+        // Alternate which engine goes first, so neither always runs on a warmer machine.
+        for side in if rep % 2 == 0 { [0, 1] } else { [1, 0] } {
+            for (i, &n) in args.prefill.iter().enumerate() {
+                let toks = &ids[..n];
+                let secs = if side == 0 {
+                    Some(ours_prefill(&model, toks)?)
+                } else if let Some((p, _)) = peer.as_mut() {
+                    Some(Peer::seconds(&p.call(json!({"op": "prefill", "tokens": toks}))?)?)
+                } else {
+                    None
+                };
+                if let (Some(s), true) = (secs, rep > 0) {
+                    let v = if side == 0 { &mut ours } else { &mut theirs };
+                    v[i].push(n as f64 / s);
+                }
+            }
+            let secs = if side == 0 {
+                Some(ours_decode(&model, decode_prompt, decode_steps)?)
+            } else if let Some((p, _)) = peer.as_mut() {
+                Some(Peer::seconds(&p.call(json!({"op": "decode", "prompt": decode_prompt, "steps": decode_steps}))?)?)
+            } else {
+                None
+            };
+            if let (Some(s), true) = (secs, rep > 0) {
+                let v = if side == 0 { &mut ours } else { &mut theirs };
+                v[args.prefill.len()].push(args.decode_tokens as f64 / s);
+            }
+        }
+        if !args.json {
+            eprint!("\r{}/{} runs", rep, reps);
+        }
+    }
+    if !args.json {
+        eprintln!();
+    }
+    let figures = |v: &mut Vec<Vec<f64>>| Figures {
+        prefill: args.prefill.iter().enumerate().map(|(i, &n)| (n, median(&mut v[i]))).collect(),
+        decode: median(&mut v[args.prefill.len()]),
+        ..Figures::default()
+    };
+    let mut mine = figures(&mut ours);
+    mine.hwm_mb = status_kb("VmHWM") as f64 / 1024.0;
+    mine.peak_rss_mb = (status_kb("VmHWM").saturating_sub(rss_before)) as f64 / 1024.0;
+    let peer_fig = match peer.as_mut() {
+        Some((p, load)) => {
+            let r = p.call(json!({"op": "rss"}))?;
+            let hwm = r["vm_hwm_kb"].as_u64().unwrap_or(0);
+            let before = load["rss_before_load_kb"].as_u64().unwrap_or(0);
+            let mut f = figures(&mut theirs);
+            f.hwm_mb = hwm as f64 / 1024.0;
+            f.peak_rss_mb = hwm.saturating_sub(before) as f64 / 1024.0;
+            Some((f, load["version"].as_str().unwrap_or("?").to_owned()))
+        }
+        None => None,
+    };
+
+    // This machine's limits for the figures: read bandwidth over a buffer the size of the
+    // weights (what decode streams), and multiply-accumulates per token (what prefill computes).
+    let w = &model.transformer.weights;
+    let mut weight_bytes_per_token = w.output.size_bytes();
+    let mut macs_per_token = w.output.rows * w.output.cols;
+    for l in &w.layers {
+        for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            weight_bytes_per_token += m.size_bytes();
+            macs_per_token += m.rows * m.cols;
+        }
+    }
+    let bw = read_bandwidth(weight_bytes_per_token, threads);
+    let decode_ceiling = bw / weight_bytes_per_token as f64;
+    let int8_peak = llmd_engine::quant::int8_peak_macs_per_s(threads);
+    let prefill_ceiling = int8_peak / macs_per_token as f64;
+
+    if args.json {
+        let mut o = serde_json::Map::new();
+        for &(n, v) in &mine.prefill {
+            o.insert(format!("prefill_{n}_tok_s"), json!(v));
+        }
+        o.insert("decode_tok_s".into(), json!(mine.decode));
+        o.insert("peak_rss_mb".into(), json!(mine.peak_rss_mb));
+        o.insert("vm_hwm_mb".into(), json!(mine.hwm_mb));
+        o.insert("threads".into(), json!(threads));
+        o.insert("weight_bytes_per_token".into(), json!(weight_bytes_per_token));
+        o.insert("macs_per_token".into(), json!(macs_per_token));
+        o.insert("read_bandwidth_gb_s".into(), json!(bw / 1e9));
+        o.insert("int8_peak_gmac_s".into(), json!(int8_peak / 1e9));
+        o.insert("kernel".into(), json!(llmd_engine::quant::kernel_name()));
+        if let Some((f, ver)) = &peer_fig {
+            let mut l = serde_json::Map::new();
+            for &(n, v) in &f.prefill {
+                l.insert(format!("prefill_{n}_tok_s"), json!(v));
+            }
+            l.insert("decode_tok_s".into(), json!(f.decode));
+            l.insert("peak_rss_mb".into(), json!(f.peak_rss_mb));
+            l.insert("vm_hwm_mb".into(), json!(f.hwm_mb));
+            l.insert("version".into(), json!(ver));
+            o.insert("llamacpp".into(), Value::Object(l));
+            for (&(n, a), &(_, b)) in mine.prefill.iter().zip(&f.prefill) {
+                o.insert(format!("ratio_prefill_{n}"), json!(a / b));
+            }
+            o.insert("ratio_decode".into(), json!(mine.decode / f.decode));
+            o.insert("ratio_peak_rss".into(), json!(mine.peak_rss_mb / f.peak_rss_mb));
+        }
+        println!("{}", Value::Object(o));
+        return Ok(());
+    }
+    let peer_ver = peer_fig.as_ref().map(|(_, v)| v.clone());
+    let pf = peer_fig.map(|(f, _)| f);
+    println!(
+        "{:<22} {:>10} {:>12} {:>8} {:>11}",
+        "figure",
+        "llmd",
+        peer_ver.map(|v| format!("llama.cpp {v}")).unwrap_or_else(|| "llama.cpp".into()),
+        "ratio",
+        "% ceiling"
+    );
+    let row = |name: String, a: f64, b: Option<f64>, ceil: Option<f64>| {
+        println!(
+            "{:<22} {:>10.1} {:>12} {:>8} {:>11}",
+            name,
+            a,
+            b.map(|b| format!("{b:.1}")).unwrap_or_else(|| "-".into()),
+            b.map(|b| format!("{:.2}x", a / b)).unwrap_or_else(|| "-".into()),
+            ceil.map(|c| format!("{:.0}%", 100.0 * a / c)).unwrap_or_else(|| "-".into()),
+        )
+    };
+    for (i, &(n, v)) in mine.prefill.iter().enumerate() {
+        row(format!("prefill@{n} tok/s"), v, pf.as_ref().map(|f| f.prefill[i].1), Some(prefill_ceiling));
+    }
+    row(
+        format!("decode tok/s ({}+{})", args.decode_prompt, args.decode_tokens),
+        mine.decode,
+        pf.as_ref().map(|f| f.decode),
+        Some(decode_ceiling),
+    );
+    row("peak RSS MB (model)".into(), mine.peak_rss_mb, pf.as_ref().map(|f| f.peak_rss_mb), None);
+    row("VmHWM MB (process)".into(), mine.hwm_mb, pf.as_ref().map(|f| f.hwm_mb), None);
+    println!(
+        "ceilings: decode {:.0} tok/s = {:.1} GB/s (read bandwidth over a buffer that size) / {:.1} MB of weights per token; \
+         prefill {:.0} tok/s = {:.0} G int8 MAC/s ({}) / {:.1} M MAC per token",
+        decode_ceiling,
+        bw / 1e9,
+        weight_bytes_per_token as f64 / 1e6,
+        prefill_ceiling,
+        int8_peak / 1e9,
+        llmd_engine::quant::kernel_name(),
+        macs_per_token as f64 / 1e6,
+    );
+    Ok(())
+}

@@ -1,0 +1,552 @@
+//! Weights repacked at load for the integer GEMM/GEMV kernels, the activation format they
+//! consume, and the scalar reference every SIMD kernel must equal bit for bit.
+//!
+//! # The packed layout
+//! A matrix of Q4_0, Q4_1 or Q8_0 weights is cut into tiles of [`TILE_ROWS`] rows (the last tile
+//! padded with zero rows). Each tile stores, block after block (32 columns each), one *record*:
+//!
+//! | type | record |
+//! |---|---|
+//! | Q4_0 | 16 × f16 scale `d`, then 4 chunks × 64 bytes of nibbles (288 B = 18 B per row-block, as GGUF) |
+//! | Q4_1 | 16 × f16 `d`, 16 × f16 min `m`, then 4 × 64 nibble bytes (320 B = 20 B per row-block, as GGUF) |
+//! | Q8_0 | 16 × f16 `d`, then 8 chunks × 64 bytes (544 B = 34 B per row-block, as GGUF) |
+//!
+//! A chunk holds 4 consecutive weights of each of the 16 rows (row `r` at bytes `4r..4r+4`), so
+//! one 512-bit `vpdpbusd` (or four NEON `sdot`s) multiplies 16 rows by the same 4 activations.
+//! Q4 chunk `c` is GGUF's `qs[4c..4c+4]` of each row: its low nibbles are weights `4c..4c+4`,
+//! its high nibbles weights `16+4c..16+4c+4`. Q8_0 bytes are stored offset by 128 (`w ^ 0x80`),
+//! so every weight is an *unsigned* byte: `u = w + o` with `o` = 8 (Q4_0), 0 (Q4_1), 128 (Q8_0).
+//!
+//! # The arithmetic (what every kernel computes, in this order)
+//! Activations are quantized per 32-block to i8 (x · (127 / amax), rounded to nearest even), with
+//! the scale kept as `a_d` = f16(amax / 127), per group of 4 values the integer sum `a_g`, and
+//! `a_m` = f16(amax / 127 · Σ values). For row `r`, token `t` (groups `k` = elements `4k..4k+4`):
+//!
+//! ```text
+//! lane[0..8] = 0, summs = 0
+//! for each block b:
+//!     for k in 0..8:
+//!         isum = Σ_{i in group k} u[r,b,i] · a[t,b,i] − o · a_g[t,b,k]     (exact, i32)
+//!         lane[k] = fma(d[r,b] · a_d[t,b], isum as f32, lane[k])
+//!     Q4_1 only: summs = summs + m[r,b] · a_m[t,b]                        (not fused)
+//! out = ((lane[4] + lane[0]) + (lane[6] + lane[2])) + ((lane[5] + lane[1]) + (lane[7] + lane[3])) + summs
+//! ```
+//! That is llama.cpp's x86 order for these types (`vpmaddubsw`/`vpmaddwd` lanes of four
+//! products, one FMA per lane per block, `hsum_float_8`, then the Q4_1 minimum term), so our
+//! logits reproduce its own. The integer part is exact; the float part is one fixed sequence per
+//! row, the same in every SIMD lane of every kernel, so they equal [`reference`] bit for bit.
+
+use super::GgmlType;
+use half::f16;
+
+/// Rows per tile: 16 i32 lanes of a 512-bit register; 4 NEON registers.
+pub const TILE_ROWS: usize = 16;
+/// Weights per block (the GGUF block size of Q4_0, Q4_1 and Q8_0).
+pub const BLOCK: usize = 32;
+
+/// The weight types that have a packed form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackKind {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl PackKind {
+    pub fn of(ty: GgmlType) -> Option<Self> {
+        match ty {
+            GgmlType::Q4_0 => Some(Self::Q4_0),
+            GgmlType::Q4_1 => Some(Self::Q4_1),
+            GgmlType::Q8_0 => Some(Self::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one tile-block record.
+    pub const fn record_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 32 + 256,
+            Self::Q4_1 => 64 + 256,
+            Self::Q8_0 => 32 + 512,
+        }
+    }
+
+    /// Offset of the weight bytes in a record.
+    pub const fn qs_offset(self) -> usize {
+        match self {
+            Self::Q4_0 | Self::Q8_0 => 32,
+            Self::Q4_1 => 64,
+        }
+    }
+
+    /// The offset `o` subtracted from every unsigned weight.
+    pub const fn offset(self) -> i32 {
+        match self {
+            Self::Q4_0 => 8,
+            Self::Q4_1 => 0,
+            Self::Q8_0 => 128,
+        }
+    }
+
+    fn ggml(self) -> GgmlType {
+        match self {
+            Self::Q4_0 => GgmlType::Q4_0,
+            Self::Q4_1 => GgmlType::Q4_1,
+            Self::Q8_0 => GgmlType::Q8_0,
+        }
+    }
+}
+
+/// A weight matrix in the packed layout.
+pub struct PackedMatrix {
+    pub kind: PackKind,
+    pub rows: usize,
+    pub cols: usize,
+    data: Vec<u8>,
+}
+
+impl PackedMatrix {
+    /// Packs `rows` GGUF rows of `kind` (each `cols` wide); `read(r0, buf)` fills `buf` with
+    /// the whole rows starting at row `r0` (up to [`TILE_ROWS`] of them at a time).
+    pub fn pack(
+        kind: PackKind,
+        rows: usize,
+        cols: usize,
+        mut read: impl FnMut(usize, &mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<Self> {
+        let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+        if cols == 0 || cols % BLOCK != 0 {
+            return Err(invalid(format!("{cols} columns are not whole blocks of {BLOCK}")));
+        }
+        let blocks = cols / BLOCK;
+        let tiles = rows.div_ceil(TILE_ROWS);
+        let rec = kind.record_bytes();
+        let src_block = kind.ggml().type_size();
+        let row_bytes = blocks * src_block;
+        let mut data = vec![0u8; tiles * blocks * rec];
+        let mut src = vec![0u8; TILE_ROWS * row_bytes];
+        let qo = kind.qs_offset();
+        for (tile, tdata) in data.chunks_exact_mut(blocks * rec).enumerate() {
+            let r0 = tile * TILE_ROWS;
+            let n = (rows - r0).min(TILE_ROWS);
+            read(r0, &mut src[..n * row_bytes])?;
+            for lane in 0..n {
+                let srow = &src[lane * row_bytes..(lane + 1) * row_bytes];
+                for (s, d) in srow.chunks_exact(src_block).zip(tdata.chunks_exact_mut(rec)) {
+                    d[2 * lane..2 * lane + 2].copy_from_slice(&s[0..2]);
+                    match kind {
+                        PackKind::Q4_0 | PackKind::Q4_1 => {
+                            let qs = if kind == PackKind::Q4_1 {
+                                d[32 + 2 * lane..32 + 2 * lane + 2].copy_from_slice(&s[2..4]);
+                                &s[4..20]
+                            } else {
+                                &s[2..18]
+                            };
+                            for c in 0..4 {
+                                d[qo + 64 * c + 4 * lane..qo + 64 * c + 4 * lane + 4]
+                                    .copy_from_slice(&qs[4 * c..4 * c + 4]);
+                            }
+                        }
+                        PackKind::Q8_0 => {
+                            for g in 0..8 {
+                                for j in 0..4 {
+                                    d[qo + 64 * g + 4 * lane + j] = s[2 + 4 * g + j] ^ 0x80;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self { kind, rows, cols, data })
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    pub fn tiles(&self) -> usize {
+        self.rows.div_ceil(TILE_ROWS)
+    }
+
+    /// The records of one tile, block after block.
+    pub fn tile(&self, t: usize) -> &[u8] {
+        let n = self.blocks() * self.kind.record_bytes();
+        &self.data[t * n..(t + 1) * n]
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Row `r` as f32 (the same values GGUF dequantization gives).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let (tile, lane) = (r / TILE_ROWS, r % TILE_ROWS);
+        let t = self.tile(tile);
+        let rec = self.kind.record_bytes();
+        let qo = self.kind.qs_offset();
+        for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
+            let d = &t[b * rec..(b + 1) * rec];
+            let scale = f16::from_le_bytes([d[2 * lane], d[2 * lane + 1]]).to_f32();
+            match self.kind {
+                PackKind::Q4_0 | PackKind::Q4_1 => {
+                    let (off, m) = if self.kind == PackKind::Q4_1 {
+                        (0.0, f16::from_le_bytes([d[32 + 2 * lane], d[33 + 2 * lane]]).to_f32())
+                    } else {
+                        (8.0, 0.0)
+                    };
+                    for c in 0..4 {
+                        for j in 0..4 {
+                            let q = d[qo + 64 * c + 4 * lane + j];
+                            o[4 * c + j] = ((q & 15) as f32 - off) * scale + m;
+                            o[16 + 4 * c + j] = ((q >> 4) as f32 - off) * scale + m;
+                        }
+                    }
+                }
+                PackKind::Q8_0 => {
+                    for g in 0..8 {
+                        for j in 0..4 {
+                            o[4 * g + j] = ((d[qo + 64 * g + 4 * lane + j] ^ 0x80) as i8) as f32 * scale;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Activations quantized for the packed kernels: per token, per 32-block, i8 values, an f32
+/// scale and the integer sum of the values.
+#[derive(Default)]
+pub struct QuantActs {
+    pub n: usize,
+    pub cols: usize,
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub sum: Vec<i32>,
+    /// `f16(d · sum)` per block: the term a Q4_1 minimum multiplies (llama.cpp's Q8_1 `s`).
+    pub ms: Vec<f32>,
+    /// Per block, the integer sums of its 8 groups of 4 values.
+    pub gsum: Vec<i32>,
+}
+
+impl QuantActs {
+    /// Quantizes `n` rows of `cols` (a multiple of 32) from `x`, reusing this buffer.
+    pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) {
+        let blocks = cols / BLOCK;
+        self.n = n;
+        self.cols = cols;
+        self.qs.resize(n * cols, 0);
+        self.d.resize(n * blocks, 0.0);
+        self.sum.resize(n * blocks, 0);
+        self.ms.resize(n * blocks, 0.0);
+        self.gsum.resize(n * blocks * 8, 0);
+        for (i, (xb, qb)) in x[..n * cols].chunks_exact(BLOCK).zip(self.qs.chunks_exact_mut(BLOCK)).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            // 127 / amax, not 1 / d: the same rounding as llama.cpp's x86 quantizer.
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mut s = 0i32;
+            for (k, (q4, x4)) in qb.chunks_exact_mut(4).zip(xb.chunks_exact(4)).enumerate() {
+                let mut g = 0i32;
+                for (q, &v) in q4.iter_mut().zip(x4) {
+                    let r = (v * id).round_ties_even() as i32;
+                    *q = r as i8;
+                    g += r;
+                }
+                self.gsum[i * 8 + k] = g;
+                s += g;
+            }
+            // Scales are rounded to f16 as llama.cpp's Q8_0 / Q8_1 blocks store them (the values
+            // were quantized with the unrounded scale), which keeps logits within its own noise.
+            self.d[i] = f16::from_f32(d).to_f32();
+            self.sum[i] = s;
+            self.ms[i] = f16::from_f32(d * s as f32).to_f32();
+        }
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.cols / BLOCK
+    }
+}
+
+/// llama.cpp's `hsum_float_8` order over the 8 group lanes.
+#[inline(always)]
+pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
+    ((l[4] + l[0]) + (l[6] + l[2])) + ((l[5] + l[1]) + (l[7] + l[3]))
+}
+
+/// The scalar reference: `out[j * TILE_ROWS + lane]` for tokens `t0..t0+nt`, rows of tile `tile`.
+pub fn reference(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    let blocks = w.blocks();
+    let rec = w.kind.record_bytes();
+    let qo = w.kind.qs_offset();
+    let o = w.kind.offset();
+    let tdata = w.tile(tile);
+    for j in 0..nt {
+        let t = t0 + j;
+        for lane in 0..TILE_ROWS {
+            let mut lanes = [0f32; 8];
+            let mut summs = 0f32;
+            for b in 0..blocks {
+                let d = &tdata[b * rec..(b + 1) * rec];
+                let ab = t * blocks + b;
+                let aq = &a.qs[ab * BLOCK..(ab + 1) * BLOCK];
+                let wd = f16::from_le_bytes([d[2 * lane], d[2 * lane + 1]]).to_f32();
+                let scale = wd * a.d[ab];
+                for (k, l) in lanes.iter_mut().enumerate() {
+                    let mut isum = -o * a.gsum[ab * 8 + k];
+                    for i in 0..4 {
+                        let u = match w.kind {
+                            PackKind::Q4_0 | PackKind::Q4_1 => {
+                                let q = d[qo + 64 * (k % 4) + 4 * lane + i] as i32;
+                                if k < 4 {
+                                    q & 15
+                                } else {
+                                    q >> 4
+                                }
+                            }
+                            PackKind::Q8_0 => d[qo + 64 * k + 4 * lane + i] as i32,
+                        };
+                        isum += u * aq[4 * k + i] as i32;
+                    }
+                    *l = scale.mul_add(isum as f32, *l);
+                }
+                if w.kind == PackKind::Q4_1 {
+                    let m = f16::from_le_bytes([d[32 + 2 * lane], d[33 + 2 * lane]]).to_f32();
+                    summs += m * a.ms[ab];
+                }
+            }
+            out[j * TILE_ROWS + lane] = hsum8(&lanes) + summs;
+        }
+    }
+}
+
+/// The kernel families over the packed layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelKind {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+    NeonDotprod,
+}
+
+/// A kernel this CPU can run: only [`Kernel::available`] and [`Kernel::best`] make one, so
+/// holding a `Kernel` proves its instructions were detected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernel(KernelKind);
+
+impl Kernel {
+    pub fn kind(self) -> KernelKind {
+        self.0
+    }
+
+    pub fn name(self) -> &'static str {
+        match self.0 {
+            KernelKind::Scalar => "scalar",
+            KernelKind::Avx2 => "avx2",
+            KernelKind::Avx512Vnni => "avx512-vnni",
+            KernelKind::NeonDotprod => "neon-dotprod",
+        }
+    }
+
+    /// Every kernel this CPU runs, best first; the scalar reference is always last.
+    pub fn available() -> Vec<Kernel> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                v.push(Kernel(KernelKind::Avx512Vnni));
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                v.push(Kernel(KernelKind::Avx2));
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("dotprod") {
+                v.push(Kernel(KernelKind::NeonDotprod));
+            }
+        }
+        v.push(Kernel(KernelKind::Scalar));
+        v
+    }
+
+    /// The best available kernel, or the one named by `LLMD_KERNEL` (`scalar`, `avx2`,
+    /// `avx512-vnni`, `neon-dotprod`) if this CPU has it. Chosen once per process.
+    pub fn best() -> Kernel {
+        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| {
+            let all = Self::available();
+            let wanted = std::env::var("LLMD_KERNEL").ok();
+            wanted.and_then(|n| all.iter().copied().find(|k| k.name() == n)).unwrap_or(all[0])
+        })
+    }
+
+    /// Rows of tile `tile` for tokens `t0..t0 + nt` into `out[j * TILE_ROWS + lane]`.
+    ///
+    /// # Panics
+    /// On shapes that do not fit (a bug in the caller, never input data).
+    pub fn run(self, w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+        assert!(tile < w.tiles() && a.cols == w.cols && t0 + nt <= a.n && out.len() >= nt * TILE_ROWS);
+        match self.0 {
+            KernelKind::Scalar => reference(w, tile, a, t0, nt, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were
+            // detected; the shape contract is asserted above.
+            KernelKind::Avx512Vnni => unsafe { super::packed_x86::tile_avx512vnni(w, tile, a, t0, nt, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2, FMA and F16C were detected; shapes asserted above.
+            KernelKind::Avx2 => unsafe { super::packed_x86::tile_avx2(w, tile, a, t0, nt, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: the dot-product extension was detected; shapes asserted above.
+            KernelKind::NeonDotprod => unsafe { super::packed_arm::tile_neon_dotprod(w, tile, a, t0, nt, out) },
+            #[allow(unreachable_patterns)]
+            _ => reference(w, tile, a, t0, nt, out),
+        }
+    }
+}
+
+/// Sustained int8 multiply-accumulates per second on `threads` threads with the best kernel's
+/// instruction (the prefill ceiling the benchmark reports against); 0 where not measured.
+pub fn int8_peak_macs_per_s(threads: usize) -> f64 {
+    let k = Kernel::best();
+    #[cfg(target_arch = "x86_64")]
+    if k.kind() == KernelKind::Avx512Vnni {
+        const ITERS: u64 = 20_000_000;
+        let t0 = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..threads.max(1) {
+                // SAFETY: AVX-512 VNNI was detected (this kernel exists).
+                s.spawn(|| std::hint::black_box(unsafe { super::packed_x86::vnni_peak_loop(ITERS) }));
+            }
+        });
+        return (threads.max(1) as u64 * ITERS * 8 * 64) as f64 / t0.elapsed().as_secs_f64();
+    }
+    let _ = (k, threads);
+    0.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_row, vec_dot};
+
+    fn rng(seed: &mut u64) -> u64 {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        *seed
+    }
+
+    /// Random GGUF rows of `ty`: scales of ordinary magnitude, every quant value possible.
+    fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed | 1;
+        let bs = ty.type_size();
+        let mut v = vec![0u8; rows * cols / BLOCK * bs];
+        for b in v.chunks_exact_mut(bs) {
+            for x in b.iter_mut() {
+                *x = rng(&mut s) as u8;
+            }
+            let d = f16::from_f32((rng(&mut s) % 1000) as f32 / 20000.0 + 1e-4);
+            b[0..2].copy_from_slice(&d.to_le_bytes());
+            if ty == GgmlType::Q4_1 {
+                let m = f16::from_f32(-((rng(&mut s) % 1000) as f32) / 5000.0);
+                b[2..4].copy_from_slice(&m.to_le_bytes());
+            }
+        }
+        v
+    }
+
+    fn random_x(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n).map(|_| (rng(&mut s) % 20001) as f32 / 5000.0 - 2.0).collect()
+    }
+
+    fn pack(ty: GgmlType, raw: &[u8], rows: usize, cols: usize) -> PackedMatrix {
+        let rb = raw.len() / rows;
+        PackedMatrix::pack(PackKind::of(ty).expect("packable"), rows, cols, |r0, buf| {
+            buf.copy_from_slice(&raw[r0 * rb..r0 * rb + buf.len()]);
+            Ok(())
+        })
+        .expect("pack")
+    }
+
+    fn run_all(k: Kernel, w: &PackedMatrix, a: &QuantActs) -> Vec<f32> {
+        let mut out = vec![0f32; w.tiles() * TILE_ROWS * a.n];
+        for (t, o) in out.chunks_exact_mut(TILE_ROWS * a.n).enumerate() {
+            k.run(w, t, a, 0, a.n, o);
+        }
+        out
+    }
+
+    #[test]
+    fn the_reference_equals_the_gguf_dot_product_bit_for_bit() {
+        // `vec_dot` is the llama.cpp-order dot product checked against gguf-py and llama.cpp.
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (rows, cols, n) = (37, 96, 3);
+            let raw = random_rows(ty, rows, cols, 7 + ty.id() as u64);
+            let w = pack(ty, &raw, rows, cols);
+            let x = random_x(n * cols, 11);
+            let mut a = QuantActs::default();
+            a.quantize(&x, n, cols);
+            let out = run_all(Kernel(KernelKind::Scalar), &w, &a);
+            let at = ty.vec_dot_type();
+            let arow = at.row_bytes(cols).expect("blocks");
+            let wrow = ty.row_bytes(cols).expect("blocks");
+            for t in 0..n {
+                let mut aq = vec![0u8; arow];
+                quantize_row(at, &x[t * cols..(t + 1) * cols], &mut aq).expect("quantize");
+                for r in 0..rows {
+                    let want = vec_dot(ty, cols, &raw[r * wrow..(r + 1) * wrow], &aq).expect("dot");
+                    let got = out[(r / TILE_ROWS) * TILE_ROWS * n + t * TILE_ROWS + r % TILE_ROWS];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} row {r} token {t}: {got} vs {want}");
+                }
+            }
+            // Dequantizing a packed row gives GGUF's values.
+            let mut deq = vec![0f32; cols];
+            let mut want = vec![0f32; cols];
+            for r in [0, 15, 16, rows - 1] {
+                w.dequantize_row(r, &mut deq);
+                crate::quant::dequantize_row(ty, &raw[r * wrow..(r + 1) * wrow], &mut want).expect("deq");
+                assert_eq!(deq, want, "{ty} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_equals_the_scalar_reference_bit_for_bit() {
+        let kernels = Kernel::available();
+        eprintln!("kernels here: {:?}", kernels.iter().map(|k| k.name()).collect::<Vec<_>>());
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (rows, cols, n) in [(16, 32, 1), (50, 576, 1), (33, 128, 5), (64, 1536, 9), (7, 64, 2)] {
+                let raw = random_rows(ty, rows, cols, (rows * 31 + cols + n) as u64);
+                let w = pack(ty, &raw, rows, cols);
+                let x = random_x(n * cols, rows as u64);
+                let mut a = QuantActs::default();
+                a.quantize(&x, n, cols);
+                let want = run_all(Kernel(KernelKind::Scalar), &w, &a);
+                for &k in &kernels {
+                    let got = run_all(k, &w, &a);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), e.to_bits(), "{} {ty} {rows}x{cols} n={n} at {i}: {g} vs {e}", k.name());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn packing_refuses_partial_blocks() {
+        let r = PackedMatrix::pack(PackKind::Q8_0, 2, 48, |_, _| Ok(()));
+        assert!(r.is_err());
+    }
+}

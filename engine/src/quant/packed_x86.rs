@@ -1,0 +1,210 @@
+//! x86 kernels over the packed layout (see `packed.rs` for the layout and the arithmetic they
+//! must reproduce bit for bit): AVX-512 VNNI (`vpdpbusd`, 16 rows per instruction) and AVX2
+//! (`vpmaddubsw` + `vpmaddwd`, 8 rows per instruction). Each call computes one tile of 16 rows for
+//! `nt` tokens; tokens go in groups of up to 8 so that a block's weights are unpacked once into
+//! registers and reused by every token of the group (the GEMM case), while one token (GEMV)
+//! streams the weights once.
+
+use super::packed::{PackKind, PackedMatrix, QuantActs, BLOCK, TILE_ROWS};
+use std::arch::x86_64::*;
+
+/// Largest token group held in registers (8 group lanes + the minimum term per token).
+const GROUP: usize = 2;
+
+/// Token `t`'s block `b`: its 32 values, 8 group sums, scale and minimum term.
+#[inline(always)]
+fn act(a: &QuantActs, ab: usize) -> (&[i8; 32], &[i32; 8], f32, f32) {
+    let q: &[i8; 32] = a.qs[ab * BLOCK..(ab + 1) * BLOCK].try_into().expect("32 values per block");
+    let g: &[i32; 8] = a.gsum[ab * 8..(ab + 1) * 8].try_into().expect("8 groups per block");
+    (q, g, a.d[ab], a.ms[ab])
+}
+
+#[inline(always)]
+fn word(q: &[i8; 32], k: usize) -> i32 {
+    i32::from_le_bytes([q[4 * k] as u8, q[4 * k + 1] as u8, q[4 * k + 2] as u8, q[4 * k + 3] as u8])
+}
+
+/// # Safety
+/// The CPU must support AVX-512 F/BW and VNNI, FMA and F16C; `out` holds `nt * TILE_ROWS`
+/// values and `t0 + nt <= a.n`, `a.cols == w.cols`, `tile < w.tiles()` (checked by the caller).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    let mut j = 0;
+    while j < nt {
+        let g = (nt - j).min(GROUP);
+        // SAFETY: same contract as this function, for tokens t0+j..t0+j+g.
+        unsafe {
+            if g == 2 {
+                group512::<2>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
+            } else {
+                group512::<1>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
+            }
+        }
+        j += g;
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn group512<const NT: usize>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, out: &mut [f32]) {
+    let kind = w.kind;
+    let blocks = w.blocks();
+    let rec = kind.record_bytes();
+    let qo = kind.qs_offset();
+    let off = kind.offset();
+    let data = w.tile(tile);
+    assert!(data.len() == blocks * rec && out.len() >= NT * TILE_ROWS && a.qs.len() >= (t0 + NT) * a.cols);
+    let mut lanes = [[_mm512_setzero_ps(); 8]; NT];
+    let mut summs = [_mm512_setzero_ps(); NT];
+    let mask = _mm512_set1_epi8(0x0F);
+    let p = data.as_ptr();
+    for b in 0..blocks {
+        // SAFETY: record `b` spans `rec` bytes inside `data` (asserted above): the scales at
+        // offsets 0 and 32 (32 bytes each) and the weights at `qo..qo + 256` or `qo + 512`.
+        let (dv, mv, wv) = unsafe {
+            let r = p.add(b * rec);
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(r as *const __m256i));
+            let mv = if kind == PackKind::Q4_1 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(r.add(32) as *const __m256i))
+            } else {
+                _mm512_setzero_ps()
+            };
+            let q = r.add(qo);
+            let mut wv = [_mm512_setzero_si512(); 8];
+            if kind == PackKind::Q8_0 {
+                for (g, v) in wv.iter_mut().enumerate() {
+                    *v = _mm512_loadu_si512(q.add(64 * g) as *const _);
+                }
+            } else {
+                for c in 0..4 {
+                    let x = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                    wv[c] = _mm512_and_si512(x, mask);
+                    wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+                }
+            }
+            (dv, mv, wv)
+        };
+        for j in 0..NT {
+            let (aq, ag, ad, am) = act(a, (t0 + j) * blocks + b);
+            let scale = _mm512_mul_ps(dv, _mm512_set1_ps(ad));
+            for k in 0..8 {
+                let init = _mm512_set1_epi32(-off * ag[k]);
+                let isum = _mm512_dpbusd_epi32(init, wv[k], _mm512_set1_epi32(word(aq, k)));
+                lanes[j][k] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), lanes[j][k]);
+            }
+            if kind == PackKind::Q4_1 {
+                summs[j] = _mm512_add_ps(summs[j], _mm512_mul_ps(mv, _mm512_set1_ps(am)));
+            }
+        }
+    }
+    for j in 0..NT {
+        let l = &lanes[j];
+        let r = _mm512_add_ps(
+            _mm512_add_ps(_mm512_add_ps(l[4], l[0]), _mm512_add_ps(l[6], l[2])),
+            _mm512_add_ps(_mm512_add_ps(l[5], l[1]), _mm512_add_ps(l[7], l[3])),
+        );
+        let r = _mm512_add_ps(r, summs[j]);
+        let o = &mut out[j * TILE_ROWS..(j + 1) * TILE_ROWS];
+        // SAFETY: `o` is 16 writable f32s.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), r) };
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the same shape contract as [`tile_avx512vnni`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn tile_avx2(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    let kind = w.kind;
+    let blocks = w.blocks();
+    let rec = kind.record_bytes();
+    let qo = kind.qs_offset();
+    // Q8_0 takes the signed path (sign moved onto the activations), which needs no offset.
+    let off = if kind == PackKind::Q8_0 { 0 } else { kind.offset() };
+    let data = w.tile(tile);
+    assert!(data.len() == blocks * rec && out.len() >= nt * TILE_ROWS && a.qs.len() >= (t0 + nt) * a.cols);
+    let mask = _mm256_set1_epi8(0x0F);
+    let flip = _mm256_set1_epi8(-128);
+    let ones = _mm256_set1_epi16(1);
+    let p = data.as_ptr();
+    for j in 0..nt {
+        for h in 0..2 {
+            let mut lanes = [_mm256_setzero_ps(); 8];
+            let mut summs = _mm256_setzero_ps();
+            for b in 0..blocks {
+                // SAFETY: record `b` spans `rec` bytes inside `data` (asserted above); half `h`
+                // reads rows 8h..8h+8: 16 bytes of each scale array and 32 bytes of each chunk.
+                let (dv, mv, wv) = unsafe {
+                    let r = p.add(b * rec);
+                    let dv = _mm256_cvtph_ps(_mm_loadu_si128(r.add(16 * h) as *const __m128i));
+                    let mv = if kind == PackKind::Q4_1 {
+                        _mm256_cvtph_ps(_mm_loadu_si128(r.add(32 + 16 * h) as *const __m128i))
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    let q = r.add(qo + 32 * h);
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    if kind == PackKind::Q8_0 {
+                        for (g, v) in wv.iter_mut().enumerate() {
+                            *v = _mm256_xor_si256(_mm256_loadu_si256(q.add(64 * g) as *const __m256i), flip);
+                        }
+                    } else {
+                        for c in 0..4 {
+                            let x = _mm256_loadu_si256(q.add(64 * c) as *const __m256i);
+                            wv[c] = _mm256_and_si256(x, mask);
+                            wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+                        }
+                    }
+                    (dv, mv, wv)
+                };
+                let (aq, ag, ad, am) = act(a, (t0 + j) * blocks + b);
+                let scale = _mm256_mul_ps(dv, _mm256_set1_ps(ad));
+                for k in 0..8 {
+                    let av = _mm256_set1_epi32(word(aq, k));
+                    let pairs = if kind == PackKind::Q8_0 {
+                        // |w| ≤ 128 and |a| ≤ 127: each pair sum ≤ 32512, below i16 saturation.
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(wv[k]), _mm256_sign_epi8(av, wv[k]))
+                    } else {
+                        // Nibbles ≤ 15: each pair sum ≤ 3810.
+                        _mm256_maddubs_epi16(wv[k], av)
+                    };
+                    let isum = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(-off * ag[k]));
+                    lanes[k] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), lanes[k]);
+                }
+                if kind == PackKind::Q4_1 {
+                    summs = _mm256_add_ps(summs, _mm256_mul_ps(mv, _mm256_set1_ps(am)));
+                }
+            }
+            let l = &lanes;
+            let r = _mm256_add_ps(
+                _mm256_add_ps(_mm256_add_ps(l[4], l[0]), _mm256_add_ps(l[6], l[2])),
+                _mm256_add_ps(_mm256_add_ps(l[5], l[1]), _mm256_add_ps(l[7], l[3])),
+            );
+            let r = _mm256_add_ps(r, summs);
+            let o = &mut out[j * TILE_ROWS + 8 * h..j * TILE_ROWS + 8 * h + 8];
+            // SAFETY: `o` is 8 writable f32s.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), r) };
+        }
+    }
+}
+
+/// Multiply-accumulates per second one thread sustains on independent `vpdpbusd` chains
+/// (512-bit), over `iters` iterations of 8 instructions.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and VNNI.
+#[target_feature(enable = "avx512f,avx512vnni")]
+pub unsafe fn vnni_peak_loop(iters: u64) -> i32 {
+    let mut acc = [_mm512_setzero_si512(); 8];
+    let x = _mm512_set1_epi8(3);
+    let y = _mm512_set1_epi8(-2);
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm512_dpbusd_epi32(*v, x, y);
+        }
+    }
+    let mut s = acc[0];
+    for v in &acc[1..] {
+        s = _mm512_add_epi32(s, *v);
+    }
+    _mm512_reduce_add_epi32(s)
+}

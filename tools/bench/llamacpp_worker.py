@@ -1,0 +1,84 @@
+"""llama.cpp side of `llmctl bench --compare-llamacpp` (embedded in llmctl; kept here for review).
+
+Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
+  {"op": "load", "model": PATH, "threads": T, "n_ctx": C, "n_batch": B}
+      -> {"ok": true, "rss_before_load_kb": .., "load_s": ..}
+  {"op": "prefill", "tokens": [ids]}             -> {"ok": true, "seconds": ..}
+  {"op": "decode", "prompt": [ids], "steps": [ids]} -> {"ok": true, "seconds": .., "prompt_seconds": ..}
+  {"op": "rss"}                                   -> {"ok": true, "vm_hwm_kb": .., "vm_rss_kb": ..}
+  {"op": "quit"}
+Timing covers llama_decode only (through Llama.eval); no sampling, no tokenization.
+Decode feeds a fixed token sequence one token at a time, so both engines do identical work.
+"""
+import json
+import sys
+import time
+
+
+def status_kb(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reply(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    try:
+        import llama_cpp
+    except Exception as e:  # not installed: say so in one line
+        reply({"ok": False, "error": f"python module llama_cpp is not importable: {e}"})
+        return
+    llm = None
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        try:
+            if op == "load":
+                before = status_kb("VmRSS")
+                t0 = time.perf_counter()
+                llm = llama_cpp.Llama(
+                    model_path=req["model"],
+                    n_ctx=req["n_ctx"],
+                    n_threads=req["threads"],
+                    n_threads_batch=req["threads"],
+                    n_batch=req["n_batch"],
+                    n_ubatch=req["n_batch"],
+                    logits_all=False,
+                    verbose=False,
+                )
+                reply({"ok": True, "rss_before_load_kb": before, "load_s": time.perf_counter() - t0,
+                       "version": llama_cpp.__version__})
+            elif op == "prefill":
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(req["tokens"])
+                reply({"ok": True, "seconds": time.perf_counter() - t0})
+            elif op == "decode":
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(req["prompt"])
+                t1 = time.perf_counter()
+                total = 0.0
+                for tok in req["steps"]:
+                    s = time.perf_counter()
+                    llm.eval([tok])
+                    total += time.perf_counter() - s
+                reply({"ok": True, "seconds": total, "prompt_seconds": t1 - t0})
+            elif op == "rss":
+                reply({"ok": True, "vm_hwm_kb": status_kb("VmHWM"), "vm_rss_kb": status_kb("VmRSS")})
+            elif op == "quit":
+                return
+            else:
+                reply({"ok": False, "error": f"unknown op {op}"})
+        except Exception as e:
+            reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+if __name__ == "__main__":
+    main()
