@@ -1,11 +1,49 @@
 use llmd_engine::quant::packed::*;
 fn main() {
+    for th in [1usize, 2] { println!("peak {th} threads: {:.0} GMAC/s", llmd_engine::quant::int8_peak_macs_per_s(th) / 1e9); }
     let (rows, cols, n) = (1536usize, 576usize, 256usize);
     let raw: Vec<u8> = (0..rows * cols / 32 * 20).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();
     let w = PackedMatrix::pack(PackKind::Q4_1, rows, cols, |r0, b| { b.copy_from_slice(&raw[r0 * 360..r0 * 360 + b.len()]); Ok(()) }).unwrap();
     let x: Vec<f32> = (0..n * cols).map(|i| ((i * 13 % 101) as f32) / 50.0 - 1.0).collect();
     let mut a = QuantActs::default();
     a.quantize(&x, n, cols);
+    {
+        use llmd_engine::backend::Backend;
+        use std::sync::Arc;
+        let cpu = llmd_engine::backend::cpu::CpuBackend::new(2);
+        let t = llmd_engine::format::TensorRef { ty: llmd_engine::quant::GgmlType::Q4_1, dims: vec![cols as u64, rows as u64], file: Arc::new(llmd_engine::format::ModelBytes::Owned(raw.clone())), range: 0..raw.len() };
+        let wm = llmd_engine::model::weights::WeightMatrix::from_tensor("w", rows, cols, t);
+        for nt in [1usize, 256] {
+            let mut out = vec![0f32; rows * nt];
+            let reps = if nt == 1 { 500 } else { 10 };
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps { cpu.matmul(&wm, &x[..nt * cols], nt, &mut out).unwrap(); }
+            let s = t0.elapsed().as_secs_f64() / reps as f64;
+            println!("backend 2 threads nt={nt}: {:.1} GMAC/s, {:.1} us", (rows * cols * nt) as f64 / s / 1e9, s * 1e6);
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps { a.quantize(&x[..nt * cols], nt, cols); }
+            println!("  quantize alone {:.1} us", t0.elapsed().as_secs_f64() / reps as f64 * 1e6);
+        }
+    }
+    {
+        let k = Kernel::best();
+        let nt = 256;
+        let tiles = w.tiles();
+        let t0 = std::time::Instant::now();
+        for _ in 0..5 {
+            std::thread::scope(|s| {
+                for h in 0..2 {
+                    let (w, a) = (&w, &a);
+                    s.spawn(move || {
+                        let mut out = vec![0f32; 16 * nt];
+                        for t in (h * tiles / 2)..((h + 1) * tiles / 2) { k.run(w, t, a, 0, nt, &mut out); }
+                    });
+                }
+            });
+        }
+        let sec = t0.elapsed().as_secs_f64() / 5.0;
+        println!("kernel on 2 scoped threads nt=256: {:.1} GMAC/s", (rows * cols * nt) as f64 / sec / 1e9);
+    }
     for k in Kernel::available() {
         for nt in [1usize, 256] {
             let mut out = vec![0f32; 16 * nt];
@@ -17,3 +55,6 @@ fn main() {
         }
     }
 }
+
+#[allow(dead_code)]
+fn backend_bench() {}

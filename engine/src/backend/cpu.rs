@@ -1,4 +1,5 @@
-//! The CPU backend: every op, on a persistent rayon pool sized to the cores the engine is given.
+//! The CPU backend: every op, on a persistent spinning worker pool ([`Pool`]) sized to the cores
+//! the engine is given.
 //!
 //! Numerics follow llama.cpp's CPU backend where it matters for agreement: activations are
 //! quantized to the weight type's `vec_dot_type` before integer dot products, the KV cache is
@@ -10,17 +11,18 @@ use super::{AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeP
 use crate::error::BackendError;
 use crate::model::config::RopeStyle;
 use crate::model::weights::WeightMatrix;
-use crate::quant::packed::{Kernel, PackedMatrix, QuantActs, TILE_ROWS};
+use crate::quant::packed::{self, Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use crate::quant::{self, GgmlType};
 use half::f16;
-use rayon::prelude::*;
+use super::pool::Pool;
+use std::sync::Mutex;
 
 /// Weight rows per parallel task in a matmul.
 const ROWS_PER_TASK: usize = 32;
 
 pub struct CpuBackend {
     desc: BackendDescriptor,
-    pool: rayon::ThreadPool,
+    pool: Pool,
 }
 
 impl CpuBackend {
@@ -28,12 +30,7 @@ impl CpuBackend {
     pub fn new(threads: usize) -> Self {
         let threads =
             if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("llmd-cpu-{i}"))
-            .build()
-            // Only fails if the OS refuses to spawn threads; nothing can run without them.
-            .expect("the OS must allow spawning CPU worker threads");
+        let pool = Pool::new(threads);
         let desc = BackendDescriptor {
             name: "cpu",
             processor: Processor::Cpu,
@@ -55,36 +52,76 @@ impl CpuBackend {
     }
 }
 
+/// Runs `f(i, chunk_i)` over `chunk`-sized pieces of `data` on the pool.
+fn par_chunks<T: Send>(pool: &Pool, data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let chunks: Vec<Mutex<&mut [T]>> = data.chunks_mut(chunk.max(1)).map(Mutex::new).collect();
+    pool.run(chunks.len(), &|i| {
+        let mut c = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
+        f(i, &mut c)
+    });
+}
+
 impl CpuBackend {
-    /// `out[t * rows + r]` for the packed weights `p` (shapes checked by the caller).
-    fn matmul_packed(&self, p: &PackedMatrix, x: &[f32], n: usize, out: &mut [f32]) {
+    /// Quantizes `n` rows of `x` into `acts`, in parallel over tokens for large batches.
+    fn quantize(&self, acts: &mut QuantActs, x: &[f32], n: usize, cols: usize) {
+        acts.resize(n, cols);
+        let rows_per_task = if n >= 16 { n.div_ceil(self.desc.threads * TASKS_PER_THREAD) } else { n };
+        let blocks = cols / packed::BLOCK;
+        let QuantActs { qs, d, sum, ms, gsum, .. } = acts;
+        let parts: Vec<Mutex<_>> = qs
+            .chunks_mut(rows_per_task * cols)
+            .zip(d.chunks_mut(rows_per_task * blocks))
+            .zip(sum.chunks_mut(rows_per_task * blocks))
+            .zip(ms.chunks_mut(rows_per_task * blocks))
+            .zip(gsum.chunks_mut(rows_per_task * blocks * 8))
+            .map(Mutex::new)
+            .collect();
+        self.pool.run(parts.len(), &|i| {
+            let mut g = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            let ((((qs, d), sum), ms), gsum) = &mut *g;
+            let x = &x[i * rows_per_task * cols..(i * rows_per_task * cols + qs.len()).min(n * cols)];
+            packed::quantize_rows(x, qs, d, sum, ms, gsum);
+        });
+    }
+
+    /// `outs[i][t * rows_i + r]` for packed weights sharing `cols`, from one quantization of `x`
+    /// and one parallel step over all their tiles (shapes checked by the caller).
+    fn matmul_packed(&self, ws: &[&PackedMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
         let kernel = Kernel::best();
-        let (rows, tiles) = (p.rows, p.tiles());
+        let cols = ws[0].cols;
         ACTS.with(|acts| {
-            let mut acts = acts.borrow_mut();
-            acts.quantize(x, n, p.cols);
-            let acts = &*acts;
-            let per_task = tiles.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
-            let direct = n == 1 && rows % TILE_ROWS == 0;
-            let mut scratch = if direct { Vec::new() } else { vec![0f32; tiles * TILE_ROWS * n] };
-            let dst: &mut [f32] = if direct { out } else { &mut scratch };
-            self.pool.install(|| {
-                dst.par_chunks_mut(per_task * TILE_ROWS * n).enumerate().for_each(|(ci, o)| {
+            SCRATCH.with(|scratch| {
+                let mut acts = acts.borrow_mut();
+                self.quantize(&mut acts, x, n, cols);
+                let acts = &*acts;
+                let total_tiles: usize = ws.iter().map(|w| w.tiles()).sum();
+                let per_task = total_tiles.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
+                let mut scratch = scratch.borrow_mut();
+                scratch.resize(total_tiles * TILE_ROWS * n, 0.0);
+                // Tile-major [tile][token][lane] for every matrix in turn.
+                let tile_of: Vec<(usize, usize)> =
+                    ws.iter().enumerate().flat_map(|(m, w)| (0..w.tiles()).map(move |t| (m, t))).collect();
+                par_chunks(&self.pool, &mut scratch[..], per_task * TILE_ROWS * n, |ci, o| {
                     for (k, ot) in o.chunks_exact_mut(TILE_ROWS * n).enumerate() {
-                        kernel.run(p, ci * per_task + k, acts, 0, n, ot);
+                        let (m, t) = tile_of[ci * per_task + k];
+                        kernel.run(ws[m], t, acts, 0, n, ot);
                     }
                 });
-            });
-            if !direct {
-                // Tile-major [tile][token][lane] back to token-major [token][row].
-                for (tile, tb) in scratch.chunks_exact(TILE_ROWS * n).enumerate() {
-                    let r0 = tile * TILE_ROWS;
-                    let lanes = (rows - r0).min(TILE_ROWS);
-                    for (t, src) in tb.chunks_exact(TILE_ROWS).enumerate() {
-                        out[t * rows + r0..t * rows + r0 + lanes].copy_from_slice(&src[..lanes]);
+                // Back to token-major [token][row] per matrix.
+                let mut base = 0;
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    let rows = w.rows;
+                    for tile in 0..w.tiles() {
+                        let tb = &scratch[(base + tile) * TILE_ROWS * n..(base + tile + 1) * TILE_ROWS * n];
+                        let r0 = tile * TILE_ROWS;
+                        let lanes = (rows - r0).min(TILE_ROWS);
+                        for (t, src) in tb.chunks_exact(TILE_ROWS).enumerate() {
+                            out[t * rows + r0..t * rows + r0 + lanes].copy_from_slice(&src[..lanes]);
+                        }
                     }
+                    base += w.tiles();
                 }
-            }
+            })
         });
     }
 }
@@ -94,6 +131,8 @@ thread_local! {
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Quantized activations of the current matmul, reused between calls on this thread.
     static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
+    /// Tile-major matmul results, reused between calls on this thread.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Parallel tasks per worker thread in a packed matmul (a little slack for uneven progress).
@@ -117,7 +156,7 @@ impl Backend for CpuBackend {
             ));
         }
         if let Some(p) = &w.packed {
-            self.matmul_packed(p, x, n, out);
+            self.matmul_packed(&[p], x, n, &mut [out]);
             return Ok(());
         }
         let at = w.ty.vec_dot_type();
@@ -129,9 +168,9 @@ impl Backend for CpuBackend {
         let wrow = w.row_bytes();
         let wb = w.bytes();
         let ty = w.ty;
-        self.pool.install(|| {
+        {
             if n == 1 {
-                out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(ci, o)| {
+                par_chunks(&self.pool, out, ROWS_PER_TASK, |ci, o| {
                     for (i, v) in o.iter_mut().enumerate() {
                         let r = ci * ROWS_PER_TASK + i;
                         *v = quant::blocks_dot(ty, &wb[r * wrow..(r + 1) * wrow], &xq);
@@ -141,7 +180,7 @@ impl Backend for CpuBackend {
                 // Each task takes a band of weight rows and all tokens, so a weight row is
                 // read once per batch; results land transposed and are put back after.
                 let mut out_t = vec![0f32; rows * n];
-                out_t.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(ci, o)| {
+                par_chunks(&self.pool, &mut out_t, ROWS_PER_TASK * n, |ci, o| {
                     for (rr, orow) in o.chunks_exact_mut(n).enumerate() {
                         let r = ci * ROWS_PER_TASK + rr;
                         let wr = &wb[r * wrow..(r + 1) * wrow];
@@ -156,8 +195,34 @@ impl Backend for CpuBackend {
                     }
                 }
             }
-        });
+        }
         Ok(())
+    }
+
+    fn matmul_many(
+        &self,
+        ws: &[&WeightMatrix],
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), BackendError> {
+        let packed: Option<Vec<&PackedMatrix>> = ws.iter().map(|w| w.packed.as_deref()).collect();
+        let fits = ws.len() == outs.len()
+            && !ws.is_empty()
+            && ws.iter().all(|w| w.cols == ws[0].cols && x.len() == n * w.cols)
+            && ws.iter().zip(outs.iter()).all(|(w, o)| o.len() == n * w.rows);
+        match packed {
+            Some(p) if fits => {
+                self.matmul_packed(&p, x, n, outs);
+                Ok(())
+            }
+            _ => {
+                for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                    self.matmul(w, x, n, o)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     fn get_rows(&self, w: &WeightMatrix, ids: &[u32], out: &mut [f32]) -> Result<(), BackendError> {
@@ -265,8 +330,8 @@ impl Backend for CpuBackend {
         let kern = AttnKernels::best();
         let tasks = s.n_tokens * s.n_heads;
         let per_task = tasks.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
-        self.pool.install(|| {
-            out.par_chunks_mut(hd * per_task).enumerate().for_each(|(ci, oc)| {
+        {
+            par_chunks(&self.pool, out, hd * per_task, |ci, oc| {
                 SCORES.with(|p| {
                     let mut p = p.borrow_mut();
                     let mut qh = vec![0f32; hd];
@@ -296,7 +361,7 @@ impl Backend for CpuBackend {
                     }
                 });
             });
-        });
+        }
         Ok(())
     }
 

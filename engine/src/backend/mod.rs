@@ -4,6 +4,7 @@
 
 pub mod attn_kernels;
 pub mod cpu;
+pub mod pool;
 
 use crate::error::BackendError;
 use crate::model::weights::WeightMatrix;
@@ -102,6 +103,22 @@ pub trait Backend: Send + Sync {
 
     /// `out[t][r] = dot(w.row(r), x[t])` for `n_tokens` rows of `x` (each `w.cols` long).
     fn matmul(&self, w: &WeightMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), BackendError>;
+
+    /// Several matmuls of the same input: `outs[i] = ws[i] · x` (e.g. Q, K and V). A backend may
+    /// share one activation quantization and one parallel step among them; by default they run
+    /// in turn.
+    fn matmul_many(
+        &self,
+        ws: &[&WeightMatrix],
+        x: &[f32],
+        n_tokens: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), BackendError> {
+        for (w, o) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(w, x, n_tokens, o)?;
+        }
+        Ok(())
+    }
 
     /// `out[t] = w.row(ids[t])` as f32.
     fn get_rows(&self, w: &WeightMatrix, ids: &[u32], out: &mut [f32]) -> Result<(), BackendError>;

@@ -47,6 +47,21 @@ impl Transformer {
         Ok(out)
     }
 
+    /// Matmuls of one input by several weights of the same type, placed together.
+    fn matmul_many<const N: usize>(&self, ws: [&WeightMatrix; N], x: &[f32], n: usize) -> Result<[Vec<f32>; N], BackendError> {
+        let op = OpDesc { kind: OpKind::MatMul, weight_type: Some(ws[0].ty), n_tokens: n };
+        let mut outs: [Vec<f32>; N] = std::array::from_fn(|i| vec![0f32; n * ws[i].rows]);
+        if ws.iter().any(|w| w.ty != ws[0].ty) {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                *o = self.matmul(w, x, n)?;
+            }
+            return Ok(outs);
+        }
+        let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        self.planner.place(&op)?.matmul_many(&ws, x, n, &mut refs)?;
+        Ok(outs)
+    }
+
     fn op(&self, kind: OpKind, n: usize) -> Result<&dyn crate::backend::Backend, BackendError> {
         self.planner.place(&OpDesc { kind, weight_type: None, n_tokens: n })
     }
@@ -86,9 +101,7 @@ impl Transformer {
         for (li, l) in w.layers.iter().enumerate() {
             let mut h = x.clone();
             self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
-            let mut q = self.matmul(&l.wq, &h, n)?;
-            let mut k = self.matmul(&l.wk, &h, n)?;
-            let mut v = self.matmul(&l.wv, &h, n)?;
+            let [mut q, mut k, mut v] = self.matmul_many([&l.wq, &l.wk, &l.wv], &h, n)?;
             for (t, b) in [(&mut q, &l.bq), (&mut k, &l.bk), (&mut v, &l.bv)] {
                 if let Some(b) = b {
                     for row in t.chunks_exact_mut(b.len()) {
@@ -108,8 +121,7 @@ impl Transformer {
 
             let mut h = x.clone();
             self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.ffn_norm, c.norm_eps)?;
-            let mut g = self.matmul(&l.w_gate, &h, n)?;
-            let u = self.matmul(&l.w_up, &h, n)?;
+            let [mut g, u] = self.matmul_many([&l.w_gate, &l.w_up], &h, n)?;
             self.op(OpKind::SwiGlu, n)?.swiglu(&mut g, &u)?;
             let down = self.matmul(&l.w_down, &g, n)?;
             x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);

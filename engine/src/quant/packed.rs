@@ -231,8 +231,8 @@ pub struct QuantActs {
 }
 
 impl QuantActs {
-    /// Quantizes `n` rows of `cols` (a multiple of 32) from `x`, reusing this buffer.
-    pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) {
+    /// Sizes the buffers for `n` rows of `cols` (a multiple of 32).
+    pub fn resize(&mut self, n: usize, cols: usize) {
         let blocks = cols / BLOCK;
         self.n = n;
         self.cols = cols;
@@ -241,32 +241,65 @@ impl QuantActs {
         self.sum.resize(n * blocks, 0);
         self.ms.resize(n * blocks, 0.0);
         self.gsum.resize(n * blocks * 8, 0);
-        for (i, (xb, qb)) in x[..n * cols].chunks_exact(BLOCK).zip(self.qs.chunks_exact_mut(BLOCK)).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            // 127 / amax, not 1 / d: the same rounding as llama.cpp's x86 quantizer.
-            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-            let mut s = 0i32;
-            for (k, (q4, x4)) in qb.chunks_exact_mut(4).zip(xb.chunks_exact(4)).enumerate() {
-                let mut g = 0i32;
-                for (q, &v) in q4.iter_mut().zip(x4) {
-                    let r = (v * id).round_ties_even() as i32;
-                    *q = r as i8;
-                    g += r;
-                }
-                self.gsum[i * 8 + k] = g;
-                s += g;
-            }
-            // Scales are rounded to f16 as llama.cpp's Q8_0 / Q8_1 blocks store them (the values
-            // were quantized with the unrounded scale), which keeps logits within its own noise.
-            self.d[i] = f16::from_f32(d).to_f32();
-            self.sum[i] = s;
-            self.ms[i] = f16::from_f32(d * s as f32).to_f32();
-        }
+    }
+
+    /// Quantizes `n` rows of `cols` (a multiple of 32) from `x`, reusing this buffer.
+    pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) {
+        self.resize(n, cols);
+        quantize_rows(&x[..n * cols], &mut self.qs, &mut self.d, &mut self.sum, &mut self.ms, &mut self.gsum);
     }
 
     pub fn blocks(&self) -> usize {
         self.cols / BLOCK
+    }
+}
+
+/// Quantizes whole 32-blocks of `x` into the matching slices of a [`QuantActs`].
+pub fn quantize_rows(x: &[f32], qs: &mut [i8], d: &mut [f32], sum: &mut [i32], ms: &mut [f32], gsum: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *AVX2.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("sse4.1")
+        }) {
+            // SAFETY: AVX2 and SSE4.1 were detected just above.
+            return unsafe { quantize_rows_avx2(x, qs, d, sum, ms, gsum) };
+        }
+    }
+    quantize_rows_body(x, qs, d, sum, ms, gsum)
+}
+
+/// The same code compiled with AVX2 and SSE4.1, so rounding is one instruction and the loops
+/// vectorize; the operations and their results are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,sse4.1")]
+fn quantize_rows_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sum: &mut [i32], ms: &mut [f32], gsum: &mut [i32]) {
+    quantize_rows_body(x, qs, d, sum, ms, gsum)
+}
+
+#[inline(always)]
+fn quantize_rows_body(x: &[f32], qs: &mut [i8], d: &mut [f32], sum: &mut [i32], ms: &mut [f32], gsum: &mut [i32]) {
+    for (i, (xb, qb)) in x.chunks_exact(BLOCK).zip(qs.chunks_exact_mut(BLOCK)).enumerate() {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dd = amax / 127.0;
+        // 127 / amax, not 1 / d: the same rounding as llama.cpp's x86 quantizer.
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut s = 0i32;
+        for (k, (q4, x4)) in qb.chunks_exact_mut(4).zip(xb.chunks_exact(4)).enumerate() {
+            let mut g = 0i32;
+            for (q, &v) in q4.iter_mut().zip(x4) {
+                let r = (v * id).round_ties_even() as i32;
+                *q = r as i8;
+                g += r;
+            }
+            gsum[i * 8 + k] = g;
+            s += g;
+        }
+        // Scales are rounded to f16 as llama.cpp's Q8_0 / Q8_1 blocks store them (the values
+        // were quantized with the unrounded scale), which keeps logits within its own noise.
+        d[i] = f16::from_f32(dd).to_f32();
+        sum[i] = s;
+        ms[i] = f16::from_f32(dd * s as f32).to_f32();
     }
 }
 

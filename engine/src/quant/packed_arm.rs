@@ -2,7 +2,8 @@
 //! (`sdot`, by element). A 64-byte chunk is four registers of four rows; `sdot v.4s, w.16b,
 //! a.4b[i]` multiplies four rows by the same four activations. Weights are unsigned and below 128
 //! for Q4 (nibbles) so the signed instruction is exact; Q8_0 bytes are flipped back to signed
-//! (`u ^ 0x80`), which makes the offset term zero. The float part follows the reference order.
+//! (`u ^ 0x80`), which makes the offset term zero. The float part follows the reference order:
+//! one accumulator per group of four per row, fused multiply-add per block, llama.cpp's final sum.
 //!
 //! Runs in CI under qemu-user (correctness against the scalar reference, not speed).
 
@@ -10,9 +11,6 @@ use super::packed::{PackKind, PackedMatrix, QuantActs, BLOCK, TILE_ROWS};
 use half::f16;
 use std::arch::aarch64::*;
 use std::arch::asm;
-
-/// Largest token group held in registers.
-const GROUP: usize = 4;
 
 /// `acc += w · a.4b[I]` per 32-bit lane.
 #[inline(always)]
@@ -38,105 +36,80 @@ fn sdot<const I: i32>(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
 /// values, `t0 + nt <= a.n`, `a.cols == w.cols`, `tile < w.tiles()`.
 #[target_feature(enable = "neon,dotprod")]
 pub unsafe fn tile_neon_dotprod(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
-    let mut j = 0;
-    while j < nt {
-        let g = (nt - j).min(GROUP);
-        // SAFETY: same contract as this function, for tokens t0+j..t0+j+g.
-        unsafe {
-            match g {
-                4 => group::<4>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]),
-                3 => group::<3>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]),
-                2 => group::<2>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]),
-                _ => group::<1>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]),
-            }
-        }
-        j += g;
-    }
-}
-
-#[inline]
-#[target_feature(enable = "neon,dotprod")]
-unsafe fn group<const NT: usize>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, out: &mut [f32]) {
     let kind = w.kind;
     let blocks = w.blocks();
     let rec = kind.record_bytes();
     let qo = kind.qs_offset();
+    // Q8_0 bytes are flipped back to signed, so its offset term vanishes.
     let off = if kind == PackKind::Q8_0 { 0 } else { kind.offset() };
     let data = w.tile(tile);
-    assert!(data.len() == blocks * rec && out.len() >= NT * TILE_ROWS && a.qs.len() >= (t0 + NT) * a.cols);
-    let mut acc = [[vdupq_n_f32(0.0); 4]; NT];
+    assert!(data.len() == blocks * rec && out.len() >= nt * TILE_ROWS && a.qs.len() >= (t0 + nt) * a.cols);
     let mask = vdupq_n_u8(0x0F);
     let flip = vdupq_n_u8(0x80);
-    for b in 0..blocks {
-        let r = &data[b * rec..(b + 1) * rec];
-        let mut dv = [0f32; TILE_ROWS];
-        let mut mv = [0f32; TILE_ROWS];
-        for lane in 0..TILE_ROWS {
-            dv[lane] = f16::from_le_bytes([r[2 * lane], r[2 * lane + 1]]).to_f32();
-            if kind == PackKind::Q4_1 {
-                mv[lane] = f16::from_le_bytes([r[32 + 2 * lane], r[33 + 2 * lane]]).to_f32();
-            }
-        }
-        let mut isum = [[vdupq_n_s32(0); 4]; NT];
-        let q = &r[qo..];
-        // SAFETY: every load below reads 16 bytes inside `q` (the record's 256 or 512 weight
-        // bytes) or inside token j's 32 activations of block b (bounds asserted above).
-        unsafe {
-            let mut acts = [(vdupq_n_s8(0), vdupq_n_s8(0)); NT];
-            for (j, av) in acts.iter_mut().enumerate() {
-                let ab = ((t0 + j) * blocks + b) * BLOCK;
-                let p = a.qs.as_ptr().add(ab);
-                *av = (vld1q_s8(p), vld1q_s8(p.add(16)));
-            }
-            macro_rules! chunk {
-                ($c:literal) => {
-                    for k in 0..4 {
-                        let x = vld1q_u8(q.as_ptr().add(64 * $c + 16 * k));
-                        if kind == PackKind::Q8_0 {
-                            let s = vreinterpretq_s8_u8(veorq_u8(x, flip));
-                            let y = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(q.as_ptr().add(64 * ($c + 4) + 16 * k)), flip));
-                            for j in 0..NT {
-                                isum[j][k] = sdot::<$c>(isum[j][k], s, acts[j].0);
-                                isum[j][k] = sdot::<$c>(isum[j][k], y, acts[j].1);
-                            }
-                        } else {
-                            let lo = vreinterpretq_s8_u8(vandq_u8(x, mask));
-                            let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(x));
-                            for j in 0..NT {
-                                isum[j][k] = sdot::<$c>(isum[j][k], lo, acts[j].0);
-                                isum[j][k] = sdot::<$c>(isum[j][k], hi, acts[j].1);
-                            }
-                        }
-                    }
-                };
-            }
-            chunk!(0);
-            chunk!(1);
-            chunk!(2);
-            chunk!(3);
-            for j in 0..NT {
-                let ad = a.d[(t0 + j) * blocks + b];
-                let asum = a.sum[(t0 + j) * blocks + b];
-                for k in 0..4 {
-                    let mut s = isum[j][k];
-                    if off != 0 {
-                        s = vsubq_s32(s, vdupq_n_s32(off * asum));
-                    }
-                    let d4 = vld1q_f32(dv.as_ptr().add(4 * k));
-                    acc[j][k] = vfmaq_f32(acc[j][k], vcvtq_f32_s32(s), vmulq_f32(d4, vdupq_n_f32(ad)));
+    for j in 0..nt {
+        for quad in 0..4 {
+            let mut lanes = [vdupq_n_f32(0.0); 8];
+            let mut summs = vdupq_n_f32(0.0);
+            for b in 0..blocks {
+                let r = &data[b * rec..(b + 1) * rec];
+                let ab = (t0 + j) * blocks + b;
+                let aq = &a.qs[ab * BLOCK..(ab + 1) * BLOCK];
+                let ag = &a.gsum[ab * 8..(ab + 1) * 8];
+                let mut dv = [0f32; 4];
+                let mut mv = [0f32; 4];
+                for i in 0..4 {
+                    let lane = 4 * quad + i;
+                    dv[i] = f16::from_le_bytes([r[2 * lane], r[2 * lane + 1]]).to_f32();
                     if kind == PackKind::Q4_1 {
-                        let m4 = vld1q_f32(mv.as_ptr().add(4 * k));
-                        acc[j][k] = vfmaq_f32(acc[j][k], m4, vdupq_n_f32(a.ms[(t0 + j) * blocks + b]));
+                        mv[i] = f16::from_le_bytes([r[32 + 2 * lane], r[33 + 2 * lane]]).to_f32();
+                    }
+                }
+                let q = &r[qo..];
+                let mut isum = [vdupq_n_s32(0); 8];
+                for (k, v) in isum.iter_mut().enumerate() {
+                    *v = vdupq_n_s32(-off * ag[k]);
+                }
+                // SAFETY: every load reads 16 bytes inside `q` (the record's weight bytes: chunk
+                // offsets below 512) or inside this block's 32 activations, and 4 f32s of `dv`/`mv`.
+                unsafe {
+                    let a0 = vld1q_s8(aq.as_ptr());
+                    let a1 = vld1q_s8(aq.as_ptr().add(16));
+                    macro_rules! chunk {
+                        ($c:literal) => {
+                            if kind == PackKind::Q8_0 {
+                                let x = vld1q_u8(q.as_ptr().add(64 * $c + 16 * quad));
+                                let y = vld1q_u8(q.as_ptr().add(64 * ($c + 4) + 16 * quad));
+                                isum[$c] = sdot::<$c>(isum[$c], vreinterpretq_s8_u8(veorq_u8(x, flip)), a0);
+                                isum[$c + 4] = sdot::<$c>(isum[$c + 4], vreinterpretq_s8_u8(veorq_u8(y, flip)), a1);
+                            } else {
+                                let x = vld1q_u8(q.as_ptr().add(64 * $c + 16 * quad));
+                                isum[$c] = sdot::<$c>(isum[$c], vreinterpretq_s8_u8(vandq_u8(x, mask)), a0);
+                                isum[$c + 4] = sdot::<$c>(isum[$c + 4], vreinterpretq_s8_u8(vshrq_n_u8::<4>(x)), a1);
+                            }
+                        };
+                    }
+                    chunk!(0);
+                    chunk!(1);
+                    chunk!(2);
+                    chunk!(3);
+                    let scale = vmulq_f32(vld1q_f32(dv.as_ptr()), vdupq_n_f32(a.d[ab]));
+                    for k in 0..8 {
+                        lanes[k] = vfmaq_f32(lanes[k], scale, vcvtq_f32_s32(isum[k]));
+                    }
+                    if kind == PackKind::Q4_1 {
+                        summs = vaddq_f32(summs, vmulq_f32(vld1q_f32(mv.as_ptr()), vdupq_n_f32(a.ms[ab])));
                     }
                 }
             }
-        }
-    }
-    for (j, accj) in acc.iter().enumerate() {
-        for (k, v) in accj.iter().enumerate() {
-            let o = &mut out[j * TILE_ROWS + 4 * k..j * TILE_ROWS + 4 * k + 4];
+            let l = &lanes;
+            let r = vaddq_f32(
+                vaddq_f32(vaddq_f32(l[4], l[0]), vaddq_f32(l[6], l[2])),
+                vaddq_f32(vaddq_f32(l[5], l[1]), vaddq_f32(l[7], l[3])),
+            );
+            let r = vaddq_f32(r, summs);
+            let o = &mut out[j * TILE_ROWS + 4 * quad..j * TILE_ROWS + 4 * quad + 4];
             // SAFETY: `o` is 4 writable f32s.
-            unsafe { vst1q_f32(o.as_mut_ptr(), *v) };
+            unsafe { vst1q_f32(o.as_mut_ptr(), r) };
         }
     }
 }
