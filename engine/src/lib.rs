@@ -85,8 +85,10 @@ impl Model {
                 )
             })
             .collect();
-        let weights = ModelWeights::load(&config, &tensors)?;
+        // The tokenizer first: its build's transient allocations are freed back to the heap
+        // that the (larger) repacked weights then reuse, instead of adding to peak memory.
         let tokenizer = Tokenizer::from_gguf(&g)?;
+        let weights = ModelWeights::load(&config, &tensors)?;
         check_vocab(&config, &tokenizer)?;
         let chat_template =
             g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(ChatTemplate::new).transpose()?;
