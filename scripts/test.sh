@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite (what CI runs): unit and integration tests with the real default model
 # (engine against llama.cpp's golden outputs, the daemon over Binder-over-socket), the Android
-# cross-check of every crate, the SELinux policy, the Kotlin client on the JVM, and real
+# cross-check of every crate, the ARM kernels under qemu-user, the SELinux policy, the Kotlin client on the JVM, and real
 # kernel Binder in a QEMU VM.
 # LLMD_SKIP_VM=1 skips the VM test (for quick local runs; CI always runs it).
 set -euo pipefail
@@ -11,6 +11,8 @@ echo "== cargo test (release; the real model runs in these tests)" >&2
 cargo test --release --workspace
 echo "== cargo check --target aarch64-linux-android" >&2
 cargo check --release --target aarch64-linux-android --workspace
+echo "== ARM kernels under qemu-user (scripts/test-arm.sh)" >&2
+scripts/test-arm.sh
 echo "== sepolicy (tests/sepolicy/check.sh)" >&2
 tests/sepolicy/check.sh
 echo "== Kotlin client on the JVM (client-kotlin/build.sh)" >&2

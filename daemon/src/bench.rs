@@ -62,6 +62,9 @@ pub struct BenchArgs {
     /// Decode steps measured.
     #[arg(long, default_value_t = 128)]
     pub decode_tokens: usize,
+    /// KV cache storage for our engine: f16 (as llama.cpp) or q8.
+    #[arg(long, default_value = "f16")]
+    pub kv_type: llmd_engine::model::kv::KvType,
     /// Python interpreter for --compare-llamacpp.
     #[arg(long, default_value = "python3", env = "LLMD_BENCH_PYTHON")]
     pub python: String,
@@ -215,7 +218,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let reps = args.reps as usize;
     let rss_before = status_kb("VmRSS");
     let t0 = Instant::now();
-    let model = Model::load(&args.model, &LoadOptions { threads }).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let model = Model::load(&args.model, &LoadOptions { threads, kv_type: args.kv_type }).map_err(|e| format!("{}: {e}", args.model.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     let c = model.config().clone();
     let longest = args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_prompt + args.decode_tokens);

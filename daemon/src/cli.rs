@@ -76,6 +76,9 @@ pub struct RunArgs {
     /// With --local: CPU threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// With --local: KV cache storage, f16 or q8 (int8: half the memory).
+    #[arg(long, default_value = "f16")]
+    pub kv_type: llmd_engine::model::kv::KvType,
     /// The prompt; "-" reads it from standard input.
     pub prompt: String,
 }
@@ -125,7 +128,7 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     let sampling = args.sampling.params();
     sampling.validate().map_err(|e| e.to_string())?;
     let load_start = std::time::Instant::now();
-    let model = Model::load(&model_path, &LoadOptions { threads: args.threads })
+    let model = Model::load(&model_path, &LoadOptions { threads: args.threads, kv_type: args.kv_type })
         .map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_time = load_start.elapsed();
     let prompt = if args.chat {

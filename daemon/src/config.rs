@@ -15,6 +15,26 @@ pub enum KernelBinder {
     Off,
 }
 
+/// How KV caches store keys and values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCacheType {
+    /// f16, as llama.cpp (the default).
+    #[default]
+    F16,
+    /// int8 with a scale per position and head: half the memory, logits within ~1e-2 KL.
+    Q8,
+}
+
+impl KvCacheType {
+    pub fn engine(self) -> llmd_engine::model::kv::KvType {
+        match self {
+            Self::F16 => llmd_engine::model::kv::KvType::F16,
+            Self::Q8 => llmd_engine::model::kv::KvType::Q8,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -31,6 +51,8 @@ pub struct Config {
     pub threads: usize,
     /// Tokens per prefill step (a unit of scheduled work).
     pub prefill_chunk: usize,
+    /// KV cache storage: "f16" or "q8".
+    pub kv_cache_type: KvCacheType,
     pub limits: Limits,
     pub permissions: Permissions,
 }
@@ -92,6 +114,7 @@ impl Default for Config {
             service_name: "llmd".into(),
             threads: 0,
             prefill_chunk: llmd_engine::generate::DEFAULT_PREFILL_CHUNK,
+            kv_cache_type: KvCacheType::F16,
             limits: Limits::default(),
             permissions: Permissions::default(),
         }

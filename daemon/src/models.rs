@@ -43,11 +43,11 @@ pub fn model_id(path: &Path) -> Option<String> {
 
 /// Loads every model; one that fails is reported and left out, so one bad file does not stop
 /// the daemon serving the others.
-pub fn load_all(paths: &BTreeMap<String, PathBuf>, threads: usize) -> BTreeMap<String, Arc<Model>> {
+pub fn load_all(paths: &BTreeMap<String, PathBuf>, opts: &LoadOptions) -> BTreeMap<String, Arc<Model>> {
     let mut models = BTreeMap::new();
     for (id, path) in paths {
         let t = std::time::Instant::now();
-        match Model::load(path, &LoadOptions { threads }) {
+        match Model::load(path, opts) {
             Ok(m) => {
                 tracing::info!(model = %id, seconds = t.elapsed().as_secs_f64(), "model loaded");
                 models.insert(id.clone(), Arc::new(m));

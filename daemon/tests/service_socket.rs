@@ -272,7 +272,7 @@ fn a_two_turn_session_keeps_its_context() {
     let second = run(&s, &chat("Where do I live?", 24));
     assert!(second.error.is_none(), "{second:?}");
     // The same conversation computed from scratch in-process gives the same second answer...
-    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2 }).expect("model");
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() }).expect("model");
     let conv = vec![
         llmd_engine::chat::ChatMessage::new("user", "My name is Ada and I live in Paris."),
         llmd_engine::chat::ChatMessage::new("assistant", &first.text),

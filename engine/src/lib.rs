@@ -29,6 +29,8 @@ use tokenizer::Tokenizer;
 pub struct LoadOptions {
     /// CPU worker threads (0 = one per core).
     pub threads: usize,
+    /// How KV caches store keys and values (f16 by default; int8 halves their memory).
+    pub kv_type: model::kv::KvType,
 }
 
 /// A loaded model: network, tokenizer and chat template.
@@ -61,9 +63,11 @@ impl Model {
             }
             let chat_template = hf.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
             check_vocab(&hf.config, &tokenizer)?;
+            let mut transformer = Transformer::new(hf.config, weights, planner);
+            transformer.kv_type = opts.kv_type;
             return Ok(Self {
                 name,
-                transformer: Transformer::new(hf.config, weights, planner),
+                transformer,
                 tokenizer,
                 chat_template,
             });
@@ -92,7 +96,9 @@ impl Model {
         check_vocab(&config, &tokenizer)?;
         let chat_template =
             g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(ChatTemplate::new).transpose()?;
-        Ok(Self { name, transformer: Transformer::new(config, weights, planner), tokenizer, chat_template })
+        let mut transformer = Transformer::new(config, weights, planner);
+        transformer.kv_type = opts.kv_type;
+        Ok(Self { name, transformer, tokenizer, chat_template })
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -140,3 +140,36 @@ fn tokenizer_matches_llama_cpp_and_round_trips() {
         assert_eq!(model.tokenizer.decode(&got).expect("decodes"), text, "round trip of {text:?}");
     }
 }
+
+/// int8 KV (one scale per position and head of 64) against the default f16 cache on the 10 raw
+/// golden prompts. Measured KL ≤ 1.12e-2 nats ("science"; most ≤ 8e-3), about 1.4× llama.cpp's
+/// own batch-shape noise (7.9e-3): int8 keys cost a little accuracy. This bound is a regression
+/// guard at the measured value plus a third, not a noise floor.
+const Q8_KV_KL_TOL: f64 = 1.5e-2;
+
+#[test]
+fn int8_kv_cache_stays_close_to_f16() {
+    let f16_model = default_model();
+    let mut q8_model = llmd_engine::Model::load(&default_model_path(), &llmd_engine::LoadOptions::default()).expect("model loads");
+    q8_model.transformer.kv_type = llmd_engine::model::kv::KvType::Q8;
+    let g = golden();
+    let mut worst = 0f64;
+    for p in g["prompts"].as_array().expect("prompts").iter().filter(|p| p["chat"].as_bool() != Some(true)) {
+        let tokens = ids(&p["prompt_ids"]);
+        let mut logits = Vec::new();
+        for m in [f16_model, &q8_model] {
+            let mut kv = m.transformer.new_kv();
+            logits.push(m.transformer.forward(&mut kv, &tokens, Logits::Last).expect("forward"));
+        }
+        let a = compare_logits(&logits[1], &logits[0]);
+        eprintln!("{}: {a:?}", p["name"]);
+        worst = worst.max(a.kl);
+    }
+    assert!(worst <= Q8_KV_KL_TOL, "worst KL {worst}");
+    let prompt: Vec<u32> = (1..=64).collect();
+    let mut kv = q8_model.transformer.new_kv();
+    q8_model.transformer.forward(&mut kv, &prompt, Logits::Last).expect("forward");
+    let mut kv16 = f16_model.transformer.new_kv();
+    f16_model.transformer.forward(&mut kv16, &prompt, Logits::Last).expect("forward");
+    assert!(kv.size_bytes() * 10 < kv16.size_bytes() * 6, "int8 KV uses ~half the memory");
+}

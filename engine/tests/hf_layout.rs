@@ -125,7 +125,7 @@ fn hf_export_of_the_default_model_runs_like_the_gguf() {
     let dir = TempDir(std::env::temp_dir().join(format!("llmd-hf-{}", std::process::id())));
     std::fs::create_dir_all(&dir.0).expect("temp dir");
     export(&default_model_path(), &dir.0);
-    let hf = Model::load(&dir.0, &LoadOptions { threads: 2 }).expect("HF layout loads");
+    let hf = Model::load(&dir.0, &LoadOptions { threads: 2, ..Default::default() }).expect("HF layout loads");
     let gguf = default_model();
     assert_eq!(hf.config().rope_style, llmd_engine::model::config::RopeStyle::Neox);
     assert_eq!(hf.transformer.weights.layers[0].wo.ty, GgmlType::BF16);

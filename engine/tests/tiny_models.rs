@@ -19,7 +19,7 @@ const NEAR_TIE_MARGIN: f64 = 1e-2;
 
 fn tiny(name: &str) -> Model {
     let p = common::repo_root().join(format!("tests/fixtures/{name}.gguf"));
-    Model::load(&p, &LoadOptions { threads: 2 }).unwrap_or_else(|e| panic!("{name} loads: {e}"))
+    Model::load(&p, &LoadOptions { threads: 2, ..Default::default() }).unwrap_or_else(|e| panic!("{name} loads: {e}"))
 }
 
 fn check(name: &str, m: &Model) {

@@ -76,7 +76,10 @@ fn run(args: Args) -> Result<(), String> {
     }
     tracing::info!("effective configuration:\n{}", config.to_toml());
     let paths = models::discover(&config)?;
-    let loaded = models::load_all(&paths, config.threads);
+    let loaded = models::load_all(
+        &paths,
+        &llmd_engine::LoadOptions { threads: config.threads, kv_type: config.kv_cache_type.engine() },
+    );
     if loaded.is_empty() {
         return Err("no model could be loaded".into());
     }

@@ -20,13 +20,22 @@ pub struct AttnKernels {
     pub dot: fn(&[f32], &[f16]) -> f32,
     /// `out[i] += w · v[i]` (fused).
     pub axpy: fn(f32, &[f16], &mut [f32]),
+    /// `Σ q[i]·k[i]` over int8 keys (the caller applies the key's scale).
+    pub dot_q8: fn(&[f32], &[i8]) -> f32,
+    /// `out[i] += w · v[i]` over int8 values (`w` carries the value's scale).
+    pub axpy_q8: fn(f32, &[i8], &mut [f32]),
     /// `x[i] = f16(x[i] · s)` as f32.
     pub scale_round: fn(&mut [f32], f32),
 }
 
 impl AttnKernels {
     pub const REFERENCE: AttnKernels =
-        AttnKernels { name: "scalar", dot: dot_ref, axpy: axpy_ref, scale_round: scale_round_ref };
+        AttnKernels { name: "scalar", dot: dot_ref,
+        axpy: axpy_ref,
+        dot_q8: dot_q8_ref,
+        axpy_q8: axpy_q8_ref,
+        scale_round: scale_round_ref,
+     };
 
     /// Every set this CPU runs, best first; the reference last.
     pub fn available() -> Vec<AttnKernels> {
@@ -65,6 +74,20 @@ pub fn dot_ref(q: &[f32], k: &[f16]) -> f32 {
     l.iter().sum()
 }
 
+pub fn dot_q8_ref(q: &[f32], k: &[i8]) -> f32 {
+    let mut l = [0f32; 8];
+    for (i, (a, &b)) in q.iter().zip(k).enumerate() {
+        l[i % 8] += a * b as f32;
+    }
+    l.iter().sum()
+}
+
+pub fn axpy_q8_ref(w: f32, v: &[i8], out: &mut [f32]) {
+    for (o, &x) in out.iter_mut().zip(v) {
+        *o += w * x as f32;
+    }
+}
+
 pub fn axpy_ref(w: f32, v: &[f16], out: &mut [f32]) {
     for (o, x) in out.iter_mut().zip(v) {
         *o += w * x.to_f32();
@@ -82,7 +105,60 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    pub const AVX2: AttnKernels = AttnKernels { name: "avx2", dot: dot256, axpy: axpy256, scale_round: round256 };
+    pub const AVX2: AttnKernels = AttnKernels {
+        name: "avx2",
+        dot: dot256,
+        axpy: axpy256,
+        dot_q8: dotq8_256,
+        axpy_q8: axpyq8_256,
+        scale_round: round256,
+    };
+
+    fn dotq8_256(q: &[f32], k: &[i8]) -> f32 {
+        // SAFETY: AVX2 was detected before this table was handed out.
+        unsafe { dotq8_256_impl(q, k) }
+    }
+    fn axpyq8_256(w: f32, v: &[i8], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { axpyq8_256_impl(w, v, out) }
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn dotq8_256_impl(q: &[f32], k: &[i8]) -> f32 {
+        let n = q.len().min(k.len());
+        if n % 8 != 0 {
+            return dot_q8_ref(q, k);
+        }
+        let mut acc = _mm256_setzero_ps();
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 <= n, inside both slices (an 8-byte load of `k`).
+            unsafe {
+                let kv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(k.as_ptr().add(i) as *const __m128i)));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kv));
+            }
+        }
+        let mut l = [0f32; 8];
+        // SAFETY: `l` holds 8 f32s.
+        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), acc) };
+        l.iter().sum()
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn axpyq8_256_impl(w: f32, v: &[i8], out: &mut [f32]) {
+        let n = v.len().min(out.len());
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n, inside both slices.
+            unsafe {
+                let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(v.as_ptr().add(i) as *const __m128i)));
+                let o = out.as_mut_ptr().add(i);
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(wv, x)));
+            }
+            i += 8;
+        }
+        axpy_q8_ref(w, &v[i..n], &mut out[i..n]);
+    }
 
     // The safe wrappers below are reachable only through AVX2, which `available()` hands out
     // only after detecting the features their `target_feature` bodies need.
@@ -179,6 +255,12 @@ mod tests {
                 (k.axpy)(0.37, &kv, &mut a);
                 (r.axpy)(0.37, &kv, &mut b);
                 assert_eq!(a, b, "{} axpy n={n}", k.name);
+                let k8: Vec<i8> = det(n, 6, 127.0).into_iter().map(|x| x as i8).collect();
+                assert_eq!((k.dot_q8)(&q, &k8).to_bits(), (r.dot_q8)(&q, &k8).to_bits(), "{} dot_q8 n={n}", k.name);
+                let (mut a, mut b) = (det(n, 3, 1.0), det(n, 3, 1.0));
+                (k.axpy_q8)(0.0037, &k8, &mut a);
+                (r.axpy_q8)(0.0037, &k8, &mut b);
+                assert_eq!(a, b, "{} axpy_q8 n={n}", k.name);
                 let (mut a, mut b) = (det(n, 5, 1.0), det(n, 5, 1.0));
                 (k.scale_round)(&mut a, 0.731);
                 (r.scale_round)(&mut b, 0.731);

@@ -7,6 +7,7 @@
 //! squares and softmax denominators accumulate in f64.
 
 use super::attn_kernels::AttnKernels;
+use crate::model::kv::KvLayer;
 use super::{AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
 use crate::error::BackendError;
 use crate::model::config::RopeStyle;
@@ -301,28 +302,25 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention(
-        &self,
-        s: &AttentionShape,
-        q: &[f32],
-        k: &[f16],
-        v: &[f16],
-        out: &mut [f32],
-    ) -> Result<(), BackendError> {
+    fn attention(&self, s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &mut [f32]) -> Result<(), BackendError> {
         let hd = s.head_dim;
         let q_row = s.n_heads * hd;
         let kv_row = s.n_kv_heads * hd;
         let total = s.start + s.n_tokens;
+        let scales_ok = match kv {
+            KvLayer::F16 { .. } => true,
+            KvLayer::Q8 { ks, vs, .. } => ks.len() >= total * s.n_kv_heads && vs.len() >= total * s.n_kv_heads,
+        };
         if s.n_kv_heads == 0
             || s.n_heads % s.n_kv_heads != 0
             || q.len() != s.n_tokens * q_row
             || out.len() != q.len()
-            || k.len() < total * kv_row
-            || v.len() < total * kv_row
+            || kv.positions(kv_row) < total
+            || !scales_ok
         {
             return Err(shape_err(
                 "attention",
-                format!("{s:?} with q {} k {} v {} out {}", q.len(), k.len(), v.len(), out.len()),
+                format!("{s:?} with q {} over {} positions, out {}", q.len(), kv.positions(kv_row), out.len()),
             ));
         }
         let group = s.n_heads / s.n_kv_heads;
@@ -344,9 +342,13 @@ impl Backend for CpuBackend {
                             *d = f16::from_f32(x).to_f32();
                         }
                         p.clear();
-                        p.extend((0..n_ctx).map(|j| {
-                            (kern.dot)(&qh, &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd]) * scale
-                        }));
+                        let at = |j: usize| j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd;
+                        match kv {
+                            KvLayer::F16 { k, .. } => p.extend((0..n_ctx).map(|j| (kern.dot)(&qh, &k[at(j)]) * scale)),
+                            KvLayer::Q8 { k, ks, .. } => p.extend(
+                                (0..n_ctx).map(|j| (kern.dot_q8)(&qh, &k[at(j)]) * ks[j * s.n_kv_heads + kvh] * scale),
+                            ),
+                        }
                         let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
                         let mut sum = 0f64;
                         for x in p.iter_mut() {
@@ -355,8 +357,17 @@ impl Backend for CpuBackend {
                         }
                         (kern.scale_round)(&mut p, (1.0 / sum) as f32);
                         o.fill(0.0);
-                        for (j, &w) in p.iter().enumerate() {
-                            (kern.axpy)(w, &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd], o);
+                        match kv {
+                            KvLayer::F16 { v, .. } => {
+                                for (j, &w) in p.iter().enumerate() {
+                                    (kern.axpy)(w, &v[at(j)], o);
+                                }
+                            }
+                            KvLayer::Q8 { v, vs, .. } => {
+                                for (j, &w) in p.iter().enumerate() {
+                                    (kern.axpy_q8)(w * vs[j * s.n_kv_heads + kvh], &v[at(j)], o);
+                                }
+                            }
                         }
                     }
                 });
@@ -430,7 +441,7 @@ mod tests {
         let v: Vec<f16> = det(total * n_kv * hd, 3).into_iter().map(f16::from_f32).collect();
         let mut out = vec![0f32; q.len()];
         let s = AttentionShape { n_heads, n_kv_heads: n_kv, head_dim: hd, start, n_tokens: n };
-        cpu.attention(&s, &q, &k, &v, &mut out).expect("attention");
+        cpu.attention(&s, &q, KvLayer::F16 { k: &k, v: &v }, &mut out).expect("attention");
         for t in 0..n {
             for h in 0..n_heads {
                 let kvh = h / (n_heads / n_kv);

@@ -9,7 +9,7 @@ pub mod pool;
 use crate::error::BackendError;
 use crate::model::weights::WeightMatrix;
 use crate::quant::GgmlType;
-use half::f16;
+use crate::model::kv::KvLayer;
 use std::sync::Arc;
 
 /// The kind of processor behind a backend.
@@ -135,16 +135,9 @@ pub trait Backend: Send + Sync {
         freq_factors: Option<&[f32]>,
     ) -> Result<(), BackendError>;
 
-    /// Causal attention of `q` (`n_tokens` × heads × head_dim) over the cache (`k`, `v`:
-    /// positions × kv_heads × head_dim, f16) into `out` (same shape as `q`).
-    fn attention(
-        &self,
-        s: &AttentionShape,
-        q: &[f32],
-        k: &[f16],
-        v: &[f16],
-        out: &mut [f32],
-    ) -> Result<(), BackendError>;
+    /// Causal attention of `q` (`n_tokens` × heads × head_dim) over one layer of the cache
+    /// (positions × kv_heads × head_dim, f16 or int8) into `out` (same shape as `q`).
+    fn attention(&self, s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &mut [f32]) -> Result<(), BackendError>;
 
     /// `gate = silu(gate) * up`, elementwise.
     fn swiglu(&self, gate: &mut [f32], up: &[f32]) -> Result<(), BackendError>;

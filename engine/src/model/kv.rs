@@ -1,17 +1,92 @@
-//! The KV cache of one sequence: f16 keys and values per layer, grown as tokens arrive.
+//! The KV cache of one sequence: keys and values per layer, grown as tokens arrive, stored as f16
+//! (the default, as llama.cpp) or as int8 with one f32 scale per position and KV head (half the
+//! memory, for long contexts).
 
 use half::f16;
 
+/// How keys and values are stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvType {
+    #[default]
+    F16,
+    /// Symmetric int8 per (position, KV head): scale = amax / 127, rounding to nearest even.
+    Q8,
+}
+
+impl std::str::FromStr for KvType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f16" => Ok(Self::F16),
+            "q8" | "int8" => Ok(Self::Q8),
+            other => Err(format!("unknown KV cache type {other:?} (f16 or q8)")),
+        }
+    }
+}
+
+/// One layer's keys and values as attention reads them.
+#[derive(Clone, Copy)]
+pub enum KvLayer<'a> {
+    F16 { k: &'a [f16], v: &'a [f16] },
+    /// `ks`/`vs`: one scale per (position, KV head).
+    Q8 { k: &'a [i8], ks: &'a [f32], v: &'a [i8], vs: &'a [f32] },
+}
+
+impl KvLayer<'_> {
+    /// Positions whose keys and values are present (for a row of `kv_dim`).
+    pub fn positions(&self, kv_dim: usize) -> usize {
+        match self {
+            Self::F16 { k, v } => k.len().min(v.len()) / kv_dim.max(1),
+            Self::Q8 { k, v, .. } => k.len().min(v.len()) / kv_dim.max(1),
+        }
+    }
+}
+
+enum Store {
+    F16 { k: Vec<Vec<f16>>, v: Vec<Vec<f16>> },
+    Q8 { k: Vec<Vec<i8>>, ks: Vec<Vec<f32>>, v: Vec<Vec<i8>>, vs: Vec<Vec<f32>> },
+}
+
 pub struct KvCache {
     kv_dim: usize,
+    head_dim: usize,
     len: usize,
-    k: Vec<Vec<f16>>,
-    v: Vec<Vec<f16>>,
+    store: Store,
+}
+
+/// Quantizes one head's values to int8, returning the scale.
+fn quantize_head(x: &[f32], out: &mut Vec<i8>) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    out.extend(x.iter().map(|&v| (v * id).round_ties_even() as i8));
+    d
 }
 
 impl KvCache {
     pub fn new(n_layers: usize, kv_dim: usize) -> Self {
-        Self { kv_dim, len: 0, k: vec![Vec::new(); n_layers], v: vec![Vec::new(); n_layers] }
+        Self::with_type(n_layers, kv_dim, kv_dim, KvType::F16)
+    }
+
+    /// A cache of `ty` for heads of `head_dim` (which divides `kv_dim`).
+    pub fn with_type(n_layers: usize, kv_dim: usize, head_dim: usize, ty: KvType) -> Self {
+        let store = match ty {
+            KvType::F16 => Store::F16 { k: vec![Vec::new(); n_layers], v: vec![Vec::new(); n_layers] },
+            KvType::Q8 => Store::Q8 {
+                k: vec![Vec::new(); n_layers],
+                ks: vec![Vec::new(); n_layers],
+                v: vec![Vec::new(); n_layers],
+                vs: vec![Vec::new(); n_layers],
+            },
+        };
+        Self { kv_dim, head_dim: head_dim.max(1), len: 0, store }
+    }
+
+    pub fn kv_type(&self) -> KvType {
+        match self.store {
+            Store::F16 { .. } => KvType::F16,
+            Store::Q8 { .. } => KvType::Q8,
+        }
     }
 
     /// Positions held.
@@ -25,20 +100,45 @@ impl KvCache {
 
     /// Bytes allocated for keys and values.
     pub fn size_bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|x| x.capacity() * 2).sum()
+        match &self.store {
+            Store::F16 { k, v } => k.iter().chain(v).map(|x| x.capacity() * 2).sum(),
+            Store::Q8 { k, ks, v, vs } => {
+                k.iter().chain(v).map(|x| x.capacity()).sum::<usize>()
+                    + ks.iter().chain(vs).map(|x| x.capacity() * 4).sum::<usize>()
+            }
+        }
     }
 
     /// Appends keys and values of new positions to layer `layer` (committed by [`Self::advance`]).
-    pub(crate) fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+    pub(crate) fn append(&mut self, layer: usize, k_new: &[f32], v_new: &[f32]) {
         let keep = self.len * self.kv_dim;
-        self.k[layer].truncate(keep);
-        self.v[layer].truncate(keep);
-        self.k[layer].extend(k.iter().map(|&x| f16::from_f32(x)));
-        self.v[layer].extend(v.iter().map(|&x| f16::from_f32(x)));
+        let heads_keep = keep / self.head_dim;
+        match &mut self.store {
+            Store::F16 { k, v } => {
+                k[layer].truncate(keep);
+                v[layer].truncate(keep);
+                k[layer].extend(k_new.iter().map(|&x| f16::from_f32(x)));
+                v[layer].extend(v_new.iter().map(|&x| f16::from_f32(x)));
+            }
+            Store::Q8 { k, ks, v, vs } => {
+                for (q, s, x) in [(&mut k[layer], &mut ks[layer], k_new), (&mut v[layer], &mut vs[layer], v_new)] {
+                    q.truncate(keep);
+                    s.truncate(heads_keep);
+                    q.reserve(x.len());
+                    s.reserve(x.len() / self.head_dim);
+                    for head in x.chunks_exact(self.head_dim) {
+                        s.push(quantize_head(head, q));
+                    }
+                }
+            }
+        }
     }
 
-    pub(crate) fn layer(&self, layer: usize) -> (&[f16], &[f16]) {
-        (&self.k[layer], &self.v[layer])
+    pub(crate) fn layer(&self, layer: usize) -> KvLayer<'_> {
+        match &self.store {
+            Store::F16 { k, v } => KvLayer::F16 { k: &k[layer], v: &v[layer] },
+            Store::Q8 { k, ks, v, vs } => KvLayer::Q8 { k: &k[layer], ks: &ks[layer], v: &v[layer], vs: &vs[layer] },
+        }
     }
 
     pub(crate) fn advance(&mut self, n: usize) {
@@ -50,17 +150,29 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
         let keep = self.len * self.kv_dim;
-        for x in self.k.iter_mut().chain(self.v.iter_mut()) {
-            x.truncate(keep);
-            x.shrink_to_fit();
+        let heads = keep / self.head_dim;
+        match &mut self.store {
+            Store::F16 { k, v } => {
+                for x in k.iter_mut().chain(v.iter_mut()) {
+                    x.truncate(keep);
+                    x.shrink_to_fit();
+                }
+            }
+            Store::Q8 { k, ks, v, vs } => {
+                for x in k.iter_mut().chain(v.iter_mut()) {
+                    x.truncate(keep);
+                    x.shrink_to_fit();
+                }
+                for x in ks.iter_mut().chain(vs.iter_mut()) {
+                    x.truncate(heads);
+                    x.shrink_to_fit();
+                }
+            }
         }
     }
 
     /// Drops all positions and frees the memory.
     pub fn clear(&mut self) {
-        self.len = 0;
-        for x in self.k.iter_mut().chain(self.v.iter_mut()) {
-            *x = Vec::new();
-        }
+        self.truncate(0);
     }
 }

@@ -25,19 +25,22 @@ pub struct Transformer {
     pub config: ModelConfig,
     pub weights: ModelWeights,
     planner: Planner,
+    /// How new KV caches store keys and values.
+    pub kv_type: kv::KvType,
 }
 
 impl Transformer {
     pub fn new(config: ModelConfig, weights: ModelWeights, planner: Planner) -> Self {
-        Self { config, weights, planner }
+        Self { config, weights, planner, kv_type: kv::KvType::F16 }
     }
 
     pub fn planner(&self) -> &Planner {
         &self.planner
     }
 
+    /// An empty KV cache of this model's [`kv::KvType`].
     pub fn new_kv(&self) -> KvCache {
-        KvCache::new(self.config.n_layers, self.config.kv_dim())
+        KvCache::with_type(self.config.n_layers, self.config.kv_dim(), self.config.head_dim, self.kv_type)
     }
 
     fn matmul(&self, w: &WeightMatrix, x: &[f32], n: usize) -> Result<Vec<f32>, BackendError> {
@@ -113,9 +116,8 @@ impl Transformer {
             rope_op.rope(&mut q, &positions, &rope(c.n_heads), w.rope_freqs.as_deref())?;
             rope_op.rope(&mut k, &positions, &rope(c.n_kv_heads), w.rope_freqs.as_deref())?;
             kv.append(li, &k, &v);
-            let (kc, vc) = kv.layer(li);
             let mut attn = vec![0f32; n * c.q_dim()];
-            self.op(OpKind::Attention, n)?.attention(&attn_shape, &q, kc, vc, &mut attn)?;
+            self.op(OpKind::Attention, n)?.attention(&attn_shape, &q, kv.layer(li), &mut attn)?;
             let o = self.matmul(&l.wo, &attn, n)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
