@@ -316,45 +316,88 @@ impl Generation {
 
     /// Runs one unit of work.
     pub fn step(&mut self, model: &Model, kv: &mut KvCache) -> Result<StepOutput, GenerateError> {
-        if let Some(reason) = self.finished {
-            return Ok(StepOutput { done: Some(self.stats(reason)), ..Default::default() });
-        }
-        if self.is_prefilling() {
-            let end = (self.prefilled + self.prefill_chunk).min(self.prompt.len());
-            self.logits = model.transformer.forward(kv, &self.prompt[self.prefilled..end], Logits::Last)?;
-            self.prefilled = end;
-            if !self.is_prefilling() {
-                self.prefill_time = Some(self.start.elapsed());
-                self.decode_start = Some(Instant::now());
-            }
+        if let Some(chunk) = self.prefill_chunk_tokens() {
+            let n = chunk.len();
+            let logits = model.transformer.forward(kv, chunk, Logits::Last)?;
+            self.accept_prefill(n, logits);
             return Ok(StepOutput::default());
         }
+        let (out, feed) = self.sample(model, kv.len())?;
+        if let Some(tok) = feed {
+            let logits = model.transformer.forward(kv, &[tok], Logits::Last)?;
+            self.accept_logits(logits);
+        }
+        Ok(out)
+    }
+
+    /// The next prefill chunk, while the prompt is still being read (a scheduler feeds it,
+    /// possibly batched with other sequences, then calls [`Self::accept_prefill`]).
+    pub fn prefill_chunk_tokens(&self) -> Option<&[u32]> {
+        if self.finished.is_some() || !self.is_prefilling() {
+            return None;
+        }
+        let end = (self.prefilled + self.prefill_chunk).min(self.prompt.len());
+        Some(&self.prompt[self.prefilled..end])
+    }
+
+    /// Like [`Self::prefill_chunk_tokens`], at most `limit` tokens.
+    pub fn prefill_chunk_at_most(&self, limit: usize) -> Option<&[u32]> {
+        self.prefill_chunk_tokens().map(|c| &c[..c.len().min(limit.max(1))])
+    }
+
+    /// Records that `n` prompt tokens were fed and the logits after the last of them.
+    pub fn accept_prefill(&mut self, n: usize, logits: Vec<f32>) {
+        self.logits = logits;
+        self.prefilled = (self.prefilled + n).min(self.prompt.len());
+        if !self.is_prefilling() {
+            self.prefill_time = Some(self.start.elapsed());
+            self.decode_start = Some(Instant::now());
+        }
+    }
+
+    /// The decode half of a step before the model runs: samples the next token from the last
+    /// logits and emits its text. Returns what to stream and, unless the generation ended, the
+    /// token to feed (then pass the model's logits to [`Self::accept_logits`]). `kv_len` is the
+    /// sequence's cache length.
+    pub fn sample(&mut self, model: &Model, kv_len: usize) -> Result<(StepOutput, Option<u32>), GenerateError> {
+        if let Some(reason) = self.finished {
+            return Ok((StepOutput { done: Some(self.stats(reason)), ..Default::default() }, None));
+        }
         if self.generated >= self.max_tokens {
-            return Ok(self.finish(FinishReason::Length, String::new(), vec![]));
+            return Ok((self.finish(FinishReason::Length, String::new(), vec![]), None));
         }
         let tok = self.sampler.sample(&mut self.logits, &self.history);
         self.generated += 1;
         self.first_token.get_or_insert_with(|| self.start.elapsed());
         if model.tokenizer.is_eog(tok) {
             self.unfed = Some(tok);
-            return Ok(self.finish(FinishReason::Eos, String::new(), vec![tok]));
+            return Ok((self.finish(FinishReason::Eos, String::new(), vec![tok]), None));
         }
         self.history.push(tok);
         let (text, stopped) = self.stream.push(model.tokenizer.token_bytes(tok)?);
         if stopped {
             self.unfed = Some(tok);
-            return Ok(self.finish(FinishReason::Stop, text, vec![tok]));
+            return Ok((self.finish(FinishReason::Stop, text, vec![tok]), None));
         }
         if self.generated >= self.max_tokens {
             self.unfed = Some(tok);
-            return Ok(self.finish(FinishReason::Length, text, vec![tok]));
+            return Ok((self.finish(FinishReason::Length, text, vec![tok]), None));
         }
-        if kv.len() >= model.transformer.config.context_length {
+        if kv_len >= model.transformer.config.context_length {
             self.unfed = Some(tok);
-            return Ok(self.finish(FinishReason::ContextFull, text, vec![tok]));
+            return Ok((self.finish(FinishReason::ContextFull, text, vec![tok]), None));
         }
-        self.logits = model.transformer.forward(kv, &[tok], Logits::Last)?;
-        Ok(StepOutput { text, ids: vec![tok], done: None })
+        Ok((StepOutput { text, ids: vec![tok], done: None }, Some(tok)))
+    }
+
+    /// The logits after feeding the token [`Self::sample`] returned.
+    pub fn accept_logits(&mut self, logits: Vec<f32>) {
+        self.logits = logits;
+    }
+
+    /// Whether the generation has ended.
+    pub fn is_finished(&self) -> bool {
+        self.finished.is_some()
     }
 
     /// Ends the generation early (the caller cancelled).

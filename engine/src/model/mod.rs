@@ -72,25 +72,46 @@ impl Transformer {
     /// Runs `tokens` at the positions after what `kv` holds, appends their keys and values, and
     /// returns logits (`vocab` per returned token).
     pub fn forward(&self, kv: &mut KvCache, tokens: &[u32], which: Logits) -> Result<Vec<f32>, BackendError> {
+        let mut out = self.forward_batch(&mut [(kv, tokens)], which)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One pass over several sequences at once (continuous batching): sequence `i` runs
+    /// `batch[i].1` at the positions after what its cache `batch[i].0` holds. Every matmul
+    /// runs once over all their tokens; attention runs per sequence over its own cache. Returns
+    /// each sequence's logits as [`Self::forward`] would — and bit for bit the same values, since
+    /// every row of a matmul is computed independently of the others (tested).
+    pub fn forward_batch(
+        &self,
+        batch: &mut [(&mut KvCache, &[u32])],
+        which: Logits,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
         let c = &self.config;
-        let n = tokens.len();
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let start = kv.len();
-        if start + n > c.context_length {
-            return Err(BackendError::Shape {
-                op: "forward",
-                detail: format!("{} positions exceed the context of {}", start + n, c.context_length),
-            });
-        }
         let d = c.d_model;
         let w = &self.weights;
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(batch.len());
+        for (kv, toks) in batch.iter() {
+            let start = kv.len();
+            if start + toks.len() > c.context_length {
+                return Err(BackendError::Shape {
+                    op: "forward",
+                    detail: format!("{} positions exceed the context of {}", start + toks.len(), c.context_length),
+                });
+            }
+            spans.push((tokens.len(), toks.len(), start));
+            tokens.extend_from_slice(toks);
+            positions.extend(start..start + toks.len());
+        }
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(vec![Vec::new(); batch.len()]);
+        }
         let mut x = vec![0f32; n * d];
         self.planner
             .place(&OpDesc { kind: OpKind::GetRows, weight_type: Some(w.token_embd.ty), n_tokens: n })?
-            .get_rows(&w.token_embd, tokens, &mut x)?;
-        let positions: Vec<usize> = (start..start + n).collect();
+            .get_rows(&w.token_embd, &tokens, &mut x)?;
         let rope = |heads| RopeParams {
             n_heads: heads,
             head_dim: c.head_dim,
@@ -99,12 +120,12 @@ impl Transformer {
             freq_scale: c.rope_freq_scale,
             style: c.rope_style,
         };
-        let attn_shape =
-            AttentionShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, start, n_tokens: n };
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
         for (li, l) in w.layers.iter().enumerate() {
             let mut h = x.clone();
             self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
-            let [mut q, mut k, mut v] = self.matmul_many([&l.wq, &l.wk, &l.wv], &h, n)?;
+            let [mut q, mut k, v] = self.matmul_many([&l.wq, &l.wk, &l.wv], &h, n)?;
+            let mut v = v;
             for (t, b) in [(&mut q, &l.bq), (&mut k, &l.bk), (&mut v, &l.bv)] {
                 if let Some(b) = b {
                     for row in t.chunks_exact_mut(b.len()) {
@@ -115,9 +136,21 @@ impl Transformer {
             let rope_op = self.op(OpKind::Rope, n)?;
             rope_op.rope(&mut q, &positions, &rope(c.n_heads), w.rope_freqs.as_deref())?;
             rope_op.rope(&mut k, &positions, &rope(c.n_kv_heads), w.rope_freqs.as_deref())?;
-            kv.append(li, &k, &v);
-            let mut attn = vec![0f32; n * c.q_dim()];
-            self.op(OpKind::Attention, n)?.attention(&attn_shape, &q, kv.layer(li), &mut attn)?;
+            let mut attn = vec![0f32; n * qd];
+            for ((kv, _), &(off, len, start)) in batch.iter_mut().zip(&spans) {
+                if len == 0 {
+                    continue;
+                }
+                kv.append(li, &k[off * kvd..(off + len) * kvd], &v[off * kvd..(off + len) * kvd]);
+                let shape =
+                    AttentionShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, start, n_tokens: len };
+                self.op(OpKind::Attention, len)?.attention(
+                    &shape,
+                    &q[off * qd..(off + len) * qd],
+                    kv.layer(li),
+                    &mut attn[off * qd..(off + len) * qd],
+                )?;
+            }
             let o = self.matmul(&l.wo, &attn, n)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
@@ -128,12 +161,37 @@ impl Transformer {
             let down = self.matmul(&l.w_down, &g, n)?;
             x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);
         }
-        kv.advance(n);
-        let (mut last, rows) = match which {
-            Logits::Last => (x[(n - 1) * d..].to_vec(), 1),
-            Logits::All => (x, n),
-        };
-        self.op(OpKind::RmsNorm, rows)?.rms_norm(&mut last, &w.output_norm, c.norm_eps)?;
-        self.matmul(&w.output, &last, rows)
+        for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&spans) {
+            kv.advance(len);
+        }
+        // The rows whose logits are wanted, all sequences in one output-head matmul.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(spans.len());
+        for &(off, len, _) in &spans {
+            let r: Vec<usize> = match which {
+                Logits::Last if len > 0 => vec![off + len - 1],
+                Logits::Last => vec![],
+                Logits::All => (off..off + len).collect(),
+            };
+            counts.push(r.len());
+            rows.extend(r);
+        }
+        let mut last = Vec::with_capacity(rows.len() * d);
+        for &r in &rows {
+            last.extend_from_slice(&x[r * d..(r + 1) * d]);
+        }
+        if rows.is_empty() {
+            return Ok(vec![Vec::new(); batch.len()]);
+        }
+        self.op(OpKind::RmsNorm, rows.len())?.rms_norm(&mut last, &w.output_norm, c.norm_eps)?;
+        let logits = self.matmul(&w.output, &last, rows.len())?;
+        let vocab = w.output.rows;
+        let mut out = Vec::with_capacity(batch.len());
+        let mut at = 0;
+        for cnt in counts {
+            out.push(logits[at * vocab..(at + cnt) * vocab].to_vec());
+            at += cnt;
+        }
+        Ok(out)
     }
 }

@@ -1,0 +1,110 @@
+//! Continuous batching: several sequences in one forward pass (decode steps of some batched with
+//! prefill chunks of others) give exactly the tokens each gives alone — and so the golden
+//! tokens, where the golden test matches them.
+
+mod common;
+
+use common::*;
+use llmd_engine::generate::{GenerateRequest, Generation, Prompt};
+use llmd_engine::model::Logits;
+use llmd_engine::sampling::SamplingParams;
+
+const STEPS: usize = 24;
+
+fn request() -> GenerateRequest {
+    GenerateRequest {
+        prompt: Prompt::Text(String::new()),
+        sampling: SamplingParams::default(),
+        max_tokens: STEPS,
+        stop: vec![],
+    }
+}
+
+#[test]
+fn batched_decode_and_prefill_equal_one_sequence_at_a_time() {
+    let model = default_model();
+    let g = golden();
+    let prompts: Vec<Vec<u32>> = g["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .filter(|p| p["chat"].as_bool() != Some(true))
+        .take(6)
+        .map(|p| ids(&p["prompt_ids"]))
+        .collect();
+    // Alone.
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let mut kv = model.transformer.new_kv();
+        let mut gen = Generation::new(model, &kv, p.clone(), &request()).expect("generation").with_prefill_chunk(16);
+        let mut ids = Vec::new();
+        loop {
+            let out = gen.step(model, &mut kv).expect("step");
+            ids.extend(out.ids);
+            if out.done.is_some() {
+                break;
+            }
+        }
+        alone.push(ids);
+    }
+    // Together: sequence i joins at step 3*i, so prefill chunks of late joiners share passes
+    // with decode steps of the others.
+    let mut kvs: Vec<_> = prompts.iter().map(|_| model.transformer.new_kv()).collect();
+    let mut gens: Vec<Option<Generation>> = prompts.iter().map(|_| None).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut done = vec![false; prompts.len()];
+    let mut step = 0;
+    let mut max_batch = 0;
+    while done.iter().any(|d| !d) {
+        for (i, p) in prompts.iter().enumerate() {
+            if gens[i].is_none() && step >= 3 * i {
+                gens[i] = Some(Generation::new(model, &kvs[i], p.clone(), &request()).expect("gen").with_prefill_chunk(16));
+            }
+        }
+        // Sample every decoding sequence; collect what each feeds.
+        let mut feeds: Vec<(usize, Vec<u32>, bool)> = Vec::new();
+        for i in 0..prompts.len() {
+            let Some(gen) = gens[i].as_mut() else { continue };
+            if done[i] {
+                continue;
+            }
+            if let Some(chunk) = gen.prefill_chunk_tokens() {
+                feeds.push((i, chunk.to_vec(), true));
+                continue;
+            }
+            let (out, feed) = gen.sample(model, kvs[i].len()).expect("sample");
+            got[i].extend(out.ids);
+            if out.done.is_some() {
+                done[i] = true;
+            }
+            if let Some(t) = feed {
+                feeds.push((i, vec![t], false));
+            }
+        }
+        max_batch = max_batch.max(feeds.len());
+        let mut batch: Vec<(&mut llmd_engine::model::kv::KvCache, &[u32])> = Vec::new();
+        let mut order = Vec::new();
+        for (i, kv) in kvs.iter_mut().enumerate() {
+            if let Some((_, toks, prefill)) = feeds.iter().find(|f| f.0 == i) {
+                batch.push((kv, toks.as_slice()));
+                order.push((i, toks.len(), *prefill));
+            }
+        }
+        if !batch.is_empty() {
+            let logits = model.transformer.forward_batch(&mut batch, Logits::Last).expect("batch");
+            for ((i, n, prefill), l) in order.into_iter().zip(logits) {
+                let gen = gens[i].as_mut().expect("started");
+                if prefill {
+                    gen.accept_prefill(n, l);
+                } else {
+                    gen.accept_logits(l);
+                }
+            }
+        }
+        step += 1;
+    }
+    assert!(max_batch >= 4, "sequences really shared passes ({max_batch})");
+    for (i, (a, b)) in alone.iter().zip(&got).enumerate() {
+        assert_eq!(a, b, "prompt {i}: batched tokens differ from the sequence alone");
+    }
+}
