@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod models;
 pub mod permission;
+pub mod policy;
 pub mod scheduler;
 pub mod service;
 pub mod session;
