@@ -55,6 +55,64 @@ pub struct Config {
     pub kv_cache_type: KvCacheType,
     pub limits: Limits,
     pub permissions: Permissions,
+    pub scheduler: SchedulerConfig,
+}
+
+/// Arbitration between requests and apps (see `policy.rs`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerConfig {
+    /// Tokens one engine pass may carry (batched decode tokens + one prefill chunk).
+    pub step_tokens: usize,
+    /// Sequences whose decode steps share one pass.
+    pub max_batch: usize,
+    /// Prefill chunk of background and batch prompts (foreground uses `prefill_chunk`): the
+    /// longest a foreground prompt can wait behind one.
+    pub background_chunk: usize,
+    /// A request not served for this long is treated one class better (per period waited).
+    pub aging_ms: u64,
+    /// The best class a uid may claim, by uid ("10123" = "background"); others get
+    /// `default_class_cap`.
+    pub class_caps: std::collections::BTreeMap<String, crate::policy::Class>,
+    pub default_class_cap: crate::policy::Class,
+    /// Fair-share weights by uid (default 1).
+    pub weights: std::collections::BTreeMap<String, u32>,
+    /// Tokens (prompt + generated) a uid may use per `quota_window_s`; 0 = unlimited.
+    pub quota_tokens_per_uid: usize,
+    pub quota_window_s: u64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            step_tokens: 256,
+            max_batch: 16,
+            background_chunk: 32,
+            aging_ms: 2000,
+            class_caps: Default::default(),
+            default_class_cap: crate::policy::Class::Foreground,
+            weights: Default::default(),
+            quota_tokens_per_uid: 0,
+            quota_window_s: 60,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// The best class `uid` may claim.
+    pub fn class_cap(&self, uid: u32) -> crate::policy::Class {
+        self.class_caps.get(&uid.to_string()).copied().unwrap_or(self.default_class_cap)
+    }
+
+    pub fn policy(&self, prefill_chunk: usize) -> crate::policy::PolicyConfig {
+        crate::policy::PolicyConfig {
+            step_tokens: self.step_tokens,
+            max_batch: self.max_batch,
+            chunk: [prefill_chunk, self.background_chunk, self.background_chunk],
+            aging_ms: self.aging_ms,
+            weights: self.weights.iter().filter_map(|(k, v)| Some((k.parse().ok()?, *v))).collect(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -117,6 +175,7 @@ impl Default for Config {
             kv_cache_type: KvCacheType::F16,
             limits: Limits::default(),
             permissions: Permissions::default(),
+            scheduler: SchedulerConfig::default(),
         }
     }
 }
@@ -151,6 +210,23 @@ impl Config {
         }
         if self.prefill_chunk == 0 {
             return bad("prefill_chunk must be at least 1".into());
+        }
+        let sc = &self.scheduler;
+        for (name, v) in [("step_tokens", sc.step_tokens), ("max_batch", sc.max_batch), ("background_chunk", sc.background_chunk)] {
+            if v == 0 {
+                return bad(format!("scheduler.{name} must be at least 1"));
+            }
+        }
+        if sc.quota_tokens_per_uid > 0 && sc.quota_window_s == 0 {
+            return bad("scheduler.quota_window_s must be at least 1 when a quota is set".into());
+        }
+        for k in sc.class_caps.keys().chain(sc.weights.keys()) {
+            if k.parse::<u32>().is_err() {
+                return bad(format!("scheduler: {k:?} is not a uid"));
+            }
+        }
+        if sc.weights.values().any(|&w| w == 0) {
+            return bad("scheduler.weights must be at least 1".into());
         }
         let l = &self.limits;
         for (name, v) in [

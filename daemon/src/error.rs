@@ -13,6 +13,8 @@ pub enum ServiceError {
     PermissionDenied { uid: u32, method: &'static str },
     #[error("uid {uid} has reached its limit of {limit} {what}")]
     QuotaExceeded { uid: u32, what: &'static str, limit: usize },
+    #[error("uid {uid} used its {limit} tokens per {window_s} s; retry in {retry_ms} ms")]
+    TokenQuota { uid: u32, limit: usize, window_s: u64, retry_ms: u64 },
     #[error("request too large: {0}")]
     RequestTooLarge(String),
     #[error("busy: {0}")]
@@ -25,6 +27,8 @@ pub enum ServiceError {
     ModelLoadFailed { id: String, reason: String },
     #[error("internal error: {0}")]
     Internal(String),
+    #[error("deadline of {0} ms passed before the request finished")]
+    DeadlineExceeded(u64),
 }
 
 impl ServiceError {
@@ -34,13 +38,14 @@ impl ServiceError {
             Self::InvalidArgument(_) => ErrorCode::INVALID_ARGUMENT,
             Self::ModelNotFound(_) => ErrorCode::MODEL_NOT_FOUND,
             Self::PermissionDenied { .. } => ErrorCode::PERMISSION_DENIED,
-            Self::QuotaExceeded { .. } => ErrorCode::QUOTA_EXCEEDED,
+            Self::QuotaExceeded { .. } | Self::TokenQuota { .. } => ErrorCode::QUOTA_EXCEEDED,
             Self::RequestTooLarge(_) => ErrorCode::REQUEST_TOO_LARGE,
             Self::Busy(_) => ErrorCode::BUSY,
             Self::Cancelled => ErrorCode::CANCELLED,
             Self::SessionClosed => ErrorCode::SESSION_CLOSED,
             Self::ModelLoadFailed { .. } => ErrorCode::MODEL_LOAD_FAILED,
             Self::Internal(_) => ErrorCode::INTERNAL,
+            Self::DeadlineExceeded(_) => ErrorCode::DEADLINE_EXCEEDED,
         }
     }
 
@@ -82,6 +87,7 @@ pub fn code_name(code: ErrorCode) -> &'static str {
         ErrorCode::SESSION_CLOSED => "SESSION_CLOSED",
         ErrorCode::MODEL_LOAD_FAILED => "MODEL_LOAD_FAILED",
         ErrorCode::INTERNAL => "INTERNAL",
+        ErrorCode::DEADLINE_EXCEEDED => "DEADLINE_EXCEEDED",
         _ => "UNKNOWN",
     }
 }

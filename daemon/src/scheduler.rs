@@ -1,9 +1,9 @@
 //! The work queue and the engine worker: every request is a sequence of units (prefill chunks,
-//! decode steps); one worker thread takes them round-robin across running requests, so several
-//! sessions stream at once and a cancel takes effect within one unit.
-//!
-//! First come, first served: requests start in arrival order and share the worker equally
-//! (the priority- and fairness-aware policy replaces `Worker::next` later).
+//! decode steps). Each engine *pass* carries the units [`Policy`] chooses — the decode steps of
+//! every running sequence of a model batched into one matmul pass, plus one prefill chunk — so
+//! many sessions stream at once, a foreground prompt preempts background work at the next pass,
+//! and a cancel or a deadline takes effect within one pass. The worker serves the CPU's queue;
+//! a GPU or NPU backend adds a worker of its own over the same policy.
 //!
 //! Locking: `Scheduler::book` (admission counts and cancel flags) is taken briefly by Binder
 //! threads and the worker; a session's lock only by the worker during a unit, never while a
@@ -16,7 +16,9 @@ use llmd_aidl::GenerationStats::GenerationStats as WireStats;
 use llmd_aidl::IGenerationCallback::IGenerationCallback;
 use llmd_engine::chat::ChatMessage;
 use llmd_engine::generate::{FinishReason, GenerateRequest, Generation, GenerationStats};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use crate::policy::{Class, Entry, Policy, Quota};
+use llmd_engine::model::Logits;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex, Weak};
@@ -40,6 +42,10 @@ pub struct Job {
     pub callback: rsbinder::Strong<dyn IGenerationCallback>,
     pub cancel: Arc<AtomicBool>,
     pub enqueued: Instant,
+    /// The scheduling class (the request's hint capped by its uid's).
+    pub class: Class,
+    /// Milliseconds from submission by which it must finish (0 = none).
+    pub deadline_ms: u64,
 }
 
 impl Job {
@@ -59,7 +65,15 @@ impl Job {
             callback,
             cancel: Arc::new(AtomicBool::new(false)),
             enqueued: Instant::now(),
+            class: Class::Foreground,
+            deadline_ms: 0,
         }
+    }
+
+    pub fn with_class(mut self, class: Class, deadline_ms: u64) -> Self {
+        self.class = class;
+        self.deadline_ms = deadline_ms;
+        self
     }
 }
 
@@ -70,6 +84,22 @@ pub struct JobInfo {
     pub session: u64,
     pub running: bool,
     pub cancel: Arc<AtomicBool>,
+    pub class: Class,
+    pub deadline_ms: u64,
+    pub enqueued: Instant,
+}
+
+/// What the worker last reported about its queue, for dump.
+#[derive(Clone, Debug, Default)]
+pub struct QueueReport {
+    /// (request id, class now after aging, prompt tokens left, waited since last served ms).
+    pub requests: Vec<(u64, Class, usize, u64)>,
+    /// Fair-share virtual time per uid.
+    pub vtimes: Vec<(u32, f64)>,
+    pub passes: u64,
+    /// Moving average of a pass, in microseconds.
+    pub avg_pass_us: u64,
+    pub last_batch: usize,
 }
 
 #[derive(Default)]
@@ -82,6 +112,10 @@ struct Book {
 pub struct Scheduler {
     tx: Mutex<Sender<Job>>,
     book: Mutex<Book>,
+    /// Tokens each uid used recently (for `quota_tokens_per_uid`).
+    quota: Mutex<Quota>,
+    report: Mutex<QueueReport>,
+    epoch: Instant,
 }
 
 /// Cancels a request when the client that will receive its output dies.
@@ -104,7 +138,45 @@ impl Scheduler {
     /// A scheduler and the receiving end its worker runs on.
     pub fn new() -> (Self, Receiver<Job>) {
         let (tx, rx) = std::sync::mpsc::channel();
-        (Self { tx: Mutex::new(tx), book: Mutex::new(Book { next_id: 1, ..Book::default() }) }, rx)
+        (
+            Self {
+                tx: Mutex::new(tx),
+                book: Mutex::new(Book { next_id: 1, ..Book::default() }),
+                quota: Mutex::new(Quota::default()),
+                report: Mutex::new(QueueReport::default()),
+                epoch: Instant::now(),
+            },
+            rx,
+        )
+    }
+
+    /// Milliseconds since the scheduler started (the policy's clock).
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn quota(&self) -> std::sync::MutexGuard<'_, Quota> {
+        self.quota.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records tokens a uid used.
+    pub fn charge_quota(&self, uid: u32, tokens: usize) {
+        let now = self.now_ms();
+        self.quota().record(uid, now, tokens);
+    }
+
+    /// Tokens `uid` used in the current window.
+    pub fn quota_used(&self, uid: u32, window_s: u64) -> usize {
+        let now = self.now_ms();
+        self.quota().used(uid, now, window_s * 1000)
+    }
+
+    pub fn publish(&self, r: QueueReport) {
+        *self.report.lock().unwrap_or_else(|p| p.into_inner()) = r;
+    }
+
+    pub fn report(&self) -> QueueReport {
+        self.report.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     fn book(&self) -> std::sync::MutexGuard<'_, Book> {
@@ -117,6 +189,20 @@ impl Scheduler {
         let shared_arc =
             shared.upgrade().ok_or_else(|| ServiceError::Internal("the service is shutting down".into()))?;
         let limits = &shared_arc.config.limits;
+        let sc = &shared_arc.config.scheduler;
+        if sc.quota_tokens_per_uid > 0 {
+            let now = self.now_ms();
+            if let Some(retry_ms) =
+                self.quota().retry_after(job.uid, now, sc.quota_window_s * 1000, sc.quota_tokens_per_uid)
+            {
+                return Err(ServiceError::TokenQuota {
+                    uid: job.uid,
+                    limit: sc.quota_tokens_per_uid,
+                    window_s: sc.quota_window_s,
+                    retry_ms,
+                });
+            }
+        }
         {
             let mut book = self.book();
             let mut inner = job.session.lock();
@@ -132,7 +218,13 @@ impl Scheduler {
                 });
             }
             if book.jobs.len() >= limits.max_requests {
-                return Err(ServiceError::Busy(format!("{} requests in flight; retry later", book.jobs.len())));
+                // A request leaves roughly every few passes; hint at one pass per request ahead.
+                let pass_ms = (self.report().avg_pass_us / 1000).max(10);
+                return Err(ServiceError::Busy(format!(
+                    "{} requests in flight; retry in ~{} ms",
+                    book.jobs.len(),
+                    pass_ms * book.jobs.len() as u64
+                )));
             }
             job.id = book.next_id;
             book.next_id += 1;
@@ -140,7 +232,15 @@ impl Scheduler {
             drop(inner);
             book.jobs.insert(
                 job.id,
-                JobInfo { uid: job.uid, session: job.session.id, running: false, cancel: job.cancel.clone() },
+                JobInfo {
+                    uid: job.uid,
+                    session: job.session.id,
+                    running: false,
+                    cancel: job.cancel.clone(),
+                    class: job.class,
+                    deadline_ms: job.deadline_ms,
+                    enqueued: job.enqueued,
+                },
             );
             *book.per_uid.entry(job.uid).or_default() += 1;
         }
@@ -209,6 +309,17 @@ struct Running {
     /// Tokens of the context after this turn's prompt (the generated ones follow).
     context: Vec<u32>,
     started: Instant,
+    arrived_ms: u64,
+    last_served_ms: u64,
+    /// When it first got a unit (its queue wait ends there).
+    first_served: Option<Instant>,
+}
+
+/// One sequence's share of an engine pass.
+struct Feed {
+    id: u64,
+    tokens: Vec<u32>,
+    prefill: bool,
 }
 
 pub struct Worker {
@@ -216,18 +327,37 @@ pub struct Worker {
     shared: Weak<Shared>,
     prefill_chunk: usize,
     max_prompt_tokens: usize,
-    active: VecDeque<Running>,
+    active: BTreeMap<u64, Running>,
+    policy: Policy,
+    passes: u64,
+    avg_pass_us: u64,
 }
 
 impl Worker {
-    pub fn new(rx: Receiver<Job>, shared: Weak<Shared>, prefill_chunk: usize, max_prompt_tokens: usize) -> Self {
-        Self { rx, shared, prefill_chunk, max_prompt_tokens, active: VecDeque::new() }
+    pub fn new(
+        rx: Receiver<Job>,
+        shared: Weak<Shared>,
+        prefill_chunk: usize,
+        max_prompt_tokens: usize,
+        policy: crate::policy::PolicyConfig,
+    ) -> Self {
+        Self {
+            rx,
+            shared,
+            prefill_chunk,
+            max_prompt_tokens,
+            active: BTreeMap::new(),
+            policy: Policy::new(policy),
+            passes: 0,
+            avg_pass_us: 0,
+        }
     }
 
     /// Runs until every sender is gone.
     pub fn run(mut self) {
         loop {
             if self.active.is_empty() {
+                self.publish(0);
                 match self.rx.recv() {
                     Ok(job) => self.start(job),
                     Err(_) => return,
@@ -236,15 +366,12 @@ impl Worker {
             while let Ok(job) = self.rx.try_recv() {
                 self.start(job);
             }
-            if let Some(r) = self.next() {
-                self.unit(r);
-            }
+            self.pass();
         }
     }
 
-    /// The policy: round-robin over running requests, in arrival order.
-    fn next(&mut self) -> Option<Running> {
-        self.active.pop_front()
+    fn now_ms(&self) -> u64 {
+        self.with_shared(|s| s.scheduler.now_ms()).unwrap_or(0)
     }
 
     fn with_shared<T>(&self, f: impl FnOnce(&Shared) -> T) -> Option<T> {
@@ -270,7 +397,13 @@ impl Worker {
             Ok((gen, context, rewind_to)) => {
                 self.with_shared(|s| s.scheduler.set_running(job.id));
                 let _ = job.callback.onStarted(job.id as i64);
-                self.active.push_back(Running { job, gen, rewind_to, context, started });
+                let now = self.now_ms();
+                let waited = job.enqueued.elapsed().as_millis() as u64;
+                let arrived_ms = now.saturating_sub(waited);
+                self.active.insert(
+                    job.id,
+                    Running { job, gen, rewind_to, context, started, arrived_ms, last_served_ms: arrived_ms, first_served: None },
+                );
             }
             Err(e) => {
                 {
@@ -283,30 +416,162 @@ impl Worker {
         }
     }
 
-    /// Runs one unit of a request and streams what it produced.
-    fn unit(&mut self, mut r: Running) {
-        if r.job.cancel.load(Ordering::Acquire) || r.job.session.closed.load(Ordering::Acquire) {
-            return self.end(r, Err(ServiceError::Cancelled));
+    /// One engine pass: ends cancelled and expired requests, asks the policy for the units,
+    /// samples and streams the decoding ones, then runs every fed token of a model in one
+    /// batched forward.
+    fn pass(&mut self) {
+        let t0 = Instant::now();
+        let ids: Vec<u64> = self.active.keys().copied().collect();
+        for id in ids {
+            let Some(r) = self.active.get(&id) else { continue };
+            if r.job.cancel.load(Ordering::Acquire) || r.job.session.closed.load(Ordering::Acquire) {
+                let r = self.active.remove(&id).expect("present");
+                self.end(r, Err(ServiceError::Cancelled));
+            } else if r.job.deadline_ms > 0 && r.job.enqueued.elapsed().as_millis() as u64 >= r.job.deadline_ms {
+                let r = self.active.remove(&id).expect("present");
+                let d = r.job.deadline_ms;
+                self.end(r, Err(ServiceError::DeadlineExceeded(d)));
+            }
         }
-        let out = {
-            let mut inner = r.job.session.lock();
-            r.gen.step(&r.job.session.model, &mut inner.kv)
-        };
-        match out {
-            Err(e) => self.end(r, Err(e.into())),
-            Ok(o) => {
-                if !o.ids.is_empty() || !o.text.is_empty() {
-                    let ids: Vec<i32> = o.ids.iter().map(|&t| t as i32).collect();
-                    if r.job.callback.onTokens(r.job.id as i64, &o.text, &ids).is_err() {
-                        return self.end(r, Err(ServiceError::Cancelled));
-                    }
+        if self.active.is_empty() {
+            return;
+        }
+        let now_ms = self.now_ms();
+        let entries: Vec<Entry> = self
+            .active
+            .values()
+            .map(|r| Entry {
+                id: r.job.id,
+                uid: r.job.uid,
+                class: r.job.class,
+                arrived_ms: r.arrived_ms,
+                last_served_ms: r.last_served_ms,
+                prefill_left: r.gen.prefill_chunk_tokens().map_or(0, |_| r.gen.prefill_left()),
+            })
+            .collect();
+        let plan = self.policy.plan(now_ms, &entries);
+        let mut feeds: Vec<Feed> = Vec::new();
+        for id in plan.decode {
+            let Some(r) = self.active.get_mut(&id) else { continue };
+            let kv_len = r.job.session.lock().kv.len();
+            r.last_served_ms = now_ms;
+            r.first_served.get_or_insert_with(Instant::now);
+            self.policy.charge(r.job.uid, 1);
+            match r.gen.sample(&r.job.session.model, kv_len) {
+                Err(e) => {
+                    let r = self.active.remove(&id).expect("present");
+                    self.end(r, Err(e.into()));
                 }
-                match o.done {
-                    Some(stats) => self.end(r, Ok(stats)),
-                    None => self.active.push_back(r),
+                Ok((out, feed)) => {
+                    if !out.ids.is_empty() || !out.text.is_empty() {
+                        let ids: Vec<i32> = out.ids.iter().map(|&t| t as i32).collect();
+                        if r.job.callback.onTokens(r.job.id as i64, &out.text, &ids).is_err() {
+                            let r = self.active.remove(&id).expect("present");
+                            self.end(r, Err(ServiceError::Cancelled));
+                            continue;
+                        }
+                    }
+                    if let Some(stats) = out.done {
+                        let r = self.active.remove(&id).expect("present");
+                        self.end(r, Ok(stats));
+                    } else if let Some(t) = feed {
+                        feeds.push(Feed { id, tokens: vec![t], prefill: false });
+                    }
                 }
             }
         }
+        if let Some((id, n)) = plan.prefill {
+            if let Some(r) = self.active.get_mut(&id) {
+                if let Some(chunk) = r.gen.prefill_chunk_at_most(n) {
+                    feeds.push(Feed { id, tokens: chunk.to_vec(), prefill: true });
+                    r.last_served_ms = now_ms;
+                    r.first_served.get_or_insert_with(Instant::now);
+                    self.policy.charge(r.job.uid, chunk.len());
+                }
+            }
+        }
+        let batch = feeds.len();
+        self.run_feeds(feeds);
+        let us = t0.elapsed().as_micros() as u64;
+        self.passes += 1;
+        self.avg_pass_us = if self.avg_pass_us == 0 { us } else { (self.avg_pass_us * 7 + us) / 8 };
+        self.publish(batch);
+    }
+
+    /// Runs the fed tokens, one batched forward per model, and hands each sequence its logits.
+    fn run_feeds(&mut self, feeds: Vec<Feed>) {
+        let mut by_model: Vec<(Arc<llmd_engine::Model>, Vec<Feed>)> = Vec::new();
+        for f in feeds {
+            let Some(r) = self.active.get(&f.id) else { continue };
+            let m = r.job.session.model.clone();
+            match by_model.iter_mut().find(|(mm, _)| Arc::ptr_eq(mm, &m)) {
+                Some((_, v)) => v.push(f),
+                None => by_model.push((m, vec![f])),
+            }
+        }
+        for (model, group) in by_model {
+            let sessions: Vec<Arc<SessionCore>> =
+                group.iter().filter_map(|f| self.active.get(&f.id).map(|r| r.job.session.clone())).collect();
+            if sessions.len() != group.len() {
+                continue;
+            }
+            let result = {
+                let mut guards: Vec<_> = sessions.iter().map(|s| s.lock()).collect();
+                let mut batch: Vec<(&mut llmd_engine::model::kv::KvCache, &[u32])> =
+                    guards.iter_mut().zip(&group).map(|(g, f)| (&mut g.kv, f.tokens.as_slice())).collect();
+                model.transformer.forward_batch(&mut batch, Logits::Last)
+            };
+            match result {
+                Ok(logits) => {
+                    for (f, l) in group.into_iter().zip(logits) {
+                        let Some(r) = self.active.get_mut(&f.id) else { continue };
+                        let uid = r.job.uid;
+                        if f.prefill {
+                            r.gen.accept_prefill(f.tokens.len(), l);
+                        } else {
+                            r.gen.accept_logits(l);
+                        }
+                        self.with_shared(|s| s.scheduler.charge_quota(uid, f.tokens.len()));
+                    }
+                }
+                Err(e) => {
+                    for f in group {
+                        if let Some(r) = self.active.remove(&f.id) {
+                            self.end(r, Err(ServiceError::Internal(e.to_string())));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn publish(&mut self, batch: usize) {
+        let now_ms = self.now_ms();
+        let requests = self
+            .active
+            .values()
+            .map(|r| {
+                let e = Entry {
+                    id: r.job.id,
+                    uid: r.job.uid,
+                    class: r.job.class,
+                    arrived_ms: r.arrived_ms,
+                    last_served_ms: r.last_served_ms,
+                    prefill_left: r.gen.prefill_left(),
+                };
+                (e.id, self.policy.effective_class(&e, now_ms), e.prefill_left, now_ms.saturating_sub(e.last_served_ms))
+            })
+            .collect();
+        let live: std::collections::HashSet<u32> = self.active.values().map(|r| r.job.uid).collect();
+        self.policy.retain_uids(|u| live.contains(&u));
+        let report = QueueReport {
+            requests,
+            vtimes: self.policy.vtimes(),
+            passes: self.passes,
+            avg_pass_us: self.avg_pass_us,
+            last_batch: batch,
+        };
+        self.with_shared(|s| s.scheduler.publish(report));
     }
 
     /// Every started request ends here: commit or rewind the session, free the books, tell
@@ -336,8 +601,10 @@ impl Worker {
         }
         self.finish_books(r.job.id);
         let id = r.job.id as i64;
+        let queue_wait = r.first_served.unwrap_or(r.started).saturating_duration_since(r.job.enqueued);
+        let before_start = r.started.saturating_duration_since(r.job.enqueued);
         let _ = match outcome {
-            Ok(stats) => r.job.callback.onCompleted(id, &wire_stats(&stats, r.started.duration_since(r.job.enqueued))),
+            Ok(stats) => r.job.callback.onCompleted(id, &wire_stats(&stats, queue_wait, before_start)),
             Err(e) => r.job.callback.onError(id, e.code().0, &e.to_string()),
         };
     }
@@ -423,12 +690,14 @@ fn commit(r: &Running, inner: &mut SessionInner) {
     }
 }
 
-fn wire_stats(s: &GenerationStats, queue_wait: std::time::Duration) -> WireStats {
+/// `queue_wait`: submission to the first unit served; `before_start`: submission to the
+/// generation's set-up (its own clock starts there).
+fn wire_stats(s: &GenerationStats, queue_wait: std::time::Duration, before_start: std::time::Duration) -> WireStats {
     WireStats {
         promptTokens: s.prompt_tokens as i32,
         generatedTokens: s.generated_tokens as i32,
         queueWaitMs: queue_wait.as_millis() as i64,
-        timeToFirstTokenMs: (queue_wait + s.time_to_first_token).as_millis() as i64,
+        timeToFirstTokenMs: (before_start + s.time_to_first_token).as_millis() as i64,
         prefillTokensPerSecond: s.prefill_tokens_per_s() as f32,
         decodeTokensPerSecond: s.decode_tokens_per_s() as f32,
         finishReason: match s.finish {

@@ -44,7 +44,8 @@ impl Shared {
             death_links: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
         });
-        let worker = Worker::new(rx, Arc::downgrade(&shared), chunk, max_prompt);
+        let policy = shared.config.scheduler.policy(chunk);
+        let worker = Worker::new(rx, Arc::downgrade(&shared), chunk, max_prompt, policy);
         std::thread::Builder::new().name("llmd-engine".into()).spawn(move || worker.run())?;
         Ok(shared)
     }
@@ -173,13 +174,44 @@ impl Shared {
         }
         let jobs = self.scheduler.snapshot();
         let _ = writeln!(out, "\nREQUESTS ({} queued, {} running)", st.requestsQueued, st.requestsRunning);
+        let rep = self.scheduler.report();
         for (id, j) in &jobs {
+            let q = rep.requests.iter().find(|r| r.0 == *id);
             let _ = writeln!(
                 out,
-                "  request {id}: uid {} session {} {}",
+                "  request {id}: uid {} session {} {} class {} now_as {} prompt_left {} unserved_ms {} age_ms {} deadline_ms {}",
                 j.uid,
                 j.session,
-                if j.running { "running" } else { "queued" }
+                if j.running { "running" } else { "queued" },
+                j.class.name(),
+                q.map_or("-", |q| q.1.name()),
+                q.map_or(0, |q| q.2),
+                q.map_or(0, |q| q.3),
+                j.enqueued.elapsed().as_millis(),
+                j.deadline_ms,
+            );
+        }
+        let _ = writeln!(out, "\nSCHEDULER");
+        let _ = writeln!(
+            out,
+            "  passes {} avg_pass_us {} last_batch {}",
+            rep.passes, rep.avg_pass_us, rep.last_batch
+        );
+        let mut uids: Vec<u32> = jobs.iter().map(|(_, j)| j.uid).collect();
+        uids.extend(rep.vtimes.iter().map(|v| v.0));
+        uids.sort_unstable();
+        uids.dedup();
+        let window = self.config.scheduler.quota_window_s;
+        for uid in uids {
+            let _ = writeln!(
+                out,
+                "  uid {uid}: cap {} weight {} requests {} vtime {:.1} tokens_in_window {} (window {window} s, quota {})",
+                self.config.scheduler.class_cap(uid).name(),
+                self.config.scheduler.weights.get(&uid.to_string()).copied().unwrap_or(1),
+                jobs.iter().filter(|(_, j)| j.uid == uid).count(),
+                rep.vtimes.iter().find(|v| v.0 == uid).map_or(0.0, |v| v.1),
+                self.scheduler.quota_used(uid, window),
+                self.config.scheduler.quota_tokens_per_uid,
             );
         }
         let _ = writeln!(out, "\nMEMORY");

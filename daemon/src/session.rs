@@ -110,7 +110,15 @@ impl SessionBinder {
             max_tokens,
             stop: req.stop.clone(),
         };
-        shared.scheduler.submit(Job::new(self.core.clone(), caller.uid, input, engine, callback.clone()), &self.shared)
+        let hint = match req.priority {
+            llmd_aidl::Priority::Priority::BACKGROUND => crate::policy::Class::Background,
+            llmd_aidl::Priority::Priority::BATCH => crate::policy::Class::Batch,
+            _ => crate::policy::Class::Foreground,
+        };
+        let class = crate::policy::Class::capped(hint, shared.config.scheduler.class_cap(caller.uid));
+        let job = Job::new(self.core.clone(), caller.uid, input, engine, callback.clone())
+            .with_class(class, req.deadlineMs as u64);
+        shared.scheduler.submit(job, &self.shared)
     }
 }
 
@@ -128,6 +136,12 @@ fn validate_request(req: &GenerateRequest, limits: &crate::config::Limits) -> Re
     }
     if req.topK < 0 {
         return bad("topK must not be negative");
+    }
+    if !(0..=2).contains(&req.priority.0) {
+        return bad("priority must be FOREGROUND, BACKGROUND or BATCH");
+    }
+    if req.deadlineMs < 0 {
+        return bad("deadlineMs must not be negative (0 = no deadline)");
     }
     if req.stop.len() > 16 {
         return bad("at most 16 stop sequences");

@@ -340,6 +340,11 @@ impl Generation {
         Some(&self.prompt[self.prefilled..end])
     }
 
+    /// Prompt tokens not yet fed.
+    pub fn prefill_left(&self) -> usize {
+        self.prompt.len() - self.prefilled
+    }
+
     /// Like [`Self::prefill_chunk_tokens`], at most `limit` tokens.
     pub fn prefill_chunk_at_most(&self, limit: usize) -> Option<&[u32]> {
         self.prefill_chunk_tokens().map(|c| &c[..c.len().min(limit.max(1))])

@@ -25,4 +25,6 @@ enum ErrorCode {
     MODEL_LOAD_FAILED = 9,
     /** Anything else; the message says what. */
     INTERNAL = 10,
+    /** The request's deadline passed before it finished (since version 2). */
+    DEADLINE_EXCEEDED = 11,
 }

@@ -22,4 +22,9 @@ parcelable GenerateRequest {
     int maxTokens = 256;
     @utf8InCpp String[] stop;
     Priority priority = Priority.FOREGROUND;
+    /**
+     * Milliseconds from submission by which the request must have finished; 0 = no deadline.
+     * A request still queued or running then ends with DEADLINE_EXCEEDED (since version 2).
+     */
+    long deadlineMs = 0;
 }

@@ -12,7 +12,7 @@ import com.llmd.SessionOptions;
  */
 interface ILlmService {
     /** Bumped when methods are added; a client checks getStatus().interfaceVersion. */
-    const int VERSION = 1;
+    const int VERSION = 2;
 
     ModelInfo[] listModels();
     ModelInfo getModelInfo(@utf8InCpp String modelId);

@@ -19,6 +19,8 @@ sealed class LlmException(message: String, val code: Int, cause: Throwable? = nu
     class SessionClosed(message: String) : LlmException(message, 8)
     class ModelLoadFailed(message: String) : LlmException(message, 9)
     class Internal(message: String) : LlmException(message, 10)
+    /** The request's deadline (`GenerateRequest.deadlineMs`) passed before it finished. */
+    class DeadlineExceeded(message: String) : LlmException(message, 11)
     /** The daemon is not running, died, or could not be reached after the retries. */
     class ServiceUnavailable(message: String, cause: Throwable? = null) : LlmException(message, -1, cause)
 
@@ -36,6 +38,7 @@ sealed class LlmException(message: String, val code: Int, cause: Throwable? = nu
                 7 -> Cancelled(m)
                 8 -> SessionClosed(m)
                 9 -> ModelLoadFailed(m)
+                11 -> DeadlineExceeded(m)
                 else -> Internal(m)
             }
         }
