@@ -23,7 +23,7 @@ use std::time::Instant;
 const LLAMACPP_WORKER: &str = include_str!("../../tools/bench/llamacpp_worker.py");
 
 /// English prose for benchmark prompts, repeated as needed (the same ids go to both engines).
-const BENCH_TEXT: &str = "The harbour town woke slowly that morning. Fishing boats came in one by one, \
+pub(crate) const BENCH_TEXT: &str = "The harbour town woke slowly that morning. Fishing boats came in one by one, \
 their decks stacked with crates of silver fish, and the gulls followed them in wide, noisy circles. \
 On the quay, traders set up their stalls and argued about prices while children ran between the \
 nets. An old woman sold bread from a wooden cart; she had done so for forty years and knew every \
@@ -35,12 +35,18 @@ sea had swallowed half the harbour wall in a single night. ";
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Run the engine inside llmctl (the only mode so far).
-    #[arg(long)]
+    /// Run the engine inside llmctl on --model.
+    #[arg(long, conflicts_with = "load")]
     pub local: bool,
-    /// A model file (GGUF) or HF directory.
+    /// With --local: a model file (GGUF) or HF directory.
     #[arg(long, value_name = "PATH")]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
+    /// Load test of a running daemon (over --socket or kernel Binder): many clients, foreground
+    /// and background, time to first token and batched decode throughput.
+    #[arg(long)]
+    pub load: bool,
+    #[command(flatten)]
+    pub load_args: crate::loadbench::LoadArgs,
     /// CPU threads for both engines (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -205,8 +211,9 @@ fn read_bandwidth(bytes: usize, threads: usize) -> f64 {
 
 pub fn bench(args: &BenchArgs) -> Result<(), String> {
     if !args.local {
-        return Err("bench needs --local for now (it runs the engine inside llmctl)".into());
+        return Err("bench needs --local (the engine inside llmctl) or --load (a running daemon)".into());
     }
+    let model_path = args.model.clone().ok_or("bench --local needs --model PATH")?;
     if args.prefill.is_empty() || args.prefill.contains(&0) || args.decode_prompt == 0 || args.decode_tokens == 0 {
         return Err("prompt lengths and decode steps must be at least 1".into());
     }
@@ -218,7 +225,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let reps = args.reps as usize;
     let rss_before = status_kb("VmRSS");
     let t0 = Instant::now();
-    let model = Model::load(&args.model, &LoadOptions { threads, kv_type: args.kv_type }).map_err(|e| format!("{}: {e}", args.model.display()))?;
+    let model = Model::load(&model_path, &LoadOptions { threads, kv_type: args.kv_type }).map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     let c = model.config().clone();
     let longest = args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_prompt + args.decode_tokens);
@@ -237,7 +244,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let mut peer = if args.compare_llamacpp {
         let mut p = Peer::start(&args.python)?;
         let r = p.call(json!({
-            "op": "load", "model": args.model.display().to_string(), "threads": threads,
+            "op": "load", "model": model_path.display().to_string(), "threads": threads,
             "n_ctx": longest.div_ceil(256) * 256, "n_batch": 512,
         }))?;
         Some((p, r))
@@ -247,7 +254,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     if !args.json {
         eprintln!(
             "model {} ({} layers, d_model {}, {:.1} MB of weights), {threads} threads, load {load_s:.2} s; {reps} runs per figure after a warm-up",
-            args.model.display(),
+            model_path.display(),
             c.n_layers,
             c.d_model,
             model.transformer.weights.size_bytes() as f64 / 1e6

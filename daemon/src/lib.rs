@@ -8,6 +8,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod error;
+pub mod loadbench;
 pub mod models;
 pub mod permission;
 pub mod policy;

@@ -1,0 +1,296 @@
+//! `llmctl bench --load`: many clients against a running daemon (socket or kernel Binder), to
+//! show arbitration: foreground time to first token under background load, and the throughput
+//! batched decode gives. Bounded in time; every request is accounted for.
+//!
+//! Phases (each client has its own connection and session):
+//! 1. **idle**: one foreground client, `--idle-requests` short prompts one after another → its
+//!    time to first token (TTFT) on an idle daemon;
+//! 2. **single**: one client decodes `--decode-tokens` tokens → one sequence's decode rate;
+//! 3. **batched**: `--clients` clients each decode `--decode-tokens` tokens at once → aggregate
+//!    decode rate; `batch_decode_gain` = batched / single;
+//! 4. **mixed**: `--foreground` clients send short foreground prompts (with think time) while
+//!    the rest send long background prompts, for `--duration-s`; then no new requests and every
+//!    outstanding one must finish. `fg_p99_ttft_ratio` = foreground p99 TTFT here / idle p99.
+//!
+//! TTFT is measured by the client: from the `generate` call to the first streamed tokens.
+//! A request is lost if no terminal callback (completed or error) arrives, duplicated if a
+//! second one does (checked by draining every request's callback channel at the end).
+
+use crate::client::{self, Connection, Event};
+use llmd_aidl::GenerateRequest::GenerateRequest;
+use llmd_aidl::Priority::Priority;
+use serde_json::json;
+use std::path::Path;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+/// How long a request may take before it counts as lost.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct LoadArgs {
+    /// Concurrent clients in the batched and mixed phases.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(2..=64))]
+    pub clients: u64,
+    /// Of those, how many send foreground requests in the mixed phase.
+    #[arg(long, default_value_t = 2)]
+    pub foreground: u64,
+    /// Length of the mixed phase, in seconds.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub duration_s: u64,
+    /// Requests in the idle phase.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=1000))]
+    pub idle_requests: u64,
+    /// Model id (default: the first installed).
+    #[arg(long = "load-model")]
+    pub model: Option<String>,
+}
+
+/// One request's outcome as the client saw it.
+#[derive(Clone, Debug)]
+struct Outcome {
+    foreground: bool,
+    ttft: Option<Duration>,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+    error: Option<String>,
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    // Nearest rank.
+    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
+    s[rank.min(s.len()) - 1]
+}
+
+fn prompt(foreground: bool, i: u64) -> String {
+    let base = crate::bench::BENCH_TEXT;
+    if foreground {
+        // ~45 tokens: a short interactive prompt.
+        format!("Question {i}: {}", &base[..220])
+    } else {
+        // ~200 tokens: a long background job.
+        format!("Document {i}. {base}")
+    }
+}
+
+fn request(text: String, max_tokens: i32, foreground: bool) -> GenerateRequest {
+    GenerateRequest {
+        prompt: text,
+        maxTokens: max_tokens,
+        priority: if foreground { Priority::FOREGROUND } else { Priority::BACKGROUND },
+        ..GenerateRequest::default()
+    }
+}
+
+struct Client {
+    _conn: Connection,
+    session: rsbinder::Strong<dyn llmd_aidl::ILlmSession::ILlmSession>,
+    /// Callback channels of finished requests, drained at the end to find duplicates.
+    done: Vec<Receiver<Event>>,
+}
+
+impl Client {
+    fn new(socket: Option<&Path>, service: &str, model: Option<&str>) -> Result<Self, String> {
+        let conn = client::connect(socket, service)?;
+        let session = client::open_session(&conn, model)?;
+        Ok(Self { _conn: conn, session, done: Vec::new() })
+    }
+
+    fn run(&mut self, req: &GenerateRequest, foreground: bool) -> Outcome {
+        let (cb, _tx, rx) = client::callback();
+        let t0 = Instant::now();
+        let mut o = Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, error: None };
+        if let Err(e) = self.session.generate(req, &cb) {
+            o.error = Some(client::describe(&e));
+            return o;
+        }
+        loop {
+            match rx.recv_timeout(REQUEST_TIMEOUT.saturating_sub(t0.elapsed())) {
+                Ok(Event::Tokens(_, ids)) => {
+                    let now = Instant::now();
+                    if o.first.is_none() {
+                        o.first = Some(now);
+                        o.ttft = Some(now - t0);
+                    }
+                    o.last = Some(now);
+                    o.tokens += ids.len();
+                }
+                Ok(Event::Completed(_)) => break,
+                Ok(Event::Error(code, m)) => {
+                    o.error = Some(format!("{m} (code {code})"));
+                    break;
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    o.error = Some("lost: no completion within the timeout".into());
+                    break;
+                }
+            }
+        }
+        self.done.push(rx);
+        o
+    }
+
+    /// Terminal callbacks that arrived after a request had already ended.
+    fn duplicates(&self) -> usize {
+        self.done
+            .iter()
+            .map(|rx| rx.try_iter().filter(|e| matches!(e, Event::Completed(_) | Event::Error(..))).count())
+            .sum()
+    }
+}
+
+fn decode_rate(outs: &[Outcome]) -> f64 {
+    let first = outs.iter().filter_map(|o| o.first).min();
+    let last = outs.iter().filter_map(|o| o.last).max();
+    let tokens: usize = outs.iter().map(|o| o.tokens.saturating_sub(1)).sum();
+    match (first, last) {
+        (Some(a), Some(b)) if b > a => tokens as f64 / (b - a).as_secs_f64(),
+        _ => 0.0,
+    }
+}
+
+pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens: usize, json_out: bool) -> Result<(), String> {
+    if args.foreground >= args.clients {
+        return Err("--foreground must leave at least one background client".into());
+    }
+    let model = args.model.as_deref();
+    let say = |m: &str| {
+        if !json_out {
+            eprintln!("{m}");
+        }
+    };
+    // 1. Idle foreground TTFT.
+    say("phase 1/4: idle foreground requests");
+    let mut c = Client::new(socket, service, model)?;
+    let mut idle = Vec::new();
+    for i in 0..args.idle_requests {
+        idle.push(c.run(&request(prompt(true, i), 16, true), true));
+    }
+    // 2. One sequence decoding.
+    say("phase 2/4: one sequence decoding");
+    let single = vec![c.run(&request(prompt(false, 0), decode_tokens as i32, true), true)];
+    let mut dup = c.duplicates();
+    drop(c);
+    // 3. All clients decoding at once.
+    say(&format!("phase 3/4: {} sequences decoding at once", args.clients));
+    let batched: Vec<Outcome> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..args.clients)
+            .map(|i| {
+                s.spawn(move || -> Result<(Outcome, usize), String> {
+                    let mut c = Client::new(socket, service, model)?;
+                    let o = c.run(&request(prompt(false, 100 + i), decode_tokens as i32, true), true);
+                    Ok((o, c.duplicates()))
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().ok()).collect::<Result<Vec<_>, String>>()
+    })?
+    .into_iter()
+    .map(|(o, d)| {
+        dup += d;
+        o
+    })
+    .collect();
+    // 4. Mixed load.
+    say(&format!(
+        "phase 4/4: {} foreground + {} background clients for {} s",
+        args.foreground,
+        args.clients - args.foreground,
+        args.duration_s
+    ));
+    let stop_at = Instant::now() + Duration::from_secs(args.duration_s);
+    let t_mixed = Instant::now();
+    let mixed: Vec<Outcome> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..args.clients)
+            .map(|i| {
+                let fg = i < args.foreground;
+                s.spawn(move || -> Result<(Vec<Outcome>, usize), String> {
+                    let mut c = Client::new(socket, service, model)?;
+                    let mut outs = Vec::new();
+                    let mut n = 0u64;
+                    while Instant::now() < stop_at {
+                        if fg {
+                            // Think time between interactive prompts.
+                            std::thread::sleep(Duration::from_millis(300 + 97 * (n % 4)));
+                            if Instant::now() >= stop_at {
+                                break;
+                            }
+                            outs.push(c.run(&request(prompt(true, 1000 * i + n), 16, true), true));
+                        } else {
+                            outs.push(c.run(&request(prompt(false, 1000 * i + n), 64, false), false));
+                        }
+                        n += 1;
+                    }
+                    Ok((outs, c.duplicates()))
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().ok()).collect::<Result<Vec<_>, String>>()
+    })?
+    .into_iter()
+    .flat_map(|(o, d)| {
+        dup += d;
+        o
+    })
+    .collect();
+    let mixed_s = t_mixed.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(300));
+
+    let ttfts = |v: &[Outcome]| -> Vec<f64> { v.iter().filter_map(|o| o.ttft).map(|d| d.as_secs_f64() * 1e3).collect() };
+    let idle_t = ttfts(&idle);
+    let fg: Vec<Outcome> = mixed.iter().filter(|o| o.foreground).cloned().collect();
+    let bg: Vec<Outcome> = mixed.iter().filter(|o| !o.foreground).cloned().collect();
+    let fg_t = ttfts(&fg);
+    let bg_t = ttfts(&bg);
+    let single_rate = decode_rate(&single);
+    let batched_rate = decode_rate(&batched);
+    let errors: Vec<String> =
+        idle.iter().chain(&single).chain(&batched).chain(&mixed).filter_map(|o| o.error.clone()).collect();
+    let lost = errors.iter().filter(|e| e.starts_with("lost")).count();
+    let bg_failed = bg.iter().filter(|o| o.error.is_some()).count();
+    let fg_ratio = percentile(&fg_t, 99.0) / percentile(&idle_t, 99.0);
+    let gain = batched_rate / single_rate;
+    let class_rate = |v: &[Outcome]| v.iter().map(|o| o.tokens).sum::<usize>() as f64 / mixed_s;
+    if json_out {
+        println!(
+            "{}",
+            json!({
+                "clients": args.clients, "foreground_clients": args.foreground, "duration_s": args.duration_s,
+                "idle_ttft_ms_p50": percentile(&idle_t, 50.0), "idle_ttft_ms_p99": percentile(&idle_t, 99.0),
+                "fg_ttft_ms_p50": percentile(&fg_t, 50.0), "fg_ttft_ms_p99": percentile(&fg_t, 99.0),
+                "bg_ttft_ms_p50": percentile(&bg_t, 50.0), "bg_ttft_ms_p99": percentile(&bg_t, 99.0),
+                "fg_tok_s": class_rate(&fg), "bg_tok_s": class_rate(&bg),
+                "fg_requests": fg.len(), "bg_requests": bg.len(),
+                "single_decode_tok_s": single_rate, "batched_decode_tok_s": batched_rate,
+                "fg_p99_ttft_ratio": fg_ratio, "batch_decode_gain": gain,
+                "errors": errors.len(), "lost": lost, "duplicated": dup, "bg_failed": bg_failed,
+            })
+        );
+    } else {
+        println!("{:<34} {:>10} {:>10} {:>9}", "figure", "p50", "p99", "requests");
+        println!("{:<34} {:>10.0} {:>10.0} {:>9}", "idle foreground TTFT ms", percentile(&idle_t, 50.0), percentile(&idle_t, 99.0), idle.len());
+        println!("{:<34} {:>10.0} {:>10.0} {:>9}", "loaded foreground TTFT ms", percentile(&fg_t, 50.0), percentile(&fg_t, 99.0), fg.len());
+        println!("{:<34} {:>10.0} {:>10.0} {:>9}", "loaded background TTFT ms", percentile(&bg_t, 50.0), percentile(&bg_t, 99.0), bg.len());
+        println!("tokens/s under load: foreground {:.1}, background {:.1}", class_rate(&fg), class_rate(&bg));
+        println!(
+            "decode: one sequence {single_rate:.1} tok/s, {} at once {batched_rate:.1} tok/s in all (gain {gain:.2}x)",
+            args.clients
+        );
+        println!("fg_p99_ttft_ratio {fg_ratio:.2} (loaded p99 / idle p99)");
+        println!("requests: {} errors, {lost} lost, {dup} duplicated, {bg_failed} background failed", errors.len());
+        for e in errors.iter().take(5) {
+            println!("  error: {e}");
+        }
+    }
+    if lost > 0 || dup > 0 || bg_failed > 0 {
+        return Err(format!("{lost} lost, {dup} duplicated, {bg_failed} background requests failed"));
+    }
+    Ok(())
+}
