@@ -87,7 +87,7 @@ impl Default for SchedulerConfig {
         Self {
             step_tokens: 256,
             max_batch: 16,
-            background_chunk: 32,
+            background_chunk: 16,
             aging_ms: 2000,
             class_caps: Default::default(),
             default_class_cap: crate::policy::Class::Foreground,

@@ -16,7 +16,8 @@
 //!    time, arrival) up to `max_batch`, batched into one matmul pass, plus at most one prefill
 //!    chunk — the best waiting prompt's — sized to its class's chunk and what is left of the
 //!    pass's token budget. Background and batch prompts go in small chunks, so a foreground
-//!    prompt that arrives waits for at most one small chunk, never a long background prefill.
+//!    prompt that arrives waits for at most one small chunk, never a long background prefill;
+//!    and a pass that carries a foreground prompt carries only foreground decode steps.
 
 use std::collections::HashMap;
 
@@ -80,7 +81,7 @@ pub struct PolicyConfig {
 
 impl Default for PolicyConfig {
     fn default() -> Self {
-        Self { step_tokens: 256, max_batch: 16, chunk: [256, 32, 32], aging_ms: 2000, weights: HashMap::new() }
+        Self { step_tokens: 256, max_batch: 16, chunk: [256, 16, 16], aging_ms: 2000, weights: HashMap::new() }
     }
 }
 
@@ -143,21 +144,26 @@ impl Policy {
         let key = |e: &Entry| (self.effective_class(e, now_ms), self.vtime[&e.uid], e.arrived_ms, e.id);
         let mut decoders: Vec<&Entry> = entries.iter().filter(|e| e.prefill_left == 0).collect();
         decoders.sort_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
+        let best_prompt = entries
+            .iter()
+            .filter(|e| e.prefill_left > 0)
+            .min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
+        // A foreground prompt's pass carries only foreground decode steps: its time to first
+        // token is then what it would be on an idle daemon, plus at most the pass in flight.
+        let fg_prompt = best_prompt.is_some_and(|e| self.effective_class(e, now_ms) == Class::Foreground);
+        if fg_prompt {
+            decoders.retain(|e| self.effective_class(e, now_ms) == Class::Foreground);
+        }
         let cap = self.cfg.max_batch.max(1).min(self.cfg.step_tokens.max(1));
         let decode: Vec<u64> = decoders.iter().take(cap).map(|e| e.id).collect();
         let left = self.cfg.step_tokens.saturating_sub(decode.len());
         let room = decode.len() < self.cfg.max_batch.max(1);
-        let prefill = if left > 0 && room {
-            entries
-                .iter()
-                .filter(|e| e.prefill_left > 0)
-                .min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal))
-                .map(|e| {
-                    let class = self.effective_class(e, now_ms);
-                    (e.id, e.prefill_left.min(self.cfg.chunk[class as usize].max(1)).min(left))
-                })
-        } else {
-            None
+        let prefill = match best_prompt {
+            Some(e) if left > 0 && room => {
+                let class = self.effective_class(e, now_ms);
+                Some((e.id, e.prefill_left.min(self.cfg.chunk[class as usize].max(1)).min(left)))
+            }
+            _ => None,
         };
         Plan { decode, prefill }
     }
@@ -261,8 +267,8 @@ mod tests {
         let mut p = Policy::new(PolicyConfig::default());
         let bg = entry(1, 100, Class::Background, 0, 10_000);
         let plan = p.plan(0, std::slice::from_ref(&bg));
-        assert_eq!(plan.prefill, Some((1, 32)), "background prompts go in small chunks");
-        p.charge(100, 32);
+        assert_eq!(plan.prefill, Some((1, 16)), "background prompts go in small chunks");
+        p.charge(100, 16);
         // A foreground prompt arrives while the background one has 9968 tokens to go.
         let fg = entry(2, 200, Class::Foreground, 10, 300);
         let plan = p.plan(10, &[bg.clone(), fg]);
@@ -272,11 +278,19 @@ mod tests {
     #[test]
     fn decoding_sequences_share_one_pass_and_leave_room_for_a_prompt() {
         let mut p = Policy::new(PolicyConfig { max_batch: 8, ..PolicyConfig::default() });
-        let mut es: Vec<Entry> = (0..6).map(|i| entry(i, 100 + i as u32, Class::Background, 0, 0)).collect();
+        let mut es: Vec<Entry> = (0..6).map(|i| entry(i, 100 + i as u32, Class::Foreground, 0, 0)).collect();
         es.push(entry(10, 7, Class::Foreground, 5, 1000));
         let plan = p.plan(5, &es);
         assert_eq!(plan.decode.len(), 6);
         assert_eq!(plan.prefill, Some((10, 250)), "the prompt gets what the decodes leave of 256");
+        // Background decodes ride along with a background prompt, not with a foreground one.
+        let mut es: Vec<Entry> = (0..6).map(|i| entry(i, 100 + i as u32, Class::Background, 0, 0)).collect();
+        es.push(entry(20, 8, Class::Background, 0, 1000));
+        let plan = p.plan(5, &es);
+        assert_eq!((plan.decode.len(), plan.prefill), (6, Some((20, 16))));
+        es.push(entry(10, 7, Class::Foreground, 5, 1000));
+        let plan = p.plan(5, &es);
+        assert_eq!((plan.decode.len(), plan.prefill), (0, Some((10, 256))));
         // More decoders than the batch holds: the best classes first.
         let mut many: Vec<Entry> = (0..10).map(|i| entry(i, 100, Class::Batch, 0, 0)).collect();
         many.push(entry(50, 9, Class::Foreground, 0, 0));

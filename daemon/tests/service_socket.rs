@@ -422,3 +422,62 @@ fn malformed_requests_get_clear_errors() {
     assert!(refused, "a string with invalid UTF-16 was accepted");
     assert!(run(&s, &greedy("The capital of France is", 2)).error.is_none(), "the daemon keeps serving");
 }
+
+#[test]
+fn a_request_past_its_deadline_ends_with_deadline_exceeded_and_rolls_back() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let s = session(&conn);
+    // 1 ms cannot cover a 300-token prompt: the deadline passes at the first pass boundary.
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(30);
+    let o = run(&s, &GenerateRequest { deadlineMs: 1, ..greedy(&long, 8) });
+    assert_eq!(o.error.as_ref().map(|e| e.0), Some(ErrorCode::DEADLINE_EXCEEDED), "{o:?}");
+    assert_eq!(code_of(s.generate(&GenerateRequest { deadlineMs: -1, ..greedy("Hi", 4) }, &client::callback().0)), ErrorCode::INVALID_ARGUMENT);
+    // The session was rolled back and still works; a generous deadline is met.
+    let o = run(&s, &GenerateRequest { deadlineMs: 60_000, ..greedy("The capital of France is", 8) });
+    assert!(o.error.is_none(), "{o:?}");
+    assert_eq!(o.ids, golden_capital_ids(8), "the expired turn left nothing in the session");
+}
+
+#[test]
+fn a_uid_over_its_token_quota_is_refused_with_a_retry_time() {
+    let d = Daemon::start("[scheduler]\nquota_tokens_per_uid = 40\nquota_window_s = 3600\n");
+    let conn = d.connect();
+    let s = session(&conn);
+    // 6 prompt tokens + 32 generated = 38 of 40: admitted.
+    let o = run(&s, &greedy("The capital of France is", 32));
+    assert!(o.error.is_none(), "{o:?}");
+    let o = run(&s, &greedy("Hello", 4));
+    assert!(o.error.is_none(), "still under the quota at submission: {o:?}");
+    let o = run(&s, &greedy("Hello", 4));
+    let (code, msg) = o.error.expect("over the quota");
+    assert_eq!(code, ErrorCode::QUOTA_EXCEEDED);
+    assert!(msg.contains("retry in"), "the error says when to retry: {msg}");
+}
+
+#[test]
+fn priorities_are_validated_and_capped_and_dump_shows_the_queue() {
+    let d = Daemon::start("[scheduler]\ndefault_class_cap = \"background\"\n");
+    let conn = d.connect();
+    let s = session(&conn);
+    let (cb, _tx, _rx) = client::callback();
+    let bad = GenerateRequest { priority: llmd_aidl::Priority::Priority(7), ..greedy("Hi", 4) };
+    assert_eq!(code_of(s.generate(&bad, &cb)), ErrorCode::INVALID_ARGUMENT);
+    // A foreground hint from a uid capped at background runs as background.
+    let (cb, _tx, rx) = client::callback();
+    s.generate(&greedy(&"word ".repeat(400), 16), &cb).expect("queued");
+    std::thread::sleep(Duration::from_millis(300));
+    let dump = conn.admin().expect("admin").dumpState().expect("dump");
+    assert!(dump.contains("class background"), "{dump}");
+    assert!(dump.contains("SCHEDULER") && dump.contains("vtime"), "{dump}");
+    loop {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("events") {
+            Event::Completed(s) => {
+                assert!(s.queueWaitMs >= 0 && s.timeToFirstTokenMs >= s.queueWaitMs, "{s:?}");
+                break;
+            }
+            Event::Error(c, m) => panic!("{c} {m}"),
+            _ => {}
+        }
+    }
+}
