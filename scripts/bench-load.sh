@@ -9,7 +9,7 @@ cargo build --release --quiet -p llmd-daemon --bins
 dir=$(mktemp -d)
 sock="$dir/llmd.sock"
 target/release/llmd --config daemon/config/bench-load.toml --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
-  --socket "$sock" 2>"$dir/llmd.log" &
+  --socket "$sock" 2>"${LLMD_BENCH_LOG:-$dir/llmd.log}" &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 600); do

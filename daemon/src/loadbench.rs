@@ -7,7 +7,8 @@
 //!    time to first token (TTFT) on an idle daemon;
 //! 2. **single**: one client decodes `--decode-tokens` tokens → one sequence's decode rate;
 //! 3. **batched**: `--clients` clients each decode `--decode-tokens` tokens at once → aggregate
-//!    decode rate; `batch_decode_gain` = batched / single;
+//!    decode rate while all of them are decoding (from the last one's first token to the first
+//!    one's last); `batch_decode_gain` = batched / single (same short prompts);
 //! 4. **mixed**: `--foreground` clients send short foreground prompts (with think time) while
 //!    the rest send long background prompts, for `--duration-s`; then no new requests and every
 //!    outstanding one must finish. `fg_p99_ttft_ratio` = foreground p99 TTFT here / idle p99.
@@ -54,6 +55,8 @@ struct Outcome {
     first: Option<Instant>,
     last: Option<Instant>,
     tokens: usize,
+    /// Arrival time of each streamed token.
+    times: Vec<Instant>,
     error: Option<String>,
 }
 
@@ -105,7 +108,7 @@ impl Client {
     fn run(&mut self, req: &GenerateRequest, foreground: bool) -> Outcome {
         let (cb, _tx, rx) = client::callback();
         let t0 = Instant::now();
-        let mut o = Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, error: None };
+        let mut o = Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, times: Vec::new(), error: None };
         if let Err(e) = self.session.generate(req, &cb) {
             o.error = Some(client::describe(&e));
             return o;
@@ -120,6 +123,7 @@ impl Client {
                     }
                     o.last = Some(now);
                     o.tokens += ids.len();
+                    o.times.extend(std::iter::repeat_n(now, ids.len()));
                 }
                 Ok(Event::Completed(_)) => break,
                 Ok(Event::Error(code, m)) => {
@@ -146,14 +150,18 @@ impl Client {
     }
 }
 
+/// Tokens per second streamed by all of `outs` while every one of them was decoding: from the
+/// latest first token to the earliest last token (so prefills and stragglers do not count).
 fn decode_rate(outs: &[Outcome]) -> f64 {
-    let first = outs.iter().filter_map(|o| o.first).min();
-    let last = outs.iter().filter_map(|o| o.last).max();
-    let tokens: usize = outs.iter().map(|o| o.tokens.saturating_sub(1)).sum();
-    match (first, last) {
-        (Some(a), Some(b)) if b > a => tokens as f64 / (b - a).as_secs_f64(),
-        _ => 0.0,
+    let (Some(from), Some(to)) = (outs.iter().filter_map(|o| o.first).max(), outs.iter().filter_map(|o| o.last).min())
+    else {
+        return 0.0;
+    };
+    if to <= from {
+        return 0.0;
     }
+    let n: usize = outs.iter().map(|o| o.times.iter().filter(|&&t| t > from && t <= to).count()).sum();
+    n as f64 / (to - from).as_secs_f64()
 }
 
 pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens: usize, json_out: bool) -> Result<(), String> {
@@ -175,7 +183,7 @@ pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens:
     }
     // 2. One sequence decoding.
     say("phase 2/4: one sequence decoding");
-    let single = vec![c.run(&request(prompt(false, 0), decode_tokens as i32, true), true)];
+    let single = vec![c.run(&request(prompt(true, 0), decode_tokens as i32, true), true)];
     let mut dup = c.duplicates();
     drop(c);
     // 3. All clients decoding at once.
@@ -185,7 +193,7 @@ pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens:
             .map(|i| {
                 s.spawn(move || -> Result<(Outcome, usize), String> {
                     let mut c = Client::new(socket, service, model)?;
-                    let o = c.run(&request(prompt(false, 100 + i), decode_tokens as i32, true), true);
+                    let o = c.run(&request(prompt(true, 100 + i), decode_tokens as i32, true), true);
                     Ok((o, c.duplicates()))
                 })
             })

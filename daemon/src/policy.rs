@@ -8,7 +8,8 @@
 //!    what its uid may claim (config).
 //! 2. **Aging**: a request not served for `aging_ms` is treated one class better, and one more
 //!    for each further `aging_ms`, so nothing starves: a batch request waiting behind a steady
-//!    stream of foreground work is served within about `2 × aging_ms` plus one pass.
+//!    stream of foreground work is served within about `2 × aging_ms` plus one pass. Aging buys
+//!    a turn, not a foreground-sized chunk: chunk sizes follow the request's own class.
 //! 3. **Weighted fair share** between uids of a class: each uid has a virtual time that grows by
 //!    `tokens / weight` when it is served; the smallest goes first. A uid that becomes active
 //!    starts at the smallest active virtual time (no credit for having been idle).
@@ -92,6 +93,9 @@ pub struct Plan {
     pub decode: Vec<u64>,
     /// The request whose prompt advances, and by how many tokens.
     pub prefill: Option<(u64, usize)>,
+    /// Further foreground prompts that fit the same pass (they arrive together, they are
+    /// read together instead of one waiting a whole pass for the other).
+    pub more_prefill: Vec<(u64, usize)>,
 }
 
 impl Plan {
@@ -150,7 +154,7 @@ impl Policy {
             .min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
         // A foreground prompt's pass carries only foreground decode steps: its time to first
         // token is then what it would be on an idle daemon, plus at most the pass in flight.
-        let fg_prompt = best_prompt.is_some_and(|e| self.effective_class(e, now_ms) == Class::Foreground);
+        let fg_prompt = best_prompt.is_some_and(|e| e.class == Class::Foreground);
         if fg_prompt {
             decoders.retain(|e| self.effective_class(e, now_ms) == Class::Foreground);
         }
@@ -159,13 +163,28 @@ impl Policy {
         let left = self.cfg.step_tokens.saturating_sub(decode.len());
         let room = decode.len() < self.cfg.max_batch.max(1);
         let prefill = match best_prompt {
-            Some(e) if left > 0 && room => {
-                let class = self.effective_class(e, now_ms);
-                Some((e.id, e.prefill_left.min(self.cfg.chunk[class as usize].max(1)).min(left)))
-            }
+            // Aging buys a turn, not a bigger chunk: the chunk follows the request's own class.
+            Some(e) if left > 0 && room => Some((e.id, e.prefill_left.min(self.cfg.chunk[e.class as usize].max(1)).min(left))),
             _ => None,
         };
-        Plan { decode, prefill }
+        let mut more_prefill = Vec::new();
+        if let (true, Some((first, n))) = (fg_prompt, prefill) {
+            let mut left = left - n;
+            let mut rest: Vec<&Entry> = entries
+                .iter()
+                .filter(|e| e.prefill_left > 0 && e.id != first && e.class == Class::Foreground)
+                .collect();
+            rest.sort_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
+            for e in rest {
+                if left == 0 || decode.len() + 1 + more_prefill.len() >= self.cfg.max_batch.max(1) {
+                    break;
+                }
+                let n = e.prefill_left.min(self.cfg.chunk[0].max(1)).min(left);
+                more_prefill.push((e.id, n));
+                left -= n;
+            }
+        }
+        Plan { decode, prefill, more_prefill }
     }
 
     /// Accounts `tokens` of work done for `uid`.
@@ -271,8 +290,15 @@ mod tests {
         p.charge(100, 16);
         // A foreground prompt arrives while the background one has 9968 tokens to go.
         let fg = entry(2, 200, Class::Foreground, 10, 300);
-        let plan = p.plan(10, &[bg.clone(), fg]);
+        let plan = p.plan(10, &[bg.clone(), fg.clone()]);
         assert_eq!(plan.prefill, Some((2, 256)), "the very next pass is the foreground prompt's");
+        // Two foreground prompts arriving together share the pass.
+        let fg2 = entry(3, 201, Class::Foreground, 12, 60);
+        let plan = p.plan(12, &[bg, fg, fg2]);
+        assert_eq!((plan.prefill, plan.more_prefill), (Some((2, 256)), vec![]), "no room left after 256");
+        let mut p = Policy::new(PolicyConfig::default());
+        let plan = p.plan(0, &[entry(5, 1, Class::Foreground, 0, 50), entry(6, 2, Class::Foreground, 1, 60)]);
+        assert_eq!((plan.prefill, plan.more_prefill), (Some((5, 50)), vec![(6, 60)]));
     }
 
     #[test]
@@ -325,6 +351,7 @@ mod tests {
         let mut es = vec![entry(1, 10, Class::Foreground, 0, usize::MAX / 2), entry(2, 20, Class::Batch, 0, 500)];
         // 100 ms passes, always a foreground prompt waiting: batch must still get served.
         let mut first_served = None;
+        let mut served_chunks = Vec::new();
         let mut now = 0;
         for _ in 0..100 {
             let plan = p.plan(now, &es);
@@ -332,13 +359,18 @@ mod tests {
                 let e = es.iter_mut().find(|e| e.id == id).expect("entry");
                 e.last_served_ms = now;
                 p.charge(e.uid, n);
-                if id == 2 && first_served.is_none() {
-                    first_served = Some(now);
+                if id == 2 {
+                    first_served.get_or_insert(now);
+                    served_chunks.push(n);
                 }
             }
             now += 100;
         }
         let t = first_served.expect("the batch request was served");
+        assert!(
+            served_chunks.iter().all(|&n| n <= 16),
+            "an aged batch prompt still goes in batch-sized chunks: {served_chunks:?}"
+        );
         // Two aging steps (batch → background → foreground), then ties go to the earlier
         // arrival / smaller virtual time within one more pass.
         assert!(t <= 2 * 1000 + 100, "served after {t} ms");

@@ -480,7 +480,7 @@ impl Worker {
                 }
             }
         }
-        if let Some((id, n)) = plan.prefill {
+        for (id, n) in plan.prefill.into_iter().chain(plan.more_prefill) {
             if let Some(r) = self.active.get_mut(&id) {
                 if let Some(chunk) = r.gen.prefill_chunk_at_most(n) {
                     feeds.push(Feed { id, tokens: chunk.to_vec(), prefill: true });
@@ -491,8 +491,18 @@ impl Worker {
             }
         }
         let batch = feeds.len();
+        let fed: usize = feeds.iter().map(|f| f.tokens.len()).sum();
+        let t_sampled = t0.elapsed();
         self.run_feeds(feeds);
         let us = t0.elapsed().as_micros() as u64;
+        tracing::debug!(
+            sequences = batch,
+            tokens = fed,
+            sample_us = t_sampled.as_micros() as u64,
+            pass_us = us,
+            active = self.active.len(),
+            "pass"
+        );
         self.passes += 1;
         self.avg_pass_us = if self.avg_pass_us == 0 { us } else { (self.avg_pass_us * 7 + us) / 8 };
         self.publish(batch);

@@ -13,9 +13,9 @@ fn main() {
         let cpu = llmd_engine::backend::cpu::CpuBackend::new(2);
         let t = llmd_engine::format::TensorRef { ty: llmd_engine::quant::GgmlType::Q4_1, dims: vec![cols as u64, rows as u64], file: Arc::new(llmd_engine::format::ModelBytes::Owned(raw.clone())), range: 0..raw.len() };
         let wm = llmd_engine::model::weights::WeightMatrix::from_tensor("w", rows, cols, t);
-        for nt in [1usize, 256] {
+        for nt in [1usize, 2, 4, 8, 16, 256] {
             let mut out = vec![0f32; rows * nt];
-            let reps = if nt == 1 { 500 } else { 10 };
+            let reps = if nt <= 16 { 300 } else { 10 };
             let t0 = std::time::Instant::now();
             for _ in 0..reps { cpu.matmul(&wm, &x[..nt * cols], nt, &mut out).unwrap(); }
             let s = t0.elapsed().as_secs_f64() / reps as f64;

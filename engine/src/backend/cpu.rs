@@ -8,7 +8,7 @@
 
 use super::attn_kernels::AttnKernels;
 use crate::model::kv::KvLayer;
-use super::{AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
+use super::{AttentionItem, AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
 use crate::error::BackendError;
 use crate::model::config::RopeStyle;
 use crate::model::weights::WeightMatrix;
@@ -50,6 +50,83 @@ impl CpuBackend {
             threads,
         };
         Self { desc, pool }
+    }
+}
+
+fn check_attention(s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &[f32]) -> Result<(), BackendError> {
+    let q_row = s.n_heads * s.head_dim;
+    let kv_row = s.n_kv_heads * s.head_dim;
+    let total = s.start + s.n_tokens;
+    let scales_ok = match kv {
+        KvLayer::F16 { .. } => true,
+        KvLayer::Q8 { ks, vs, .. } => ks.len() >= total * s.n_kv_heads && vs.len() >= total * s.n_kv_heads,
+    };
+    if s.n_kv_heads == 0
+        || s.head_dim == 0
+        || s.n_heads % s.n_kv_heads != 0
+        || q.len() != s.n_tokens * q_row
+        || out.len() != q.len()
+        || kv.positions(kv_row) < total
+        || !scales_ok
+    {
+        return Err(shape_err(
+            "attention",
+            format!("{s:?} with q {} over {} positions, out {}", q.len(), kv.positions(kv_row), out.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// One (token, head) of causal attention: f16-rounded query, scores over the cache, softmax
+/// (libm `expf`, f64 denominator), f16-rounded weights, weighted sum of values into `o`.
+#[allow(clippy::too_many_arguments)]
+fn attend_one(
+    s: &AttentionShape,
+    q: &[f32],
+    kv: KvLayer<'_>,
+    t: usize,
+    h: usize,
+    o: &mut [f32],
+    scratch: &mut (Vec<f32>, Vec<f32>),
+    kern: &AttnKernels,
+) {
+    let hd = s.head_dim;
+    let q_row = s.n_heads * hd;
+    let kv_row = s.n_kv_heads * hd;
+    let kvh = h / (s.n_heads / s.n_kv_heads);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let n_ctx = s.start + t + 1;
+    let (qh, p) = scratch;
+    qh.clear();
+    qh.extend(q[t * q_row + h * hd..t * q_row + (h + 1) * hd].iter().map(|&x| f16::from_f32(x).to_f32()));
+    let qh = &qh[..];
+    p.clear();
+    let at = |j: usize| j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd;
+    match kv {
+        KvLayer::F16 { k, .. } => p.extend((0..n_ctx).map(|j| (kern.dot)(qh, &k[at(j)]) * scale)),
+        KvLayer::Q8 { k, ks, .. } => {
+            p.extend((0..n_ctx).map(|j| (kern.dot_q8)(qh, &k[at(j)]) * ks[j * s.n_kv_heads + kvh] * scale))
+        }
+    }
+    let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut sum = 0f64;
+    for x in p.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x as f64;
+    }
+    (kern.scale_round)(p, (1.0 / sum) as f32);
+    o.fill(0.0);
+    match kv {
+        KvLayer::F16 { v, .. } => {
+            for (j, &w) in p.iter().enumerate() {
+                (kern.axpy)(w, &v[at(j)], o);
+            }
+        }
+        KvLayer::Q8 { v, vs, .. } => {
+            for (j, &w) in p.iter().enumerate() {
+                (kern.axpy_q8)(w * vs[j * s.n_kv_heads + kvh], &v[at(j)], o);
+            }
+        }
     }
 }
 
@@ -128,8 +205,8 @@ impl CpuBackend {
 }
 
 thread_local! {
-    /// Attention scores of the current (token, head), reused between tasks on this thread.
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The current (token, head)'s rounded query and attention scores, reused on this thread.
+    static SCORES: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     /// Quantized activations of the current matmul, reused between calls on this thread.
     static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
     /// Tile-major matmul results, reused between calls on this thread.
@@ -303,76 +380,38 @@ impl Backend for CpuBackend {
     }
 
     fn attention(&self, s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &mut [f32]) -> Result<(), BackendError> {
-        let hd = s.head_dim;
-        let q_row = s.n_heads * hd;
-        let kv_row = s.n_kv_heads * hd;
-        let total = s.start + s.n_tokens;
-        let scales_ok = match kv {
-            KvLayer::F16 { .. } => true,
-            KvLayer::Q8 { ks, vs, .. } => ks.len() >= total * s.n_kv_heads && vs.len() >= total * s.n_kv_heads,
-        };
-        if s.n_kv_heads == 0
-            || s.n_heads % s.n_kv_heads != 0
-            || q.len() != s.n_tokens * q_row
-            || out.len() != q.len()
-            || kv.positions(kv_row) < total
-            || !scales_ok
-        {
-            return Err(shape_err(
-                "attention",
-                format!("{s:?} with q {} over {} positions, out {}", q.len(), kv.positions(kv_row), out.len()),
-            ));
+        self.attention_many(&mut [AttentionItem { shape: *s, q, kv, out }])
+    }
+
+    fn attention_many(&self, items: &mut [AttentionItem<'_>]) -> Result<(), BackendError> {
+        for it in items.iter() {
+            check_attention(&it.shape, it.q, it.kv, it.out)?;
         }
-        let group = s.n_heads / s.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let heads: usize = items.iter().map(|it| it.shape.n_tokens * it.shape.n_heads).sum();
+        let per_task = heads.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
+        // Tasks: runs of up to `per_task` (token, head) outputs of one sequence.
+        let mut tasks: Vec<Mutex<(usize, usize, &mut [f32])>> = Vec::new();
+        let mut views = Vec::with_capacity(items.len());
+        for (i, it) in items.iter_mut().enumerate() {
+            views.push((it.shape, it.q, it.kv));
+            let hd = it.shape.head_dim;
+            for (c, chunk) in it.out.chunks_mut(hd * per_task).enumerate() {
+                tasks.push(Mutex::new((i, c * per_task, chunk)));
+            }
+        }
         let kern = AttnKernels::best();
-        let tasks = s.n_tokens * s.n_heads;
-        let per_task = tasks.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
-        {
-            par_chunks(&self.pool, out, hd * per_task, |ci, oc| {
-                SCORES.with(|p| {
-                    let mut p = p.borrow_mut();
-                    let mut qh = vec![0f32; hd];
-                    for (k_, o) in oc.chunks_exact_mut(hd).enumerate() {
-                        let i = ci * per_task + k_;
-                        let (t, h) = (i / s.n_heads, i % s.n_heads);
-                        let kvh = h / group;
-                        let n_ctx = s.start + t + 1;
-                        for (d, &x) in qh.iter_mut().zip(&q[t * q_row + h * hd..t * q_row + (h + 1) * hd]) {
-                            *d = f16::from_f32(x).to_f32();
-                        }
-                        p.clear();
-                        let at = |j: usize| j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd;
-                        match kv {
-                            KvLayer::F16 { k, .. } => p.extend((0..n_ctx).map(|j| (kern.dot)(&qh, &k[at(j)]) * scale)),
-                            KvLayer::Q8 { k, ks, .. } => p.extend(
-                                (0..n_ctx).map(|j| (kern.dot_q8)(&qh, &k[at(j)]) * ks[j * s.n_kv_heads + kvh] * scale),
-                            ),
-                        }
-                        let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                        let mut sum = 0f64;
-                        for x in p.iter_mut() {
-                            *x = (*x - max).exp();
-                            sum += *x as f64;
-                        }
-                        (kern.scale_round)(&mut p, (1.0 / sum) as f32);
-                        o.fill(0.0);
-                        match kv {
-                            KvLayer::F16 { v, .. } => {
-                                for (j, &w) in p.iter().enumerate() {
-                                    (kern.axpy)(w, &v[at(j)], o);
-                                }
-                            }
-                            KvLayer::Q8 { v, vs, .. } => {
-                                for (j, &w) in p.iter().enumerate() {
-                                    (kern.axpy_q8)(w * vs[j * s.n_kv_heads + kvh], &v[at(j)], o);
-                                }
-                            }
-                        }
-                    }
-                });
+        self.pool.run(tasks.len(), &|ti| {
+            let mut g = tasks[ti].lock().unwrap_or_else(|e| e.into_inner());
+            let (i, first, ref mut chunk) = *g;
+            let (s, q, kv) = views[i];
+            SCORES.with(|p| {
+                let mut p = p.borrow_mut();
+                for (k, o) in chunk.chunks_exact_mut(s.head_dim).enumerate() {
+                    let u = first + k;
+                    attend_one(&s, q, kv, u / s.n_heads, u % s.n_heads, o, &mut p, &kern);
+                }
             });
-        }
+        });
         Ok(())
     }
 

@@ -81,6 +81,14 @@ pub struct AttentionShape {
     pub n_tokens: usize,
 }
 
+/// One sequence's part of [`Backend::attention_many`].
+pub struct AttentionItem<'a> {
+    pub shape: AttentionShape,
+    pub q: &'a [f32],
+    pub kv: KvLayer<'a>,
+    pub out: &'a mut [f32],
+}
+
 /// Rotary embedding parameters.
 #[derive(Clone, Copy, Debug)]
 pub struct RopeParams {
@@ -138,6 +146,15 @@ pub trait Backend: Send + Sync {
     /// Causal attention of `q` (`n_tokens` × heads × head_dim) over one layer of the cache
     /// (positions × kv_heads × head_dim, f16 or int8) into `out` (same shape as `q`).
     fn attention(&self, s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &mut [f32]) -> Result<(), BackendError>;
+
+    /// Attention of several sequences (each over its own cache), in one parallel step where the
+    /// backend can; by default one after another.
+    fn attention_many(&self, items: &mut [AttentionItem<'_>]) -> Result<(), BackendError> {
+        for it in items.iter_mut() {
+            self.attention(&it.shape, it.q, it.kv, it.out)?;
+        }
+        Ok(())
+    }
 
     /// `gate = silu(gate) * up`, elementwise.
     fn swiglu(&self, gate: &mut [f32], up: &[f32]) -> Result<(), BackendError>;

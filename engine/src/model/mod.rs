@@ -5,7 +5,7 @@ pub mod config;
 pub mod kv;
 pub mod weights;
 
-use crate::backend::{AttentionShape, OpDesc, OpKind, Planner, RopeParams};
+use crate::backend::{AttentionItem, AttentionShape, OpDesc, OpKind, Planner, RopeParams};
 use crate::error::BackendError;
 use config::ModelConfig;
 use kv::KvCache;
@@ -137,20 +137,34 @@ impl Transformer {
             rope_op.rope(&mut q, &positions, &rope(c.n_heads), w.rope_freqs.as_deref())?;
             rope_op.rope(&mut k, &positions, &rope(c.n_kv_heads), w.rope_freqs.as_deref())?;
             let mut attn = vec![0f32; n * qd];
-            for ((kv, _), &(off, len, start)) in batch.iter_mut().zip(&spans) {
-                if len == 0 {
-                    continue;
+            for ((kv, _), &(off, len, _)) in batch.iter_mut().zip(&spans) {
+                if len > 0 {
+                    kv.append(li, &k[off * kvd..(off + len) * kvd], &v[off * kvd..(off + len) * kvd]);
                 }
-                kv.append(li, &k[off * kvd..(off + len) * kvd], &v[off * kvd..(off + len) * kvd]);
-                let shape =
-                    AttentionShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, start, n_tokens: len };
-                self.op(OpKind::Attention, len)?.attention(
-                    &shape,
-                    &q[off * qd..(off + len) * qd],
-                    kv.layer(li),
-                    &mut attn[off * qd..(off + len) * qd],
-                )?;
             }
+            // Every sequence's attention in one step, each over its own cache.
+            let mut items = Vec::with_capacity(batch.len());
+            let mut rest: &mut [f32] = &mut attn;
+            for ((kv, _), &(off, len, start)) in batch.iter().zip(&spans) {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len * qd);
+                rest = tail;
+                if len > 0 {
+                    items.push(AttentionItem {
+                        shape: AttentionShape {
+                            n_heads: c.n_heads,
+                            n_kv_heads: c.n_kv_heads,
+                            head_dim: c.head_dim,
+                            start,
+                            n_tokens: len,
+                        },
+                        q: &q[off * qd..(off + len) * qd],
+                        kv: kv.layer(li),
+                        out: mine,
+                    });
+                }
+            }
+            self.op(OpKind::Attention, n)?.attention_many(&mut items)?;
+            drop(items);
             let o = self.matmul(&l.wo, &attn, n)?;
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
