@@ -69,7 +69,8 @@ pub struct SchedulerConfig {
     /// Prefill chunk of background and batch prompts (foreground uses `prefill_chunk`): the
     /// longest a foreground prompt can wait behind one.
     pub background_chunk: usize,
-    /// A request not served for this long is treated one class better (per period waited).
+    /// A request not served for this long ranks one class better (per period waited); a
+    /// request of class index c (foreground 0, background 1, batch 2) waits at most (c+1) periods.
     pub aging_ms: u64,
     /// The best class a uid may claim, by uid ("10123" = "background"); others get
     /// `default_class_cap`.
@@ -88,7 +89,7 @@ impl Default for SchedulerConfig {
             step_tokens: 256,
             max_batch: 16,
             background_chunk: 16,
-            aging_ms: 2000,
+            aging_ms: 5000,
             class_caps: Default::default(),
             default_class_cap: crate::policy::Class::Foreground,
             weights: Default::default(),

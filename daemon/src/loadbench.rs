@@ -9,7 +9,8 @@
 //! 3. **batched**: `--clients` clients each decode `--decode-tokens` tokens at once → aggregate
 //!    decode rate while all of them are decoding (from the last one's first token to the first
 //!    one's last); `batch_decode_gain` = batched / single (same short prompts);
-//! 4. **mixed**: `--foreground` clients send short foreground prompts (with think time) while
+//! 4. **mixed**: `--foreground` clients send short foreground prompts (0.8–1.6 s think time,
+//!    staggered per client) while
 //!    the rest send long background prompts, for `--duration-s`; then no new requests and every
 //!    outstanding one must finish. `fg_p99_ttft_ratio` = foreground p99 TTFT here / idle p99.
 //!
@@ -39,8 +40,9 @@ pub struct LoadArgs {
     /// Length of the mixed phase, in seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub duration_s: u64,
-    /// Requests in the idle phase.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=1000))]
+    /// Requests in the idle phase (about as many as the mixed phase's foreground requests, so
+    /// both p99s come from samples of similar size).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(2..=1000))]
     pub idle_requests: u64,
     /// Model id (default: the first installed).
     #[arg(long = "load-model")]
@@ -105,10 +107,15 @@ impl Client {
         Ok(Self { _conn: conn, session, done: Vec::new() })
     }
 
+    /// One independent request: the session is reset first, so contexts do not pile up.
     fn run(&mut self, req: &GenerateRequest, foreground: bool) -> Outcome {
+        let mut o = Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, times: Vec::new(), error: None };
+        if let Err(e) = self.session.reset() {
+            o.error = Some(client::describe(&e));
+            return o;
+        }
         let (cb, _tx, rx) = client::callback();
         let t0 = Instant::now();
-        let mut o = Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, times: Vec::new(), error: None };
         if let Err(e) = self.session.generate(req, &cb) {
             o.error = Some(client::describe(&e));
             return o;
@@ -225,8 +232,9 @@ pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens:
                     let mut n = 0u64;
                     while Instant::now() < stop_at {
                         if fg {
-                            // Think time between interactive prompts.
-                            std::thread::sleep(Duration::from_millis(300 + 97 * (n % 4)));
+                            // Think time between interactive prompts: 0.8–1.6 s, different per
+                            // client so foreground clients do not march in step.
+                            std::thread::sleep(Duration::from_millis(800 + (211 * (n + 3 * i) + 97 * i) % 800));
                             if Instant::now() >= stop_at {
                                 break;
                             }

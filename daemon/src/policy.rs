@@ -6,10 +6,13 @@
 //! Rules, in order:
 //! 1. **Classes**: foreground > background > batch. A request's class is its hint capped by
 //!    what its uid may claim (config).
-//! 2. **Aging**: a request not served for `aging_ms` is treated one class better, and one more
-//!    for each further `aging_ms`, so nothing starves: a batch request waiting behind a steady
-//!    stream of foreground work is served within about `2 × aging_ms` plus one pass. Aging buys
-//!    a turn, not a foreground-sized chunk: chunk sizes follow the request's own class.
+//! 2. **Aging**: a request not served for `aging_ms` ranks one class better, and one more for
+//!    each further `aging_ms`; at equal rank a request's own class goes first, so an aged
+//!    background request does not overtake foreground ones — until it ranks above foreground
+//!    ("starving"), when it is served before anything else. So nothing starves: a request of
+//!    class index `c` (foreground 0, background 1, batch 2) waits at most `(c + 1) × aging_ms`
+//!    plus one pass, however much foreground work arrives. Aging buys a turn, not a bigger
+//!    chunk: chunk sizes follow the request's own class.
 //! 3. **Weighted fair share** between uids of a class: each uid has a virtual time that grows by
 //!    `tokens / weight` when it is served; the smallest goes first. A uid that becomes active
 //!    starts at the smallest active virtual time (no credit for having been idle).
@@ -17,10 +20,15 @@
 //!    time, arrival) up to `max_batch`, batched into one matmul pass, plus at most one prefill
 //!    chunk — the best waiting prompt's — sized to its class's chunk and what is left of the
 //!    pass's token budget. Background and batch prompts go in small chunks, so a foreground
-//!    prompt that arrives waits for at most one small chunk, never a long background prefill;
-//!    and a pass that carries a foreground prompt carries only foreground decode steps.
+//!    prompt that arrives waits for at most one short pass, never a long background prefill: a
+//!    background pass holds at most `background_chunk` tokens, decode steps included (but at
+//!    least `MIN_CHUNK` prompt tokens). A pass that carries a foreground prompt carries only
+//!    foreground decode steps.
 
 use std::collections::HashMap;
+
+/// Smallest prefill chunk a background pass gives a prompt, however many decode steps it holds.
+pub const MIN_CHUNK: usize = 4;
 
 /// Scheduling classes, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
@@ -118,11 +126,17 @@ impl Policy {
         self.cfg.weights.get(&uid).copied().unwrap_or(1).max(1) as f64
     }
 
-    /// The class an entry competes in now, after aging.
+    /// The class an entry competes in now, after aging (never better than foreground).
     pub fn effective_class(&self, e: &Entry, now_ms: u64) -> Class {
+        Class::from_index(self.rank(e, now_ms).max(0) as usize)
+    }
+
+    /// Its rank now: its class index minus one per `aging_ms` unserved; below 0 (foreground)
+    /// means starving, served before anything else.
+    fn rank(&self, e: &Entry, now_ms: u64) -> i64 {
         let waited = now_ms.saturating_sub(e.last_served_ms);
-        let steps = if self.cfg.aging_ms == 0 { 0 } else { (waited / self.cfg.aging_ms) as usize };
-        Class::from_index((e.class as usize).saturating_sub(steps))
+        let steps = if self.cfg.aging_ms == 0 { 0 } else { (waited / self.cfg.aging_ms) as i64 };
+        (e.class as i64 - steps).max(-1)
     }
 
     /// A uid's virtual time (a newly active uid joins at the smallest active one).
@@ -145,7 +159,9 @@ impl Policy {
             let v = self.vtime_of(e.uid, active_min);
             self.vtime.insert(e.uid, v);
         }
-        let key = |e: &Entry| (self.effective_class(e, now_ms), self.vtime[&e.uid], e.arrived_ms, e.id);
+        // Rank (with aging), then the request's own class — an aged background request does
+        // not overtake foreground ones until it is starving — then fair share, then arrival.
+        let key = |e: &Entry| (self.rank(e, now_ms), e.class, self.vtime[&e.uid], e.arrived_ms, e.id);
         let mut decoders: Vec<&Entry> = entries.iter().filter(|e| e.prefill_left == 0).collect();
         decoders.sort_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
         let best_prompt = entries
@@ -164,7 +180,16 @@ impl Policy {
         let room = decode.len() < self.cfg.max_batch.max(1);
         let prefill = match best_prompt {
             // Aging buys a turn, not a bigger chunk: the chunk follows the request's own class.
-            Some(e) if left > 0 && room => Some((e.id, e.prefill_left.min(self.cfg.chunk[e.class as usize].max(1)).min(left))),
+            // A background pass stays short as a whole (decode steps included), since a
+            // foreground prompt arriving now waits for it: its chunk is what the decode steps
+            // leave of the background chunk, but at least MIN_CHUNK so prompts keep moving.
+            Some(e) if left > 0 && room => {
+                let mut n = self.cfg.chunk[e.class as usize].max(1);
+                if e.class != Class::Foreground {
+                    n = n.saturating_sub(decode.len()).max(MIN_CHUNK.min(n));
+                }
+                Some((e.id, e.prefill_left.min(n).min(left)))
+            }
             _ => None,
         };
         let mut more_prefill = Vec::new();
@@ -313,7 +338,11 @@ mod tests {
         let mut es: Vec<Entry> = (0..6).map(|i| entry(i, 100 + i as u32, Class::Background, 0, 0)).collect();
         es.push(entry(20, 8, Class::Background, 0, 1000));
         let plan = p.plan(5, &es);
-        assert_eq!((plan.decode.len(), plan.prefill), (6, Some((20, 16))));
+        assert_eq!((plan.decode.len(), plan.prefill), (6, Some((20, 10))), "16 tokens in all");
+        let mut wide = Policy::new(PolicyConfig { max_batch: 32, ..PolicyConfig::default() });
+        let many: Vec<Entry> =
+            (0..20).map(|i| entry(i, 100, Class::Background, 0, 0)).chain([entry(99, 8, Class::Background, 0, 500)]).collect();
+        assert_eq!(wide.plan(5, &many).prefill, Some((99, MIN_CHUNK)), "prompts keep moving");
         es.push(entry(10, 7, Class::Foreground, 5, 1000));
         let plan = p.plan(5, &es);
         assert_eq!((plan.decode.len(), plan.prefill), (0, Some((10, 256))));
@@ -371,10 +400,10 @@ mod tests {
             served_chunks.iter().all(|&n| n <= 16),
             "an aged batch prompt still goes in batch-sized chunks: {served_chunks:?}"
         );
-        // Two aging steps (batch → background → foreground), then ties go to the earlier
-        // arrival / smaller virtual time within one more pass.
-        assert!(t <= 2 * 1000 + 100, "served after {t} ms");
-        assert!(t >= 2 * 1000, "not before it aged to foreground ({t} ms)");
+        // Batch (2) → background (1) → foreground rank (0, but behind the foreground request)
+        // → starving (-1): served within (2 + 1) aging periods plus one pass, not before.
+        assert!(t <= 3 * 1000 + 100, "served after {t} ms");
+        assert!(t >= 3 * 1000, "not before it was starving ({t} ms)");
     }
 
     #[test]

@@ -541,7 +541,11 @@ impl Worker {
                         } else {
                             r.gen.accept_logits(l);
                         }
-                        self.with_shared(|s| s.scheduler.charge_quota(uid, f.tokens.len()));
+                        self.with_shared(|s| {
+                            if s.config.scheduler.quota_tokens_per_uid > 0 {
+                                s.scheduler.charge_quota(uid, f.tokens.len());
+                            }
+                        });
                     }
                 }
                 Err(e) => {
