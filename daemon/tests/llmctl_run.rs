@@ -112,3 +112,37 @@ fn bad_input_exits_non_zero_with_a_one_line_reason() {
     assert!(!o.status.success(), "max-tokens 0 accepted");
     let _ = std::fs::remove_file(garbage);
 }
+
+#[test]
+fn bench_local_prints_the_documented_json_and_refuses_bad_arguments() {
+    let m = model();
+    let o = llmctl(&[
+        "bench",
+        "--local",
+        "--model",
+        m.to_str().expect("utf-8 path"),
+        "--threads",
+        "2",
+        "--reps",
+        "1",
+        "--prefill",
+        "8,16",
+        "--decode-prompt",
+        "8",
+        "--decode-tokens",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object on stdout");
+    for key in ["prefill_8_tok_s", "prefill_16_tok_s", "decode_tok_s", "peak_rss_mb", "read_bandwidth_gb_s"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {v}");
+    }
+    assert!(v.get("llamacpp").is_none(), "no peer unless --compare-llamacpp");
+    let bad = llmctl(&["bench", "--local", "--model", m.to_str().expect("utf-8 path"), "--prefill", "0"]);
+    assert!(!bad.status.success() && stderr(&bad).contains("at least 1"), "{}", stderr(&bad));
+    let missing = llmctl(&["bench", "--local", "--model", "/nonexistent.gguf"]);
+    assert!(!missing.status.success() && stderr(&missing).contains("/nonexistent.gguf"), "{}", stderr(&missing));
+    let neither = llmctl(&["bench", "--model", m.to_str().expect("utf-8 path")]);
+    assert!(!neither.status.success() && stderr(&neither).contains("--local"), "{}", stderr(&neither));
+}

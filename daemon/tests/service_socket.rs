@@ -481,3 +481,21 @@ fn priorities_are_validated_and_capped_and_dump_shows_the_queue() {
         }
     }
 }
+
+#[test]
+fn the_load_benchmark_accounts_for_every_request() {
+    let d = Daemon::start("[limits]\nmax_requests_per_uid = 8\nmax_sessions_per_uid = 8\n");
+    let o = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["--socket", d.socket.to_str().expect("path"), "bench", "--load", "--json"])
+        .args(["--clients", "3", "--foreground", "1", "--duration-s", "2", "--idle-requests", "2", "--decode-tokens", "8"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("llmctl runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    for key in ["fg_p99_ttft_ratio", "batch_decode_gain", "idle_ttft_ms_p99", "single_decode_tok_s"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {v}");
+    }
+    assert_eq!((v["lost"].as_u64(), v["duplicated"].as_u64(), v["bg_failed"].as_u64()), (Some(0), Some(0), Some(0)), "{v}");
+    assert!(v["bg_requests"].as_u64().is_some_and(|n| n >= 1), "{v}");
+}
