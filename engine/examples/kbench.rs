@@ -1,5 +1,12 @@
 use llmd_engine::quant::packed::*;
 fn main() {
+    {
+        let pool = llmd_engine::backend::pool::Pool::new(2);
+        let hits = std::sync::atomic::AtomicUsize::new(0);
+        let t0 = std::time::Instant::now();
+        for _ in 0..100000 { pool.run(8, &|_| { hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed); }); }
+        println!("pool.run(8 empty tasks): {:.2} us", t0.elapsed().as_secs_f64() / 100000.0 * 1e6);
+    }
     for th in [1usize, 2] { println!("peak {th} threads: {:.0} GMAC/s", llmd_engine::quant::int8_peak_macs_per_s(th) / 1e9); }
     let (rows, cols, n) = (1536usize, 576usize, 256usize);
     let raw: Vec<u8> = (0..rows * cols / 32 * 20).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();

@@ -187,14 +187,14 @@ pub unsafe fn tile_avx2(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize,
     }
 }
 
-/// Multiply-accumulates per second one thread sustains on independent `vpdpbusd` chains
-/// (512-bit), over `iters` iterations of 8 instructions.
+/// Multiply-accumulates one thread sustains on 16 independent `vpdpbusd` chains (512-bit,
+/// enough to cover the instruction's latency), over `iters` iterations of 16 instructions.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F and VNNI.
 #[target_feature(enable = "avx512f,avx512vnni")]
 pub unsafe fn vnni_peak_loop(iters: u64) -> i32 {
-    let mut acc = [_mm512_setzero_si512(); 8];
+    let mut acc = [_mm512_setzero_si512(); 16];
     let x = _mm512_set1_epi8(3);
     let y = _mm512_set1_epi8(-2);
     for _ in 0..iters {
