@@ -80,9 +80,9 @@ fn status_kb(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with(key) && l[key.len()..].starts_with(':')).and_then(|l| {
-                l.split_whitespace().nth(1).and_then(|v| v.parse().ok())
-            })
+            s.lines()
+                .find(|l| l.starts_with(key) && l[key.len()..].starts_with(':'))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
         })
         .unwrap_or(0)
 }
@@ -225,7 +225,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let reps = args.reps as usize;
     let rss_before = status_kb("VmRSS");
     let t0 = Instant::now();
-    let model = Model::load(&model_path, &LoadOptions { threads, kv_type: args.kv_type }).map_err(|e| format!("{}: {e}", model_path.display()))?;
+    let model = Model::load(&model_path, &LoadOptions { threads, kv_type: args.kv_type })
+        .map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     let c = model.config().clone();
     let longest = args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_prompt + args.decode_tokens);

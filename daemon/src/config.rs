@@ -213,7 +213,9 @@ impl Config {
             return bad("prefill_chunk must be at least 1".into());
         }
         let sc = &self.scheduler;
-        for (name, v) in [("step_tokens", sc.step_tokens), ("max_batch", sc.max_batch), ("background_chunk", sc.background_chunk)] {
+        for (name, v) in
+            [("step_tokens", sc.step_tokens), ("max_batch", sc.max_batch), ("background_chunk", sc.background_chunk)]
+        {
             if v == 0 {
                 return bad(format!("scheduler.{name} must be at least 1"));
             }

@@ -109,7 +109,8 @@ impl Client {
 
     /// One independent request: the session is reset first, so contexts do not pile up.
     fn run(&mut self, req: &GenerateRequest, foreground: bool) -> Outcome {
-        let mut o = Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, times: Vec::new(), error: None };
+        let mut o =
+            Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, times: Vec::new(), error: None };
         if let Err(e) = self.session.reset() {
             o.error = Some(client::describe(&e));
             return o;
@@ -171,7 +172,13 @@ fn decode_rate(outs: &[Outcome]) -> f64 {
     n as f64 / (to - from).as_secs_f64()
 }
 
-pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens: usize, json_out: bool) -> Result<(), String> {
+pub fn run(
+    socket: Option<&Path>,
+    service: &str,
+    args: &LoadArgs,
+    decode_tokens: usize,
+    json_out: bool,
+) -> Result<(), String> {
     if args.foreground >= args.clients {
         return Err("--foreground must leave at least one background client".into());
     }
@@ -259,7 +266,8 @@ pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens:
     let mixed_s = t_mixed.elapsed().as_secs_f64();
     std::thread::sleep(Duration::from_millis(300));
 
-    let ttfts = |v: &[Outcome]| -> Vec<f64> { v.iter().filter_map(|o| o.ttft).map(|d| d.as_secs_f64() * 1e3).collect() };
+    let ttfts =
+        |v: &[Outcome]| -> Vec<f64> { v.iter().filter_map(|o| o.ttft).map(|d| d.as_secs_f64() * 1e3).collect() };
     let idle_t = ttfts(&idle);
     let fg: Vec<Outcome> = mixed.iter().filter(|o| o.foreground).cloned().collect();
     let bg: Vec<Outcome> = mixed.iter().filter(|o| !o.foreground).cloned().collect();
@@ -291,9 +299,27 @@ pub fn run(socket: Option<&Path>, service: &str, args: &LoadArgs, decode_tokens:
         );
     } else {
         println!("{:<34} {:>10} {:>10} {:>9}", "figure", "p50", "p99", "requests");
-        println!("{:<34} {:>10.0} {:>10.0} {:>9}", "idle foreground TTFT ms", percentile(&idle_t, 50.0), percentile(&idle_t, 99.0), idle.len());
-        println!("{:<34} {:>10.0} {:>10.0} {:>9}", "loaded foreground TTFT ms", percentile(&fg_t, 50.0), percentile(&fg_t, 99.0), fg.len());
-        println!("{:<34} {:>10.0} {:>10.0} {:>9}", "loaded background TTFT ms", percentile(&bg_t, 50.0), percentile(&bg_t, 99.0), bg.len());
+        println!(
+            "{:<34} {:>10.0} {:>10.0} {:>9}",
+            "idle foreground TTFT ms",
+            percentile(&idle_t, 50.0),
+            percentile(&idle_t, 99.0),
+            idle.len()
+        );
+        println!(
+            "{:<34} {:>10.0} {:>10.0} {:>9}",
+            "loaded foreground TTFT ms",
+            percentile(&fg_t, 50.0),
+            percentile(&fg_t, 99.0),
+            fg.len()
+        );
+        println!(
+            "{:<34} {:>10.0} {:>10.0} {:>9}",
+            "loaded background TTFT ms",
+            percentile(&bg_t, 50.0),
+            percentile(&bg_t, 99.0),
+            bg.len()
+        );
         println!("tokens/s under load: foreground {:.1}, background {:.1}", class_rate(&fg), class_rate(&bg));
         println!(
             "decode: one sequence {single_rate:.1} tok/s, {} at once {batched_rate:.1} tok/s in all (gain {gain:.2}x)",

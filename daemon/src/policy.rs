@@ -149,10 +149,7 @@ impl Policy {
         if entries.is_empty() {
             return Plan::default();
         }
-        let active_min = entries
-            .iter()
-            .filter_map(|e| self.vtime.get(&e.uid).copied())
-            .fold(f64::INFINITY, f64::min);
+        let active_min = entries.iter().filter_map(|e| self.vtime.get(&e.uid).copied()).fold(f64::INFINITY, f64::min);
         let active_min = if active_min.is_finite() { active_min } else { 0.0 };
         // Bring uids that were idle up to the active minimum.
         for e in entries {
@@ -285,7 +282,13 @@ mod tests {
 
     /// Runs passes of `ms_per_pass` simulated milliseconds, serving and charging as the worker
     /// does; returns tokens served per request id.
-    fn simulate(p: &mut Policy, entries: &mut [Entry], passes: usize, ms_per_pass: u64, mut now: u64) -> HashMap<u64, usize> {
+    fn simulate(
+        p: &mut Policy,
+        entries: &mut [Entry],
+        passes: usize,
+        ms_per_pass: u64,
+        mut now: u64,
+    ) -> HashMap<u64, usize> {
         let mut served = HashMap::new();
         for _ in 0..passes {
             let plan = p.plan(now, entries);
@@ -340,8 +343,10 @@ mod tests {
         let plan = p.plan(5, &es);
         assert_eq!((plan.decode.len(), plan.prefill), (6, Some((20, 10))), "16 tokens in all");
         let mut wide = Policy::new(PolicyConfig { max_batch: 32, ..PolicyConfig::default() });
-        let many: Vec<Entry> =
-            (0..20).map(|i| entry(i, 100, Class::Background, 0, 0)).chain([entry(99, 8, Class::Background, 0, 500)]).collect();
+        let many: Vec<Entry> = (0..20)
+            .map(|i| entry(i, 100, Class::Background, 0, 0))
+            .chain([entry(99, 8, Class::Background, 0, 500)])
+            .collect();
         assert_eq!(wide.plan(5, &many).prefill, Some((99, MIN_CHUNK)), "prompts keep moving");
         es.push(entry(10, 7, Class::Foreground, 5, 1000));
         let plan = p.plan(5, &es);

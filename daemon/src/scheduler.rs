@@ -10,13 +10,13 @@
 //! callback is sent. Every request ends in `Worker::end`, which records the outcome once.
 
 use crate::error::ServiceError;
+use crate::policy::{Class, Entry, Policy, Quota};
 use crate::service::Shared;
 use crate::session::{SessionCore, SessionInner};
 use llmd_aidl::GenerationStats::GenerationStats as WireStats;
 use llmd_aidl::IGenerationCallback::IGenerationCallback;
 use llmd_engine::chat::ChatMessage;
 use llmd_engine::generate::{FinishReason, GenerateRequest, Generation, GenerationStats};
-use crate::policy::{Class, Entry, Policy, Quota};
 use llmd_engine::model::Logits;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -402,7 +402,16 @@ impl Worker {
                 let arrived_ms = now.saturating_sub(waited);
                 self.active.insert(
                     job.id,
-                    Running { job, gen, rewind_to, context, started, arrived_ms, last_served_ms: arrived_ms, first_served: None },
+                    Running {
+                        job,
+                        gen,
+                        rewind_to,
+                        context,
+                        started,
+                        arrived_ms,
+                        last_served_ms: arrived_ms,
+                        first_served: None,
+                    },
                 );
             }
             Err(e) => {

@@ -192,11 +192,7 @@ impl Shared {
             );
         }
         let _ = writeln!(out, "\nSCHEDULER");
-        let _ = writeln!(
-            out,
-            "  passes {} avg_pass_us {} last_batch {}",
-            rep.passes, rep.avg_pass_us, rep.last_batch
-        );
+        let _ = writeln!(out, "  passes {} avg_pass_us {} last_batch {}", rep.passes, rep.avg_pass_us, rep.last_batch);
         let mut uids: Vec<u32> = jobs.iter().map(|(_, j)| j.uid).collect();
         uids.extend(rep.vtimes.iter().map(|v| v.0));
         uids.sort_unstable();

@@ -272,7 +272,8 @@ fn a_two_turn_session_keeps_its_context() {
     let second = run(&s, &chat("Where do I live?", 24));
     assert!(second.error.is_none(), "{second:?}");
     // The same conversation computed from scratch in-process gives the same second answer...
-    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() }).expect("model");
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+        .expect("model");
     let conv = vec![
         llmd_engine::chat::ChatMessage::new("user", "My name is Ada and I live in Paris."),
         llmd_engine::chat::ChatMessage::new("assistant", &first.text),
@@ -432,7 +433,10 @@ fn a_request_past_its_deadline_ends_with_deadline_exceeded_and_rolls_back() {
     let long = "The quick brown fox jumps over the lazy dog. ".repeat(30);
     let o = run(&s, &GenerateRequest { deadlineMs: 1, ..greedy(&long, 8) });
     assert_eq!(o.error.as_ref().map(|e| e.0), Some(ErrorCode::DEADLINE_EXCEEDED), "{o:?}");
-    assert_eq!(code_of(s.generate(&GenerateRequest { deadlineMs: -1, ..greedy("Hi", 4) }, &client::callback().0)), ErrorCode::INVALID_ARGUMENT);
+    assert_eq!(
+        code_of(s.generate(&GenerateRequest { deadlineMs: -1, ..greedy("Hi", 4) }, &client::callback().0)),
+        ErrorCode::INVALID_ARGUMENT
+    );
     // The session was rolled back and still works; a generous deadline is met.
     let o = run(&s, &GenerateRequest { deadlineMs: 60_000, ..greedy("The capital of France is", 8) });
     assert!(o.error.is_none(), "{o:?}");
@@ -487,7 +491,18 @@ fn the_load_benchmark_accounts_for_every_request() {
     let d = Daemon::start("[limits]\nmax_requests_per_uid = 8\nmax_sessions_per_uid = 8\n");
     let o = Command::new(env!("CARGO_BIN_EXE_llmctl"))
         .args(["--socket", d.socket.to_str().expect("path"), "bench", "--load", "--json"])
-        .args(["--clients", "3", "--foreground", "1", "--duration-s", "2", "--idle-requests", "2", "--decode-tokens", "8"])
+        .args([
+            "--clients",
+            "3",
+            "--foreground",
+            "1",
+            "--duration-s",
+            "2",
+            "--idle-requests",
+            "2",
+            "--decode-tokens",
+            "8",
+        ])
         .stdin(Stdio::null())
         .output()
         .expect("llmctl runs");
@@ -496,6 +511,10 @@ fn the_load_benchmark_accounts_for_every_request() {
     for key in ["fg_p99_ttft_ratio", "batch_decode_gain", "idle_ttft_ms_p99", "single_decode_tok_s"] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {v}");
     }
-    assert_eq!((v["lost"].as_u64(), v["duplicated"].as_u64(), v["bg_failed"].as_u64()), (Some(0), Some(0), Some(0)), "{v}");
+    assert_eq!(
+        (v["lost"].as_u64(), v["duplicated"].as_u64(), v["bg_failed"].as_u64()),
+        (Some(0), Some(0), Some(0)),
+        "{v}"
+    );
     assert!(v["bg_requests"].as_u64().is_some_and(|n| n >= 1), "{v}");
 }

@@ -4,13 +4,23 @@ fn main() {
         let pool = llmd_engine::backend::pool::Pool::new(2);
         let hits = std::sync::atomic::AtomicUsize::new(0);
         let t0 = std::time::Instant::now();
-        for _ in 0..100000 { pool.run(8, &|_| { hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed); }); }
+        for _ in 0..100000 {
+            pool.run(8, &|_| {
+                hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            });
+        }
         println!("pool.run(8 empty tasks): {:.2} us", t0.elapsed().as_secs_f64() / 100000.0 * 1e6);
     }
-    for th in [1usize, 2] { println!("peak {th} threads: {:.0} GMAC/s", llmd_engine::quant::int8_peak_macs_per_s(th) / 1e9); }
+    for th in [1usize, 2] {
+        println!("peak {th} threads: {:.0} GMAC/s", llmd_engine::quant::int8_peak_macs_per_s(th) / 1e9);
+    }
     let (rows, cols, n) = (1536usize, 576usize, 256usize);
     let raw: Vec<u8> = (0..rows * cols / 32 * 20).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();
-    let w = PackedMatrix::pack(PackKind::Q4_1, rows, cols, |r0, b| { b.copy_from_slice(&raw[r0 * 360..r0 * 360 + b.len()]); Ok(()) }).unwrap();
+    let w = PackedMatrix::pack(PackKind::Q4_1, rows, cols, |r0, b| {
+        b.copy_from_slice(&raw[r0 * 360..r0 * 360 + b.len()]);
+        Ok(())
+    })
+    .unwrap();
     let x: Vec<f32> = (0..n * cols).map(|i| ((i * 13 % 101) as f32) / 50.0 - 1.0).collect();
     let mut a = QuantActs::default();
     a.quantize(&x, n, cols);
@@ -18,17 +28,26 @@ fn main() {
         use llmd_engine::backend::Backend;
         use std::sync::Arc;
         let cpu = llmd_engine::backend::cpu::CpuBackend::new(2);
-        let t = llmd_engine::format::TensorRef { ty: llmd_engine::quant::GgmlType::Q4_1, dims: vec![cols as u64, rows as u64], file: Arc::new(llmd_engine::format::ModelBytes::Owned(raw.clone())), range: 0..raw.len() };
+        let t = llmd_engine::format::TensorRef {
+            ty: llmd_engine::quant::GgmlType::Q4_1,
+            dims: vec![cols as u64, rows as u64],
+            file: Arc::new(llmd_engine::format::ModelBytes::Owned(raw.clone())),
+            range: 0..raw.len(),
+        };
         let wm = llmd_engine::model::weights::WeightMatrix::from_tensor("w", rows, cols, t);
         for nt in [1usize, 2, 4, 8, 16, 256] {
             let mut out = vec![0f32; rows * nt];
             let reps = if nt <= 16 { 300 } else { 10 };
             let t0 = std::time::Instant::now();
-            for _ in 0..reps { cpu.matmul(&wm, &x[..nt * cols], nt, &mut out).unwrap(); }
+            for _ in 0..reps {
+                cpu.matmul(&wm, &x[..nt * cols], nt, &mut out).unwrap();
+            }
             let s = t0.elapsed().as_secs_f64() / reps as f64;
             println!("backend 2 threads nt={nt}: {:.1} GMAC/s, {:.1} us", (rows * cols * nt) as f64 / s / 1e9, s * 1e6);
             let t0 = std::time::Instant::now();
-            for _ in 0..reps { a.quantize(&x[..nt * cols], nt, cols); }
+            for _ in 0..reps {
+                a.quantize(&x[..nt * cols], nt, cols);
+            }
             println!("  quantize alone {:.1} us", t0.elapsed().as_secs_f64() / reps as f64 * 1e6);
         }
     }
@@ -43,7 +62,9 @@ fn main() {
                     let (w, a) = (&w, &a);
                     s.spawn(move || {
                         let mut out = vec![0f32; 16 * nt];
-                        for t in (h * tiles / 2)..((h + 1) * tiles / 2) { k.run(w, t, a, 0, nt, &mut out); }
+                        for t in (h * tiles / 2)..((h + 1) * tiles / 2) {
+                            k.run(w, t, a, 0, nt, &mut out);
+                        }
                     });
                 }
             });
@@ -56,7 +77,11 @@ fn main() {
             let mut out = vec![0f32; 16 * nt];
             let t0 = std::time::Instant::now();
             let reps = if nt == 1 { 200 } else { 3 };
-            for _ in 0..reps { for t in 0..w.tiles() { k.run(&w, t, &a, 0, nt, &mut out); } }
+            for _ in 0..reps {
+                for t in 0..w.tiles() {
+                    k.run(&w, t, &a, 0, nt, &mut out);
+                }
+            }
             let s = t0.elapsed().as_secs_f64() / reps as f64;
             println!("{} nt={nt}: {:.1} GMAC/s", k.name(), (rows * cols * nt) as f64 / s / 1e9);
         }

@@ -65,12 +65,7 @@ impl Model {
             check_vocab(&hf.config, &tokenizer)?;
             let mut transformer = Transformer::new(hf.config, weights, planner);
             transformer.kv_type = opts.kv_type;
-            return Ok(Self {
-                name,
-                transformer,
-                tokenizer,
-                chat_template,
-            });
+            return Ok(Self { name, transformer, tokenizer, chat_template });
         }
         let g = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&g)?;

@@ -58,7 +58,8 @@ fn batched_decode_and_prefill_equal_one_sequence_at_a_time() {
     while done.iter().any(|d| !d) {
         for (i, p) in prompts.iter().enumerate() {
             if gens[i].is_none() && step >= 3 * i {
-                gens[i] = Some(Generation::new(model, &kvs[i], p.clone(), &request()).expect("gen").with_prefill_chunk(16));
+                gens[i] =
+                    Some(Generation::new(model, &kvs[i], p.clone(), &request()).expect("gen").with_prefill_chunk(16));
             }
         }
         // Sample every decoding sequence; collect what each feeds.

@@ -150,7 +150,8 @@ const Q8_KV_KL_TOL: f64 = 1.5e-2;
 #[test]
 fn int8_kv_cache_stays_close_to_f16() {
     let f16_model = default_model();
-    let mut q8_model = llmd_engine::Model::load(&default_model_path(), &llmd_engine::LoadOptions::default()).expect("model loads");
+    let mut q8_model =
+        llmd_engine::Model::load(&default_model_path(), &llmd_engine::LoadOptions::default()).expect("model loads");
     q8_model.transformer.kv_type = llmd_engine::model::kv::KvType::Q8;
     let g = golden();
     let mut worst = 0f64;

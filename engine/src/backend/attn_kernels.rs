@@ -29,13 +29,14 @@ pub struct AttnKernels {
 }
 
 impl AttnKernels {
-    pub const REFERENCE: AttnKernels =
-        AttnKernels { name: "scalar", dot: dot_ref,
+    pub const REFERENCE: AttnKernels = AttnKernels {
+        name: "scalar",
+        dot: dot_ref,
         axpy: axpy_ref,
         dot_q8: dot_q8_ref,
         axpy_q8: axpy_q8_ref,
         scale_round: scale_round_ref,
-     };
+    };
 
     /// Every set this CPU runs, best first; the reference last.
     pub fn available() -> Vec<AttnKernels> {

@@ -7,15 +7,15 @@
 //! squares and softmax denominators accumulate in f64.
 
 use super::attn_kernels::AttnKernels;
-use crate::model::kv::KvLayer;
+use super::pool::Pool;
 use super::{AttentionItem, AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
 use crate::error::BackendError;
 use crate::model::config::RopeStyle;
+use crate::model::kv::KvLayer;
 use crate::model::weights::WeightMatrix;
 use crate::quant::packed::{self, Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use crate::quant::{self, GgmlType};
 use half::f16;
-use super::pool::Pool;
 use std::sync::Mutex;
 
 /// Weight rows per parallel task in a matmul.

@@ -7,9 +7,9 @@ pub mod cpu;
 pub mod pool;
 
 use crate::error::BackendError;
+use crate::model::kv::KvLayer;
 use crate::model::weights::WeightMatrix;
 use crate::quant::GgmlType;
-use crate::model::kv::KvLayer;
 use std::sync::Arc;
 
 /// The kind of processor behind a backend.

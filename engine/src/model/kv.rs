@@ -27,9 +27,17 @@ impl std::str::FromStr for KvType {
 /// One layer's keys and values as attention reads them.
 #[derive(Clone, Copy)]
 pub enum KvLayer<'a> {
-    F16 { k: &'a [f16], v: &'a [f16] },
+    F16 {
+        k: &'a [f16],
+        v: &'a [f16],
+    },
     /// `ks`/`vs`: one scale per (position, KV head).
-    Q8 { k: &'a [i8], ks: &'a [f32], v: &'a [i8], vs: &'a [f32] },
+    Q8 {
+        k: &'a [i8],
+        ks: &'a [f32],
+        v: &'a [i8],
+        vs: &'a [f32],
+    },
 }
 
 impl KvLayer<'_> {

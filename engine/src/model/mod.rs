@@ -51,7 +51,12 @@ impl Transformer {
     }
 
     /// Matmuls of one input by several weights of the same type, placed together.
-    fn matmul_many<const N: usize>(&self, ws: [&WeightMatrix; N], x: &[f32], n: usize) -> Result<[Vec<f32>; N], BackendError> {
+    fn matmul_many<const N: usize>(
+        &self,
+        ws: [&WeightMatrix; N],
+        x: &[f32],
+        n: usize,
+    ) -> Result<[Vec<f32>; N], BackendError> {
         let op = OpDesc { kind: OpKind::MatMul, weight_type: Some(ws[0].ty), n_tokens: n };
         let mut outs: [Vec<f32>; N] = std::array::from_fn(|i| vec![0f32; n * ws[i].rows]);
         if ws.iter().any(|w| w.ty != ws[0].ty) {

@@ -99,8 +99,7 @@ impl Loader<'_> {
                 block: t.ty.block_size() as u64,
             });
         }
-        let packed = pack(t, rows, cols)
-            .map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?;
+        let packed = pack(t, rows, cols).map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?;
         Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone(), packed })
     }
 

@@ -570,7 +570,12 @@ mod tests {
                 for &k in &kernels {
                     let got = run_all(k, &w, &a);
                     for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(g.to_bits(), e.to_bits(), "{} {ty} {rows}x{cols} n={n} at {i}: {g} vs {e}", k.name());
+                        assert_eq!(
+                            g.to_bits(),
+                            e.to_bits(),
+                            "{} {ty} {rows}x{cols} n={n} at {i}: {g} vs {e}",
+                            k.name()
+                        );
                     }
                 }
             }

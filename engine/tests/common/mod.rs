@@ -22,7 +22,8 @@ pub fn default_model_path() -> PathBuf {
 pub fn default_model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| {
-        Model::load(&default_model_path(), &LoadOptions { threads: 2, ..Default::default() }).expect("the default model loads")
+        Model::load(&default_model_path(), &LoadOptions { threads: 2, ..Default::default() })
+            .expect("the default model loads")
     })
 }
 
