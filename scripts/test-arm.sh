@@ -17,5 +17,11 @@ if ! rustup target list --installed | grep -qx aarch64-unknown-linux-gnu; then
   rustup target add aarch64-unknown-linux-gnu
 fi
 # qemu's default CPU ("max") has the dot-product and i8mm extensions, so the NEON kernels run.
-cargo test --release --target aarch64-unknown-linux-gnu -p llmd-engine --lib -- --nocapture 2>&1 \
-  | grep -E "kernels here|test result|FAILED" >&2
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+# The whole output goes to a log; on failure all of it is shown, on success a summary.
+if ! cargo test --release --target aarch64-unknown-linux-gnu -p llmd-engine --lib -- --nocapture >"$log" 2>&1; then
+  cat "$log" >&2
+  exit 1
+fi
+grep -E "kernels here|test result" "$log" >&2

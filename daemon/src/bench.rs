@@ -157,6 +157,18 @@ struct Figures {
     hwm_mb: f64,
 }
 
+/// One engine's figures under the documented JSON keys.
+fn figures_json(f: &Figures) -> serde_json::Map<String, Value> {
+    let mut o = serde_json::Map::new();
+    for &(n, v) in &f.prefill {
+        o.insert(format!("prefill_{n}_tok_s"), json!(v));
+    }
+    o.insert("decode_tok_s".into(), json!(f.decode));
+    o.insert("peak_rss_mb".into(), json!(f.peak_rss_mb));
+    o.insert("vm_hwm_mb".into(), json!(f.hwm_mb));
+    o
+}
+
 fn ours_prefill(model: &Model, tokens: &[u32]) -> Result<f64, String> {
     let mut kv = model.transformer.new_kv();
     let t0 = Instant::now();
@@ -338,13 +350,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let prefill_ceiling = int8_peak / macs_per_token as f64;
 
     if args.json {
-        let mut o = serde_json::Map::new();
-        for &(n, v) in &mine.prefill {
-            o.insert(format!("prefill_{n}_tok_s"), json!(v));
-        }
-        o.insert("decode_tok_s".into(), json!(mine.decode));
-        o.insert("peak_rss_mb".into(), json!(mine.peak_rss_mb));
-        o.insert("vm_hwm_mb".into(), json!(mine.hwm_mb));
+        let mut o = figures_json(&mine);
         o.insert("threads".into(), json!(threads));
         o.insert("weight_bytes_per_token".into(), json!(weight_bytes_per_token));
         o.insert("macs_per_token".into(), json!(macs_per_token));
@@ -352,13 +358,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         o.insert("int8_peak_gmac_s".into(), json!(int8_peak / 1e9));
         o.insert("kernel".into(), json!(llmd_engine::quant::kernel_name()));
         if let Some((f, ver)) = &peer_fig {
-            let mut l = serde_json::Map::new();
-            for &(n, v) in &f.prefill {
-                l.insert(format!("prefill_{n}_tok_s"), json!(v));
-            }
-            l.insert("decode_tok_s".into(), json!(f.decode));
-            l.insert("peak_rss_mb".into(), json!(f.peak_rss_mb));
-            l.insert("vm_hwm_mb".into(), json!(f.hwm_mb));
+            let mut l = figures_json(f);
             l.insert("version".into(), json!(ver));
             o.insert("llamacpp".into(), Value::Object(l));
             for (&(n, a), &(_, b)) in mine.prefill.iter().zip(&f.prefill) {

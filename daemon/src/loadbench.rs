@@ -299,27 +299,13 @@ pub fn run(
         );
     } else {
         println!("{:<34} {:>10} {:>10} {:>9}", "figure", "p50", "p99", "requests");
-        println!(
-            "{:<34} {:>10.0} {:>10.0} {:>9}",
-            "idle foreground TTFT ms",
-            percentile(&idle_t, 50.0),
-            percentile(&idle_t, 99.0),
-            idle.len()
-        );
-        println!(
-            "{:<34} {:>10.0} {:>10.0} {:>9}",
-            "loaded foreground TTFT ms",
-            percentile(&fg_t, 50.0),
-            percentile(&fg_t, 99.0),
-            fg.len()
-        );
-        println!(
-            "{:<34} {:>10.0} {:>10.0} {:>9}",
-            "loaded background TTFT ms",
-            percentile(&bg_t, 50.0),
-            percentile(&bg_t, 99.0),
-            bg.len()
-        );
+        for (name, t, n) in [
+            ("idle foreground TTFT ms", &idle_t, idle.len()),
+            ("loaded foreground TTFT ms", &fg_t, fg.len()),
+            ("loaded background TTFT ms", &bg_t, bg.len()),
+        ] {
+            println!("{name:<34} {:>10.0} {:>10.0} {n:>9}", percentile(t, 50.0), percentile(t, 99.0));
+        }
         println!("tokens/s under load: foreground {:.1}, background {:.1}", class_rate(&fg), class_rate(&bg));
         println!(
             "decode: one sequence {single_rate:.1} tok/s, {} at once {batched_rate:.1} tok/s in all (gain {gain:.2}x)",

@@ -48,23 +48,22 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Run(args) if args.local => cli::run_local(args),
-        Command::Bench(args) if !args.load => llmd_daemon::bench::bench(args),
+        Command::Bench(args) if args.load => llmd_daemon::loadbench::run(
+            cli.socket.as_deref(),
+            &cli.service,
+            &args.load_args,
+            args.decode_tokens,
+            args.json,
+        ),
+        Command::Bench(args) => llmd_daemon::bench::bench(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
             Command::Run(args) => cli::run_remote(&conn, args),
             Command::Chat(args) => cli::chat(&conn, args),
             Command::Models => cli::models(&conn),
             Command::Status => cli::status(&conn),
             Command::Dump => cli::dump(&conn),
-            Command::Bench(args) => {
-                drop(conn);
-                llmd_daemon::loadbench::run(
-                    cli.socket.as_deref(),
-                    &cli.service,
-                    &args.load_args,
-                    args.decode_tokens,
-                    args.json,
-                )
-            }
+            // Handled above, without this connection.
+            Command::Bench(_) => Ok(()),
         }),
     };
     match result {
