@@ -7,6 +7,7 @@
 //! integer dot product per block and one float multiply per block.
 
 mod blocks;
+pub mod edgeflow;
 pub mod packed;
 #[cfg(target_arch = "aarch64")]
 mod packed_arm;
