@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod loadbench;
 pub mod models;
+pub mod modeltools;
 pub mod permission;
 pub mod policy;
 pub mod scheduler;

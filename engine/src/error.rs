@@ -59,6 +59,16 @@ pub enum FormatError {
     BadHfLayout { path: String, detail: String },
     #[error("safetensors file {path}: {detail}")]
     Safetensors { path: String, detail: String },
+    #[error("not an llmd model file: magic bytes are {found:02x?}")]
+    NativeBadMagic { found: Vec<u8> },
+    #[error("unsupported llmd model file version {found} (this build reads version {supported})")]
+    NativeVersion { found: u32, supported: u32 },
+    #[error(
+        "llmd model file {what} checksum mismatch: stored {stored:08x}, computed {computed:08x} (the file is corrupt)"
+    )]
+    ChecksumMismatch { what: String, stored: u32, computed: u32 },
+    #[error("llmd model file layout: {0}")]
+    NativeLayout(String),
 }
 
 /// The tokenizer could not be built or could not encode/decode.

@@ -6,12 +6,14 @@
 
 pub mod backend;
 pub mod chat;
+pub mod convert;
 pub mod error;
 pub mod format;
 pub mod generate;
 pub mod model;
 pub mod quant;
 pub mod sampling;
+pub mod smooth;
 pub mod tokenizer;
 
 use backend::Planner;
@@ -43,10 +45,72 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads a GGUF file or an HF directory (`config.json` + `*.safetensors` + `tokenizer.json`).
+    /// Loads a GGUF file, an llmd file (`llmctl convert`) or an HF directory (`config.json` +
+    /// `*.safetensors` + `tokenizer.json`).
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self, EngineError> {
+        if format::llmd::path_is_llmd(path) {
+            let stream = model::stream::StreamOptions::default();
+            return Self::load_llmd(path, opts, &stream, None).map(|(m, _, _)| m);
+        }
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let planner = Planner::cpu(opts.threads);
+        let src = Source::open(path)?;
+        let mut weights = ModelWeights::load(&src.config, &src.tensors)?;
+        if weights.rope_freqs.is_none() {
+            weights.rope_freqs = src.rope_freqs;
+        }
+        let chat_template = src.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
+        let mut transformer = Transformer::new(src.config, weights, planner);
+        transformer.kv_type = opts.kv_type;
+        Ok(Self { name, transformer, tokenizer: src.tokenizer, chat_template })
+    }
+
+    /// Loads an llmd file through the streaming pipeline (read → unpack → compute). With a
+    /// prompt (token ids), prefills it layer by layer as the weights arrive — the cold start —
+    /// and returns its last token's logits and KV cache with the pipeline's report.
+    pub fn load_llmd(
+        path: &Path,
+        opts: &LoadOptions,
+        stream: &model::stream::StreamOptions,
+        prompt: Option<&[u32]>,
+    ) -> Result<(Self, Option<model::stream::Prefilled>, model::stream::LoadReport), EngineError> {
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let planner = Planner::cpu(opts.threads);
+        let mut built = None;
+        let (meta, weights, prefilled, report) =
+            model::stream::load(path, &planner, opts.kv_type, stream, prompt, |meta| {
+                let tokenizer = Tokenizer::from_snapshot(meta.tokenizer.clone())?;
+                check_vocab(&meta.config, &tokenizer)?;
+                let chat_template = meta.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
+                built = Some((tokenizer, chat_template));
+                Ok(())
+            })?;
+        let (tokenizer, chat_template) =
+            built.ok_or_else(|| FormatError::NativeLayout("tokenizer was not built".into()))?;
+        let mut transformer = Transformer::new(meta.config, weights, planner);
+        transformer.kv_type = opts.kv_type;
+        Ok((Self { name, transformer, tokenizer, chat_template }, prefilled, report))
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.transformer.config
+    }
+}
+
+/// A GGUF file or HF directory opened for use: configuration, tensors by GGUF name (no
+/// `output.weight` when the head is tied), tokenizer and chat template source. The loader and
+/// `llmctl convert` both start here.
+pub struct Source {
+    pub config: ModelConfig,
+    pub tensors: format::TensorMap,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<String>,
+    /// RoPE frequency divisors computed from an HF `rope_scaling` (GGUF has them as a tensor).
+    pub rope_freqs: Option<Vec<f32>>,
+}
+
+impl Source {
+    pub fn open(path: &Path) -> Result<Self, EngineError> {
         if format::is_hf_dir(path) {
             let hf = format::hf::load(path)?;
             let tokenizer = Tokenizer::from_hf(&hf.tokenizer_json)?;
@@ -57,15 +121,14 @@ impl Model {
             if hf.tie_word_embeddings {
                 tensors.remove("output.weight");
             }
-            let mut weights = ModelWeights::load(&hf.config, &tensors)?;
-            if weights.rope_freqs.is_none() {
-                weights.rope_freqs = hf.rope_freq_factors;
-            }
-            let chat_template = hf.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
             check_vocab(&hf.config, &tokenizer)?;
-            let mut transformer = Transformer::new(hf.config, weights, planner);
-            transformer.kv_type = opts.kv_type;
-            return Ok(Self { name, transformer, tokenizer, chat_template });
+            return Ok(Self {
+                config: hf.config,
+                tensors,
+                tokenizer,
+                chat_template: hf.chat_template,
+                rope_freqs: hf.rope_freq_factors,
+            });
         }
         let g = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&g)?;
@@ -87,17 +150,9 @@ impl Model {
         // The tokenizer first: its build's transient allocations are freed back to the heap
         // that the (larger) repacked weights then reuse, instead of adding to peak memory.
         let tokenizer = Tokenizer::from_gguf(&g)?;
-        let weights = ModelWeights::load(&config, &tensors)?;
         check_vocab(&config, &tokenizer)?;
-        let chat_template =
-            g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(ChatTemplate::new).transpose()?;
-        let mut transformer = Transformer::new(config, weights, planner);
-        transformer.kv_type = opts.kv_type;
-        Ok(Self { name, transformer, tokenizer, chat_template })
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        &self.transformer.config
+        let chat_template = g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_owned);
+        Ok(Self { config, tensors, tokenizer, chat_template, rope_freqs: None })
     }
 }
 

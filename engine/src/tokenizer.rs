@@ -26,6 +26,19 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 const TOKEN_TYPE_BYTE: i64 = 6;
 
+/// A tokenizer as stored in an llmd model file: the `tokenizer.json` document plus what llmd
+/// derives from the source format (token bytes in hex, BOS/EOS, end-of-generation tokens).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct TokenizerSnapshot {
+    pub hf_json: String,
+    pub pieces: Vec<String>,
+    pub texts: Vec<String>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+    pub eog: Vec<u32>,
+}
+
 pub struct Tokenizer {
     /// Splits special (control) tokens out of the text.
     full: tokenizers::Tokenizer,
@@ -286,6 +299,50 @@ impl Tokenizer {
         let mut full = full;
         full.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
         Ok(Self { full, hf_json, plain, pieces, texts, bos, eos, add_bos, eog })
+    }
+
+    /// Everything this tokenizer was built from, to store it in another file (`llmctl convert`).
+    pub fn snapshot(&self) -> TokenizerSnapshot {
+        TokenizerSnapshot {
+            hf_json: self.hf_json.clone(),
+            pieces: self.pieces.iter().map(|p| p.iter().map(|b| format!("{b:02x}")).collect()).collect(),
+            texts: self.texts.clone(),
+            bos: self.bos,
+            eos: self.eos,
+            add_bos: self.add_bos,
+            eog: self.eog.clone(),
+        }
+    }
+
+    /// Rebuilds a tokenizer from a [`Self::snapshot`], checking it as it goes.
+    pub fn from_snapshot(s: TokenizerSnapshot) -> Result<Self, TokenizerError> {
+        let bad = |m: String| TokenizerError::BadVocabulary(m);
+        if s.pieces.len() != s.texts.len() {
+            return Err(bad(format!("{} pieces for {} tokens", s.pieces.len(), s.texts.len())));
+        }
+        let n = s.texts.len();
+        let pieces = s
+            .pieces
+            .iter()
+            .map(|h| {
+                if h.len() % 2 != 0 || !h.is_ascii() {
+                    return Err(bad(format!("token bytes {h:?} are not hex")));
+                }
+                (0..h.len())
+                    .step_by(2)
+                    .map(|i| {
+                        u8::from_str_radix(&h[i..i + 2], 16).map_err(|_| bad(format!("token bytes {h:?} are not hex")))
+                    })
+                    .collect()
+            })
+            .collect::<Result<Vec<Vec<u8>>, _>>()?;
+        for id in s.bos.iter().chain(&s.eos).chain(&s.eog) {
+            if *id as usize >= n {
+                return Err(bad(format!("special token id {id} outside the vocabulary of {n}")));
+            }
+        }
+        let doc: Json = serde_json::from_str(&s.hf_json).map_err(tok_err)?;
+        Self::from_doc(doc, pieces, s.texts, s.bos, s.eos, s.add_bos, s.eog)
     }
 
     /// This tokenizer as an HF `tokenizer.json` document (e.g. to export a GGUF model's).

@@ -34,6 +34,11 @@ enum Command {
     /// Measure prefill and decode speed and peak memory (`--local`), optionally side by side
     /// with llama.cpp (`--compare-llamacpp`).
     Bench(llmd_daemon::bench::BenchArgs),
+    /// Convert a GGUF file or HF directory to an llmd file with EdgeFlow mixed-precision
+    /// weights (`--bits`, optionally smoothed with `--calibrate TEXT`).
+    Convert(llmd_daemon::modeltools::ConvertArgs),
+    /// Perplexity of a model on a text file (windows of `--ctx` tokens).
+    Perplexity(llmd_daemon::modeltools::PerplexityArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +61,8 @@ fn main() -> ExitCode {
             args.json,
         ),
         Command::Bench(args) => llmd_daemon::bench::bench(args),
+        Command::Convert(args) => llmd_daemon::modeltools::convert(args),
+        Command::Perplexity(args) => llmd_daemon::modeltools::perplexity(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
             Command::Run(args) => cli::run_remote(&conn, args),
             Command::Chat(args) => cli::chat(&conn, args),
@@ -63,7 +70,7 @@ fn main() -> ExitCode {
             Command::Status => cli::status(&conn),
             Command::Dump => cli::dump(&conn),
             // Handled above, without this connection.
-            Command::Bench(_) => Ok(()),
+            Command::Bench(_) | Command::Convert(_) | Command::Perplexity(_) => Ok(()),
         }),
     };
     match result {

@@ -3,6 +3,7 @@
 
 pub mod gguf;
 pub mod hf;
+pub mod llmd;
 
 use crate::error::FormatError;
 use crate::quant::GgmlType;

@@ -4,14 +4,14 @@ use crate::error::FormatError;
 use crate::format::gguf::GgufFile;
 
 /// Supported architecture families. Mistral-style models are llama with grouped-query attention.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Arch {
     Llama,
     Qwen2,
 }
 
 /// How rotary embeddings pair dimensions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum RopeStyle {
     /// Adjacent pairs (2i, 2i+1): ggml's "normal" mode, used by llama-architecture GGUF files,
     /// whose Q/K rows were permuted by the converter to make this equal HF's rotate-half.
@@ -20,7 +20,7 @@ pub enum RopeStyle {
     Neox,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelConfig {
     pub arch: Arch,
     pub n_layers: usize,

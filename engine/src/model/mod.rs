@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod kv;
+pub mod stream;
 pub mod weights;
 
 use crate::backend::{AttentionItem, AttentionShape, OpDesc, OpKind, Planner, RopeParams};
@@ -43,6 +44,93 @@ impl Transformer {
         KvCache::with_type(self.config.n_layers, self.config.kv_dim(), self.config.head_dim, self.kv_type)
     }
 
+    fn pass(&self) -> Pass<'_> {
+        Pass { c: &self.config, planner: &self.planner }
+    }
+
+    /// Runs `tokens` at the positions after what `kv` holds, appends their keys and values, and
+    /// returns logits (`vocab` per returned token).
+    pub fn forward(&self, kv: &mut KvCache, tokens: &[u32], which: Logits) -> Result<Vec<f32>, BackendError> {
+        let mut out = self.forward_batch(&mut [(kv, tokens)], which)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One pass over several sequences at once (continuous batching): sequence `i` runs
+    /// `batch[i].1` at the positions after what its cache `batch[i].0` holds. Every matmul
+    /// runs once over all their tokens; attention runs per sequence over its own cache. Returns
+    /// each sequence's logits as [`Self::forward`] would — and bit for bit the same values, since
+    /// every row of a matmul is computed independently of the others (tested).
+    pub fn forward_batch(
+        &self,
+        batch: &mut [(&mut KvCache, &[u32])],
+        which: Logits,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let p = self.pass();
+        let w = &self.weights;
+        let Some(mut st) = p.begin(batch, &w.token_embd)? else {
+            return Ok(vec![Vec::new(); batch.len()]);
+        };
+        for (li, l) in w.layers.iter().enumerate() {
+            p.layer(&mut st, batch, li, l, w.rope_freqs.as_deref(), None)?;
+        }
+        p.finish(st, batch, &w.output_norm, &w.output, which)
+    }
+
+    /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`
+    /// (calibration); returns the last token's logits.
+    pub fn forward_capture(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        capture: Capture,
+    ) -> Result<Vec<f32>, BackendError> {
+        let p = self.pass();
+        let w = &self.weights;
+        let batch = &mut [(kv, tokens)];
+        let Some(mut st) = p.begin(batch, &w.token_embd)? else { return Ok(Vec::new()) };
+        for (li, l) in w.layers.iter().enumerate() {
+            p.layer(&mut st, batch, li, l, w.rope_freqs.as_deref(), Some(&mut *capture))?;
+        }
+        Ok(p.finish(st, batch, &w.output_norm, &w.output, Logits::Last)?.pop().unwrap_or_default())
+    }
+}
+
+/// Where [`Transformer::forward_capture`] shows a linear group its input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CaptureSite {
+    /// The normed input of Q, K and V.
+    Qkv = 0,
+    /// The attention output, input of O.
+    O = 1,
+    /// The normed input of gate and up.
+    GateUp = 2,
+    /// `silu(gate) · up`, input of down.
+    Down = 3,
+}
+
+/// A capture hook: `(layer, site, rows, columns)`.
+pub type Capture<'a> = &'a mut dyn FnMut(usize, CaptureSite, &[f32], usize);
+
+/// The tokens of one forward pass, between layers: the residual stream and where each
+/// sequence's tokens sit in it.
+pub(crate) struct PassState {
+    x: Vec<f32>,
+    positions: Vec<usize>,
+    /// Per sequence: (first token in `x`, token count, first position).
+    spans: Vec<(usize, usize, usize)>,
+    n: usize,
+}
+
+/// The forward pass in pieces (embedding, one layer, the head), so that a loader can run
+/// layers as their weights arrive (the cold-start pipeline) with the same code as
+/// [`Transformer::forward_batch`].
+#[derive(Clone, Copy)]
+pub(crate) struct Pass<'a> {
+    pub c: &'a ModelConfig,
+    pub planner: &'a Planner,
+}
+
+impl Pass<'_> {
     fn matmul(&self, w: &WeightMatrix, x: &[f32], n: usize) -> Result<Vec<f32>, BackendError> {
         let op = OpDesc { kind: OpKind::MatMul, weight_type: Some(w.ty), n_tokens: n };
         let mut out = vec![0f32; n * w.rows];
@@ -74,26 +162,13 @@ impl Transformer {
         self.planner.place(&OpDesc { kind, weight_type: None, n_tokens: n })
     }
 
-    /// Runs `tokens` at the positions after what `kv` holds, appends their keys and values, and
-    /// returns logits (`vocab` per returned token).
-    pub fn forward(&self, kv: &mut KvCache, tokens: &[u32], which: Logits) -> Result<Vec<f32>, BackendError> {
-        let mut out = self.forward_batch(&mut [(kv, tokens)], which)?;
-        Ok(out.pop().unwrap_or_default())
-    }
-
-    /// One pass over several sequences at once (continuous batching): sequence `i` runs
-    /// `batch[i].1` at the positions after what its cache `batch[i].0` holds. Every matmul
-    /// runs once over all their tokens; attention runs per sequence over its own cache. Returns
-    /// each sequence's logits as [`Self::forward`] would — and bit for bit the same values, since
-    /// every row of a matmul is computed independently of the others (tested).
-    pub fn forward_batch(
+    /// Checks the batch against the context and embeds its tokens (`None`: no tokens at all).
+    pub(crate) fn begin(
         &self,
-        batch: &mut [(&mut KvCache, &[u32])],
-        which: Logits,
-    ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let c = &self.config;
-        let d = c.d_model;
-        let w = &self.weights;
+        batch: &[(&mut KvCache, &[u32])],
+        token_embd: &WeightMatrix,
+    ) -> Result<Option<PassState>, BackendError> {
+        let c = self.c;
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut spans = Vec::with_capacity(batch.len());
@@ -111,12 +186,27 @@ impl Transformer {
         }
         let n = tokens.len();
         if n == 0 {
-            return Ok(vec![Vec::new(); batch.len()]);
+            return Ok(None);
         }
-        let mut x = vec![0f32; n * d];
+        let mut x = vec![0f32; n * c.d_model];
         self.planner
-            .place(&OpDesc { kind: OpKind::GetRows, weight_type: Some(w.token_embd.ty), n_tokens: n })?
-            .get_rows(&w.token_embd, &tokens, &mut x)?;
+            .place(&OpDesc { kind: OpKind::GetRows, weight_type: Some(token_embd.ty), n_tokens: n })?
+            .get_rows(token_embd, &tokens, &mut x)?;
+        Ok(Some(PassState { x, positions, spans, n }))
+    }
+
+    /// Layer `li` over every token of the pass; appends their keys and values to the caches.
+    pub(crate) fn layer(
+        &self,
+        st: &mut PassState,
+        batch: &mut [(&mut KvCache, &[u32])],
+        li: usize,
+        l: &weights::LayerWeights,
+        rope_freqs: Option<&[f32]>,
+        mut capture: Option<Capture>,
+    ) -> Result<(), BackendError> {
+        let c = self.c;
+        let n = st.n;
         let rope = |heads| RopeParams {
             n_heads: heads,
             head_dim: c.head_dim,
@@ -126,67 +216,93 @@ impl Transformer {
             style: c.rope_style,
         };
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
-        for (li, l) in w.layers.iter().enumerate() {
-            let mut h = x.clone();
-            self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
-            let [mut q, mut k, v] = self.matmul_many([&l.wq, &l.wk, &l.wv], &h, n)?;
-            let mut v = v;
-            for (t, b) in [(&mut q, &l.bq), (&mut k, &l.bk), (&mut v, &l.bv)] {
-                if let Some(b) = b {
-                    for row in t.chunks_exact_mut(b.len()) {
-                        row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
-                    }
-                }
-            }
-            let rope_op = self.op(OpKind::Rope, n)?;
-            rope_op.rope(&mut q, &positions, &rope(c.n_heads), w.rope_freqs.as_deref())?;
-            rope_op.rope(&mut k, &positions, &rope(c.n_kv_heads), w.rope_freqs.as_deref())?;
-            let mut attn = vec![0f32; n * qd];
-            for ((kv, _), &(off, len, _)) in batch.iter_mut().zip(&spans) {
-                if len > 0 {
-                    kv.append(li, &k[off * kvd..(off + len) * kvd], &v[off * kvd..(off + len) * kvd]);
-                }
-            }
-            // Every sequence's attention in one step, each over its own cache.
-            let mut items = Vec::with_capacity(batch.len());
-            let mut rest: &mut [f32] = &mut attn;
-            for ((kv, _), &(off, len, start)) in batch.iter().zip(&spans) {
-                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len * qd);
-                rest = tail;
-                if len > 0 {
-                    items.push(AttentionItem {
-                        shape: AttentionShape {
-                            n_heads: c.n_heads,
-                            n_kv_heads: c.n_kv_heads,
-                            head_dim: c.head_dim,
-                            start,
-                            n_tokens: len,
-                        },
-                        q: &q[off * qd..(off + len) * qd],
-                        kv: kv.layer(li),
-                        out: mine,
-                    });
-                }
-            }
-            self.op(OpKind::Attention, n)?.attention_many(&mut items)?;
-            drop(items);
-            let o = self.matmul(&l.wo, &attn, n)?;
-            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
-
-            let mut h = x.clone();
-            self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.ffn_norm, c.norm_eps)?;
-            let [mut g, u] = self.matmul_many([&l.w_gate, &l.w_up], &h, n)?;
-            self.op(OpKind::SwiGlu, n)?.swiglu(&mut g, &u)?;
-            let down = self.matmul(&l.w_down, &g, n)?;
-            x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);
+        let x = &mut st.x;
+        let mut h = x.clone();
+        self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
+        if let Some(f) = capture.as_mut() {
+            f(li, CaptureSite::Qkv, &h, c.d_model);
         }
-        for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&spans) {
+        let [mut q, mut k, v] = self.matmul_many([&l.wq, &l.wk, &l.wv], &h, n)?;
+        let mut v = v;
+        for (t, b) in [(&mut q, &l.bq), (&mut k, &l.bk), (&mut v, &l.bv)] {
+            if let Some(b) = b {
+                for row in t.chunks_exact_mut(b.len()) {
+                    row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+                }
+            }
+        }
+        let rope_op = self.op(OpKind::Rope, n)?;
+        rope_op.rope(&mut q, &st.positions, &rope(c.n_heads), rope_freqs)?;
+        rope_op.rope(&mut k, &st.positions, &rope(c.n_kv_heads), rope_freqs)?;
+        let mut attn = vec![0f32; n * qd];
+        for ((kv, _), &(off, len, _)) in batch.iter_mut().zip(&st.spans) {
+            if len > 0 {
+                kv.append(li, &k[off * kvd..(off + len) * kvd], &v[off * kvd..(off + len) * kvd]);
+            }
+        }
+        // Every sequence's attention in one step, each over its own cache.
+        let mut items = Vec::with_capacity(batch.len());
+        let mut rest: &mut [f32] = &mut attn;
+        for ((kv, _), &(off, len, start)) in batch.iter().zip(&st.spans) {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len * qd);
+            rest = tail;
+            if len > 0 {
+                items.push(AttentionItem {
+                    shape: AttentionShape {
+                        n_heads: c.n_heads,
+                        n_kv_heads: c.n_kv_heads,
+                        head_dim: c.head_dim,
+                        start,
+                        n_tokens: len,
+                    },
+                    q: &q[off * qd..(off + len) * qd],
+                    kv: kv.layer(li),
+                    out: mine,
+                });
+            }
+        }
+        self.op(OpKind::Attention, n)?.attention_many(&mut items)?;
+        drop(items);
+        if let Some(f) = capture.as_mut() {
+            f(li, CaptureSite::O, &attn, qd);
+        }
+        let o = self.matmul(&l.wo, &attn, n)?;
+        x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+
+        let mut h = x.clone();
+        self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.ffn_norm, c.norm_eps)?;
+        if let Some(f) = capture.as_mut() {
+            f(li, CaptureSite::GateUp, &h, c.d_model);
+        }
+        let [mut g, u] = self.matmul_many([&l.w_gate, &l.w_up], &h, n)?;
+        self.op(OpKind::SwiGlu, n)?.swiglu(&mut g, &u)?;
+        if let Some(f) = capture.as_mut() {
+            f(li, CaptureSite::Down, &g, c.ffn_dim);
+        }
+        let down = self.matmul(&l.w_down, &g, n)?;
+        x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);
+        Ok(())
+    }
+
+    /// Advances the caches past the pass and returns each sequence's logits.
+    pub(crate) fn finish(
+        &self,
+        st: PassState,
+        batch: &mut [(&mut KvCache, &[u32])],
+        output_norm: &[f32],
+        output: &WeightMatrix,
+        which: Logits,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let c = self.c;
+        let d = c.d_model;
+        let x = &st.x;
+        for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&st.spans) {
             kv.advance(len);
         }
         // The rows whose logits are wanted, all sequences in one output-head matmul.
         let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(spans.len());
-        for &(off, len, _) in &spans {
+        let mut counts = Vec::with_capacity(st.spans.len());
+        for &(off, len, _) in &st.spans {
             let r: Vec<usize> = match which {
                 Logits::Last if len > 0 => vec![off + len - 1],
                 Logits::Last => vec![],
@@ -202,9 +318,9 @@ impl Transformer {
         if rows.is_empty() {
             return Ok(vec![Vec::new(); batch.len()]);
         }
-        self.op(OpKind::RmsNorm, rows.len())?.rms_norm(&mut last, &w.output_norm, c.norm_eps)?;
-        let logits = self.matmul(&w.output, &last, rows.len())?;
-        let vocab = w.output.rows;
+        self.op(OpKind::RmsNorm, rows.len())?.rms_norm(&mut last, output_norm, c.norm_eps)?;
+        let logits = self.matmul(output, &last, rows.len())?;
+        let vocab = output.rows;
         let mut out = Vec::with_capacity(batch.len());
         let mut at = 0;
         for cnt in counts {

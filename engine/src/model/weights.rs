@@ -27,6 +27,30 @@ impl WeightMatrix {
         Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed }
     }
 
+    /// Wraps weights already in the packed layout (e.g. unpacked from an llmd file); `tensor`
+    /// names where they live in the file, for accounting only.
+    pub fn with_packed(name: &str, tensor: TensorRef, packed: PackedMatrix) -> Self {
+        let ty = match packed.kind {
+            PackKind::Q4_0 => GgmlType::Q4_0,
+            PackKind::Q4_1 => GgmlType::Q4_1,
+            PackKind::Q8_0 => GgmlType::Q8_0,
+        };
+        Self { name: name.to_owned(), ty, rows: packed.rows, cols: packed.cols, tensor, packed: Some(Arc::new(packed)) }
+    }
+
+    /// The same weights under another name (a tied output head).
+    pub fn renamed(&self, name: &str) -> Self {
+        Self { name: name.to_owned(), ..self.clone() }
+    }
+
+    /// Whether two matrices are the same weights (a tied output head).
+    pub fn same_weights(&self, o: &Self) -> bool {
+        match (&self.packed, &o.packed) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => Arc::ptr_eq(&self.tensor.file, &o.tensor.file) && self.tensor.range == o.tensor.range,
+        }
+    }
+
     pub fn row_bytes(&self) -> usize {
         self.tensor.range.len() / self.rows.max(1)
     }
@@ -37,9 +61,9 @@ impl WeightMatrix {
         let rb = self.row_bytes();
         (r < self.rows).then(|| &self.bytes()[r * rb..(r + 1) * rb])
     }
-    /// Bytes of weights this matrix holds.
+    /// Bytes of weights this matrix holds in memory (its packed copy, if it has one).
     pub fn size_bytes(&self) -> usize {
-        self.tensor.range.len()
+        self.packed.as_ref().map(|p| p.size_bytes()).unwrap_or(self.tensor.range.len())
     }
 }
 
@@ -185,7 +209,7 @@ impl ModelWeights {
                     .sum::<usize>()
             })
             .sum();
-        let tied = std::ptr::eq(self.output.bytes().as_ptr(), self.token_embd.bytes().as_ptr());
+        let tied = self.output.same_weights(&self.token_embd);
         layer + self.token_embd.size_bytes() + if tied { 0 } else { self.output.size_bytes() }
     }
 }

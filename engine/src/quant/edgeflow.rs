@@ -339,7 +339,7 @@ mod x86 {
     /// into the neighbouring byte (it moves toward its target inside its own byte).
     #[inline(always)]
     unsafe fn shift128(v: __m128i, shift: i8) -> __m128i {
-        // SAFETY (whole fn): SSE2 is baseline on x86_64; pure register operations.
+        // SAFETY: SSE2 is baseline on x86_64; pure register operations.
         unsafe {
             if shift >= 0 {
                 _mm_sll_epi16(v, _mm_cvtsi32_si128(shift as i32))
@@ -375,7 +375,7 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn shift256(v: __m256i, shift: i8) -> __m256i {
-        // SAFETY (whole fn): only called from the AVX2 kernel; pure register operations.
+        // SAFETY: only called from the AVX2 kernel; pure register operations.
         unsafe {
             if shift >= 0 {
                 _mm256_sll_epi16(v, _mm_cvtsi32_si128(shift as i32))
@@ -620,8 +620,11 @@ mod tests {
         let rows: Vec<Vec<f32>> = (0..64).map(|_| channel(&mut r, 512, 3.0)).collect();
         let crest: Vec<f64> = rows.iter().map(|w| crest2(w)).collect();
         let base = allocate(&crest, 5.0);
-        let scaled: Vec<f64> =
-            rows.iter().enumerate().map(|(i, w)| crest2(&w.iter().map(|x| x * (1 + i) as f32).collect::<Vec<_>>())).collect();
+        let scaled: Vec<f64> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, w)| crest2(&w.iter().map(|x| x * (1 + i) as f32).collect::<Vec<_>>()))
+            .collect();
         assert_eq!(allocate(&scaled, 5.0), base);
         let mut spiked = rows.clone();
         let i = base.iter().enumerate().min_by_key(|(_, &b)| b).map(|(i, _)| i).unwrap_or(0);

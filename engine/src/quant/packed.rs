@@ -161,6 +161,49 @@ impl PackedMatrix {
         Ok(Self { kind, rows, cols, data })
     }
 
+    /// A Q8_0 matrix from int8 rows with one scale per row (every block of row `r` gets the
+    /// scale `fill(r, buf)` returns after writing the row's `cols` int8 values into `buf`).
+    /// This is how per-output-channel int8 weights (EdgeFlow, unpacked) run on the Q8_0 kernels.
+    pub fn from_i8_rows<E>(
+        rows: usize,
+        cols: usize,
+        row_buf: usize,
+        mut fill: impl FnMut(usize, &mut [i8]) -> Result<f16, E>,
+    ) -> Result<Self, E>
+    where
+        E: From<std::io::Error>,
+    {
+        if cols == 0 || cols % BLOCK != 0 || row_buf < cols {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{cols} columns are not whole blocks of {BLOCK}"),
+            )
+            .into());
+        }
+        let kind = PackKind::Q8_0;
+        let blocks = cols / BLOCK;
+        let rec = kind.record_bytes();
+        let qo = kind.qs_offset();
+        let mut data = vec![0u8; rows.div_ceil(TILE_ROWS) * blocks * rec];
+        let mut buf = vec![0i8; row_buf];
+        for r in 0..rows {
+            let (tile, lane) = (r / TILE_ROWS, r % TILE_ROWS);
+            let d = fill(r, &mut buf)?.to_le_bytes();
+            let tdata = &mut data[tile * blocks * rec..(tile + 1) * blocks * rec];
+            for (b, rdata) in tdata.chunks_exact_mut(rec).enumerate() {
+                rdata[2 * lane..2 * lane + 2].copy_from_slice(&d);
+                let w = &buf[b * BLOCK..(b + 1) * BLOCK];
+                for g in 0..8 {
+                    let at = qo + 64 * g + 4 * lane;
+                    for j in 0..4 {
+                        rdata[at + j] = (w[4 * g + j] as u8) ^ 0x80;
+                    }
+                }
+            }
+        }
+        Ok(Self { kind, rows, cols, data })
+    }
+
     pub fn blocks(&self) -> usize {
         self.cols / BLOCK
     }

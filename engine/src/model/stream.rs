@@ -1,0 +1,528 @@
+//! The streaming loader for llmd files (EdgeFlow §4.3's macro pipeline): reader threads →
+//! one unpack thread → compute, pipelined per layer region, so that a cold start's prefill runs
+//! layer 0 while later layers are still coming off storage.
+//!
+//! * **Read**: `readers` threads take regions in file order from a shared counter and read each
+//!   whole region with `pread` into a buffer of their own (no page of the map is touched), then
+//!   hand it on through a bounded channel (at most `readers + 1` regions wait, so memory stays
+//!   bounded whatever the storage speed).
+//! * **Unpack**: one thread puts regions back in order, checks every tensor's CRC-32 and the
+//!   region's share of the whole-data CRC-32, and turns the bytes into weights: EdgeFlow tensors
+//!   are SIMD-unpacked to int8 straight into the CPU kernels' tile layout, GGML tensors are
+//!   repacked as the GGUF loader does.
+//! * **Compute**: the caller's thread; with a prompt, it runs the forward pass one layer at a
+//!   time as each layer's weights arrive ([`crate::model::Pass`], the same code as
+//!   [`crate::model::Transformer::forward_batch`], so the logits are the same bit for bit).
+//!
+//! The whole-data checksum is known only when the last region has been read; a mismatch there
+//! fails the load even though earlier layers were already used (their own CRCs had matched).
+
+use super::config::ModelConfig;
+use super::kv::KvCache;
+use super::weights::{LayerWeights, ModelWeights, WeightMatrix};
+use super::{Logits, Pass};
+use crate::backend::Planner;
+use crate::error::{EngineError, FormatError};
+use crate::format::llmd::{self, Metadata, TensorEntry, TensorKind};
+use crate::format::{ModelBytes, TensorRef};
+use crate::quant::edgeflow;
+use crate::quant::packed::{PackKind, PackedMatrix};
+use crate::quant::{self, GgmlType};
+use half::f16;
+use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Bytes per `pread` call (progress is reported between calls).
+const READ_CHUNK: usize = 8 << 20;
+
+/// Where the pipeline is, for progress displays.
+#[derive(Clone, Debug)]
+pub struct Progress {
+    /// Bytes read so far / in all.
+    pub read_bytes: u64,
+    pub total_bytes: u64,
+    /// Regions whose weights are ready so far / in all.
+    pub regions_ready: usize,
+    pub regions: usize,
+}
+
+/// A progress callback, called from the pipeline's threads.
+pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
+
+/// How to run the pipeline.
+#[derive(Clone)]
+pub struct StreamOptions {
+    /// Reader threads (EdgeFlow used 2).
+    pub readers: usize,
+    /// Called from the pipeline's threads as bytes are read and regions become ready.
+    pub progress: Option<ProgressFn>,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        Self { readers: 2, progress: None }
+    }
+}
+
+/// One region's times, in seconds from the start of the load.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct RegionTiming {
+    pub name: String,
+    pub bytes: u64,
+    pub read: (f64, f64),
+    pub unpack: (f64, f64),
+    /// When the prompt's prefill ran this region (layers, head), if there was a prompt.
+    pub compute: Option<(f64, f64)>,
+}
+
+/// What the pipeline did: bytes, per-stage busy times, and the timeline per region.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct LoadReport {
+    pub file_bytes: u64,
+    pub bytes_read: u64,
+    /// Header, metadata, tokenizer and chat template, before the first region is used.
+    pub setup_s: f64,
+    /// Sums over threads of the time spent in each stage.
+    pub read_busy_s: f64,
+    pub unpack_busy_s: f64,
+    pub compute_busy_s: f64,
+    /// Time the compute stage waited for weights.
+    pub compute_wait_s: f64,
+    /// From the start to the last weights ready (no prompt) or to the first token's logits.
+    pub wall_s: f64,
+    pub regions: Vec<RegionTiming>,
+}
+
+impl LoadReport {
+    /// Seconds during which reading, unpacking and computing overlapped another stage: the
+    /// stage busy times minus the wall time of the stages together (0 when run one by one).
+    pub fn overlap_s(&self) -> f64 {
+        let first = self.regions.iter().map(|r| r.read.0).fold(f64::INFINITY, f64::min);
+        let last = self.regions.iter().map(|r| r.compute.map(|c| c.1).unwrap_or(r.unpack.1)).fold(0.0, f64::max);
+        let span = (last - first).max(0.0);
+        (self.read_busy_s + self.unpack_busy_s + self.compute_busy_s - span).max(0.0)
+    }
+}
+
+/// The result of a cold start with a prompt: its last token's logits and the filled KV cache.
+pub struct Prefilled {
+    pub logits: Vec<f32>,
+    pub kv: KvCache,
+}
+
+enum Part {
+    Matrix(WeightMatrix),
+    Vector(Vec<f32>),
+}
+
+struct ReadRegion {
+    index: usize,
+    bytes: Vec<u8>,
+    crc: crc32fast::Hasher,
+    read: (f64, f64),
+}
+
+struct ReadyRegion {
+    index: usize,
+    read: (f64, f64),
+    parts: HashMap<String, Part>,
+    unpack: (f64, f64),
+}
+
+/// Loads an llmd file through the pipeline. With `prompt`, also prefills it as the layers
+/// arrive and returns the last token's logits and the KV cache (`kv_type` from `planner`'s
+/// caller). Returns the header's metadata (tokenizer and chat template still to build), the
+/// weights and the report.
+pub(crate) fn load(
+    path: &Path,
+    planner: &Planner,
+    kv_type: super::kv::KvType,
+    opts: &StreamOptions,
+    prompt: Option<&[u32]>,
+    mut setup: impl FnMut(&Metadata) -> Result<(), EngineError>,
+) -> Result<(Metadata, ModelWeights, Option<Prefilled>, LoadReport), EngineError> {
+    let t0 = Instant::now();
+    let secs = move || t0.elapsed().as_secs_f64();
+    let io = |source| FormatError::Io { path: path.display().to_string(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let file_len = file.metadata().map_err(io)?.len();
+    let mut head = vec![0u8; llmd::HEADER_BYTES.min(file_len as usize)];
+    file.read_exact_at(&mut head, 0).map_err(io)?;
+    if head.len() == llmd::HEADER_BYTES && llmd::is_llmd(&head) {
+        let data_offset = u64::from_le_bytes(head[32..40].try_into().unwrap_or_default());
+        if data_offset <= file_len && data_offset <= llmd::MAX_METADATA + llmd::REGION_ALIGN as u64 {
+            head.resize(data_offset as usize, 0);
+            file.read_exact_at(&mut head, 0).map_err(io)?;
+        }
+    }
+    let (header, meta) = llmd::parse_head(&head, file_len)?;
+    drop(head);
+    let map = Arc::new(ModelBytes::map(path)?);
+    let c = meta.config.clone();
+    let data_offset = header.data_offset;
+    let n_regions = meta.regions.len();
+    let total = header.data_len;
+    let readers = opts.readers.clamp(1, 8);
+
+    let meta = Arc::new(meta);
+    let next = Arc::new(AtomicUsize::new(0));
+    let read_so_far = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let ready_so_far = Arc::new(AtomicUsize::new(0));
+    let (read_tx, read_rx) = mpsc::sync_channel::<Result<ReadRegion, FormatError>>(readers + 1);
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<ReadyRegion, FormatError>>();
+    let report_progress = {
+        let p = opts.progress.clone();
+        let (read_so_far, ready_so_far) = (read_so_far.clone(), ready_so_far.clone());
+        move || {
+            if let Some(p) = &p {
+                p(&Progress {
+                    read_bytes: read_so_far.load(Ordering::Relaxed),
+                    total_bytes: total,
+                    regions_ready: ready_so_far.load(Ordering::Relaxed),
+                    regions: n_regions,
+                })
+            }
+        }
+    };
+    let file = Arc::new(file);
+    let mut handles = Vec::new();
+    for _ in 0..readers {
+        let (meta, next, file, tx, read_so_far) =
+            (meta.clone(), next.clone(), file.clone(), read_tx.clone(), read_so_far.clone());
+        let report_progress = report_progress.clone();
+        let path = path.display().to_string();
+        handles.push(std::thread::spawn(move || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(r) = meta.regions.get(i) else { break };
+            let start = secs();
+            let mut bytes = vec![0u8; r.len as usize];
+            let mut crc = crc32fast::Hasher::new();
+            let mut failed = None;
+            for (k, chunk) in bytes.chunks_mut(READ_CHUNK).enumerate() {
+                let at = data_offset + r.offset + (k * READ_CHUNK) as u64;
+                if let Err(source) = file.read_exact_at(chunk, at) {
+                    failed = Some(FormatError::Io { path: path.clone(), source });
+                    break;
+                }
+                crc.update(chunk);
+                read_so_far.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                report_progress();
+            }
+            let msg = match failed {
+                Some(e) => Err(e),
+                None => Ok(ReadRegion { index: i, bytes, crc, read: (start, secs()) }),
+            };
+            if tx.send(msg).is_err() {
+                break;
+            }
+        }));
+    }
+    drop(read_tx);
+    {
+        let (meta, map, ready_so_far) = (meta.clone(), map.clone(), ready_so_far.clone());
+        let report_progress = report_progress.clone();
+        let stored_crc = header.data_crc;
+        handles.push(std::thread::spawn(move || {
+            let mut pending = BTreeMap::new();
+            let mut want = 0usize;
+            let mut whole = crc32fast::Hasher::new();
+            for msg in read_rx {
+                let r = match msg {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                pending.insert(r.index, r);
+                while let Some(r) = pending.remove(&want) {
+                    let start = secs();
+                    whole.combine(&r.crc);
+                    let region = &meta.regions[r.index];
+                    let mut parts = HashMap::new();
+                    let mut result = Ok(());
+                    for &ti in &region.tensors {
+                        let t = &meta.tensors[ti];
+                        let at = (t.offset - region.offset) as usize;
+                        let bytes = &r.bytes[at..at + t.len as usize];
+                        match build_part(t, bytes, &map, data_offset) {
+                            Ok(p) => {
+                                parts.insert(t.name.clone(), p);
+                            }
+                            Err(e) => {
+                                result = Err(e);
+                                break;
+                            }
+                        }
+                    }
+                    if result.is_ok() && want + 1 == meta.regions.len() {
+                        let computed = whole.clone().finalize();
+                        if computed != stored_crc {
+                            result = Err(FormatError::ChecksumMismatch {
+                                what: "data".into(),
+                                stored: stored_crc,
+                                computed,
+                            });
+                        }
+                    }
+                    let msg =
+                        result.map(|_| ReadyRegion { index: r.index, read: r.read, parts, unpack: (start, secs()) });
+                    let failed = msg.is_err();
+                    ready_so_far.fetch_add(1, Ordering::Relaxed);
+                    report_progress();
+                    if ready_tx.send(msg).is_err() || failed {
+                        return;
+                    }
+                    want += 1;
+                }
+            }
+        }));
+    }
+    // The caller's setup (tokenizer, chat template) overlaps the first reads.
+    setup(&meta)?;
+    let setup_s = secs();
+
+    let mut report = LoadReport { file_bytes: file_len, setup_s, ..Default::default() };
+    report.regions = meta
+        .regions
+        .iter()
+        .map(|r| RegionTiming { name: r.name.clone(), bytes: r.len, ..Default::default() })
+        .collect();
+    let pass = Pass { c: &c, planner };
+    let mut kv = prompt.map(|_| KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, kv_type));
+    let mut state = None;
+    let mut parts: HashMap<String, Part> = HashMap::new();
+    let mut layers: Vec<LayerWeights> = Vec::with_capacity(c.n_layers);
+    let mut token_embd: Option<WeightMatrix> = None;
+    let mut rope_freqs = None;
+    let mut compute_busy = 0.0;
+    let mut wait = 0.0;
+    let run = (|| -> Result<(), EngineError> {
+        for _ in 0..n_regions {
+            let w0 = secs();
+            let ready = ready_rx
+                .recv()
+                .map_err(|_| FormatError::NativeLayout("the loader stopped before the last region".into()))??;
+            wait += secs() - w0;
+            let ri = ready.index;
+            report.regions[ri].unpack = ready.unpack;
+            report.regions[ri].read = ready.read;
+            parts.extend(ready.parts);
+            let c0 = secs();
+            // Everything a region brings is used as soon as it is complete.
+            if token_embd.is_none() && parts.contains_key("token_embd.weight") {
+                let e = take_matrix(&mut parts, "token_embd.weight", c.vocab_size, c.d_model)?;
+                rope_freqs = take_opt_vector(&mut parts, "rope_freqs.weight", c.rope_dims / 2)?;
+                if let (Some(p), Some(kv)) = (prompt, kv.as_mut()) {
+                    state = pass.begin(&[(kv, p)], &e)?;
+                }
+                token_embd = Some(e);
+            }
+            while layers.len() < c.n_layers && parts.contains_key(&format!("blk.{}.ffn_down.weight", layers.len())) {
+                let li = layers.len();
+                let l = take_layer(&mut parts, &c, li)?;
+                if let (Some(st), Some(p), Some(kv)) = (state.as_mut(), prompt, kv.as_mut()) {
+                    pass.layer(st, &mut [(kv, p)], li, &l, rope_freqs.as_deref(), None)?;
+                }
+                layers.push(l);
+            }
+            let c1 = secs();
+            if c1 - c0 > 1e-6 && prompt.is_some() {
+                report.regions[ri].compute = Some((c0, c1));
+                compute_busy += c1 - c0;
+            }
+        }
+        Ok(())
+    })();
+    // Stop the threads whatever happened (they end when their channels close).
+    drop(ready_rx);
+    for h in handles {
+        let _ = h.join();
+    }
+    run?;
+    let token_embd = token_embd.ok_or_else(|| FormatError::MissingTensor("token_embd.weight".into()))?;
+    if layers.len() != c.n_layers {
+        return Err(FormatError::MissingTensor(format!("blk.{}.ffn_down.weight", layers.len())).into());
+    }
+    let output_norm = take_vector(&mut parts, "output_norm.weight", c.d_model)?;
+    let output = if parts.contains_key("output.weight") {
+        take_matrix(&mut parts, "output.weight", c.vocab_size, c.d_model)?
+    } else {
+        token_embd.renamed("output.weight (tied to token_embd.weight)")
+    };
+    if let Some(extra) = parts.keys().next() {
+        return Err(FormatError::NativeLayout(format!("unexpected tensor {extra:?}")).into());
+    }
+    let weights = ModelWeights { token_embd, layers, output_norm, output, rope_freqs };
+    let prefilled = match (state, prompt, kv) {
+        (Some(st), Some(p), Some(mut kv)) => {
+            let c0 = secs();
+            let mut out = pass.finish(st, &mut [(&mut kv, p)], &weights.output_norm, &weights.output, Logits::Last)?;
+            let c1 = secs();
+            compute_busy += c1 - c0;
+            if let Some(last) = report.regions.last_mut() {
+                let start = last.compute.map(|c| c.0).unwrap_or(c0);
+                last.compute = Some((start, c1));
+            }
+            Some(Prefilled { logits: out.pop().unwrap_or_default(), kv })
+        }
+        _ => None,
+    };
+    report.bytes_read = read_so_far.load(Ordering::Relaxed);
+    report.compute_busy_s = compute_busy;
+    report.compute_wait_s = wait;
+    report.read_busy_s = report.regions.iter().map(|r| r.read.1 - r.read.0).sum();
+    report.unpack_busy_s = report.regions.iter().map(|r| r.unpack.1 - r.unpack.0).sum();
+    report.wall_s = secs();
+    let meta = Arc::try_unwrap(meta).unwrap_or_else(|m| (*m).clone());
+    Ok((meta, weights, prefilled, report))
+}
+
+/// Turns one tensor's checked bytes into weights.
+fn build_part(t: &TensorEntry, bytes: &[u8], map: &Arc<ModelBytes>, data_offset: u64) -> Result<Part, FormatError> {
+    let computed = crc32fast::hash(bytes);
+    if computed != t.crc32 {
+        return Err(FormatError::ChecksumMismatch { what: format!("tensor {:?}", t.name), stored: t.crc32, computed });
+    }
+    let (rows, cols) = (t.rows as usize, t.cols as usize);
+    let start = (data_offset + t.offset) as usize;
+    let tref =
+        |ty| TensorRef { ty, dims: vec![t.cols, t.rows], file: map.clone(), range: start..start + t.len as usize };
+    let bad = |m: String| FormatError::NativeLayout(format!("tensor {:?}: {m}", t.name));
+    match t.kind {
+        TensorKind::Ggml { type_id } => {
+            let ty =
+                GgmlType::from_id(type_id).ok_or(FormatError::UnknownTensorType { name: t.name.clone(), type_id })?;
+            if rows == 1 {
+                let mut v = vec![0f32; cols];
+                quant::dequantize_row(ty, bytes, &mut v).map_err(|e| bad(e.to_string()))?;
+                return Ok(Part::Vector(v));
+            }
+            let Some(kind) = PackKind::of(ty) else {
+                return Ok(Part::Matrix(WeightMatrix::from_tensor(&t.name, rows, cols, tref(ty))));
+            };
+            let row_bytes = bytes.len() / rows;
+            let p = PackedMatrix::pack(kind, rows, cols, |r0, buf| {
+                buf.copy_from_slice(&bytes[r0 * row_bytes..r0 * row_bytes + buf.len()]);
+                Ok(())
+            })
+            .map_err(|e| bad(e.to_string()))?;
+            Ok(Part::Matrix(WeightMatrix::with_packed(&t.name, tref(ty), p)))
+        }
+        TensorKind::Edgeflow => {
+            if cols % crate::quant::packed::BLOCK != 0 {
+                return Err(bad(format!("{cols} columns are not a multiple of 32")));
+            }
+            let (bits_len, scales_len) = llmd::edgeflow_prefix(rows);
+            let bits =
+                edgeflow::unpack_bit_widths(bytes, rows).ok_or_else(|| bad("bit-width array truncated".into()))?;
+            let scales = bytes.get(bits_len..bits_len + 2 * rows).ok_or_else(|| bad("scales truncated".into()))?;
+            let mut offsets = Vec::with_capacity(rows + 1);
+            let mut at = bits_len + scales_len;
+            for &b in &bits {
+                offsets.push(at);
+                at += edgeflow::channel_bytes(b, cols);
+            }
+            if at != bytes.len() {
+                return Err(bad(format!("{} bytes, the bit-widths need {at}", bytes.len())));
+            }
+            let buf_len = edgeflow::groups(cols) * edgeflow::GROUP;
+            let p = PackedMatrix::from_i8_rows(rows, cols, buf_len, |r, out| {
+                let d = f16::from_le_bytes([scales[2 * r], scales[2 * r + 1]]);
+                if !d.is_finite() {
+                    return Err(bad(format!("channel {r} has scale {d}")));
+                }
+                let b = bits[r];
+                edgeflow::unpack_channel(b, &bytes[offsets[r]..offsets[r] + edgeflow::channel_bytes(b, cols)], out);
+                Ok(d)
+            })?;
+            Ok(Part::Matrix(WeightMatrix::with_packed(&t.name, tref(GgmlType::Q8_0), p)))
+        }
+    }
+}
+
+impl From<std::io::Error> for FormatError {
+    fn from(e: std::io::Error) -> Self {
+        FormatError::NativeLayout(e.to_string())
+    }
+}
+
+fn take_matrix(
+    parts: &mut HashMap<String, Part>,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<WeightMatrix, FormatError> {
+    match parts.remove(name) {
+        Some(Part::Matrix(m)) if m.rows == rows && m.cols == cols => Ok(m),
+        Some(Part::Matrix(m)) => Err(FormatError::ShapeMismatch {
+            name: name.into(),
+            found: vec![m.cols as u64, m.rows as u64],
+            expected: vec![cols as u64, rows as u64],
+        }),
+        Some(Part::Vector(v)) => Err(FormatError::ShapeMismatch {
+            name: name.into(),
+            found: vec![v.len() as u64],
+            expected: vec![cols as u64, rows as u64],
+        }),
+        None => Err(FormatError::MissingTensor(name.into())),
+    }
+}
+
+fn take_vector(parts: &mut HashMap<String, Part>, name: &str, len: usize) -> Result<Vec<f32>, FormatError> {
+    match parts.remove(name) {
+        Some(Part::Vector(v)) if v.len() == len => Ok(v),
+        Some(Part::Vector(v)) => Err(FormatError::ShapeMismatch {
+            name: name.into(),
+            found: vec![v.len() as u64],
+            expected: vec![len as u64],
+        }),
+        Some(Part::Matrix(m)) => Err(FormatError::ShapeMismatch {
+            name: name.into(),
+            found: vec![m.cols as u64, m.rows as u64],
+            expected: vec![len as u64],
+        }),
+        None => Err(FormatError::MissingTensor(name.into())),
+    }
+}
+
+fn take_opt_vector(parts: &mut HashMap<String, Part>, name: &str, len: usize) -> Result<Option<Vec<f32>>, FormatError> {
+    if parts.contains_key(name) {
+        take_vector(parts, name, len).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+fn take_layer(parts: &mut HashMap<String, Part>, c: &ModelConfig, i: usize) -> Result<LayerWeights, FormatError> {
+    let n = |s: &str| format!("blk.{i}.{s}");
+    let (d, q, kv, f) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
+    let qwen = c.arch == super::config::Arch::Qwen2;
+    let mut bias = |s: &str, len| {
+        if qwen {
+            take_vector(parts, &n(s), len).map(Some)
+        } else {
+            take_opt_vector(parts, &n(s), len)
+        }
+    };
+    let (bq, bk, bv) = (bias("attn_q.bias", q)?, bias("attn_k.bias", kv)?, bias("attn_v.bias", kv)?);
+    Ok(LayerWeights {
+        attn_norm: take_vector(parts, &n("attn_norm.weight"), d)?,
+        wq: take_matrix(parts, &n("attn_q.weight"), q, d)?,
+        wk: take_matrix(parts, &n("attn_k.weight"), kv, d)?,
+        wv: take_matrix(parts, &n("attn_v.weight"), kv, d)?,
+        wo: take_matrix(parts, &n("attn_output.weight"), d, q)?,
+        bq,
+        bk,
+        bv,
+        ffn_norm: take_vector(parts, &n("ffn_norm.weight"), d)?,
+        w_gate: take_matrix(parts, &n("ffn_gate.weight"), f, d)?,
+        w_up: take_matrix(parts, &n("ffn_up.weight"), f, d)?,
+        w_down: take_matrix(parts, &n("ffn_down.weight"), d, f)?,
+    })
+}
