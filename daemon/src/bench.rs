@@ -71,6 +71,20 @@ pub struct BenchArgs {
     /// KV cache storage for our engine: f16 (as llama.cpp) or q8.
     #[arg(long, default_value = "f16")]
     pub kv_type: llmd_engine::model::kv::KvType,
+    /// Cold start (with --local): time to first token from a cold page cache for the model as
+    /// an llmd EdgeFlow file (converted at --bits, or --llmd), as GGUF in llmd, and in llama.cpp
+    /// (with --compare-llamacpp). --model is the GGUF.
+    #[arg(long, requires = "local")]
+    pub cold: bool,
+    /// With --cold: the average bits of the converted file.
+    #[arg(long, default_value_t = 5.0)]
+    pub bits: f64,
+    /// With --cold: use this llmd file instead of converting --model.
+    #[arg(long, value_name = "PATH")]
+    pub llmd: Option<PathBuf>,
+    /// With --cold: prompt tokens before the first token.
+    #[arg(long, default_value_t = 128)]
+    pub cold_prompt: usize,
     /// Python interpreter for --compare-llamacpp.
     #[arg(long, default_value = "python3", env = "LLMD_BENCH_PYTHON")]
     pub python: String,
@@ -101,14 +115,18 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// The llama.cpp worker process.
-struct Peer {
+pub(crate) struct Peer {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
 }
 
 impl Peer {
-    fn start(python: &str) -> Result<Self, String> {
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub(crate) fn start(python: &str) -> Result<Self, String> {
         let mut child = Command::new(python)
             .arg("-c")
             .arg(LLAMACPP_WORKER)
@@ -122,7 +140,7 @@ impl Peer {
         Ok(Self { child, stdin, stdout })
     }
 
-    fn call(&mut self, req: Value) -> Result<Value, String> {
+    pub(crate) fn call(&mut self, req: Value) -> Result<Value, String> {
         writeln!(self.stdin, "{req}").and_then(|_| self.stdin.flush()).map_err(|e| format!("llama.cpp worker: {e}"))?;
         let mut line = String::new();
         self.stdout.read_line(&mut line).map_err(|e| format!("llama.cpp worker: {e}"))?;
@@ -224,6 +242,9 @@ fn read_bandwidth(bytes: usize, threads: usize) -> f64 {
 pub fn bench(args: &BenchArgs) -> Result<(), String> {
     if !args.local {
         return Err("bench needs --local (the engine inside llmctl) or --load (a running daemon)".into());
+    }
+    if args.cold {
+        return crate::coldbench::run(args);
     }
     let model_path = args.model.clone().ok_or("bench --local needs --model PATH")?;
     if args.prefill.is_empty() || args.prefill.contains(&0) || args.decode_prompt == 0 || args.decode_tokens == 0 {

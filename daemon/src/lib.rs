@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod coldbench;
 pub mod config;
 pub mod error;
 pub mod loadbench;

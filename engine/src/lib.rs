@@ -76,17 +76,13 @@ impl Model {
     ) -> Result<(Self, Option<model::stream::Prefilled>, model::stream::LoadReport), EngineError> {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let planner = Planner::cpu(opts.threads);
-        let mut built = None;
-        let (meta, weights, prefilled, report) =
+        let (meta, (tokenizer, chat_template), weights, prefilled, report) =
             model::stream::load(path, &planner, opts.kv_type, stream, prompt, |meta| {
                 let tokenizer = Tokenizer::from_snapshot(meta.tokenizer.clone())?;
                 check_vocab(&meta.config, &tokenizer)?;
                 let chat_template = meta.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
-                built = Some((tokenizer, chat_template));
-                Ok(())
+                Ok((tokenizer, chat_template))
             })?;
-        let (tokenizer, chat_template) =
-            built.ok_or_else(|| FormatError::NativeLayout("tokenizer was not built".into()))?;
         let mut transformer = Transformer::new(meta.config, weights, planner);
         transformer.kv_type = opts.kv_type;
         Ok((Self { name, transformer, tokenizer, chat_template }, prefilled, report))

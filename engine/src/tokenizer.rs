@@ -287,17 +287,26 @@ impl Tokenizer {
         add_bos: bool,
         eog: Vec<u32>,
     ) -> Result<Self, TokenizerError> {
-        let hf_json = doc.to_string();
-        let full = tokenizers::Tokenizer::from_str(&hf_json).map_err(tok_err)?;
-        let mut plain_doc = doc;
-        if let Some(Json::Array(added)) = plain_doc.get_mut("added_tokens") {
-            added.retain(|t| t.get("special").and_then(|s| s.as_bool()) == Some(false));
-        }
+        Self::from_json(doc.to_string(), pieces, texts, bos, eos, add_bos, eog)
+    }
+
+    /// Builds the tokenizer once from its `tokenizer.json` text; the plain variant is a copy
+    /// that treats special-token text as text (`encode_special_tokens`), user-defined added
+    /// tokens still matched.
+    fn from_json(
+        hf_json: String,
+        pieces: Vec<Vec<u8>>,
+        texts: Vec<String>,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        add_bos: bool,
+        eog: Vec<u32>,
+    ) -> Result<Self, TokenizerError> {
+        let mut full = tokenizers::Tokenizer::from_str(&hf_json).map_err(tok_err)?;
         // Post-processors add BOS themselves; we add it explicitly instead.
-        plain_doc["post_processor"] = Json::Null;
-        let plain = tokenizers::Tokenizer::from_str(&plain_doc.to_string()).map_err(tok_err)?;
-        let mut full = full;
         full.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+        let mut plain = full.clone();
+        plain.set_encode_special_tokens(true);
         Ok(Self { full, hf_json, plain, pieces, texts, bos, eos, add_bos, eog })
     }
 
@@ -341,8 +350,7 @@ impl Tokenizer {
                 return Err(bad(format!("special token id {id} outside the vocabulary of {n}")));
             }
         }
-        let doc: Json = serde_json::from_str(&s.hf_json).map_err(tok_err)?;
-        Self::from_doc(doc, pieces, s.texts, s.bos, s.eos, s.add_bos, s.eog)
+        Self::from_json(s.hf_json, pieces, s.texts, s.bos, s.eos, s.add_bos, s.eog)
     }
 
     /// This tokenizer as an HF `tokenizer.json` document (e.g. to export a GGUF model's).

@@ -6,6 +6,10 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
   {"op": "prefill", "tokens": [ids]}             -> {"ok": true, "seconds": ..}
   {"op": "decode", "prompt": [ids], "steps": [ids]} -> {"ok": true, "seconds": .., "prompt_seconds": ..}
   {"op": "rss"}                                   -> {"ok": true, "vm_hwm_kb": .., "vm_rss_kb": ..}
+  {"op": "cold", "model": PATH, "threads": T, "n_ctx": C, "n_batch": B, "prompt": [ids]}
+      -> {"ok": true, "seconds": .., "load_s": .., "eval_s": .., "read_bytes": .., "first_token": id}
+      (a cold start: any loaded model is freed first; timed from the load call to the first
+      token's logits and argmax; read_bytes from /proc/self/io over the same span)
   {"op": "quit"}
 Timing covers llama_decode only (through Llama.eval); no sampling, no tokenization.
 Decode feeds a fixed token sequence one token at a time, so both engines do identical work.
@@ -19,6 +23,14 @@ def status_kb(key):
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def io_read_bytes():
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
                 return int(line.split()[1])
     return 0
 
@@ -70,6 +82,39 @@ def main():
                     llm.eval([tok])
                     total += time.perf_counter() - s
                 reply({"ok": True, "seconds": total, "prompt_seconds": t1 - t0})
+            elif op == "cold":
+                if llm is not None:
+                    llm.close() if hasattr(llm, "close") else None
+                    llm = None
+                import gc
+                gc.collect()
+                r0 = io_read_bytes()
+                t0 = time.perf_counter()
+                llm = llama_cpp.Llama(
+                    model_path=req["model"],
+                    n_ctx=req["n_ctx"],
+                    n_threads=req["threads"],
+                    n_threads_batch=req["threads"],
+                    n_batch=req["n_batch"],
+                    n_ubatch=req["n_batch"],
+                    logits_all=False,
+                    verbose=False,
+                )
+                t1 = time.perf_counter()
+                llm.eval(req["prompt"])
+                import numpy as np
+                vocab = llm.n_vocab()
+                logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+                first = int(logits.argmax())
+                t2 = time.perf_counter()
+                read = io_read_bytes() - r0
+                # Unmap the model now: a mapped file's pages cannot be evicted before the next run.
+                llm.close()
+                llm = None
+                gc.collect()
+                reply({"ok": True, "seconds": t2 - t0, "load_s": t1 - t0, "eval_s": t2 - t1,
+                       "read_bytes": read, "first_token": first,
+                       "version": llama_cpp.__version__})
             elif op == "rss":
                 reply({"ok": True, "vm_hwm_kb": status_kb("VmHWM"), "vm_rss_kb": status_kb("VmRSS")})
             elif op == "quit":

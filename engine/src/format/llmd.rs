@@ -5,20 +5,23 @@
 //! offset  size  field
 //! 0       8     magic "LLMDWTS\0"
 //! 8       4     version (u32 LE) = 1
-//! 12      4     header CRC-32: bytes [0, data_offset) with this field read as zero
+//! 12      4     header CRC-32: bytes [0, 64) with this field read as zero
 //! 16      8     metadata offset (= 64)
 //! 24      8     metadata length
 //! 32      8     data offset (a multiple of 4096)
 //! 40      8     data length (= file length − data offset)
 //! 48      4     data CRC-32: bytes [data_offset, end of file)
-//! 52      12    zero
+//! 52      4     metadata CRC-32: bytes [64, data_offset) (the JSON and its padding)
+//! 56      8     zero
 //! 64      …     metadata: one JSON document ([`Metadata`]), then zero padding to the data offset
 //! data    …     regions: the embedding region, one per layer, the head region — each starting on
 //!               a 4096-byte boundary, tensors inside it on 64-byte boundaries, in the order the
 //!               forward pass uses them; the regions cover the data exactly.
 //! ```
-//! Every tensor also carries its own CRC-32, so the streaming loader checks each one as it
-//! arrives and the whole data at the end; the header CRC covers the metadata and the padding.
+//! Every byte after the magic is covered: the header CRC is checked first (before any field is
+//! trusted), then the metadata CRC, and every tensor carries its own CRC-32 that the streaming
+//! loader checks as it arrives, with the whole data's CRC checked at the end. (A changed magic
+//! means "not an llmd file" and is reported as such.)
 //!
 //! An EdgeFlow tensor of `C` rows (output channels) and `D` columns is
 //! `[bit-widths: ⌈3C/8⌉ bytes, INT3 codes b−1][pad to 64][scales: C × f16][pad to 64][channels]`,
@@ -112,6 +115,7 @@ pub struct Header {
     pub data_offset: u64,
     pub data_len: u64,
     pub data_crc: u32,
+    pub metadata_crc: u32,
 }
 
 fn u32_at(b: &[u8], o: usize) -> u32 {
@@ -160,19 +164,32 @@ pub fn parse_head(head: &[u8], file_len: u64) -> Result<(Header, Metadata), Form
     if !is_llmd(head) {
         return Err(FormatError::NativeBadMagic { found: head[..8].to_vec() });
     }
+    let stored = u32_at(head, 12);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&head[..12]);
+    crc.update(&[0u8; 4]);
+    crc.update(&head[16..HEADER_BYTES]);
+    let computed = crc.finalize();
+    if computed != stored {
+        return Err(FormatError::ChecksumMismatch { what: "header".into(), stored, computed });
+    }
     let version = u32_at(head, 8);
     if version != VERSION {
         return Err(FormatError::NativeVersion { found: version, supported: VERSION });
     }
     let h = Header {
-        header_crc: u32_at(head, 12),
+        header_crc: stored,
         metadata_len: u64_at(head, 24),
         data_offset: u64_at(head, 32),
         data_len: u64_at(head, 40),
         data_crc: u32_at(head, 48),
+        metadata_crc: u32_at(head, 52),
     };
-    if u64_at(head, 16) != HEADER_BYTES as u64 {
-        return Err(layout(format!("metadata offset {} (expected {HEADER_BYTES})", u64_at(head, 16))));
+    if u64_at(head, 16) != HEADER_BYTES as u64 || head[56..64].iter().any(|&b| b != 0) {
+        return Err(layout(format!(
+            "metadata offset {} (expected {HEADER_BYTES}) or reserved bytes set",
+            u64_at(head, 16)
+        )));
     }
     if h.metadata_len > MAX_METADATA {
         return Err(layout(format!("metadata of {} bytes (at most {MAX_METADATA})", h.metadata_len)));
@@ -195,13 +212,9 @@ pub fn parse_head(head: &[u8], file_len: u64) -> Result<(Header, Metadata), Form
             len: head.len() as u64,
         });
     }
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&head[..12]);
-    crc.update(&[0u8; 4]);
-    crc.update(&head[16..h.data_offset as usize]);
-    let computed = crc.finalize();
-    if computed != h.header_crc {
-        return Err(FormatError::ChecksumMismatch { what: "header".into(), stored: h.header_crc, computed });
+    let computed = crc32fast::hash(&head[HEADER_BYTES..h.data_offset as usize]);
+    if computed != h.metadata_crc {
+        return Err(FormatError::ChecksumMismatch { what: "metadata".into(), stored: h.metadata_crc, computed });
     }
     let meta_bytes = &head[HEADER_BYTES..HEADER_BYTES + h.metadata_len as usize];
     let meta: Metadata =
@@ -405,7 +418,9 @@ impl Writer {
         head[40..48].copy_from_slice(&self.at.to_le_bytes());
         head[48..52].copy_from_slice(&self.crc.clone().finalize().to_le_bytes());
         head[HEADER_BYTES..HEADER_BYTES + json.len()].copy_from_slice(&json);
-        let crc = crc32fast::hash(&head);
+        let meta_crc = crc32fast::hash(&head[HEADER_BYTES..]);
+        head[52..56].copy_from_slice(&meta_crc.to_le_bytes());
+        let crc = crc32fast::hash(&head[..HEADER_BYTES]);
         head[12..16].copy_from_slice(&crc.to_le_bytes());
         let tmp = self.out.with_extension("llmd.tmp");
         let result = (|| {

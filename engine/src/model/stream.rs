@@ -85,7 +85,7 @@ pub struct RegionTiming {
 pub struct LoadReport {
     pub file_bytes: u64,
     pub bytes_read: u64,
-    /// Header, metadata, tokenizer and chat template, before the first region is used.
+    /// When the setup (tokenizer, chat template; on its own thread) was done.
     pub setup_s: f64,
     /// Sums over threads of the time spent in each stage.
     pub read_busy_s: f64,
@@ -138,14 +138,14 @@ struct ReadyRegion {
 /// arrive and returns the last token's logits and the KV cache (`kv_type` from `planner`'s
 /// caller). Returns the header's metadata (tokenizer and chat template still to build), the
 /// weights and the report.
-pub(crate) fn load(
+pub(crate) fn load<T: Send + 'static>(
     path: &Path,
     planner: &Planner,
     kv_type: super::kv::KvType,
     opts: &StreamOptions,
     prompt: Option<&[u32]>,
-    mut setup: impl FnMut(&Metadata) -> Result<(), EngineError>,
-) -> Result<(Metadata, ModelWeights, Option<Prefilled>, LoadReport), EngineError> {
+    setup: impl FnOnce(&Metadata) -> Result<T, EngineError> + Send + 'static,
+) -> Result<(Metadata, T, ModelWeights, Option<Prefilled>, LoadReport), EngineError> {
     let t0 = Instant::now();
     let secs = move || t0.elapsed().as_secs_f64();
     let io = |source| FormatError::Io { path: path.display().to_string(), source };
@@ -283,11 +283,17 @@ pub(crate) fn load(
             }
         }));
     }
-    // The caller's setup (tokenizer, chat template) overlaps the first reads.
-    setup(&meta)?;
-    let setup_s = secs();
+    // The caller's setup (tokenizer, chat template) runs on its own thread, beside the reads,
+    // unpacking and the prompt's prefill, which need none of it.
+    let setup_thread = {
+        let meta = meta.clone();
+        std::thread::spawn(move || {
+            let r = setup(&meta);
+            (r, secs())
+        })
+    };
 
-    let mut report = LoadReport { file_bytes: file_len, setup_s, ..Default::default() };
+    let mut report = LoadReport { file_bytes: file_len, ..Default::default() };
     report.regions = meta
         .regions
         .iter()
@@ -344,7 +350,11 @@ pub(crate) fn load(
     for h in handles {
         let _ = h.join();
     }
+    let (built, setup_end) =
+        setup_thread.join().map_err(|_| FormatError::NativeLayout("the setup thread panicked".into()))?;
     run?;
+    let built = built?;
+    report.setup_s = setup_end;
     let token_embd = token_embd.ok_or_else(|| FormatError::MissingTensor("token_embd.weight".into()))?;
     if layers.len() != c.n_layers {
         return Err(FormatError::MissingTensor(format!("blk.{}.ffn_down.weight", layers.len())).into());
@@ -380,7 +390,7 @@ pub(crate) fn load(
     report.unpack_busy_s = report.regions.iter().map(|r| r.unpack.1 - r.unpack.0).sum();
     report.wall_s = secs();
     let meta = Arc::try_unwrap(meta).unwrap_or_else(|m| (*m).clone());
-    Ok((meta, weights, prefilled, report))
+    Ok((meta, built, weights, prefilled, report))
 }
 
 /// Turns one tensor's checked bytes into weights.

@@ -193,11 +193,12 @@ impl PackedMatrix {
             for (b, rdata) in tdata.chunks_exact_mut(rec).enumerate() {
                 rdata[2 * lane..2 * lane + 2].copy_from_slice(&d);
                 let w = &buf[b * BLOCK..(b + 1) * BLOCK];
-                for g in 0..8 {
+                for (g, quad) in w.chunks_exact(4).enumerate() {
+                    // Four weights at once: the sign bit of each byte flips (w + 128).
+                    let q =
+                        u32::from_ne_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]) ^ 0x8080_8080;
                     let at = qo + 64 * g + 4 * lane;
-                    for j in 0..4 {
-                        rdata[at + j] = (w[4 * g + j] as u8) ^ 0x80;
-                    }
+                    rdata[at..at + 4].copy_from_slice(&q.to_ne_bytes());
                 }
             }
         }
