@@ -12,3 +12,4 @@ if command -v rustup >/dev/null 2>&1; then
   done
 fi
 scripts/fetch-model.sh
+scripts/fetch-text.sh

@@ -166,17 +166,46 @@ impl Smoothing {
                 };
                 let deq: Vec<(Vec<f32>, usize)> = mats.iter().map(|m| (dequantize_matrix(m), m.rows)).collect();
                 let cols = smax.len();
-                let mut best = (f64::INFINITY, 0f32, vec![1f32; cols]);
-                for &alpha in &ALPHAS {
-                    let s = scales_for(&smax, alpha);
-                    let err: f64 = deq
-                        .iter()
-                        .map(|(wf, rows)| output_error(wf, *rows, cols, &s, &st.sample, st.sample_rows, bits, threads))
-                        .sum();
-                    if err < best.0 {
-                        best = (err, alpha, s);
+                // The grid's points are independent: spread them over the threads.
+                let n_threads = if threads == 0 {
+                    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+                } else {
+                    threads
+                };
+                let errs: Vec<f64> = std::thread::scope(|sc| {
+                    let hs: Vec<_> = (0..n_threads)
+                        .map(|t| {
+                            let (deq, smax, st) = (&deq, &smax, st);
+                            sc.spawn(move || {
+                                ALPHAS
+                                    .iter()
+                                    .enumerate()
+                                    .filter(|(i, _)| i % n_threads == t)
+                                    .map(|(i, &alpha)| {
+                                        let s = scales_for(smax, alpha);
+                                        let e: f64 = deq
+                                            .iter()
+                                            .map(|(wf, rows)| {
+                                                output_error(wf, *rows, cols, &s, &st.sample, st.sample_rows, bits, 1)
+                                            })
+                                            .sum();
+                                        (i, e)
+                                    })
+                                    .collect::<Vec<_>>()
+                            })
+                        })
+                        .collect();
+                    let mut all = vec![f64::INFINITY; ALPHAS.len()];
+                    for h in hs {
+                        for (i, e) in h.join().unwrap_or_default() {
+                            all[i] = e;
+                        }
                     }
-                }
+                    all
+                });
+                // The lowest error; ties to the smaller α (less change to the network).
+                let (bi, _) = errs.iter().enumerate().fold((0usize, f64::INFINITY), |b, (i, &e)| if e < b.1 { (i, e) } else { b });
+                let best = (errs[bi], ALPHAS[bi], scales_for(&smax, ALPHAS[bi]));
                 out.alpha.push(best.1);
                 match site {
                     CaptureSite::Qkv => ls.qkv = best.2,
@@ -269,5 +298,102 @@ impl SiteStats {
         let rows = (x.len() / cols).min(keep.saturating_sub(self.sample_rows));
         self.sample.extend_from_slice(&x[..rows * cols]);
         self.sample_rows += rows;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small deterministic pseudo-random sequence in [-1, 1).
+    fn vals(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2654435761).max(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn matvec(w: &[f32], cols: usize, x: &[f32]) -> Vec<f32> {
+        w.chunks_exact(cols).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+    }
+
+    fn close(a: &[f32], b: &[f32]) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-4 * (1.0 + x.abs()), "{x} vs {y}");
+        }
+    }
+
+    /// Folding the scales leaves every group's function unchanged (before quantization).
+    #[test]
+    fn folded_scales_preserve_the_layer() {
+        let (d, heads, kvh, hd, ffn) = (8, 4, 2, 2, 6);
+        let (q, kv) = (heads * hd, kvh * hd);
+        let pos = |v: Vec<f32>| v.into_iter().map(|x| 0.2 + x.abs() * 3.0).collect::<Vec<f32>>();
+        let mut o_s = pos(vals(q, 3));
+        // O's scales are shared by the query heads of one KV head, as calibrate makes them.
+        for h in 0..heads {
+            for i in 0..hd {
+                o_s[h * hd + i] = o_s[(h / (heads / kvh)) * (heads / kvh) * hd + i];
+            }
+        }
+        let sm = Smoothing {
+            layers: vec![LayerScales { qkv: pos(vals(d, 1)), o: o_s, gate_up: pos(vals(d, 2)), down: pos(vals(ffn, 4)) }],
+            n_heads: heads,
+            n_kv_heads: kvh,
+            head_dim: hd,
+            ..Default::default()
+        };
+        let xhat = vals(d, 5);
+        // Q/K/V through attn_norm.
+        let (wq, gamma) = (vals(q * d, 6), vals(d, 7));
+        let (mut wq2, mut gamma2) = (wq.clone(), gamma.clone());
+        sm.apply_to_weight(0, "attn_q.weight", &mut wq2, q, d);
+        sm.apply_to_vector(0, "attn_norm.weight", &mut gamma2);
+        let h: Vec<f32> = xhat.iter().zip(&gamma).map(|(a, b)| a * b).collect();
+        let h2: Vec<f32> = xhat.iter().zip(&gamma2).map(|(a, b)| a * b).collect();
+        close(&matvec(&wq, d, &h), &matvec(&wq2, d, &h2));
+        // V (with bias) → each query head reads its KV head's values → O.
+        let (wv, bv, wo) = (vals(kv * d, 8), vals(kv, 9), vals(d * q, 10));
+        let (mut wv2, mut bv2, mut wo2) = (wv.clone(), bv.clone(), wo.clone());
+        sm.apply_to_weight(0, "attn_v.weight", &mut wv2, kv, d);
+        sm.apply_to_vector(0, "attn_v.bias", &mut bv2);
+        sm.apply_to_weight(0, "attn_output.weight", &mut wo2, d, q);
+        let run = |wv: &[f32], bv: &[f32], wo: &[f32], gamma: &[f32]| {
+            let h: Vec<f32> = xhat.iter().zip(gamma).map(|(a, b)| a * b).collect();
+            let v: Vec<f32> = matvec(wv, d, &h).iter().zip(bv).map(|(a, b)| a + b).collect();
+            let attn: Vec<f32> = (0..q).map(|c| v[(c / hd) / (heads / kvh) * hd + c % hd]).collect();
+            matvec(wo, q, &attn)
+        };
+        close(&run(&wv, &bv, &wo, &gamma), &run(&wv2, &bv2, &wo2, &gamma2));
+        // gate/up through ffn_norm, then down.
+        let (wg, wu, wd, g2) = (vals(ffn * d, 11), vals(ffn * d, 12), vals(d * ffn, 13), vals(d, 14));
+        let (mut wg2, mut wu2, mut wd2, mut g22) = (wg.clone(), wu.clone(), wd.clone(), g2.clone());
+        sm.apply_to_weight(0, "ffn_gate.weight", &mut wg2, ffn, d);
+        sm.apply_to_weight(0, "ffn_up.weight", &mut wu2, ffn, d);
+        sm.apply_to_weight(0, "ffn_down.weight", &mut wd2, d, ffn);
+        sm.apply_to_vector(0, "ffn_norm.weight", &mut g22);
+        let ffn_out = |wg: &[f32], wu: &[f32], wd: &[f32], gamma: &[f32]| {
+            let h: Vec<f32> = xhat.iter().zip(gamma).map(|(a, b)| a * b).collect();
+            let g = matvec(wg, d, &h);
+            let u = matvec(wu, d, &h);
+            let a: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            matvec(wd, ffn, &a)
+        };
+        close(&ffn_out(&wg, &wu, &wd, &g2), &ffn_out(&wg2, &wu2, &wd2, &g22));
+    }
+
+    #[test]
+    fn scales_have_unit_geometric_mean_and_alpha_zero_is_identity() {
+        let smax = vec![0.5, 2.0, 8.0, 0.0, 1.0];
+        assert!(scales_for(&smax, 0.0).iter().all(|&s| (s - 1.0).abs() < 1e-6));
+        let s = scales_for(&smax, 0.5);
+        let gm: f64 = s.iter().map(|x| (*x as f64).ln()).sum::<f64>() / s.len() as f64;
+        assert!(gm.abs() < 1e-6);
+        assert!(s[2] > s[1] && s[1] > s[0], "larger activations get larger column scales");
     }
 }

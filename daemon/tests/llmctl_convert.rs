@@ -1,0 +1,131 @@
+//! `llmctl convert`, `llmctl perplexity` and `llmctl bench --local --cold` as a user runs them:
+//! the real binary, the real default model (and the text from scripts/fetch-text.sh).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn model() -> PathBuf {
+    let p = std::env::var_os("LLMD_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
+    p
+}
+
+fn text() -> PathBuf {
+    let p = root().join("texts/jargon.txt");
+    assert!(p.is_file(), "the evaluation text is missing at {}: run scripts/fetch-text.sh", p.display());
+    p
+}
+
+fn llmctl(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_llmctl")).args(args).stdin(Stdio::null()).output().expect("llmctl runs")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+struct TempDir(PathBuf);
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+fn temp(tag: &str) -> TempDir {
+    let p = std::env::temp_dir().join(format!("llmctl-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).expect("temp dir");
+    TempDir(p)
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("one JSON object")
+}
+
+/// Convert with and without smoothing, run the file, and score it: fewer bits, higher
+/// perplexity; the converted file serves `run --local` like a GGUF.
+#[test]
+fn convert_then_run_and_score() {
+    let dir = temp("convert");
+    let (m, t) = (model(), text());
+    let out8 = dir.0.join("m8.llmd");
+    let r = json(&llmctl(&["convert", "--bits", "8", "--json", s(&m), s(&out8)]));
+    assert_eq!(r["average_bits"], 8.0);
+    assert_eq!(r["tensors"], 272);
+    let out4 = dir.0.join("m4.llmd");
+    let r = json(&llmctl(&[
+        "convert",
+        "--bits",
+        "4",
+        "--json",
+        "--calibrate",
+        s(&t),
+        "--calibration-offset",
+        "300000",
+        "--calibration-tokens",
+        "256",
+        s(&m),
+        s(&out4),
+    ]));
+    assert_eq!(r["average_bits"], 4.0);
+    let run = llmctl(&["run", "--local", "--model", s(&out8), "--max-tokens", "4", "The capital of France is"]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&run.stdout));
+    let ppl = |p: &Path| {
+        json(&llmctl(&["perplexity", "--model", s(p), "--text", s(&t), "--offset", "20000", "--tokens", "1024", "--json"]))
+            ["perplexity"]
+            .as_f64()
+            .expect("a number")
+    };
+    let (p_src, p8, p4) = (ppl(&m), ppl(&out8), ppl(&out4));
+    assert!(p_src.is_finite() && p_src > 1.0);
+    assert!(p4 > p8, "4 bits ({p4}) must score worse than 8 ({p8})");
+    // 8 bits per channel on top of the Q4_1 source: within 5% of the source.
+    assert!((p8 / p_src - 1.0).abs() < 0.05, "8 bits {p8} vs source {p_src}");
+}
+
+#[test]
+fn convert_refuses_bad_input_with_one_clear_line() {
+    let dir = temp("refuse");
+    let m = model();
+    for (args, want) in [
+        (vec!["convert", "--bits", "9", s(&m), "/tmp/x.llmd"], "bits"),
+        (vec!["convert", "/nonexistent.gguf", "/tmp/x.llmd"], "nonexistent"),
+        (vec!["convert", s(&m), s(&m)], "overwrite"),
+    ] {
+        let o = llmctl(&args);
+        assert!(!o.status.success());
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains(want), "{args:?}: {e}");
+        assert_eq!(e.trim().lines().count(), 1, "{e}");
+    }
+    let garbage = dir.0.join("garbage.llmd");
+    std::fs::write(&garbage, b"LLMDWTS\0 not really").expect("write");
+    let o = llmctl(&["run", "--local", "--model", s(&garbage), "hi"]);
+    assert!(!o.status.success());
+}
+
+/// The cold-start benchmark's JSON: cold_ttft_s, bytes read, the pipeline, and the same first
+/// token from the converted file and the GGUF at 8 bits.
+#[test]
+fn bench_cold_prints_the_documented_json() {
+    let dir = temp("cold");
+    let m = model();
+    let l = dir.0.join("m8.llmd");
+    json(&llmctl(&["convert", "--bits", "8", "--json", s(&m), s(&l)]));
+    let v = json(&llmctl(&[
+        "bench", "--local", "--cold", "--model", s(&m), "--llmd", s(&l), "--reps", "1", "--threads", "2", "--json",
+    ]));
+    assert!(v["cold_ttft_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    let ef = &v["llmd_edgeflow"];
+    assert!(ef["bytes_read"].as_f64().is_some(), "{v}");
+    assert!(v["pipeline"]["regions"].as_array().is_some_and(|r| r.len() == 32), "embed + 30 layers + head: {v}");
+    assert!(v["ratio_vs_llmd_gguf"].as_f64().is_some());
+    assert!(v["pipeline"]["layer0_compute_start_s"].as_f64().is_some());
+}
