@@ -128,8 +128,38 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     let sampling = args.sampling.params();
     sampling.validate().map_err(|e| e.to_string())?;
     let load_start = std::time::Instant::now();
-    let model = Model::load(&model_path, &LoadOptions { threads: args.threads, kv_type: args.kv_type })
-        .map_err(|e| format!("{}: {e}", model_path.display()))?;
+    let opts = LoadOptions { threads: args.threads, kv_type: args.kv_type };
+    let model = if llmd_engine::format::llmd::path_is_llmd(&model_path) {
+        // The streaming loader: a progress bar (on a terminal) and its stage timings.
+        let pb = indicatif::ProgressBar::new(0);
+        pb.set_style(
+            indicatif::ProgressStyle::with_template("loading [{bar:30}] {bytes}/{total_bytes}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        let bar = pb.clone();
+        let stream = llmd_engine::model::stream::StreamOptions {
+            progress: Some(std::sync::Arc::new(move |p: &llmd_engine::model::stream::Progress| {
+                bar.set_length(p.total_bytes);
+                bar.set_position(p.read_bytes);
+            })),
+            ..Default::default()
+        };
+        let (m, _, r) = Model::load_llmd(&model_path, &opts, &stream, None)
+            .map_err(|e| format!("{}: {e}", model_path.display()))?;
+        pb.finish_and_clear();
+        eprintln!(
+            "loaded {:.1} MB: read {:.3} s, unpack {:.3} s (busy, summed over threads), setup {:.3} s, wall {:.3} s",
+            r.bytes_read as f64 / 1e6,
+            r.read_busy_s,
+            r.unpack_busy_s,
+            r.setup_s,
+            r.wall_s
+        );
+        m
+    } else {
+        Model::load(&model_path, &opts).map_err(|e| format!("{}: {e}", model_path.display()))?
+    };
     let load_time = load_start.elapsed();
     let prompt = if args.chat {
         let mut msgs = Vec::new();

@@ -1,4 +1,4 @@
-//! Finding and loading the installed models: every `*.gguf` file and HF directory in the
+//! Finding and loading the installed models: every `*.gguf` and `*.llmd` file and HF directory in the
 //! models directory, plus explicitly named ones; a model's id is its name without extension.
 
 use crate::config::Config;
@@ -22,7 +22,8 @@ pub fn discover(config: &Config) -> Result<BTreeMap<String, PathBuf>, String> {
         let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
         paths.sort();
         for p in paths {
-            if p.extension().is_some_and(|x| x == "gguf") && p.is_file() || llmd_engine::format::is_hf_dir(&p) {
+            let ext = p.extension().and_then(|x| x.to_str()).unwrap_or("");
+            if matches!(ext, "gguf" | "llmd") && p.is_file() || llmd_engine::format::is_hf_dir(&p) {
                 add(p)?;
             }
         }
@@ -31,7 +32,7 @@ pub fn discover(config: &Config) -> Result<BTreeMap<String, PathBuf>, String> {
         add(p.clone())?;
     }
     if found.is_empty() {
-        return Err("no models found (a models directory holds *.gguf files or HF directories)".into());
+        return Err("no models found (a models directory holds *.gguf or *.llmd files or HF directories)".into());
     }
     Ok(found)
 }

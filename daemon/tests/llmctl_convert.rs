@@ -78,8 +78,18 @@ fn convert_then_run_and_score() {
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     assert!(String::from_utf8_lossy(&run.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&run.stdout));
     let ppl = |p: &Path| {
-        json(&llmctl(&["perplexity", "--model", s(p), "--text", s(&t), "--offset", "20000", "--tokens", "1024", "--json"]))
-            ["perplexity"]
+        json(&llmctl(&[
+            "perplexity",
+            "--model",
+            s(p),
+            "--text",
+            s(&t),
+            "--offset",
+            "20000",
+            "--tokens",
+            "1024",
+            "--json",
+        ]))["perplexity"]
             .as_f64()
             .expect("a number")
     };
@@ -120,7 +130,18 @@ fn bench_cold_prints_the_documented_json() {
     let l = dir.0.join("m8.llmd");
     json(&llmctl(&["convert", "--bits", "8", "--json", s(&m), s(&l)]));
     let v = json(&llmctl(&[
-        "bench", "--local", "--cold", "--model", s(&m), "--llmd", s(&l), "--reps", "1", "--threads", "2", "--json",
+        "bench",
+        "--local",
+        "--cold",
+        "--model",
+        s(&m),
+        "--llmd",
+        s(&l),
+        "--reps",
+        "1",
+        "--threads",
+        "2",
+        "--json",
     ]));
     assert!(v["cold_ttft_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
     let ef = &v["llmd_edgeflow"];
@@ -128,4 +149,35 @@ fn bench_cold_prints_the_documented_json() {
     assert!(v["pipeline"]["regions"].as_array().is_some_and(|r| r.len() == 32), "embed + 30 layers + head: {v}");
     assert!(v["ratio_vs_llmd_gguf"].as_f64().is_some());
     assert!(v["pipeline"]["layer0_compute_start_s"].as_f64().is_some());
+}
+
+/// The daemon serves an llmd file like any model (found by `--model` or in a models directory).
+#[test]
+fn the_daemon_serves_a_converted_model() {
+    let dir = temp("serve");
+    let models = dir.0.join("models");
+    std::fs::create_dir_all(&models).expect("models dir");
+    let l = models.join("smol-8.llmd");
+    json(&llmctl(&["convert", "--bits", "8", "--json", s(&model()), s(&l)]));
+    let socket = dir.0.join("llmd.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_llmd"))
+        .args(["--models-dir", s(&models), "--socket", s(&socket), "--kernel-binder", "off", "--threads", "2"])
+        .env("LLMD_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("llmd starts");
+    let t = std::time::Instant::now();
+    while !socket.exists() && t.elapsed() < std::time::Duration::from_secs(60) {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let listed = llmctl(&["--socket", s(&socket), "models"]);
+    let run =
+        llmctl(&["--socket", s(&socket), "run", "--model", "smol-8", "--max-tokens", "4", "The capital of France is"]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("smol-8"), "{}", String::from_utf8_lossy(&listed.stderr));
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stdout).contains("Paris"));
 }

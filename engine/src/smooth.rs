@@ -204,7 +204,10 @@ impl Smoothing {
                     all
                 });
                 // The lowest error; ties to the smaller α (less change to the network).
-                let (bi, _) = errs.iter().enumerate().fold((0usize, f64::INFINITY), |b, (i, &e)| if e < b.1 { (i, e) } else { b });
+                let (bi, _) = errs
+                    .iter()
+                    .enumerate()
+                    .fold((0usize, f64::INFINITY), |b, (i, &e)| if e < b.1 { (i, e) } else { b });
                 let best = (errs[bi], ALPHAS[bi], scales_for(&smax, ALPHAS[bi]));
                 out.alpha.push(best.1);
                 match site {
@@ -342,7 +345,12 @@ mod tests {
             }
         }
         let sm = Smoothing {
-            layers: vec![LayerScales { qkv: pos(vals(d, 1)), o: o_s, gate_up: pos(vals(d, 2)), down: pos(vals(ffn, 4)) }],
+            layers: vec![LayerScales {
+                qkv: pos(vals(d, 1)),
+                o: o_s,
+                gate_up: pos(vals(d, 2)),
+                down: pos(vals(ffn, 4)),
+            }],
             n_heads: heads,
             n_kv_heads: kvh,
             head_dim: hd,

@@ -164,3 +164,27 @@ fn hf_export_of_the_default_model_runs_like_the_gguf() {
     }
     assert!(compared >= STEPS, "too few greedy steps compared: {compared}");
 }
+
+/// `llmctl convert` from the HF layout: the llmd file keeps the HF model's configuration (rotate-
+/// half RoPE), tokenizer and chat template, and at 8 bits per channel its logits stay close to
+/// the HF model's own.
+#[test]
+fn hf_export_converts_to_an_llmd_file() {
+    let dir = TempDir(std::env::temp_dir().join(format!("llmd-hf-conv-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).expect("temp dir");
+    export(&default_model_path(), &dir.0);
+    let out = dir.0.join("model.llmd");
+    let opts = llmd_engine::convert::ConvertOptions { bits: 8.0, threads: 2, smoothing: None };
+    let r = llmd_engine::convert::convert(&dir.0, &out, &opts, &|_, _, _| {}).expect("converts");
+    assert!(r.skipped.is_empty(), "{:?}", r.skipped);
+    let hf = Model::load(&dir.0, &LoadOptions { threads: 2, ..Default::default() }).expect("HF layout loads");
+    let ef = Model::load(&out, &LoadOptions { threads: 2, ..Default::default() }).expect("llmd loads");
+    assert_eq!(ef.config(), hf.config());
+    assert_eq!(ef.tokenizer.eog_tokens(), hf.tokenizer.eog_tokens());
+    assert_eq!(ef.chat_template.as_ref().map(|t| &t.source), hf.chat_template.as_ref().map(|t| &t.source));
+    let toks = hf.tokenizer.encode("The capital of France is", false, false).expect("tokens");
+    assert_eq!(ef.tokenizer.encode("The capital of France is", false, false).expect("tokens"), toks);
+    let a = hf.transformer.forward(&mut hf.transformer.new_kv(), &toks, Logits::Last).expect("forward");
+    let b = ef.transformer.forward(&mut ef.transformer.new_kv(), &toks, Logits::Last).expect("forward");
+    assert_eq!(argmax(&a), argmax(&b), "8 bits per channel keeps the top token");
+}
