@@ -56,6 +56,52 @@ pub struct Config {
     pub limits: Limits,
     pub permissions: Permissions,
     pub scheduler: SchedulerConfig,
+    pub residency: ResidencyConfig,
+}
+
+/// Which models live in memory (see `residency.rs`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResidencyConfig {
+    /// Memory for weights, KV caches and scratch, in MB (0 = no limit). `llmd --memory-budget-mb`.
+    pub memory_budget_mb: u64,
+    /// Model ids loaded at start-up and never evicted.
+    pub pinned: Vec<String>,
+    /// Eviction priority by model id (default 0; higher stays longer).
+    pub priorities: std::collections::BTreeMap<String, u32>,
+    /// Where the usage history and spilled KV caches live (none: history in memory only, KV
+    /// dropped and recomputed instead of spilled). `llmd --state-dir`.
+    pub state_dir: Option<PathBuf>,
+    /// The PSI file read for memory pressure.
+    pub pressure_file: PathBuf,
+    /// `some avg10` at or above which the daemon sheds memory, one step per poll: first the
+    /// KV caches of idle sessions, then unpinned idle models.
+    pub pressure_high: f64,
+    /// `some avg10` at or below which pressure has ended and evicted models may come back.
+    pub pressure_low: f64,
+    pub pressure_poll_ms: u64,
+    /// Load the model the usage history predicts for this hour (at start-up and each hour).
+    pub prefetch_predicted: bool,
+    /// Load every model at start-up while the budget has room (pinned ones first); off: only
+    /// pinned and predicted models are loaded ahead of use.
+    pub load_at_start: bool,
+}
+
+impl Default for ResidencyConfig {
+    fn default() -> Self {
+        Self {
+            memory_budget_mb: 0,
+            pinned: Vec::new(),
+            priorities: Default::default(),
+            state_dir: None,
+            pressure_file: PathBuf::from("/proc/pressure/memory"),
+            pressure_high: 10.0,
+            pressure_low: 1.0,
+            pressure_poll_ms: 1000,
+            prefetch_predicted: true,
+            load_at_start: true,
+        }
+    }
 }
 
 /// Arbitration between requests and apps (see `policy.rs`).
@@ -177,6 +223,7 @@ impl Default for Config {
             limits: Limits::default(),
             permissions: Permissions::default(),
             scheduler: SchedulerConfig::default(),
+            residency: ResidencyConfig::default(),
         }
     }
 }
@@ -230,6 +277,13 @@ impl Config {
         }
         if sc.weights.values().any(|&w| w == 0) {
             return bad("scheduler.weights must be at least 1".into());
+        }
+        let r = &self.residency;
+        if !(r.pressure_low < r.pressure_high && r.pressure_low >= 0.0 && r.pressure_high <= 100.0) {
+            return bad("residency: need 0 <= pressure_low < pressure_high <= 100".into());
+        }
+        if r.pressure_poll_ms == 0 {
+            return bad("residency.pressure_poll_ms must be at least 1".into());
         }
         let l = &self.limits;
         for (name, v) in [

@@ -14,6 +14,7 @@ pub mod models;
 pub mod modeltools;
 pub mod permission;
 pub mod policy;
+pub mod residency;
 pub mod scheduler;
 pub mod service;
 pub mod session;

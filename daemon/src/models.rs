@@ -2,10 +2,8 @@
 //! models directory, plus explicitly named ones; a model's id is its name without extension.
 
 use crate::config::Config;
-use llmd_engine::{LoadOptions, Model};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// Model files (or HF directories) named by the configuration, by id.
 pub fn discover(config: &Config) -> Result<BTreeMap<String, PathBuf>, String> {
@@ -42,19 +40,17 @@ pub fn model_id(path: &Path) -> Option<String> {
     name.map(|n| n.to_string_lossy().into_owned()).filter(|n| !n.is_empty())
 }
 
-/// Loads every model; one that fails is reported and left out, so one bad file does not stop
-/// the daemon serving the others.
-pub fn load_all(paths: &BTreeMap<String, PathBuf>, opts: &LoadOptions) -> BTreeMap<String, Arc<Model>> {
-    let mut models = BTreeMap::new();
+/// Reads every model's header (no weights, no tokenizer); one that fails is reported and left
+/// out, so one bad file does not stop the daemon serving the others.
+pub fn probe_all(paths: &BTreeMap<String, PathBuf>) -> BTreeMap<String, (PathBuf, llmd_engine::ModelProbe)> {
+    let mut out = BTreeMap::new();
     for (id, path) in paths {
-        let t = std::time::Instant::now();
-        match Model::load(path, opts) {
-            Ok(m) => {
-                tracing::info!(model = %id, seconds = t.elapsed().as_secs_f64(), "model loaded");
-                models.insert(id.clone(), Arc::new(m));
+        match llmd_engine::probe(path) {
+            Ok(p) => {
+                out.insert(id.clone(), (path.clone(), p));
             }
-            Err(e) => tracing::error!(model = %id, "model not loaded: {e}"),
+            Err(e) => tracing::error!(model = %id, "model not usable: {e}"),
         }
     }
-    models
+    out
 }

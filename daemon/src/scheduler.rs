@@ -37,6 +37,9 @@ pub struct Job {
     pub id: u64,
     pub uid: u32,
     pub session: Arc<SessionCore>,
+    /// The session's model, resident for as long as the request runs (holding it keeps the
+    /// residency manager from evicting it).
+    pub model: Arc<llmd_engine::Model>,
     pub input: TurnInput,
     pub request: GenerateRequest,
     pub callback: rsbinder::Strong<dyn IGenerationCallback>,
@@ -51,6 +54,7 @@ pub struct Job {
 impl Job {
     pub fn new(
         session: Arc<SessionCore>,
+        model: Arc<llmd_engine::Model>,
         uid: u32,
         input: TurnInput,
         request: GenerateRequest,
@@ -58,6 +62,7 @@ impl Job {
     ) -> Self {
         Self {
             id: 0,
+            model,
             uid,
             session,
             input,
@@ -386,12 +391,14 @@ impl Worker {
         }
         let prepared = {
             let mut inner = job.session.lock();
+            // A cache spilled or dropped under memory pressure comes back first.
+            crate::session::restore_kv(&job.model, &mut inner);
             prepare(&job, &mut inner, job.session.context_limit, self.max_prompt_tokens)
         };
         match prepared.and_then(|(prompt, context, rewind_to)| {
             let inner = job.session.lock();
-            let gen = Generation::new(&job.session.model, &inner.kv, prompt, &job.request)?
-                .with_prefill_chunk(self.prefill_chunk);
+            let gen =
+                Generation::new(&job.model, &inner.kv, prompt, &job.request)?.with_prefill_chunk(self.prefill_chunk);
             Ok((gen, context, rewind_to))
         }) {
             Ok((gen, context, rewind_to)) => {
@@ -466,7 +473,7 @@ impl Worker {
             r.last_served_ms = now_ms;
             r.first_served.get_or_insert_with(Instant::now);
             self.policy.charge(r.job.uid, 1);
-            match r.gen.sample(&r.job.session.model, kv_len) {
+            match r.gen.sample(&r.job.model, kv_len) {
                 Err(e) => {
                     let r = self.active.remove(&id).expect("present");
                     self.end(r, Err(e.into()));
@@ -522,7 +529,7 @@ impl Worker {
         let mut by_model: Vec<(Arc<llmd_engine::Model>, Vec<Feed>)> = Vec::new();
         for f in feeds {
             let Some(r) = self.active.get(&f.id) else { continue };
-            let m = r.job.session.model.clone();
+            let m = r.job.model.clone();
             match by_model.iter_mut().find(|(mm, _)| Arc::ptr_eq(mm, &m)) {
                 Some((_, v)) => v.push(f),
                 None => by_model.push((m, vec![f])),
@@ -659,7 +666,7 @@ fn prepare(
     context_limit: usize,
     max_prompt_tokens: usize,
 ) -> Result<(Vec<u32>, Vec<u32>, usize), ServiceError> {
-    let model = &job.session.model;
+    let model = &job.model;
     let tk = &model.tokenizer;
     let full: Vec<u32> = match &job.input {
         TurnInput::Text(t) => {
@@ -708,7 +715,7 @@ fn commit(r: &Running, inner: &mut SessionInner) {
     inner.tokens = tokens;
     if let TurnInput::Chat(new) = &r.job.input {
         inner.messages.extend(new.iter().cloned());
-        let reply = r.job.session.model.tokenizer.decode(r.gen.generated_ids()).unwrap_or_default();
+        let reply = r.job.model.tokenizer.decode(r.gen.generated_ids()).unwrap_or_default();
         inner.messages.push(ChatMessage::new("assistant", &reply));
     }
 }

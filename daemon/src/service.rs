@@ -6,6 +6,7 @@
 use crate::config::Config;
 use crate::error::ServiceError;
 use crate::permission::{self, Access, Caller};
+use crate::residency::{hour_now, PressureSource, Residency, UsageHistory};
 use crate::scheduler::{Scheduler, Worker};
 use crate::session::{SessionBinder, SessionCore, SessionInner};
 use llmd_aidl::ILlmAdmin::{BnLlmAdmin, ILlmAdmin};
@@ -22,7 +23,12 @@ use std::sync::{Arc, Mutex};
 
 pub struct Shared {
     pub config: Config,
-    pub models: BTreeMap<String, Arc<Model>>,
+    /// Which models are in memory; every model use goes through it.
+    pub residency: Residency,
+    /// Which app used which model at which hour (the prefetch predictor).
+    pub history: Mutex<UsageHistory>,
+    pressure: Box<dyn PressureSource>,
+    pressure_state: Mutex<PressureState>,
     pub sessions: Mutex<BTreeMap<u64, Arc<SessionCore>>>,
     pub scheduler: Scheduler,
     /// Death recipients of running requests' callbacks, kept alive while the request runs.
@@ -30,15 +36,35 @@ pub struct Shared {
     next_session: AtomicU64,
 }
 
+/// Where the pressure response is: 0 = none, 1 = idle KV shed, 2 = evicting models.
+#[derive(Default)]
+struct PressureState {
+    step: u8,
+    /// Models evicted under pressure, to bring back when it ends.
+    evicted: Vec<String>,
+    last_avg10: Option<f64>,
+    last_hour: Option<u32>,
+}
+
 impl Shared {
-    /// Builds the shared state and starts the engine worker thread.
-    pub fn start(config: Config, models: BTreeMap<String, Arc<Model>>) -> std::io::Result<Arc<Self>> {
+    /// Builds the shared state and starts the engine worker thread and the residency monitor
+    /// (memory pressure, predicted prefetch).
+    pub fn start(
+        config: Config,
+        residency: Residency,
+        pressure: Box<dyn PressureSource>,
+    ) -> std::io::Result<Arc<Self>> {
         let (scheduler, rx) = Scheduler::new();
         let chunk = config.prefill_chunk;
         let max_prompt = config.limits.max_prompt_tokens;
+        let history =
+            config.residency.state_dir.as_ref().map(|d| UsageHistory::load(&d.join("usage.json"))).unwrap_or_default();
         let shared = Arc::new(Self {
             config,
-            models,
+            residency,
+            history: Mutex::new(history),
+            pressure,
+            pressure_state: Mutex::new(PressureState::default()),
             sessions: Mutex::new(BTreeMap::new()),
             scheduler,
             death_links: Mutex::new(HashMap::new()),
@@ -47,7 +73,162 @@ impl Shared {
         let policy = shared.config.scheduler.policy(chunk);
         let worker = Worker::new(rx, Arc::downgrade(&shared), chunk, max_prompt, policy);
         std::thread::Builder::new().name("llmd-engine".into()).spawn(move || worker.run())?;
+        let weak = Arc::downgrade(&shared);
+        let poll = std::time::Duration::from_millis(shared.config.residency.pressure_poll_ms);
+        std::thread::Builder::new().name("llmd-residency".into()).spawn(move || loop {
+            match weak.upgrade() {
+                Some(s) => s.residency_tick(),
+                None => return,
+            }
+            std::thread::sleep(poll);
+        })?;
         Ok(shared)
+    }
+
+    /// Loads pinned models, then (with `load_at_start`) every other model the budget has room
+    /// for. Failures are logged; the daemon still serves the rest.
+    pub fn load_at_start(&self) {
+        let r = &self.config.residency;
+        let mut ids = r.pinned.clone();
+        if r.load_at_start {
+            ids.extend(self.residency.ids().into_iter().filter(|i| !r.pinned.contains(i)));
+        }
+        for id in ids {
+            if !self.residency.contains(&id) {
+                tracing::error!(model = %id, "pinned model is not installed");
+                continue;
+            }
+            let pinned = r.pinned.contains(&id);
+            let fits = pinned
+                || r.memory_budget_mb == 0
+                || self.residency.model_bytes() + self.residency.probe(&id).map_or(0, |p| p.weight_bytes)
+                    <= r.memory_budget_mb << 20;
+            if !fits {
+                continue;
+            }
+            if let Err(e) =
+                self.residency.acquire(&id, if pinned { "pinned" } else { "loaded at start" }, self.kv_bytes())
+            {
+                tracing::error!(model = %id, "model not loaded: {e}");
+            }
+        }
+    }
+
+    /// Bytes every session's KV cache holds now.
+    pub fn kv_bytes(&self) -> u64 {
+        let sessions: Vec<Arc<SessionCore>> = self.sessions().values().cloned().collect();
+        sessions.iter().map(|s| s.lock().kv.size_bytes() as u64).sum()
+    }
+
+    /// The model `id`, loaded if it is not resident (waiting for a load under way), for a
+    /// request of `uid`; the use is recorded in the usage history.
+    pub fn acquire_model(&self, id: &str, uid: u32) -> Result<Arc<Model>, ServiceError> {
+        if id.is_empty() || id.len() > 256 {
+            return Err(ServiceError::InvalidArgument("model id must be 1..=256 bytes".into()));
+        }
+        let m = match self.residency.get_resident(id) {
+            Some(m) => m,
+            None => self.residency.acquire(id, &format!("request (uid {uid})"), self.kv_bytes())?,
+        };
+        let mut h = self.history.lock().unwrap_or_else(|p| p.into_inner());
+        h.record(uid, hour_now(), id);
+        if let Some(d) = &self.config.residency.state_dir {
+            if let Err(e) = h.save(&d.join("usage.json")) {
+                tracing::warn!("usage history not saved: {e}");
+            }
+        }
+        Ok(m)
+    }
+
+    /// One look at memory pressure and the clock: shed a step under pressure, grow back after,
+    /// and load the model predicted for a new hour.
+    pub fn residency_tick(self: &Arc<Self>) {
+        let r = &self.config.residency;
+        let avg10 = self.pressure.some_avg10();
+        let mut st = self.pressure_state.lock().unwrap_or_else(|p| p.into_inner());
+        st.last_avg10 = avg10;
+        match avg10 {
+            Some(v) if v >= r.pressure_high => {
+                if st.step == 0 {
+                    st.step = 1;
+                    let (n, bytes) = self.shed_idle_kv();
+                    self.residency.event(format!(
+                        "memory pressure {v:.1} (some avg10): {} KV caches of idle sessions ({} KB)",
+                        if r.state_dir.is_some() { format!("spilled {n}") } else { format!("dropped {n}") },
+                        bytes >> 10
+                    ));
+                    if n > 0 {
+                        return;
+                    }
+                }
+                st.step = 2;
+                match self.residency.evict_one(&format!("under memory pressure ({v:.1})")) {
+                    Some(id) => st.evicted.push(id),
+                    None => self.residency.event(format!("memory pressure {v:.1}: nothing left to shed")),
+                }
+            }
+            Some(v) if v <= r.pressure_low && st.step > 0 => {
+                st.step = 0;
+                let back = std::mem::take(&mut st.evicted);
+                self.residency.event(format!("memory pressure ended ({v:.1}); reloading {back:?}"));
+                drop(st);
+                let me = self.clone();
+                std::thread::spawn(move || {
+                    for id in back {
+                        let _ = me.residency.acquire(&id, "back after memory pressure", me.kv_bytes());
+                    }
+                });
+                return;
+            }
+            _ => {}
+        }
+        let hour = hour_now();
+        if r.prefetch_predicted && st.last_hour != Some(hour) && st.step == 0 {
+            st.last_hour = Some(hour);
+            drop(st);
+            let predicted = self.history.lock().unwrap_or_else(|p| p.into_inner()).predict(hour);
+            if let Some(id) = predicted.filter(|id| self.residency.contains(id)) {
+                if self.residency.get_resident(&id).is_none() {
+                    let me = self.clone();
+                    std::thread::spawn(move || {
+                        let why = format!("predicted for hour {hour}");
+                        if let Err(e) = me.residency.acquire(&id, &why, me.kv_bytes()) {
+                            me.residency.event(format!("prefetch of {id} failed: {e}"));
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// Frees the KV caches of sessions with no running request: spilled to the state directory
+    /// (restored at their next turn) or dropped (recomputed then). Returns (sessions, bytes).
+    fn shed_idle_kv(&self) -> (usize, u64) {
+        let sessions: Vec<Arc<SessionCore>> = self.sessions().values().cloned().collect();
+        let (mut n, mut bytes) = (0, 0u64);
+        for s in sessions {
+            let Ok(mut inner) = s.inner.try_lock() else { continue };
+            if inner.active_request.is_some() || inner.kv.is_empty() {
+                continue;
+            }
+            let size = inner.kv.size_bytes() as u64;
+            if let Some(dir) = &self.config.residency.state_dir {
+                let path = dir.join("kv").join(format!("session-{}.kv", s.id));
+                let written = std::fs::create_dir_all(dir.join("kv")).and_then(|_| {
+                    let mut f = std::io::BufWriter::new(std::fs::File::create(&path)?);
+                    inner.kv.write_to(&mut f)?;
+                    std::io::Write::flush(&mut f)
+                });
+                match written {
+                    Ok(()) => inner.spilled = Some(path),
+                    Err(e) => tracing::warn!(session = s.id, "KV spill failed ({e}); dropping it instead"),
+                }
+            }
+            inner.kv.clear();
+            n += 1;
+            bytes += size;
+        }
+        (n, bytes)
     }
 
     fn sessions(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<SessionCore>>> {
@@ -68,11 +249,11 @@ impl Shared {
         tracing::info!(session = id, uid = core.owner.uid, "session closed: {why}");
     }
 
-    fn model(&self, id: &str) -> Result<&Arc<Model>, ServiceError> {
+    fn probe(&self, id: &str) -> Result<llmd_engine::ModelProbe, ServiceError> {
         if id.is_empty() || id.len() > 256 {
             return Err(ServiceError::InvalidArgument("model id must be 1..=256 bytes".into()));
         }
-        self.models.get(id).ok_or_else(|| ServiceError::ModelNotFound(id.to_owned()))
+        self.residency.probe(id).ok_or_else(|| ServiceError::ModelNotFound(id.to_owned()))
     }
 
     fn open_session(
@@ -81,15 +262,14 @@ impl Shared {
         model_id: &str,
         options: &SessionOptions,
     ) -> Result<rsbinder::Strong<dyn ILlmSession>, ServiceError> {
-        let model = self.model(model_id)?.clone();
-        let ctx = model.config().context_length;
+        let ctx = self.probe(model_id)?.config.context_length;
         let context_limit = match options.contextTokens {
             n if n < 0 => return Err(ServiceError::InvalidArgument("contextTokens must not be negative".into())),
             0 => ctx,
             n => (n as usize).min(ctx),
         };
         let limits = &self.config.limits;
-        let mut sessions = self.sessions();
+        let sessions = self.sessions();
         let mine = sessions.values().filter(|s| s.owner.uid == caller.uid).count();
         if mine >= limits.max_sessions_per_uid {
             return Err(ServiceError::QuotaExceeded {
@@ -101,13 +281,20 @@ impl Shared {
         if sessions.len() >= limits.max_sessions {
             return Err(ServiceError::Busy(format!("{} sessions open; retry later", sessions.len())));
         }
-        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        drop(sessions);
+        // Opening a session loads its model (or waits for a load under way).
+        let model = self.acquire_model(model_id, caller.uid)?;
         let kv = model.transformer.new_kv();
+        drop(model);
+        let mut sessions = self.sessions();
+        if sessions.len() >= limits.max_sessions {
+            return Err(ServiceError::Busy(format!("{} sessions open; retry later", sessions.len())));
+        }
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
         let core = Arc::new(SessionCore {
             id,
             owner: caller,
             model_id: model_id.to_owned(),
-            model,
             context_limit,
             inner: Mutex::new(SessionInner {
                 kv,
@@ -115,6 +302,7 @@ impl Shared {
                 messages: Vec::new(),
                 pending: Vec::new(),
                 active_request: None,
+                spilled: None,
             }),
             closed: AtomicBool::new(false),
         });
@@ -129,12 +317,12 @@ impl Shared {
         let jobs = self.scheduler.snapshot();
         ServiceStatus {
             interfaceVersion: llmd_aidl::ILlmService::VERSION,
-            modelsInstalled: self.models.len() as i32,
+            modelsInstalled: self.residency.ids().len() as i32,
             sessionsOpen: sessions.len() as i32,
             requestsQueued: jobs.iter().filter(|(_, j)| !j.running).count() as i32,
             requestsRunning: jobs.iter().filter(|(_, j)| j.running).count() as i32,
             kvCacheBytes: sessions.values().map(|s| s.lock().kv.size_bytes() as i64).sum(),
-            weightBytes: self.models.values().map(|m| m.transformer.weights.size_bytes() as i64).sum(),
+            weightBytes: self.residency.model_bytes() as i64,
         }
     }
 
@@ -143,16 +331,34 @@ impl Shared {
         let mut out = String::new();
         let st = self.status();
         let _ = writeln!(out, "llmd (interface version {})", st.interfaceVersion);
-        let _ = writeln!(out, "\nMODELS ({})", self.models.len());
-        for (id, m) in &self.models {
-            let c = m.config();
+        let snap = self.residency.snapshot();
+        let budget = self.residency.budget();
+        let _ = writeln!(
+            out,
+            "\nMODELS ({}; budget {})",
+            snap.len(),
+            if budget == 0 { "unlimited".to_string() } else { format!("{} bytes", budget) }
+        );
+        for e in &snap {
+            let p = self.residency.probe(&e.id);
             let _ = writeln!(
                 out,
-                "  {id}: {:?}, {} layers, context {}, weights {} bytes",
-                c.arch,
-                c.n_layers,
-                c.context_length,
-                m.transformer.weights.size_bytes()
+                "  {}: {} bytes {}{} pinned {} priority {} in_use {} idle_s {:.0} reload_s {:.2} loads {} evictions {} layers {} context {} why {:?}{}",
+                e.id,
+                e.state,
+                e.bytes,
+                if e.measured { "" } else { " (estimated)" },
+                e.pinned,
+                e.priority,
+                e.in_use,
+                e.idle_s,
+                e.reload_s,
+                e.loads,
+                e.evictions,
+                p.as_ref().map_or(0, |p| p.config.n_layers),
+                p.as_ref().map_or(0, |p| p.config.context_length),
+                e.reason,
+                if e.state == "loading" { format!(" progress {}/{}", e.progress.0, e.progress.1) } else { String::new() },
             );
         }
         let sessions: Vec<Arc<SessionCore>> = self.sessions().values().cloned().collect();
@@ -211,9 +417,28 @@ impl Shared {
             );
         }
         let _ = writeln!(out, "\nMEMORY");
+        let rss = process_rss_bytes().unwrap_or(0);
+        let accounted = self.residency.baseline_rss + st.weightBytes.max(0) as u64 + st.kvCacheBytes.max(0) as u64;
         let _ = writeln!(out, "  weights_bytes {}", st.weightBytes);
         let _ = writeln!(out, "  kv_cache_bytes {}", st.kvCacheBytes);
-        let _ = writeln!(out, "  process_rss_bytes {}", process_rss_bytes().unwrap_or(0));
+        let _ = writeln!(out, "  daemon_baseline_bytes {}", self.residency.baseline_rss);
+        let _ = writeln!(out, "  accounted_bytes {accounted}");
+        let _ = writeln!(out, "  process_rss_bytes {rss}");
+        {
+            let ps = self.pressure_state.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = writeln!(
+                out,
+                "\nPRESSURE\n  some_avg10 {} step {} evicted_under_pressure {:?}",
+                ps.last_avg10.map_or("-".to_string(), |v| format!("{v:.2}")),
+                ps.step,
+                ps.evicted
+            );
+        }
+        let _ = writeln!(out, "\nRESIDENCY EVENTS (most recent last)");
+        for e in self.residency.events() {
+            let secs = e.at.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+            let _ = writeln!(out, "  {secs} {}", e.what);
+        }
         let _ = writeln!(out, "\nCONFIG\n{}", self.config.to_toml());
         out
     }
@@ -243,16 +468,16 @@ impl LlmService {
     }
 }
 
-fn model_info(id: &str, m: &Model) -> ModelInfo {
-    let c = m.config();
+fn model_info(id: &str, p: &llmd_engine::ModelProbe) -> ModelInfo {
+    let c = &p.config;
     ModelInfo {
         id: id.to_owned(),
         architecture: format!("{:?}", c.arch).to_lowercase(),
         layers: c.n_layers as i32,
         contextLength: c.context_length as i32,
         vocabSize: c.vocab_size as i32,
-        weightBytes: m.transformer.weights.size_bytes() as i64,
-        hasChatTemplate: m.chat_template.is_some(),
+        weightBytes: p.weight_bytes as i64,
+        hasChatTemplate: p.has_chat_template,
     }
 }
 
@@ -262,7 +487,8 @@ impl ILlmService for LlmService {
     fn listModels(&self) -> rsbinder::BinderResult<Vec<ModelInfo>> {
         (|| {
             self.guard(Access::Use, "listModels")?;
-            Ok(self.shared.models.iter().map(|(id, m)| model_info(id, m)).collect())
+            let r = &self.shared.residency;
+            Ok(r.ids().iter().filter_map(|id| r.probe(id).map(|p| model_info(id, &p))).collect())
         })()
         .map_err(ServiceError::into_status)
     }
@@ -270,7 +496,7 @@ impl ILlmService for LlmService {
     fn getModelInfo(&self, model_id: &str) -> rsbinder::BinderResult<ModelInfo> {
         (|| {
             self.guard(Access::Use, "getModelInfo")?;
-            Ok(model_info(model_id, self.shared.model(model_id)?))
+            Ok(model_info(model_id, &self.shared.probe(model_id)?))
         })()
         .map_err(ServiceError::into_status)
     }
@@ -320,9 +546,9 @@ impl ILlmAdmin for LlmAdmin {
     fn prefetch(&self, model_id: &str) -> rsbinder::BinderResult<()> {
         (|| {
             self.guard("prefetch")?;
-            // Every installed model is loaded (memory-mapped) at start-up today; residency
-            // management makes this load on demand.
-            self.shared.model(model_id).map(|_| ())
+            self.shared.probe(model_id)?;
+            // Loads it now (or waits for a load under way); not recorded as a use.
+            self.shared.residency.acquire(model_id, "prefetch (admin)", self.shared.kv_bytes()).map(|_| ())
         })()
         .map_err(ServiceError::into_status)
     }

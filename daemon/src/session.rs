@@ -26,7 +26,6 @@ pub struct SessionCore {
     pub id: u64,
     pub owner: Caller,
     pub model_id: String,
-    pub model: Arc<Model>,
     /// Most positions this session's context may hold.
     pub context_limit: usize,
     pub inner: Mutex<SessionInner>,
@@ -42,6 +41,46 @@ pub struct SessionInner {
     /// turn feeds them first (a chat turn re-renders the reply instead).
     pub pending: Vec<u32>,
     pub active_request: Option<u64>,
+    /// Where the KV cache was spilled under memory pressure (restored at the next turn).
+    pub spilled: Option<std::path::PathBuf>,
+}
+
+/// Brings back a KV cache that memory pressure spilled to flash or dropped: read back from its
+/// spill file if it has one (and the file is intact), else recomputed from the session's tokens.
+/// Either way the conversation continues where it was.
+pub fn restore_kv(model: &Model, inner: &mut SessionInner) {
+    if let Some(path) = inner.spilled.take() {
+        let c = model.config();
+        let restored = std::fs::File::open(&path)
+            .and_then(|f| KvCache::read_from(&mut std::io::BufReader::new(f), c.n_layers, c.kv_dim()));
+        let _ = std::fs::remove_file(&path);
+        match restored {
+            Ok(kv) if kv.len() <= inner.tokens.len() => {
+                inner.kv = kv;
+                return;
+            }
+            Ok(_) => tracing::warn!("spilled KV cache longer than its tokens; recomputing"),
+            Err(e) => tracing::warn!("spilled KV cache unusable ({e}); recomputing"),
+        }
+    }
+    if inner.kv.len() < inner.tokens.len() {
+        let mut kv = model.transformer.new_kv();
+        let mut ok = true;
+        for chunk in inner.tokens.chunks(llmd_engine::generate::DEFAULT_PREFILL_CHUNK) {
+            if model.transformer.forward(&mut kv, chunk, llmd_engine::model::Logits::Last).is_err() {
+                ok = false;
+                break;
+            }
+        }
+        if ok {
+            inner.kv = kv;
+        } else {
+            // The context cannot be rebuilt: start over (chat turns re-render from messages).
+            inner.tokens.clear();
+            inner.pending.clear();
+            inner.kv.clear();
+        }
+    }
 }
 
 impl SessionCore {
@@ -53,6 +92,9 @@ impl SessionCore {
 
     /// Frees the KV cache and forgets the conversation.
     pub fn clear(inner: &mut SessionInner) {
+        if let Some(p) = inner.spilled.take() {
+            let _ = std::fs::remove_file(p);
+        }
         inner.kv.clear();
         inner.tokens.clear();
         inner.messages.clear();
@@ -116,7 +158,8 @@ impl SessionBinder {
             _ => crate::policy::Class::Foreground,
         };
         let class = crate::policy::Class::capped(hint, shared.config.scheduler.class_cap(caller.uid));
-        let job = Job::new(self.core.clone(), caller.uid, input, engine, callback.clone())
+        let model = shared.acquire_model(&self.core.model_id, caller.uid)?;
+        let job = Job::new(self.core.clone(), model, caller.uid, input, engine, callback.clone())
             .with_class(class, req.deadlineMs as u64);
         shared.scheduler.submit(job, &self.shared)
     }
@@ -210,12 +253,9 @@ impl ILlmSession for SessionBinder {
                     limits.max_prompt_bytes
                 )));
             }
-            let ids = self
-                .core
-                .model
-                .tokenizer
-                .encode(text, false, false)
-                .map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
+            let model = self.shared()?.acquire_model(&self.core.model_id, caller.uid)?;
+            let ids =
+                model.tokenizer.encode(text, false, false).map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
             Ok(ids.len() as i32)
         })()
         .map_err(ServiceError::into_status)

@@ -152,6 +152,72 @@ impl Source {
     }
 }
 
+/// What a model file says about itself without loading it: for listing and residency planning.
+#[derive(Clone, Debug)]
+pub struct ModelProbe {
+    pub config: ModelConfig,
+    pub has_chat_template: bool,
+    /// Bytes of the file (or HF directory's tensors) on storage.
+    pub file_bytes: u64,
+    /// Expected resident bytes of the weights once loaded (packed copies).
+    pub weight_bytes: u64,
+}
+
+/// Reads a model's header only (GGUF metadata, llmd header, HF config): no tokenizer is built,
+/// no weight is read.
+pub fn probe(path: &Path) -> Result<ModelProbe, EngineError> {
+    let io = |source| FormatError::Io { path: path.display().to_string(), source };
+    if format::llmd::path_is_llmd(path) {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(path).map_err(io)?;
+        let len = f.metadata().map_err(io)?.len();
+        let mut head = vec![0u8; format::llmd::HEADER_BYTES.min(len as usize)];
+        f.read_exact_at(&mut head, 0).map_err(io)?;
+        if head.len() == format::llmd::HEADER_BYTES {
+            let off = u64::from_le_bytes(head[32..40].try_into().unwrap_or_default());
+            if off <= len && off <= format::llmd::MAX_METADATA + format::llmd::REGION_ALIGN as u64 {
+                head.resize(off as usize, 0);
+                f.read_exact_at(&mut head, 0).map_err(io)?;
+            }
+        }
+        let (_, meta) = format::llmd::parse_head(&head, len)?;
+        // EdgeFlow tensors unpack to Q8_0 tiles: 34 bytes per 32 weights.
+        let weight_bytes = meta
+            .tensors
+            .iter()
+            .map(|t| match t.kind {
+                format::llmd::TensorKind::Edgeflow => t.rows * t.cols * 34 / 32,
+                format::llmd::TensorKind::Ggml { .. } => t.len,
+            })
+            .sum();
+        return Ok(ModelProbe {
+            has_chat_template: meta.chat_template.is_some(),
+            config: meta.config,
+            file_bytes: len,
+            weight_bytes,
+        });
+    }
+    if format::is_hf_dir(path) {
+        let hf = format::hf::load(path)?;
+        let bytes: u64 = hf.tensors.values().map(|t| t.range.len() as u64).sum();
+        return Ok(ModelProbe {
+            config: hf.config,
+            has_chat_template: hf.chat_template.is_some(),
+            file_bytes: bytes,
+            weight_bytes: bytes,
+        });
+    }
+    let g = GgufFile::open(path)?;
+    let config = ModelConfig::from_gguf(&g)?;
+    let bytes: u64 = g.tensors.iter().map(|t| g.tensor_range(t).len() as u64).sum();
+    Ok(ModelProbe {
+        config,
+        has_chat_template: g.get("tokenizer.chat_template").is_some(),
+        file_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(bytes),
+        weight_bytes: bytes,
+    })
+}
+
 fn check_vocab(c: &ModelConfig, t: &Tokenizer) -> Result<(), FormatError> {
     if t.vocab_size() > c.vocab_size {
         return Err(FormatError::BadHyperParameter {

@@ -109,3 +109,29 @@ fn batched_decode_and_prefill_equal_one_sequence_at_a_time() {
         assert_eq!(a, b, "prompt {i}: batched tokens differ from the sequence alone");
     }
 }
+
+/// A KV cache spilled to bytes and read back continues the sequence exactly (the daemon spills
+/// idle sessions under memory pressure); a corrupt or foreign spill is refused.
+#[test]
+fn spilled_kv_cache_continues_exactly() {
+    let m = common::default_model();
+    let toks = m.tokenizer.encode("Once upon a time, in a quiet village,", false, true).expect("tokens");
+    for ty in [llmd_engine::model::kv::KvType::F16, llmd_engine::model::kv::KvType::Q8] {
+        let c = m.config();
+        let mut kv = llmd_engine::model::kv::KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, ty);
+        m.transformer.forward(&mut kv, &toks, llmd_engine::model::Logits::Last).expect("prefill");
+        let mut bytes = Vec::new();
+        kv.write_to(&mut bytes).expect("spill");
+        let mut back =
+            llmd_engine::model::kv::KvCache::read_from(&mut bytes.as_slice(), c.n_layers, c.kv_dim()).expect("restore");
+        assert_eq!(back.len(), kv.len());
+        let a = m.transformer.forward(&mut kv, &[42], llmd_engine::model::Logits::Last).expect("step");
+        let b = m.transformer.forward(&mut back, &[42], llmd_engine::model::Logits::Last).expect("step");
+        assert_eq!(a, b, "{ty:?}");
+        let mut bad = bytes.clone();
+        let n = bad.len();
+        bad[n / 2] ^= 1;
+        assert!(llmd_engine::model::kv::KvCache::read_from(&mut bad.as_slice(), c.n_layers, c.kv_dim()).is_err());
+        assert!(llmd_engine::model::kv::KvCache::read_from(&mut bytes.as_slice(), c.n_layers + 1, c.kv_dim()).is_err());
+    }
+}

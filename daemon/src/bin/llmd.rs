@@ -27,6 +27,12 @@ struct Args {
     /// CPU threads for inference (0 = one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Memory for models, KV caches and scratch, in MB (0 = no limit); overrides the config.
+    #[arg(long, value_name = "MB")]
+    memory_budget_mb: Option<u64>,
+    /// Where the usage history and spilled KV caches live; overrides the config.
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -65,6 +71,12 @@ fn run(args: Args) -> Result<(), String> {
     if let Some(t) = args.threads {
         config.threads = t;
     }
+    if let Some(b) = args.memory_budget_mb {
+        config.residency.memory_budget_mb = b;
+    }
+    if let Some(d) = args.state_dir {
+        config.residency.state_dir = Some(d);
+    }
     config.validate().map_err(|e| e.to_string())?;
     let kernel = match config.kernel_binder {
         KernelBinder::On => true,
@@ -76,17 +88,26 @@ fn run(args: Args) -> Result<(), String> {
     }
     tracing::info!("effective configuration:\n{}", config.to_toml());
     let paths = models::discover(&config)?;
-    let loaded = models::load_all(
-        &paths,
-        &llmd_engine::LoadOptions { threads: config.threads, kv_type: config.kv_cache_type.engine() },
-    );
-    if loaded.is_empty() {
-        return Err("no model could be loaded".into());
+    let probed = models::probe_all(&paths);
+    if probed.is_empty() {
+        return Err("no usable model".into());
     }
+    let n_models = probed.len();
+    let r = &config.residency;
+    let residency = llmd_daemon::residency::Residency::new(
+        probed,
+        r.memory_budget_mb << 20,
+        &r.pinned,
+        &r.priorities,
+        llmd_engine::LoadOptions { threads: config.threads, kv_type: config.kv_cache_type.engine() },
+    );
+    let pressure = Box::new(llmd_daemon::residency::PsiFile(r.pressure_file.clone()));
     let name = config.service_name.clone();
     let admin_name = format!("{name}.admin");
     let socket = config.socket.clone();
-    let shared = service::Shared::start(config, loaded).map_err(|e| format!("starting the engine worker: {e}"))?;
+    let shared =
+        service::Shared::start(config, residency, pressure).map_err(|e| format!("starting the engine worker: {e}"))?;
+    shared.load_at_start();
     let mut guards = Vec::new();
     if let Some(path) = &socket {
         if path.exists() {
@@ -99,7 +120,7 @@ fn run(args: Args) -> Result<(), String> {
             .and_then(|s| s.spawn())
             .map_err(|e| format!("serving on {}: {e:?}", path.display()))?;
         tracing::info!(socket = %path.display(), "serving Binder over a Unix socket");
-        eprintln!("llmd: serving {} model(s) on {}", shared.models.len(), path.display());
+        eprintln!("llmd: serving {} model(s) on {}", n_models, path.display());
         guards.push(server);
     }
     if kernel {

@@ -183,4 +183,97 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.truncate(0);
     }
+
+    /// Writes the cache (type, shape, positions, every layer's bytes, a CRC-32) so that
+    /// [`Self::read_from`] restores it exactly — the daemon spills idle sessions' caches to
+    /// flash under memory pressure.
+    pub fn write_to(&self, w: &mut impl std::io::Write) -> std::io::Result<()> {
+        let mut body = Vec::with_capacity(self.size_bytes() + 64);
+        let (ty, layers) = match &self.store {
+            Store::F16 { k, .. } => (0u32, k.len()),
+            Store::Q8 { k, .. } => (1u32, k.len()),
+        };
+        for v in [ty as u64, layers as u64, self.kv_dim as u64, self.head_dim as u64, self.len as u64] {
+            body.extend_from_slice(&v.to_le_bytes());
+        }
+        match &self.store {
+            Store::F16 { k, v } => {
+                for x in k.iter().chain(v) {
+                    x[..self.len * self.kv_dim].iter().for_each(|h| body.extend_from_slice(&h.to_le_bytes()));
+                }
+            }
+            Store::Q8 { k, ks, v, vs } => {
+                let heads = self.len * self.kv_dim / self.head_dim;
+                for (q, s) in k.iter().zip(ks).chain(v.iter().zip(vs)) {
+                    q[..self.len * self.kv_dim].iter().for_each(|b| body.push(*b as u8));
+                    s[..heads].iter().for_each(|f| body.extend_from_slice(&f.to_le_bytes()));
+                }
+            }
+        }
+        w.write_all(b"LLMDKV01")?;
+        w.write_all(&(body.len() as u64).to_le_bytes())?;
+        w.write_all(&crc32fast::hash(&body).to_le_bytes())?;
+        w.write_all(&body)
+    }
+
+    /// Reads a cache written by [`Self::write_to`], checking its CRC and that it fits a model
+    /// of `n_layers` layers and `kv_dim` (a spill file of another model is refused).
+    pub fn read_from(r: &mut impl std::io::Read, n_layers: usize, kv_dim: usize) -> std::io::Result<Self> {
+        let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("KV spill file: {m}"));
+        let mut head = [0u8; 20];
+        r.read_exact(&mut head)?;
+        if &head[..8] != b"LLMDKV01" {
+            return Err(bad("bad magic"));
+        }
+        let len = u64::from_le_bytes(head[8..16].try_into().map_err(|_| bad("header"))?) as usize;
+        let crc = u32::from_le_bytes(head[16..20].try_into().map_err(|_| bad("header"))?);
+        if len > 64 << 30 {
+            return Err(bad("too large"));
+        }
+        let mut body = vec![0u8; len];
+        r.read_exact(&mut body)?;
+        if crc32fast::hash(&body) != crc {
+            return Err(bad("checksum mismatch"));
+        }
+        let u = |i: usize| u64::from_le_bytes(body[8 * i..8 * i + 8].try_into().unwrap_or_default()) as usize;
+        if body.len() < 40 {
+            return Err(bad("truncated"));
+        }
+        let (ty, layers, kd, hd, n) = (u(0), u(1), u(2), u(3), u(4));
+        if layers != n_layers || kd != kv_dim || hd == 0 || kd % hd != 0 {
+            return Err(bad("shape does not match the model"));
+        }
+        let per = n.checked_mul(kd).ok_or_else(|| bad("size"))?;
+        let heads = per / hd;
+        let want = match ty {
+            0 => 2 * layers * per * 2,
+            1 => 2 * layers * (per + heads * 4),
+            _ => return Err(bad("unknown type")),
+        };
+        if body.len() != 40 + want {
+            return Err(bad("size does not match its shape"));
+        }
+        let mut at = 40;
+        let mut cache = Self::with_type(layers, kd, hd, if ty == 0 { KvType::F16 } else { KvType::Q8 });
+        match &mut cache.store {
+            Store::F16 { k, v } => {
+                for x in k.iter_mut().chain(v.iter_mut()) {
+                    x.extend(body[at..at + 2 * per].chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])));
+                    at += 2 * per;
+                }
+            }
+            Store::Q8 { k, ks, v, vs } => {
+                for (q, s) in k.iter_mut().zip(ks.iter_mut()).chain(v.iter_mut().zip(vs.iter_mut())) {
+                    q.extend(body[at..at + per].iter().map(|&b| b as i8));
+                    at += per;
+                    s.extend(
+                        body[at..at + 4 * heads].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                    );
+                    at += 4 * heads;
+                }
+            }
+        }
+        cache.len = n;
+        Ok(cache)
+    }
 }
