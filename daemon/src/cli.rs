@@ -308,6 +308,35 @@ pub fn status(conn: &Connection) -> Result<(), String> {
     println!("requests_running {}", s.requestsRunning);
     println!("kv_cache_bytes {}", s.kvCacheBytes);
     println!("weight_bytes {}", s.weightBytes);
+    // Residency (each model's state, bytes, why it is there; memory pressure and its events)
+    // comes from the admin service, when the caller may use it.
+    match conn.admin().and_then(|a| a.dumpState().map_err(|e| client::describe(&e))) {
+        Ok(d) => {
+            let mut keep = false;
+            for line in d.lines() {
+                if line.starts_with("MODELS")
+                    || line.starts_with("MEMORY")
+                    || line.starts_with("PRESSURE")
+                    || line.starts_with("RESIDENCY")
+                {
+                    keep = true;
+                } else if !line.starts_with(' ') && !line.is_empty() {
+                    keep = false;
+                }
+                if keep {
+                    println!("{line}");
+                }
+            }
+        }
+        Err(_) => println!("(model residency: needs an admin uid; see `llmctl dump`)"),
+    }
+    Ok(())
+}
+
+pub fn prefetch(conn: &Connection, model: &str) -> Result<(), String> {
+    let t = std::time::Instant::now();
+    conn.admin()?.prefetch(model).map_err(|e| client::describe(&e))?;
+    println!("{model} resident ({:.2} s)", t.elapsed().as_secs_f64());
     Ok(())
 }
 

@@ -290,7 +290,10 @@ impl Residency {
                 e.state = State::Resident;
                 e.model = Some(model.clone());
                 e.reload_s = secs;
-                e.bytes = grew.max(model.transformer.weights.size_bytes() as u64);
+                // A reload can reuse heap the last eviction left behind and so look cheaper:
+                // a model costs the most any of its loads measured.
+                let floor = if e.measured { e.bytes } else { 0 };
+                e.bytes = grew.max(model.transformer.weights.size_bytes() as u64).max(floor);
                 e.measured = true;
                 e.loads += 1;
                 e.last_used = Instant::now();
@@ -354,6 +357,9 @@ impl Residency {
             e.evictions += 1;
             e.reason = format!("evicted {why}");
         }
+        // The weights' large buffers went back to the OS when they were freed; the tokenizer's
+        // many small allocations need the allocator asked.
+        llmd_alloc_sys::release_free_memory();
         self.event(format!("evicted {id} {why}"));
         self.changed.notify_all();
     }

@@ -27,8 +27,13 @@ enum Command {
     Chat(ChatArgs),
     /// List the installed models.
     Models,
-    /// Show the daemon's status.
+    /// Show the daemon's status (and, for an admin uid, each model's residency and memory pressure).
     Status,
+    /// Load a model ahead of use (admin); returns when it is resident.
+    Prefetch {
+        /// The model id.
+        model: String,
+    },
     /// Print the daemon's state: models, sessions, queues, memory, config (admin).
     Dump,
     /// Measure prefill and decode speed and peak memory (`--local`), optionally side by side
@@ -68,6 +73,7 @@ fn main() -> ExitCode {
             Command::Chat(args) => cli::chat(&conn, args),
             Command::Models => cli::models(&conn),
             Command::Status => cli::status(&conn),
+            Command::Prefetch { model } => cli::prefetch(&conn, model),
             Command::Dump => cli::dump(&conn),
             // Handled above, without this connection.
             Command::Bench(_) | Command::Convert(_) | Command::Perplexity(_) => Ok(()),
