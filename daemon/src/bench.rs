@@ -85,6 +85,10 @@ pub struct BenchArgs {
     /// With --cold: prompt tokens before the first token.
     #[arg(long, default_value_t = 128)]
     pub cold_prompt: usize,
+    /// Leave the token embedding on storage (rows read on demand; models with a separate
+    /// output head) — compare resident memory and decode speed with and without.
+    #[arg(long)]
+    pub embeddings_on_flash: bool,
     /// Python interpreter for --compare-llamacpp.
     #[arg(long, default_value = "python3", env = "LLMD_BENCH_PYTHON")]
     pub python: String,
@@ -258,8 +262,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let reps = args.reps as usize;
     let rss_before = status_kb("VmRSS");
     let t0 = Instant::now();
-    let model = Model::load(&model_path, &LoadOptions { threads, kv_type: args.kv_type })
-        .map_err(|e| format!("{}: {e}", model_path.display()))?;
+    let model = Model::load(
+        &model_path,
+        &LoadOptions { threads, kv_type: args.kv_type, embeddings_on_flash: args.embeddings_on_flash },
+    )
+    .map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     let c = model.config().clone();
     let longest = args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_prompt + args.decode_tokens);

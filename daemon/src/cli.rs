@@ -128,7 +128,7 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     let sampling = args.sampling.params();
     sampling.validate().map_err(|e| e.to_string())?;
     let load_start = std::time::Instant::now();
-    let opts = LoadOptions { threads: args.threads, kv_type: args.kv_type };
+    let opts = LoadOptions { threads: args.threads, kv_type: args.kv_type, embeddings_on_flash: false };
     let model = if llmd_engine::format::llmd::path_is_llmd(&model_path) {
         // The streaming loader: a progress bar (on a terminal) and its stage timings.
         let pb = indicatif::ProgressBar::new(0);
@@ -211,7 +211,10 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
 /// `llmctl run` through the daemon: the same output contract as `--local`; Ctrl-C cancels.
 pub fn run_remote(conn: &Connection, args: &RunArgs) -> Result<(), String> {
     let prompt_text = read_prompt(&args.prompt)?;
+    let opened = std::time::Instant::now();
+    // Opening a session loads its model if it is not resident (the time shows it).
     let session = client::open_session(conn, args.model.as_deref())?;
+    let open_ms = opened.elapsed().as_secs_f64() * 1e3;
     let req = if args.chat {
         let mut msgs = Vec::new();
         if let Some(s) = &args.system {
@@ -225,7 +228,7 @@ pub fn run_remote(conn: &Connection, args: &RunArgs) -> Result<(), String> {
     let mut out = std::io::stdout().lock();
     let stats = client::stream(&session, &req, &mut out)?;
     end_line(&mut out);
-    eprintln!("{}", client::stats_line(&stats));
+    eprintln!("open {open_ms:.0} ms | {}", client::stats_line(&stats));
     let _ = session.close();
     if stats.finishReason == "cancelled" {
         return Err("cancelled".into());

@@ -85,6 +85,8 @@ pub struct ResidencyConfig {
     /// Load every model at start-up while the budget has room (pinned ones first); off: only
     /// pinned and predicted models are loaded ahead of use.
     pub load_at_start: bool,
+    /// Leave token embeddings on storage, rows read on demand (models with a separate head).
+    pub embeddings_on_flash: bool,
 }
 
 impl Default for ResidencyConfig {
@@ -100,6 +102,7 @@ impl Default for ResidencyConfig {
             pressure_poll_ms: 1000,
             prefetch_predicted: true,
             load_at_start: true,
+            embeddings_on_flash: false,
         }
     }
 }

@@ -33,6 +33,10 @@ pub struct LoadOptions {
     pub threads: usize,
     /// How KV caches store keys and values (f16 by default; int8 halves their memory).
     pub kv_type: model::kv::KvType,
+    /// Leave the token embedding on storage and read the rows a prompt needs on demand
+    /// (MNN-LLM's DRAM–flash split). Only for models whose output head is separate: a tied head
+    /// needs the whole table in memory anyway. GGUF and HF files.
+    pub embeddings_on_flash: bool,
 }
 
 /// A loaded model: network, tokenizer and chat template.
@@ -55,7 +59,7 @@ impl Model {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let planner = Planner::cpu(opts.threads);
         let src = Source::open(path)?;
-        let mut weights = ModelWeights::load(&src.config, &src.tensors)?;
+        let mut weights = ModelWeights::load_with(&src.config, &src.tensors, opts.embeddings_on_flash)?;
         if weights.rope_freqs.is_none() {
             weights.rope_freqs = src.rope_freqs;
         }

@@ -83,3 +83,32 @@ fn qwen2_with_biases_bpe_vocab_and_tied_embeddings() {
     assert!(m.tokenizer.is_eog(m.tokenizer.eos.expect("eos")));
     check("tiny-qwen2", &m);
 }
+
+/// Embeddings on flash (MNN-LLM's DRAM–flash split): with a separate output head, the embedding
+/// table is not copied into memory, rows are read from storage on demand, and the logits are
+/// the same bit for bit; with a tied head the option changes nothing.
+#[test]
+fn embeddings_on_flash_give_the_same_logits_with_less_memory() {
+    let p = common::repo_root().join("tests/fixtures/tiny-llama-spm.gguf");
+    let load = |flash| {
+        llmd_engine::Model::load(
+            &p,
+            &llmd_engine::LoadOptions { threads: 2, embeddings_on_flash: flash, ..Default::default() },
+        )
+        .expect("loads")
+    };
+    let (dram, flash) = (load(false), load(true));
+    assert!(flash.transformer.weights.token_embd.on_flash);
+    let saved = dram.transformer.weights.size_bytes() - flash.transformer.weights.size_bytes();
+    assert_eq!(saved, dram.transformer.weights.token_embd.size_bytes());
+    let toks = dram.tokenizer.encode("hello world, once more", false, true).expect("tokens");
+    let run = |m: &llmd_engine::Model| {
+        m.transformer.forward(&mut m.transformer.new_kv(), &toks, llmd_engine::model::Logits::All).expect("forward")
+    };
+    assert_eq!(run(&dram), run(&flash));
+    let q = common::repo_root().join("tests/fixtures/tiny-qwen2.gguf");
+    let tied =
+        llmd_engine::Model::load(&q, &llmd_engine::LoadOptions { embeddings_on_flash: true, ..Default::default() })
+            .expect("loads");
+    assert!(!tied.transformer.weights.token_embd.on_flash, "a tied head keeps the table in memory");
+}

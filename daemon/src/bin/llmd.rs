@@ -99,7 +99,11 @@ fn run(args: Args) -> Result<(), String> {
         r.memory_budget_mb << 20,
         &r.pinned,
         &r.priorities,
-        llmd_engine::LoadOptions { threads: config.threads, kv_type: config.kv_cache_type.engine() },
+        llmd_engine::LoadOptions {
+            threads: config.threads,
+            kv_type: config.kv_cache_type.engine(),
+            embeddings_on_flash: r.embeddings_on_flash,
+        },
     );
     let pressure = Box::new(llmd_daemon::residency::PsiFile(r.pressure_file.clone()));
     let name = config.service_name.clone();

@@ -314,6 +314,13 @@ impl Backend for CpuBackend {
                     continue;
                 }
             }
+            if w.on_flash {
+                let mut buf = Vec::new();
+                w.read_row(id as usize, &mut buf)
+                    .map_err(|e| shape_err("get_rows", format!("row {id} of {} from storage: {e}", w.name)))?;
+                quant::dequantize_row(w.ty, &buf, o)?;
+                continue;
+            }
             let row = w
                 .row(id as usize)
                 .ok_or_else(|| shape_err("get_rows", format!("row {id} of {} in {}", w.rows, w.name)))?;

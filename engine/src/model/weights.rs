@@ -18,13 +18,25 @@ pub struct WeightMatrix {
     /// The same weights in the CPU kernels' tile layout, when the type has one (read from the
     /// file without touching the map, so the map's pages do not count against resident memory).
     pub packed: Option<Arc<PackedMatrix>>,
+    /// Rows stay on storage and are read with `pread` when used (embeddings on flash).
+    pub on_flash: bool,
 }
 
 impl WeightMatrix {
     /// Wraps a tensor already checked to hold `rows` × `cols` elements of its type.
     pub fn from_tensor(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
         let packed = pack(&tensor, rows, cols).ok().flatten();
-        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed }
+        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed, on_flash: false }
+    }
+
+    /// Reads row `r`'s bytes from storage into `buf` (no page of the map is touched).
+    pub fn read_row(&self, r: usize, buf: &mut Vec<u8>) -> std::io::Result<()> {
+        let rb = self.row_bytes();
+        if r >= self.rows {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("row {r} of {}", self.rows)));
+        }
+        buf.resize(rb, 0);
+        self.tensor.file.read_at(self.tensor.range.start + r * rb, buf)
     }
 
     /// Wraps weights already in the packed layout (e.g. unpacked from an llmd file); `tensor`
@@ -35,7 +47,15 @@ impl WeightMatrix {
             PackKind::Q4_1 => GgmlType::Q4_1,
             PackKind::Q8_0 => GgmlType::Q8_0,
         };
-        Self { name: name.to_owned(), ty, rows: packed.rows, cols: packed.cols, tensor, packed: Some(Arc::new(packed)) }
+        Self {
+            name: name.to_owned(),
+            ty,
+            rows: packed.rows,
+            cols: packed.cols,
+            tensor,
+            packed: Some(Arc::new(packed)),
+            on_flash: false,
+        }
     }
 
     /// The same weights under another name (a tied output head).
@@ -61,8 +81,12 @@ impl WeightMatrix {
         let rb = self.row_bytes();
         (r < self.rows).then(|| &self.bytes()[r * rb..(r + 1) * rb])
     }
-    /// Bytes of weights this matrix holds in memory (its packed copy, if it has one).
+    /// Bytes of weights this matrix holds in memory (its packed copy, if it has one; none when
+    /// its rows stay on storage).
     pub fn size_bytes(&self) -> usize {
+        if self.on_flash {
+            return 0;
+        }
         self.packed.as_ref().map(|p| p.size_bytes()).unwrap_or(self.tensor.range.len())
     }
 }
@@ -110,6 +134,11 @@ impl Loader<'_> {
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<WeightMatrix, FormatError> {
+        self.matrix_opt(name, rows, cols, false)
+    }
+
+    /// `on_flash`: no packed copy; rows are read from storage when used.
+    fn matrix_opt(&self, name: &str, rows: usize, cols: usize, on_flash: bool) -> Result<WeightMatrix, FormatError> {
         let t = self.get(name)?;
         let expected = vec![cols as u64, rows as u64];
         if t.dims != expected {
@@ -123,8 +152,12 @@ impl Loader<'_> {
                 block: t.ty.block_size() as u64,
             });
         }
-        let packed = pack(t, rows, cols).map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?;
-        Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone(), packed })
+        let packed = if on_flash {
+            None
+        } else {
+            pack(t, rows, cols).map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?
+        };
+        Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone(), packed, on_flash })
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, FormatError> {
@@ -154,9 +187,16 @@ impl Loader<'_> {
 impl ModelWeights {
     /// Binds every tensor the architecture needs, checking names, shapes and sizes.
     pub fn load(c: &ModelConfig, tensors: &TensorMap) -> Result<Self, FormatError> {
+        Self::load_with(c, tensors, false)
+    }
+
+    /// [`Self::load`], with the token embedding left on storage when `embeddings_on_flash` and
+    /// the output head is separate (a tied head needs the table in memory).
+    pub fn load_with(c: &ModelConfig, tensors: &TensorMap, embeddings_on_flash: bool) -> Result<Self, FormatError> {
         let l = Loader { t: tensors };
         let (d, q, kv, f) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
-        let token_embd = l.matrix("token_embd.weight", c.vocab_size, d)?;
+        let untied = tensors.contains_key("output.weight");
+        let token_embd = l.matrix_opt("token_embd.weight", c.vocab_size, d, embeddings_on_flash && untied)?;
         let output = if tensors.contains_key("output.weight") {
             l.matrix("output.weight", c.vocab_size, d)?
         } else {
