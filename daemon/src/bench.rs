@@ -380,6 +380,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     if args.json {
         let mut o = figures_json(&mine);
         o.insert("threads".into(), json!(threads));
+        o.insert("weight_bytes_in_memory".into(), json!(model.transformer.weights.size_bytes()));
         o.insert("weight_bytes_per_token".into(), json!(weight_bytes_per_token));
         o.insert("macs_per_token".into(), json!(macs_per_token));
         o.insert("read_bandwidth_gb_s".into(), json!(bw / 1e9));
