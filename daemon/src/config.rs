@@ -87,6 +87,9 @@ pub struct ResidencyConfig {
     pub load_at_start: bool,
     /// Leave token embeddings on storage, rows read on demand (models with a separate head).
     pub embeddings_on_flash: bool,
+    /// An idle session whose KV cache holds more positions than this is spilled to `state_dir`
+    /// without waiting for memory pressure (restored at its next turn); 0 = only under pressure.
+    pub kv_spill_tokens: usize,
 }
 
 impl Default for ResidencyConfig {
@@ -103,6 +106,7 @@ impl Default for ResidencyConfig {
             prefetch_predicted: true,
             load_at_start: true,
             embeddings_on_flash: false,
+            kv_spill_tokens: 0,
         }
     }
 }

@@ -151,7 +151,7 @@ impl Shared {
             Some(v) if v >= r.pressure_high => {
                 if st.step == 0 {
                     st.step = 1;
-                    let (n, bytes) = self.shed_idle_kv();
+                    let (n, bytes) = self.shed_idle_kv(0);
                     self.residency.event(format!(
                         "memory pressure {v:.1} (some avg10): {} KV caches of idle sessions ({} KB)",
                         if r.state_dir.is_some() { format!("spilled {n}") } else { format!("dropped {n}") },
@@ -182,6 +182,16 @@ impl Shared {
             }
             _ => {}
         }
+        if r.kv_spill_tokens > 0 && r.state_dir.is_some() && st.step == 0 {
+            let (n, bytes) = self.shed_idle_kv(r.kv_spill_tokens);
+            if n > 0 {
+                self.residency.event(format!(
+                    "spilled {n} long idle KV caches over {} positions ({} KB)",
+                    r.kv_spill_tokens,
+                    bytes >> 10
+                ));
+            }
+        }
         let hour = hour_now();
         if r.prefetch_predicted && st.last_hour != Some(hour) && st.step == 0 {
             st.last_hour = Some(hour);
@@ -201,14 +211,15 @@ impl Shared {
         }
     }
 
-    /// Frees the KV caches of sessions with no running request: spilled to the state directory
-    /// (restored at their next turn) or dropped (recomputed then). Returns (sessions, bytes).
-    fn shed_idle_kv(&self) -> (usize, u64) {
+    /// Frees the KV caches of sessions with no running request holding more than `over`
+    /// positions: spilled to the state directory (restored at their next turn) or dropped
+    /// (recomputed then). Returns (sessions, bytes).
+    fn shed_idle_kv(&self, over: usize) -> (usize, u64) {
         let sessions: Vec<Arc<SessionCore>> = self.sessions().values().cloned().collect();
         let (mut n, mut bytes) = (0, 0u64);
         for s in sessions {
             let Ok(mut inner) = s.inner.try_lock() else { continue };
-            if inner.active_request.is_some() || inner.kv.is_empty() {
+            if inner.active_request.is_some() || inner.kv.is_empty() || inner.kv.len() <= over {
                 continue;
             }
             let size = inner.kv.size_bytes() as u64;

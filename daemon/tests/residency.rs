@@ -285,3 +285,29 @@ fn dump_accounts_for_the_processs_memory() {
     assert!(num("kv_cache_bytes") > 0.0);
     let _ = Path::new("");
 }
+
+/// Long idle contexts are spilled past `kv_spill_tokens` without pressure, and the session
+/// continues exactly when it comes back.
+#[test]
+fn long_idle_contexts_spill_past_the_threshold_and_continue() {
+    let _one = lock();
+    let dir = Dir::new("threshold");
+    let d = Daemon::start(&dir, "prefetch_predicted = false\nkv_spill_tokens = 32");
+    let conn = d.connect();
+    let (long, short) = (session(&conn, "a"), session(&conn, "a"));
+    let story = "Once upon a time, in a village by the sea, there lived an old fisherman and his wife.";
+    let first = run(&long, &greedy(story, 16));
+    run(&short, &greedy("Hi", 2));
+    let dump = d.wait_for("the threshold spill", |s| s.contains("spilled 1 long idle KV caches over 32 positions"));
+    let sessions: Vec<&str> = dump.lines().filter(|l| l.trim_start().starts_with("session ")).collect();
+    assert_eq!(sessions.len(), 2, "{dump}");
+    assert_eq!(
+        sessions.iter().filter(|l| l.contains("kv_tokens 0 ")).count(),
+        1,
+        "only the long context spills:\n{dump}"
+    );
+    let second = run(&long, &greedy(" The end.", 8));
+    let fresh = session(&conn, "a");
+    assert_eq!(run(&fresh, &greedy(story, 16)), first);
+    assert_eq!(run(&fresh, &greedy(" The end.", 8)), second, "the spilled session lost its place");
+}
