@@ -418,8 +418,12 @@ fn load_model(path: &Path, opts: &LoadOptions, progress: &Arc<LoadProgress>) -> 
         };
         return Model::load_llmd(path, opts, &stream, None).map(|(m, _, _)| m).map_err(|e| e.to_string());
     }
-    let m = Model::load(path, opts).map_err(|e| e.to_string())?;
-    progress.done.store(progress.total.load(Ordering::Relaxed), Ordering::Relaxed);
+    let p = progress.clone();
+    let m = Model::load_with_progress(path, opts, &move |done, total| {
+        p.done.store(done, Ordering::Relaxed);
+        p.total.store(total, Ordering::Relaxed);
+    })
+    .map_err(|e| e.to_string())?;
     Ok(m)
 }
 

@@ -52,14 +52,39 @@ impl Model {
     /// Loads a GGUF file, an llmd file (`llmctl convert`) or an HF directory (`config.json` +
     /// `*.safetensors` + `tokenizer.json`).
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self, EngineError> {
+        Self::load_with_progress(path, opts, &|_, _| {})
+    }
+
+    /// [`Self::load`], calling `progress(bytes done, bytes in all)` as weights are read.
+    pub fn load_with_progress(
+        path: &Path,
+        opts: &LoadOptions,
+        progress: &(dyn Fn(u64, u64) + Send + Sync),
+    ) -> Result<Self, EngineError> {
         if format::llmd::path_is_llmd(path) {
-            let stream = model::stream::StreamOptions::default();
-            return Self::load_llmd(path, opts, &stream, None).map(|(m, _, _)| m);
+            // The pipeline's callback must own what it calls: forward through a channel-free
+            // shared pointer to a copy of the counts.
+            let counts =
+                std::sync::Arc::new((std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0)));
+            let c2 = counts.clone();
+            let stream = model::stream::StreamOptions {
+                progress: Some(std::sync::Arc::new(move |p: &model::stream::Progress| {
+                    c2.0.store(p.read_bytes, std::sync::atomic::Ordering::Relaxed);
+                    c2.1.store(p.total_bytes, std::sync::atomic::Ordering::Relaxed);
+                })),
+                ..Default::default()
+            };
+            let r = Self::load_llmd(path, opts, &stream, None).map(|(m, _, _)| m);
+            progress(
+                counts.0.load(std::sync::atomic::Ordering::Relaxed),
+                counts.1.load(std::sync::atomic::Ordering::Relaxed),
+            );
+            return r;
         }
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let planner = Planner::cpu(opts.threads);
         let src = Source::open(path)?;
-        let mut weights = ModelWeights::load_with(&src.config, &src.tensors, opts.embeddings_on_flash)?;
+        let mut weights = ModelWeights::load_progress(&src.config, &src.tensors, opts.embeddings_on_flash, progress)?;
         if weights.rope_freqs.is_none() {
             weights.rope_freqs = src.rope_freqs;
         }

@@ -126,6 +126,10 @@ fn pack(t: &TensorRef, rows: usize, cols: usize) -> std::io::Result<Option<Arc<P
 
 struct Loader<'a> {
     t: &'a TensorMap,
+    /// Bytes of matrices bound so far and in all, reported after each.
+    done: std::cell::Cell<u64>,
+    total: u64,
+    progress: &'a dyn Fn(u64, u64),
 }
 
 impl Loader<'_> {
@@ -157,6 +161,8 @@ impl Loader<'_> {
         } else {
             pack(t, rows, cols).map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?
         };
+        self.done.set(self.done.get() + t.range.len() as u64);
+        (self.progress)(self.done.get(), self.total);
         Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone(), packed, on_flash })
     }
 
@@ -193,7 +199,18 @@ impl ModelWeights {
     /// [`Self::load`], with the token embedding left on storage when `embeddings_on_flash` and
     /// the output head is separate (a tied head needs the table in memory).
     pub fn load_with(c: &ModelConfig, tensors: &TensorMap, embeddings_on_flash: bool) -> Result<Self, FormatError> {
-        let l = Loader { t: tensors };
+        Self::load_progress(c, tensors, embeddings_on_flash, &|_, _| {})
+    }
+
+    /// [`Self::load_with`], calling `progress(bytes bound, bytes in all)` after each matrix.
+    pub fn load_progress(
+        c: &ModelConfig,
+        tensors: &TensorMap,
+        embeddings_on_flash: bool,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<Self, FormatError> {
+        let total = tensors.values().map(|t| t.range.len() as u64).sum();
+        let l = Loader { t: tensors, done: std::cell::Cell::new(0), total, progress };
         let (d, q, kv, f) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let untied = tensors.contains_key("output.weight");
         let token_embd = l.matrix_opt("token_embd.weight", c.vocab_size, d, embeddings_on_flash && untied)?;
