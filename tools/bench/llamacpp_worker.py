@@ -35,6 +35,20 @@ def io_read_bytes():
     return 0
 
 
+def open_model(llama_cpp, req):
+    """The model as every op loads it: the request's file, context, threads and batch."""
+    return llama_cpp.Llama(
+        model_path=req["model"],
+        n_ctx=req["n_ctx"],
+        n_threads=req["threads"],
+        n_threads_batch=req["threads"],
+        n_batch=req["n_batch"],
+        n_ubatch=req["n_batch"],
+        logits_all=False,
+        verbose=False,
+    )
+
+
 def reply(obj):
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -54,16 +68,7 @@ def main():
             if op == "load":
                 before = status_kb("VmRSS")
                 t0 = time.perf_counter()
-                llm = llama_cpp.Llama(
-                    model_path=req["model"],
-                    n_ctx=req["n_ctx"],
-                    n_threads=req["threads"],
-                    n_threads_batch=req["threads"],
-                    n_batch=req["n_batch"],
-                    n_ubatch=req["n_batch"],
-                    logits_all=False,
-                    verbose=False,
-                )
+                llm = open_model(llama_cpp, req)
                 reply({"ok": True, "rss_before_load_kb": before, "load_s": time.perf_counter() - t0,
                        "version": llama_cpp.__version__})
             elif op == "prefill":
@@ -90,16 +95,7 @@ def main():
                 gc.collect()
                 r0 = io_read_bytes()
                 t0 = time.perf_counter()
-                llm = llama_cpp.Llama(
-                    model_path=req["model"],
-                    n_ctx=req["n_ctx"],
-                    n_threads=req["threads"],
-                    n_threads_batch=req["threads"],
-                    n_batch=req["n_batch"],
-                    n_ubatch=req["n_batch"],
-                    logits_all=False,
-                    verbose=False,
-                )
+                llm = open_model(llama_cpp, req)
                 t1 = time.perf_counter()
                 llm.eval(req["prompt"])
                 import numpy as np
