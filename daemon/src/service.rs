@@ -44,6 +44,8 @@ struct PressureState {
     evicted: Vec<String>,
     last_avg10: Option<f64>,
     last_hour: Option<u32>,
+    /// The pressure file was unreadable and that was logged.
+    warned: bool,
 }
 
 impl Shared {
@@ -146,6 +148,10 @@ impl Shared {
         let r = &self.config.residency;
         let avg10 = self.pressure.some_avg10();
         let mut st = self.pressure_state.lock().unwrap_or_else(|p| p.into_inner());
+        if avg10.is_none() && !st.warned {
+            st.warned = true;
+            tracing::warn!(file = %r.pressure_file.display(), "memory pressure unreadable (no PSI?): not watching it");
+        }
         st.last_avg10 = avg10;
         match avg10 {
             Some(v) if v >= r.pressure_high => {
