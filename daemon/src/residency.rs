@@ -306,7 +306,7 @@ impl Residency {
                 e.state = State::Unloaded;
                 drop(m);
                 self.event(format!("loading {id} failed: {err}"));
-                Err(ServiceError::Internal(format!("model {id} could not be loaded: {err}")))
+                Err(ServiceError::ModelLoadFailed { id: id.to_owned(), reason: err })
             }
         };
         self.changed.notify_all();

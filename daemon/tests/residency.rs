@@ -311,3 +311,31 @@ fn long_idle_contexts_spill_past_the_threshold_and_continue() {
     assert_eq!(run(&fresh, &greedy(story, 16)), first);
     assert_eq!(run(&fresh, &greedy(" The end.", 8)), second, "the spilled session lost its place");
 }
+
+/// A model whose file turns out corrupt when loaded (its header is fine, a tensor is not) is
+/// refused with MODEL_LOAD_FAILED naming the checksum, and the daemon goes on serving the rest.
+#[test]
+fn a_corrupt_model_fails_to_load_with_its_own_error_and_the_rest_is_served() {
+    let _one = lock();
+    let dir = Dir::new("corrupt");
+    let bad = dir.0.join("models/bad.llmd");
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-llama-spm.gguf");
+    let opts = llmd_engine::convert::ConvertOptions { bits: 5.0, threads: 1, smoothing: None };
+    llmd_engine::convert::convert(&fixture, &bad, &opts, &|_, _, _| {}).expect("converts");
+    let mut bytes = std::fs::read(&bad).expect("read");
+    let n = bytes.len();
+    bytes[n - 100] ^= 0x40;
+    std::fs::write(&bad, bytes).expect("write");
+    let d = Daemon::start(&dir, "load_at_start = false\nprefetch_predicted = false");
+    let conn = d.connect();
+    let err = conn.service.openSession("bad", &SessionOptions::default()).expect_err("a corrupt model cannot open");
+    assert_eq!(
+        llmd_daemon::error::error_code_of(&err),
+        Some(llmd_aidl::ErrorCode::ErrorCode::MODEL_LOAD_FAILED),
+        "{}",
+        client::describe(&err)
+    );
+    assert!(client::describe(&err).contains("checksum"), "{}", client::describe(&err));
+    assert!(d.model_line("bad").contains(": unloaded"));
+    assert!(!run(&session(&conn, "a"), &greedy("The capital of France is", 3)).is_empty());
+}
