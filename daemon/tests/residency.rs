@@ -10,7 +10,7 @@ use llmd_aidl::ILlmSession::ILlmSession;
 use llmd_aidl::SessionOptions::SessionOptions;
 use llmd_daemon::client::{self, Connection, Event};
 use rsbinder::Strong;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -283,7 +283,6 @@ fn dump_accounts_for_the_processs_memory() {
     eprintln!("accounted {accounted} rss {rss} ({:.1}% apart)", off * 100.0);
     assert!(off <= 0.10, "accounted {accounted} vs RSS {rss}:\n{dump}");
     assert!(num("kv_cache_bytes") > 0.0);
-    let _ = Path::new("");
 }
 
 /// Long idle contexts are spilled past `kv_spill_tokens` without pressure, and the session
