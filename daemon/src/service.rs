@@ -125,6 +125,11 @@ impl Shared {
     /// The model `id`, loaded if it is not resident (waiting for a load under way), for a
     /// request of `uid`; the use is recorded in the usage history.
     pub fn acquire_model(&self, id: &str, uid: u32) -> Result<Arc<Model>, ServiceError> {
+        self.acquire_model_for(id, uid, true)
+    }
+
+    /// [`Self::acquire_model`]; `record`: whether this counts as a use (a token count does not).
+    pub fn acquire_model_for(&self, id: &str, uid: u32, record: bool) -> Result<Arc<Model>, ServiceError> {
         if id.is_empty() || id.len() > 256 {
             return Err(ServiceError::InvalidArgument("model id must be 1..=256 bytes".into()));
         }
@@ -132,6 +137,9 @@ impl Shared {
             Some(m) => m,
             None => self.residency.acquire(id, &format!("request (uid {uid})"), self.kv_bytes())?,
         };
+        if !record {
+            return Ok(m);
+        }
         let mut h = self.history.lock().unwrap_or_else(|p| p.into_inner());
         h.record(uid, hour_now(), id);
         if let Some(d) = &self.config.residency.state_dir {
@@ -299,8 +307,9 @@ impl Shared {
             return Err(ServiceError::Busy(format!("{} sessions open; retry later", sessions.len())));
         }
         drop(sessions);
-        // Opening a session loads its model (or waits for a load under way).
-        let model = self.acquire_model(model_id, caller.uid)?;
+        // Opening a session loads its model (or waits for a load under way); the use is
+        // recorded per request, not per session.
+        let model = self.acquire_model_for(model_id, caller.uid, false)?;
         let kv = model.transformer.new_kv();
         drop(model);
         let mut sessions = self.sessions();

@@ -457,8 +457,8 @@ fn build_part(t: &TensorEntry, bytes: &[u8], map: &Arc<ModelBytes>, data_offset:
 }
 
 impl From<std::io::Error> for FormatError {
-    fn from(e: std::io::Error) -> Self {
-        FormatError::NativeLayout(e.to_string())
+    fn from(source: std::io::Error) -> Self {
+        FormatError::Io { path: "model data".into(), source }
     }
 }
 
