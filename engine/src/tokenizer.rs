@@ -204,7 +204,7 @@ impl Tokenizer {
                 eog.push(i as u32);
             }
         }
-        Self::from_doc(doc, pieces, tokens, bos, eos, add_bos_key.unwrap_or(add_bos_default), eog)
+        Self::from_json(doc.to_string(), pieces, tokens, bos, eos, add_bos_key.unwrap_or(add_bos_default), eog)
     }
 
     /// Loads an HF `tokenizer.json`, with BOS/EOS and `add_bos_token` from `tokenizer_config.json`
@@ -275,18 +275,6 @@ impl Tokenizer {
                 eog.push(id);
             }
         }
-        Self::from_doc(doc, pieces, texts, bos, eos, add_bos, eog)
-    }
-
-    fn from_doc(
-        doc: Json,
-        pieces: Vec<Vec<u8>>,
-        texts: Vec<String>,
-        bos: Option<u32>,
-        eos: Option<u32>,
-        add_bos: bool,
-        eog: Vec<u32>,
-    ) -> Result<Self, TokenizerError> {
         Self::from_json(doc.to_string(), pieces, texts, bos, eos, add_bos, eog)
     }
 
