@@ -140,7 +140,6 @@ pub fn encode_edgeflow(w: &[f32], rows: usize, cols: usize, bits: f64, threads: 
     let per = rows.div_ceil(threads.max(1)).max(1);
     let mut scale_chunks = scales.chunks_mut(2 * per);
     let mut body_rest = body;
-    let base = bits_len + scales_len;
     std::thread::scope(|s| {
         for r0 in (0..rows).step_by(per) {
             let r1 = (r0 + per).min(rows);
@@ -161,7 +160,6 @@ pub fn encode_edgeflow(w: &[f32], rows: usize, cols: usize, bits: f64, threads: 
             });
         }
     });
-    let _ = base;
     (out, widths)
 }
 

@@ -62,8 +62,8 @@ impl Model {
         progress: &(dyn Fn(u64, u64) + Send + Sync),
     ) -> Result<Self, EngineError> {
         if format::llmd::path_is_llmd(path) {
-            // The pipeline's callback must own what it calls: forward through a channel-free
-            // shared pointer to a copy of the counts.
+            // The pipeline's callback must be 'static, `progress` is borrowed: the counts are
+            // collected and reported once, at the end (`load_llmd` reports as it reads).
             let counts =
                 std::sync::Arc::new((std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0)));
             let c2 = counts.clone();

@@ -578,9 +578,29 @@ mod tests {
         }
     }
 
+    /// The closed form ranks channels as the exact cosine distance does (the digest measured a
+    /// Spearman ρ of 0.94–1.00 on real layers; 0.8 here over synthetic channels of growing
+    /// crest factor), and the exact error falls with every added bit.
     #[test]
     fn closed_form_tracks_exact_error_and_falls_with_bits() {
         let mut r = rng();
+        let rows: Vec<Vec<f32>> = (0..40).map(|i| channel(&mut r, 512, 1.0 + i as f32 * 0.5)).collect();
+        let rank = |v: Vec<f64>| {
+            let mut idx: Vec<usize> = (0..v.len()).collect();
+            idx.sort_by(|&a, &b| v[a].total_cmp(&v[b]));
+            let mut rk = vec![0f64; v.len()];
+            for (k, &i) in idx.iter().enumerate() {
+                rk[i] = k as f64;
+            }
+            rk
+        };
+        let a = rank(rows.iter().map(|w| closed_form_re(crest2(w), 4)).collect());
+        let b = rank(rows.iter().map(|w| exact_re(w, 4)).collect());
+        let n = a.len() as f64;
+        let d2: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let rho = 1.0 - 6.0 * d2 / (n * (n * n - 1.0));
+        eprintln!("closed form vs exact relative error: Spearman rho {rho:.3}");
+        assert!(rho >= 0.8, "Spearman rho {rho}");
         let row = channel(&mut r, 1536, 8.0);
         let mut last = f64::INFINITY;
         for bits in 2..=8u8 {
