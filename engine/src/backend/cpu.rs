@@ -145,21 +145,27 @@ impl CpuBackend {
         acts.resize(n, cols);
         let rows_per_task = if n >= 16 { n.div_ceil(self.desc.threads * TASKS_PER_THREAD) } else { n };
         let blocks = cols / packed::BLOCK;
-        let QuantActs { qs, d, sum, ms, gsum, .. } = acts;
+        let QuantActs { qs, d, sum, ms, gsum, gcorr, .. } = acts;
         let parts: Vec<Mutex<_>> = qs
             .chunks_mut(rows_per_task * cols)
             .zip(d.chunks_mut(rows_per_task * blocks))
             .zip(sum.chunks_mut(rows_per_task * blocks))
             .zip(ms.chunks_mut(rows_per_task * blocks))
             .zip(gsum.chunks_mut(rows_per_task * blocks * 8))
+            .zip(gcorr.chunks_mut(rows_per_task * blocks * 16))
             .map(Mutex::new)
             .collect();
-        self.pool.run(parts.len(), &|i| {
+        let run = |i: usize| {
             let mut g = parts[i].lock().unwrap_or_else(|e| e.into_inner());
-            let ((((qs, d), sum), ms), gsum) = &mut *g;
+            let (((((qs, d), sum), ms), gsum), gcorr) = &mut *g;
             let x = &x[i * rows_per_task * cols..(i * rows_per_task * cols + qs.len()).min(n * cols)];
-            packed::quantize_rows(x, qs, d, sum, ms, gsum);
-        });
+            packed::quantize_rows(x, packed::QuantOut { qs, d, sum, ms, gsum, gcorr });
+        };
+        if parts.len() == 1 {
+            run(0);
+        } else {
+            self.pool.run(parts.len(), &run);
+        }
     }
 
     /// `outs[i][t * rows_i + r]` for packed weights sharing `cols`, from one quantization of `x`

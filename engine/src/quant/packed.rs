@@ -272,6 +272,9 @@ pub struct QuantActs {
     pub ms: Vec<f32>,
     /// Per block, the integer sums of its 8 groups of 4 values.
     pub gsum: Vec<i32>,
+    /// Per block, the offset terms `−o · a_g` ready to add: 8 for `o` = 8 (Q4_0), then 8 for
+    /// `o` = 128 (Q8_0), so a kernel broadcasts them straight from memory.
+    pub gcorr: Vec<i32>,
 }
 
 impl QuantActs {
@@ -285,12 +288,23 @@ impl QuantActs {
         self.sum.resize(n * blocks, 0);
         self.ms.resize(n * blocks, 0.0);
         self.gsum.resize(n * blocks * 8, 0);
+        self.gcorr.resize(n * blocks * 16, 0);
     }
 
     /// Quantizes `n` rows of `cols` (a multiple of 32) from `x`, reusing this buffer.
     pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) {
         self.resize(n, cols);
-        quantize_rows(&x[..n * cols], &mut self.qs, &mut self.d, &mut self.sum, &mut self.ms, &mut self.gsum);
+        quantize_rows(
+            &x[..n * cols],
+            QuantOut {
+                qs: &mut self.qs,
+                d: &mut self.d,
+                sum: &mut self.sum,
+                ms: &mut self.ms,
+                gsum: &mut self.gsum,
+                gcorr: &mut self.gcorr,
+            },
+        );
     }
 
     pub fn blocks(&self) -> usize {
@@ -298,31 +312,67 @@ impl QuantActs {
     }
 }
 
+/// The slices of a [`QuantActs`] that one run of [`quantize_rows`] fills (whole blocks).
+pub struct QuantOut<'a> {
+    pub qs: &'a mut [i8],
+    pub d: &'a mut [f32],
+    pub sum: &'a mut [i32],
+    pub ms: &'a mut [f32],
+    pub gsum: &'a mut [i32],
+    pub gcorr: &'a mut [i32],
+}
+
 /// Quantizes whole 32-blocks of `x` into the matching slices of a [`QuantActs`].
-pub fn quantize_rows(x: &[f32], qs: &mut [i8], d: &mut [f32], sum: &mut [i32], ms: &mut [f32], gsum: &mut [i32]) {
+///
+/// # Panics
+/// If the slices do not hold exactly `x.len() / 32` blocks (a bug in the caller).
+pub fn quantize_rows(x: &[f32], o: QuantOut<'_>) {
+    let blocks = x.len() / BLOCK;
+    assert!(
+        x.len() % BLOCK == 0
+            && o.qs.len() == x.len()
+            && o.d.len() == blocks
+            && o.sum.len() == blocks
+            && o.ms.len() == blocks
+            && o.gsum.len() == 8 * blocks
+            && o.gcorr.len() == 16 * blocks
+    );
     #[cfg(target_arch = "x86_64")]
     {
+        static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *AVX512.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+                && std::arch::is_x86_feature_detected!("f16c")
+        }) {
+            // SAFETY: the features were detected just above; the slice sizes are asserted.
+            return unsafe { super::packed_x86::quantize_rows_avx512(x, o) };
+        }
         static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         if *AVX2.get_or_init(|| {
             std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("sse4.1")
         }) {
             // SAFETY: AVX2 and SSE4.1 were detected just above.
-            return unsafe { quantize_rows_avx2(x, qs, d, sum, ms, gsum) };
+            return unsafe { quantize_rows_avx2(x, o) };
         }
     }
-    quantize_rows_body(x, qs, d, sum, ms, gsum)
+    quantize_rows_body(x, o)
 }
 
 /// The same code compiled with AVX2 and SSE4.1, so rounding is one instruction and the loops
 /// vectorize; the operations and their results are the same.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,sse4.1")]
-fn quantize_rows_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sum: &mut [i32], ms: &mut [f32], gsum: &mut [i32]) {
-    quantize_rows_body(x, qs, d, sum, ms, gsum)
+fn quantize_rows_avx2(x: &[f32], o: QuantOut<'_>) {
+    quantize_rows_body(x, o)
 }
 
+/// The definition every quantizer must equal bit for bit.
 #[inline(always)]
-fn quantize_rows_body(x: &[f32], qs: &mut [i8], d: &mut [f32], sum: &mut [i32], ms: &mut [f32], gsum: &mut [i32]) {
+pub fn quantize_rows_body(x: &[f32], o: QuantOut<'_>) {
+    let QuantOut { qs, d, sum, ms, gsum, gcorr } = o;
     for (i, (xb, qb)) in x.chunks_exact(BLOCK).zip(qs.chunks_exact_mut(BLOCK)).enumerate() {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let dd = amax / 127.0;
@@ -337,6 +387,8 @@ fn quantize_rows_body(x: &[f32], qs: &mut [i8], d: &mut [f32], sum: &mut [i32], 
                 g += r;
             }
             gsum[i * 8 + k] = g;
+            gcorr[i * 16 + k] = -8 * g;
+            gcorr[i * 16 + 8 + k] = -128 * g;
             s += g;
         }
         // Scales are rounded to f16 as llama.cpp's Q8_0 / Q8_1 blocks store them (the values
@@ -624,6 +676,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn every_activation_quantizer_equals_the_definition_bit_for_bit() {
+        // Random values, a zero block, values that round at exactly .5 steps, tiny and huge.
+        let cols = 256;
+        let mut x = random_x(3 * cols, 5);
+        x[32..64].fill(0.0);
+        for (i, v) in x[64..96].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) * 0.5;
+        }
+        for (i, v) in x[96..128].iter_mut().enumerate() {
+            *v = (i as f32 + 1.0) * 1e-30;
+        }
+        for (i, v) in x[128..160].iter_mut().enumerate() {
+            *v = (i as f32 - 7.0) * 1e30;
+        }
+        let mut want = QuantActs::default();
+        want.resize(3, cols);
+        let QuantActs { qs, d, sum, ms, gsum, gcorr, .. } = &mut want;
+        quantize_rows_body(&x, QuantOut { qs, d, sum, ms, gsum, gcorr });
+        let mut got = QuantActs::default();
+        got.quantize(&x, 3, cols);
+        assert_eq!(got.qs, want.qs);
+        assert_eq!(got.sum, want.sum);
+        assert_eq!(got.gsum, want.gsum);
+        assert_eq!(got.gcorr, want.gcorr);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.d), bits(&want.d));
+        assert_eq!(bits(&got.ms), bits(&want.ms));
     }
 
     #[test]

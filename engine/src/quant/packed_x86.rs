@@ -5,7 +5,7 @@
 //! registers and reused by every token of the group (the GEMM case), while one token (GEMV)
 //! streams the weights once.
 
-use super::packed::{PackKind, PackedMatrix, QuantActs, BLOCK, TILE_ROWS};
+use super::packed::{PackKind, PackedMatrix, QuantActs, QuantOut, BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 
 /// Largest token group held in registers (8 group lanes + the minimum term per token).
@@ -24,20 +24,38 @@ fn word(q: &[i8; 32], k: usize) -> i32 {
     i32::from_le_bytes([q[4 * k] as u8, q[4 * k + 1] as u8, q[4 * k + 2] as u8, q[4 * k + 3] as u8])
 }
 
+/// `PackKind` as a const parameter, so each kind gets its own inner loop with no branches.
+const K_Q4_0: u8 = 0;
+const K_Q4_1: u8 = 1;
+const K_Q8_0: u8 = 2;
+
 /// # Safety
 /// The CPU must support AVX-512 F/BW and VNNI, FMA and F16C; `out` holds `nt * TILE_ROWS`
 /// values and `t0 + nt <= a.n`, `a.cols == w.cols`, `tile < w.tiles()` (checked by the caller).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    // SAFETY: the same contract, passed on.
+    unsafe {
+        match w.kind {
+            PackKind::Q4_0 => tile512::<K_Q4_0>(w, tile, a, t0, nt, out),
+            PackKind::Q4_1 => tile512::<K_Q4_1>(w, tile, a, t0, nt, out),
+            PackKind::Q8_0 => tile512::<K_Q8_0>(w, tile, a, t0, nt, out),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
     let mut j = 0;
     while j < nt {
         let g = (nt - j).min(GROUP);
         // SAFETY: same contract as this function, for tokens t0+j..t0+j+g.
         unsafe {
             if g == 2 {
-                group512::<2>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
+                group512::<KIND, 2>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
             } else {
-                group512::<1>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
+                group512::<KIND, 1>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
             }
         }
         j += g;
@@ -46,32 +64,54 @@ pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: 
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-unsafe fn group512<const NT: usize>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, out: &mut [f32]) {
-    let kind = w.kind;
+unsafe fn group512<const KIND: u8, const NT: usize>(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let kind = match KIND {
+        K_Q4_0 => PackKind::Q4_0,
+        K_Q4_1 => PackKind::Q4_1,
+        _ => PackKind::Q8_0,
+    };
+    debug_assert!(kind == w.kind);
     let blocks = w.blocks();
     let rec = kind.record_bytes();
     let qo = kind.qs_offset();
-    let off = kind.offset();
+    // Where this kind's offset terms sit among a block's 16 (none for Q4_1: its offset is 0).
+    let corr = if KIND == K_Q8_0 { 8 } else { 0 };
     let data = w.tile(tile);
-    assert!(data.len() == blocks * rec && out.len() >= NT * TILE_ROWS && a.qs.len() >= (t0 + NT) * a.cols);
+    let ab_end = (t0 + NT) * blocks;
+    assert!(
+        w.kind == kind
+            && data.len() == blocks * rec
+            && out.len() >= NT * TILE_ROWS
+            && a.qs.len() >= ab_end * BLOCK
+            && a.d.len() >= ab_end
+            && a.ms.len() >= ab_end
+            && a.gcorr.len() >= ab_end * 16
+    );
     let mut lanes = [[_mm512_setzero_ps(); 8]; NT];
     let mut summs = [_mm512_setzero_ps(); NT];
     let mask = _mm512_set1_epi8(0x0F);
     let p = data.as_ptr();
+    let (aq, ad, am, ac) = (a.qs.as_ptr(), a.d.as_ptr(), a.ms.as_ptr(), a.gcorr.as_ptr());
     for b in 0..blocks {
         // SAFETY: record `b` spans `rec` bytes inside `data` (asserted above): the scales at
         // offsets 0 and 32 (32 bytes each) and the weights at `qo..qo + 256` or `qo + 512`.
         let (dv, mv, wv) = unsafe {
             let r = p.add(b * rec);
             let dv = _mm512_cvtph_ps(_mm256_loadu_si256(r as *const __m256i));
-            let mv = if kind == PackKind::Q4_1 {
+            let mv = if KIND == K_Q4_1 {
                 _mm512_cvtph_ps(_mm256_loadu_si256(r.add(32) as *const __m256i))
             } else {
                 _mm512_setzero_ps()
             };
             let q = r.add(qo);
             let mut wv = [_mm512_setzero_si512(); 8];
-            if kind == PackKind::Q8_0 {
+            if KIND == K_Q8_0 {
                 for (g, v) in wv.iter_mut().enumerate() {
                     *v = _mm512_loadu_si512(q.add(64 * g) as *const _);
                 }
@@ -85,15 +125,24 @@ unsafe fn group512<const NT: usize>(w: &PackedMatrix, tile: usize, a: &QuantActs
             (dv, mv, wv)
         };
         for j in 0..NT {
-            let (aq, ag, ad, am) = act(a, (t0 + j) * blocks + b);
-            let scale = _mm512_mul_ps(dv, _mm512_set1_ps(ad));
-            for k in 0..8 {
-                let init = _mm512_set1_epi32(-off * ag[k]);
-                let isum = _mm512_dpbusd_epi32(init, wv[k], _mm512_set1_epi32(word(aq, k)));
-                lanes[j][k] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), lanes[j][k]);
-            }
-            if kind == PackKind::Q4_1 {
-                summs[j] = _mm512_add_ps(summs[j], _mm512_mul_ps(mv, _mm512_set1_ps(am)));
+            let ab = (t0 + j) * blocks + b;
+            // SAFETY: `ab < ab_end`, so its 32 activations, 16 offset terms, scale and minimum
+            // term are inside the buffers (asserted above); unaligned 4-byte reads.
+            unsafe {
+                let q4 = aq.add(ab * BLOCK) as *const i32;
+                let scale = _mm512_mul_ps(dv, _mm512_set1_ps(*ad.add(ab)));
+                for k in 0..8 {
+                    let init = if KIND == K_Q4_1 {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_set1_epi32(*ac.add(ab * 16 + corr + k))
+                    };
+                    let isum = _mm512_dpbusd_epi32(init, wv[k], _mm512_set1_epi32(q4.add(k).read_unaligned()));
+                    lanes[j][k] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), lanes[j][k]);
+                }
+                if KIND == K_Q4_1 {
+                    summs[j] = _mm512_add_ps(summs[j], _mm512_mul_ps(mv, _mm512_set1_ps(*am.add(ab))));
+                }
             }
         }
     }
@@ -103,10 +152,57 @@ unsafe fn group512<const NT: usize>(w: &PackedMatrix, tile: usize, a: &QuantActs
             _mm512_add_ps(_mm512_add_ps(l[4], l[0]), _mm512_add_ps(l[6], l[2])),
             _mm512_add_ps(_mm512_add_ps(l[5], l[1]), _mm512_add_ps(l[7], l[3])),
         );
-        let r = _mm512_add_ps(r, summs[j]);
+        let r = if KIND == K_Q4_1 { _mm512_add_ps(r, summs[j]) } else { r };
         let o = &mut out[j * TILE_ROWS..(j + 1) * TILE_ROWS];
         // SAFETY: `o` is 16 writable f32s.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), r) };
+    }
+}
+
+/// [`super::packed::quantize_rows_body`] with AVX-512: per block, two 16-lane loads, the
+/// maximum magnitude, one multiply and one round-to-nearest-even conversion per 16 values,
+/// and the group sums from one `vpdpbusd` against ones. Equal to the definition bit for bit
+/// (tested) for finite inputs; with NaNs both give garbage, neither panics.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL and VNNI and F16C; the slices hold exactly
+/// `x.len() / 32` blocks (asserted by the caller).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+pub unsafe fn quantize_rows_avx512(x: &[f32], o: QuantOut<'_>) {
+    let QuantOut { qs, d, sum, ms, gsum, gcorr } = o;
+    let blocks = x.len() / BLOCK;
+    assert!(qs.len() == x.len() && d.len() == blocks && gsum.len() == 8 * blocks && gcorr.len() == 16 * blocks);
+    let ones = _mm256_set1_epi8(1);
+    let zero = _mm256_setzero_si256();
+    let f16r = |v: f32| -> f32 {
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(v));
+        _mm_cvtss_f32(_mm_cvtph_ps(h))
+    };
+    for i in 0..blocks {
+        // SAFETY: block `i` is 32 f32s of `x`, 32 bytes of `qs`, 8 and 16 i32s of `gsum` and
+        // `gcorr` (sizes asserted above).
+        unsafe {
+            let p = x.as_ptr().add(BLOCK * i);
+            let x0 = _mm512_loadu_ps(p);
+            let x1 = _mm512_loadu_ps(p.add(16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            let dd = amax / 127.0;
+            let id = _mm512_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let r0 = _mm512_cvt_roundps_epi32::<RNE>(_mm512_mul_ps(x0, id));
+            let r1 = _mm512_cvt_roundps_epi32::<RNE>(_mm512_mul_ps(x1, id));
+            let q = _mm256_set_m128i(_mm512_cvtepi32_epi8(r1), _mm512_cvtepi32_epi8(r0));
+            _mm256_storeu_si256(qs.as_mut_ptr().add(BLOCK * i) as *mut __m256i, q);
+            let g = _mm256_dpbusd_epi32(zero, ones, q);
+            _mm256_storeu_si256(gsum.as_mut_ptr().add(8 * i) as *mut __m256i, g);
+            let c = gcorr.as_mut_ptr().add(16 * i) as *mut __m256i;
+            _mm256_storeu_si256(c, _mm256_sub_epi32(zero, _mm256_slli_epi32::<3>(g)));
+            _mm256_storeu_si256(c.add(1), _mm256_sub_epi32(zero, _mm256_slli_epi32::<7>(g)));
+            let s: i32 = gsum[8 * i..8 * i + 8].iter().sum();
+            d[i] = f16r(dd);
+            sum[i] = s;
+            ms[i] = f16r(dd * s as f32);
+        }
     }
 }
 
