@@ -1,6 +1,6 @@
 //! Batched decode in-process: time of one forward pass for B sequences decoding one token each
 //! (B = 1, 2, 4, 8), after a 64-token prompt each. `cargo run --release -p llmd-engine --example
-//! batchbench -- MODEL [THREADS]`.
+//! batchbench -- MODEL [THREADS] [B,B,...]`.
 use llmd_engine::model::Logits;
 use llmd_engine::{LoadOptions, Model};
 
@@ -11,12 +11,18 @@ fn main() -> Result<(), String> {
     let model = Model::load(std::path::Path::new(path), &LoadOptions { threads, ..Default::default() })
         .map_err(|e| e.to_string())?;
     let prompt: Vec<u32> = (1..=64).map(|i| 100 + i).collect();
-    for b in [1usize, 2, 4, 8] {
+    let sizes: Vec<usize> = match args.get(3) {
+        Some(list) => {
+            list.split(',').map(|b| b.parse().map_err(|_| format!("bad batch size {b}"))).collect::<Result<_, _>>()?
+        }
+        None => vec![1, 2, 4, 8],
+    };
+    for b in sizes {
         let mut kvs: Vec<_> = (0..b).map(|_| model.transformer.new_kv()).collect();
         for kv in kvs.iter_mut() {
             model.transformer.forward(kv, &prompt, Logits::Last).map_err(|e| e.to_string())?;
         }
-        let steps = 40;
+        let steps = if args.get(3).is_some() { 200 } else { 40 };
         let t0 = std::time::Instant::now();
         for s in 0..steps {
             let toks: Vec<[u32; 1]> = (0..b).map(|i| [(200 + s + i) as u32]).collect();

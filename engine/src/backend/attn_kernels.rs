@@ -26,6 +26,12 @@ pub struct AttnKernels {
     pub axpy_q8: fn(f32, &[i8], &mut [f32]),
     /// `x[i] = f16(x[i] · s)` as f32.
     pub scale_round: fn(&mut [f32], f32),
+    /// `out[j] = dot(q, k[j·stride..j·stride + q.len()])` for every `j < out.len()`: `dot` over
+    /// many positions at once (same values, bit for bit).
+    pub dots: fn(&[f32], &[f16], usize, &mut [f32]),
+    /// `axpy(w[j], v[j·stride..j·stride + out.len()], out)` for `j` = 0, 1, … in order: `axpy`
+    /// over many positions with `out` kept in registers (same values, bit for bit).
+    pub axpys: fn(&[f32], &[f16], usize, &mut [f32]),
 }
 
 impl AttnKernels {
@@ -36,6 +42,8 @@ impl AttnKernels {
         dot_q8: dot_q8_ref,
         axpy_q8: axpy_q8_ref,
         scale_round: scale_round_ref,
+        dots: dots_ref,
+        axpys: axpys_ref,
     };
 
     /// Every set this CPU runs, best first; the reference last.
@@ -95,6 +103,19 @@ pub fn axpy_ref(w: f32, v: &[f16], out: &mut [f32]) {
     }
 }
 
+pub fn dots_ref(q: &[f32], k: &[f16], stride: usize, out: &mut [f32]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot_ref(q, &k[j * stride..j * stride + q.len()]);
+    }
+}
+
+pub fn axpys_ref(w: &[f32], v: &[f16], stride: usize, out: &mut [f32]) {
+    let n = out.len();
+    for (j, &wj) in w.iter().enumerate() {
+        axpy_ref(wj, &v[j * stride..j * stride + n], out);
+    }
+}
+
 pub fn scale_round_ref(x: &mut [f32], s: f32) {
     for v in x.iter_mut() {
         *v = f16::from_f32(*v * s).to_f32();
@@ -113,7 +134,110 @@ mod x86 {
         dot_q8: dotq8_256,
         axpy_q8: axpyq8_256,
         scale_round: round256,
+        dots: dots256,
+        axpys: axpys256,
     };
+
+    fn dots256(q: &[f32], k: &[f16], stride: usize, out: &mut [f32]) {
+        let hd = q.len();
+        if hd % 8 != 0 || hd > 256 || stride < hd {
+            return dots_ref(q, k, stride, out);
+        }
+        // Every row read lies inside `k` (the slice index panics otherwise, as the reference).
+        if let Some(last) = out.len().checked_sub(1) {
+            let _ = &k[last * stride..last * stride + hd];
+        }
+        // SAFETY: AVX2 and F16C were detected before this table was handed out; every row
+        // `j < out.len()` is inside `k` (checked just above).
+        unsafe { dots256_impl(q, k, stride, out) }
+    }
+    fn axpys256(w: &[f32], v: &[f16], stride: usize, out: &mut [f32]) {
+        let hd = out.len();
+        if hd % 8 != 0 || stride < hd {
+            return axpys_ref(w, v, stride, out);
+        }
+        if let Some(last) = w.len().checked_sub(1) {
+            let _ = &v[last * stride..last * stride + hd];
+        }
+        // SAFETY: as above: every row `j < w.len()` is inside `v`.
+        unsafe { axpys256_impl(w, v, stride, out) }
+    }
+
+    /// Eight positions at a time, one accumulator each, then the reference's lane sum.
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn dots256_impl(q: &[f32], k: &[f16], stride: usize, out: &mut [f32]) {
+        let hd = q.len();
+        let n = out.len();
+        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let mut j = 0;
+        while j + 8 <= n {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for i in (0..hd).step_by(8) {
+                // SAFETY: i + 8 <= hd; rows j..j+8 are inside `k` (the caller's contract).
+                unsafe {
+                    let qv = _mm256_loadu_ps(qp.add(i));
+                    for (p, a) in acc.iter_mut().enumerate() {
+                        let kv = _mm256_cvtph_ps(_mm_loadu_si128(kp.add((j + p) * stride + i) as *const __m128i));
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(qv, kv));
+                    }
+                }
+            }
+            for (p, a) in acc.iter().enumerate() {
+                let mut l = [0f32; 8];
+                // SAFETY: `l` holds 8 f32s.
+                unsafe { _mm256_storeu_ps(l.as_mut_ptr(), *a) };
+                out[j + p] = l.iter().sum();
+            }
+            j += 8;
+        }
+        for (jj, o) in out.iter_mut().enumerate().skip(j) {
+            // SAFETY: row jj is inside `k`; AVX2/F16C as this function.
+            *o = unsafe { dot256_impl(q, &k[jj * stride..jj * stride + hd]) };
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn axpys256_impl(w: &[f32], v: &[f16], stride: usize, out: &mut [f32]) {
+        let hd = out.len();
+        let mut c = 0;
+        while c + 64 <= hd {
+            // SAFETY: columns c..c+64 of every row (the caller's contract).
+            unsafe { axpys_cols::<8>(w, v, stride, &mut out[c..c + 64], c) };
+            c += 64;
+        }
+        while c + 8 <= hd {
+            // SAFETY: as above, columns c..c+8.
+            unsafe { axpys_cols::<1>(w, v, stride, &mut out[c..c + 8], c) };
+            c += 8;
+        }
+    }
+
+    /// Columns `c..c + 8R` of every row, accumulated in `R` registers over all positions.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn axpys_cols<const R: usize>(w: &[f32], v: &[f16], stride: usize, out: &mut [f32], c: usize) {
+        let op = out.as_mut_ptr();
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (r, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `out` holds 8R f32s.
+            *a = unsafe { _mm256_loadu_ps(op.add(8 * r)) };
+        }
+        let vp = v.as_ptr();
+        for (j, &wj) in w.iter().enumerate() {
+            let wv = _mm256_set1_ps(wj);
+            for (r, a) in acc.iter_mut().enumerate() {
+                // SAFETY: row j's columns c+8r..c+8r+8 are inside `v` (the caller's contract).
+                unsafe {
+                    let x = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(j * stride + c + 8 * r) as *const __m128i));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 8R f32s.
+            unsafe { _mm256_storeu_ps(op.add(8 * r), *a) };
+        }
+    }
 
     fn dotq8_256(q: &[f32], k: &[i8]) -> f32 {
         // SAFETY: AVX2 was detected before this table was handed out.
@@ -266,6 +390,25 @@ mod tests {
                 (k.scale_round)(&mut a, 0.731);
                 (r.scale_round)(&mut b, 0.731);
                 assert_eq!(a, b, "{} round n={n}", k.name);
+                // Many positions of a strided cache (a head inside rows of 3 heads).
+                for pos in [1usize, 7, 8, 19] {
+                    let stride = 3 * n;
+                    let cache: Vec<f16> = det(pos * stride, 8, 2.0).into_iter().map(f16::from_f32).collect();
+                    let head = &cache[n..];
+                    let (mut a, mut b) = (vec![0f32; pos], vec![0f32; pos]);
+                    (k.dots)(&q, head, stride, &mut a);
+                    for (j, e) in b.iter_mut().enumerate() {
+                        *e = (r.dot)(&q, &head[j * stride..j * stride + n]);
+                    }
+                    assert_eq!(a, b, "{} dots n={n} positions={pos}", k.name);
+                    let w = det(pos, 9, 0.5);
+                    let (mut a, mut b) = (det(n, 4, 1.0), det(n, 4, 1.0));
+                    (k.axpys)(&w, head, stride, &mut a);
+                    for (j, &wj) in w.iter().enumerate() {
+                        (r.axpy)(wj, &head[j * stride..j * stride + n], &mut b);
+                    }
+                    assert_eq!(a, b, "{} axpys n={n} positions={pos}", k.name);
+                }
             }
         }
     }

@@ -103,7 +103,13 @@ fn attend_one(
     p.clear();
     let at = |j: usize| j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd;
     match kv {
-        KvLayer::F16 { k, .. } => p.extend((0..n_ctx).map(|j| (kern.dot)(qh, &k[at(j)]) * scale)),
+        KvLayer::F16 { k, .. } => {
+            p.resize(n_ctx, 0.0);
+            (kern.dots)(qh, &k[kvh * hd..], kv_row, p);
+            for x in p.iter_mut() {
+                *x *= scale;
+            }
+        }
         KvLayer::Q8 { k, ks, .. } => {
             p.extend((0..n_ctx).map(|j| (kern.dot_q8)(qh, &k[at(j)]) * ks[j * s.n_kv_heads + kvh] * scale))
         }
@@ -117,11 +123,7 @@ fn attend_one(
     (kern.scale_round)(p, (1.0 / sum) as f32);
     o.fill(0.0);
     match kv {
-        KvLayer::F16 { v, .. } => {
-            for (j, &w) in p.iter().enumerate() {
-                (kern.axpy)(w, &v[at(j)], o);
-            }
-        }
+        KvLayer::F16 { v, .. } => (kern.axpys)(p, &v[kvh * hd..], kv_row, o),
         KvLayer::Q8 { v, vs, .. } => {
             for (j, &w) in p.iter().enumerate() {
                 (kern.axpy_q8)(w * vs[j * s.n_kv_heads + kvh], &v[at(j)], o);
