@@ -140,7 +140,7 @@ mod x86 {
 
     fn dots256(q: &[f32], k: &[f16], stride: usize, out: &mut [f32]) {
         let hd = q.len();
-        if hd % 8 != 0 || hd > 256 || stride < hd {
+        if !hd.is_multiple_of(8) || hd > 256 || stride < hd {
             return dots_ref(q, k, stride, out);
         }
         // Every row read lies inside `k` (the slice index panics otherwise, as the reference).
@@ -153,7 +153,7 @@ mod x86 {
     }
     fn axpys256(w: &[f32], v: &[f16], stride: usize, out: &mut [f32]) {
         let hd = out.len();
-        if hd % 8 != 0 || stride < hd {
+        if !hd.is_multiple_of(8) || stride < hd {
             return axpys_ref(w, v, stride, out);
         }
         if let Some(last) = w.len().checked_sub(1) {
