@@ -3,8 +3,10 @@
 //! batched decode gives. Bounded in time; every request is accounted for.
 //!
 //! Phases (each client has its own connection and session):
-//! 1. **idle**: one foreground client, `--idle-requests` short prompts one after another → its
-//!    time to first token (TTFT) on an idle daemon;
+//! 1. **idle**: (a) one foreground client, `--idle-requests` short prompts one after another →
+//!    one client's time to first token (TTFT) on an idle daemon; (b) the `--foreground`
+//!    clients alone, exactly as in the mixed phase (same prompts, think times, duration) → the
+//!    foreground workload's TTFT on a daemon with no background work;
 //! 2. **single**: one client decodes `--decode-tokens` tokens → one sequence's decode rate;
 //! 3. **batched**: `--clients` clients each decode `--decode-tokens` tokens at once → aggregate
 //!    decode rate while all of them are decoding (from the last one's first token to the first
@@ -12,7 +14,11 @@
 //! 4. **mixed**: `--foreground` clients send short foreground prompts (0.8–1.6 s think time,
 //!    staggered per client) while
 //!    the rest send long background prompts, for `--duration-s`; then no new requests and every
-//!    outstanding one must finish. `fg_p99_ttft_ratio` = foreground p99 TTFT here / idle p99.
+//!    outstanding one must finish. `fg_p99_ttft_ratio` = foreground p99 TTFT here / p99 of the
+//!    same foreground clients alone (1b): what the background load costs the foreground.
+//!    Two foreground prompts that arrive together delay each other in both phases; 1a's
+//!    single client never sees that, so the ratio against 1a (`fg_p99_vs_one_client`) is
+//!    printed too.
 //!
 //! TTFT is measured by the client: from the `generate` call to the first streamed tokens.
 //! A request is lost if no terminal callback (completed or error) arrives, duplicated if a
@@ -158,6 +164,56 @@ impl Client {
     }
 }
 
+/// `n` clients for `duration_s`: the first `args.foreground` send short foreground prompts
+/// (0.8–1.6 s think time, staggered per client), the rest long background prompts back to back;
+/// then no new requests, and every outstanding one runs to its end. Duplicates add to `dup`.
+fn clients_for(
+    socket: Option<&Path>,
+    service: &str,
+    model: Option<&str>,
+    args: &LoadArgs,
+    n: u64,
+    duration_s: u64,
+    dup: &mut usize,
+) -> Result<Vec<Outcome>, String> {
+    let stop_at = Instant::now() + Duration::from_secs(duration_s);
+    let per_client: Vec<(Vec<Outcome>, usize)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|i| {
+                let fg = i < args.foreground;
+                s.spawn(move || -> Result<(Vec<Outcome>, usize), String> {
+                    let mut c = Client::new(socket, service, model)?;
+                    let mut outs = Vec::new();
+                    let mut k = 0u64;
+                    while Instant::now() < stop_at {
+                        if fg {
+                            // Think time between interactive prompts: 0.8–1.6 s, different per
+                            // client so foreground clients do not march in step.
+                            std::thread::sleep(Duration::from_millis(800 + (211 * (k + 3 * i) + 97 * i) % 800));
+                            if Instant::now() >= stop_at {
+                                break;
+                            }
+                            outs.push(c.run(&request(prompt(true, 1000 * i + k), 16, true), true));
+                        } else {
+                            outs.push(c.run(&request(prompt(false, 1000 * i + k), 64, false), false));
+                        }
+                        k += 1;
+                    }
+                    Ok((outs, c.duplicates()))
+                })
+            })
+            .collect();
+        hs.into_iter().filter_map(|h| h.join().ok()).collect::<Result<Vec<_>, String>>()
+    })?;
+    Ok(per_client
+        .into_iter()
+        .flat_map(|(o, d)| {
+            *dup += d;
+            o
+        })
+        .collect())
+}
+
 /// Tokens per second streamed by all of `outs` while every one of them was decoding: from the
 /// latest first token to the earliest last token (so prefills and stragglers do not count).
 fn decode_rate(outs: &[Outcome]) -> f64 {
@@ -189,16 +245,19 @@ pub fn run(
         }
     };
     // 1. Idle foreground TTFT.
-    say("phase 1/4: idle foreground requests");
+    say("phase 1/4: idle daemon: one foreground client");
+    let mut dup = 0usize;
     let mut c = Client::new(socket, service, model)?;
     let mut idle = Vec::new();
     for i in 0..args.idle_requests {
         idle.push(c.run(&request(prompt(true, i), 16, true), true));
     }
+    say(&format!("phase 1/4: idle daemon: the {} foreground clients alone for {} s", args.foreground, args.duration_s));
+    let fg_alone = clients_for(socket, service, model, args, args.foreground, args.duration_s, &mut dup)?;
     // 2. One sequence decoding.
     say("phase 2/4: one sequence decoding");
     let single = vec![c.run(&request(prompt(true, 0), decode_tokens as i32, true), true)];
-    let mut dup = c.duplicates();
+    dup += c.duplicates();
     drop(c);
     // 3. All clients decoding at once.
     say(&format!("phase 3/4: {} sequences decoding at once", args.clients));
@@ -227,42 +286,8 @@ pub fn run(
         args.clients - args.foreground,
         args.duration_s
     ));
-    let stop_at = Instant::now() + Duration::from_secs(args.duration_s);
     let t_mixed = Instant::now();
-    let mixed: Vec<Outcome> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..args.clients)
-            .map(|i| {
-                let fg = i < args.foreground;
-                s.spawn(move || -> Result<(Vec<Outcome>, usize), String> {
-                    let mut c = Client::new(socket, service, model)?;
-                    let mut outs = Vec::new();
-                    let mut n = 0u64;
-                    while Instant::now() < stop_at {
-                        if fg {
-                            // Think time between interactive prompts: 0.8–1.6 s, different per
-                            // client so foreground clients do not march in step.
-                            std::thread::sleep(Duration::from_millis(800 + (211 * (n + 3 * i) + 97 * i) % 800));
-                            if Instant::now() >= stop_at {
-                                break;
-                            }
-                            outs.push(c.run(&request(prompt(true, 1000 * i + n), 16, true), true));
-                        } else {
-                            outs.push(c.run(&request(prompt(false, 1000 * i + n), 64, false), false));
-                        }
-                        n += 1;
-                    }
-                    Ok((outs, c.duplicates()))
-                })
-            })
-            .collect();
-        hs.into_iter().filter_map(|h| h.join().ok()).collect::<Result<Vec<_>, String>>()
-    })?
-    .into_iter()
-    .flat_map(|(o, d)| {
-        dup += d;
-        o
-    })
-    .collect();
+    let mixed = clients_for(socket, service, model, args, args.clients, args.duration_s, &mut dup)?;
     let mixed_s = t_mixed.elapsed().as_secs_f64();
     std::thread::sleep(Duration::from_millis(300));
 
@@ -275,11 +300,19 @@ pub fn run(
     let bg_t = ttfts(&bg);
     let single_rate = decode_rate(&single);
     let batched_rate = decode_rate(&batched);
-    let errors: Vec<String> =
-        idle.iter().chain(&single).chain(&batched).chain(&mixed).filter_map(|o| o.error.clone()).collect();
+    let errors: Vec<String> = idle
+        .iter()
+        .chain(&fg_alone)
+        .chain(&single)
+        .chain(&batched)
+        .chain(&mixed)
+        .filter_map(|o| o.error.clone())
+        .collect();
     let lost = errors.iter().filter(|e| e.starts_with("lost")).count();
     let bg_failed = bg.iter().filter(|o| o.error.is_some()).count();
-    let fg_ratio = percentile(&fg_t, 99.0) / percentile(&idle_t, 99.0);
+    let alone_t = ttfts(&fg_alone);
+    let fg_ratio = percentile(&fg_t, 99.0) / percentile(&alone_t, 99.0);
+    let fg_vs_one = percentile(&fg_t, 99.0) / percentile(&idle_t, 99.0);
     let gain = batched_rate / single_rate;
     let class_rate = |v: &[Outcome]| v.iter().map(|o| o.tokens).sum::<usize>() as f64 / mixed_s;
     if json_out {
@@ -288,6 +321,8 @@ pub fn run(
             json!({
                 "clients": args.clients, "foreground_clients": args.foreground, "duration_s": args.duration_s,
                 "idle_ttft_ms_p50": percentile(&idle_t, 50.0), "idle_ttft_ms_p99": percentile(&idle_t, 99.0),
+                "fg_alone_ttft_ms_p50": percentile(&alone_t, 50.0), "fg_alone_ttft_ms_p99": percentile(&alone_t, 99.0),
+                "fg_alone_requests": fg_alone.len(), "fg_p99_vs_one_client": fg_vs_one,
                 "fg_ttft_ms_p50": percentile(&fg_t, 50.0), "fg_ttft_ms_p99": percentile(&fg_t, 99.0),
                 "bg_ttft_ms_p50": percentile(&bg_t, 50.0), "bg_ttft_ms_p99": percentile(&bg_t, 99.0),
                 "fg_tok_s": class_rate(&fg), "bg_tok_s": class_rate(&bg),
@@ -300,7 +335,8 @@ pub fn run(
     } else {
         println!("{:<34} {:>10} {:>10} {:>9}", "figure", "p50", "p99", "requests");
         for (name, t, n) in [
-            ("idle foreground TTFT ms", &idle_t, idle.len()),
+            ("idle, one client TTFT ms", &idle_t, idle.len()),
+            ("idle, foreground clients TTFT ms", &alone_t, fg_alone.len()),
             ("loaded foreground TTFT ms", &fg_t, fg.len()),
             ("loaded background TTFT ms", &bg_t, bg.len()),
         ] {
@@ -311,7 +347,8 @@ pub fn run(
             "decode: one sequence {single_rate:.1} tok/s, {} at once {batched_rate:.1} tok/s in all (gain {gain:.2}x)",
             args.clients
         );
-        println!("fg_p99_ttft_ratio {fg_ratio:.2} (loaded p99 / idle p99)");
+        println!("fg_p99_ttft_ratio {fg_ratio:.2} (loaded p99 / p99 of the foreground clients alone)");
+        println!("fg_p99_vs_one_client {fg_vs_one:.2} (loaded p99 / one idle client's p99)");
         println!("requests: {} errors, {lost} lost, {dup} duplicated, {bg_failed} background failed", errors.len());
         for e in errors.iter().take(5) {
             println!("  error: {e}");

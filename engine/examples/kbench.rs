@@ -1,5 +1,29 @@
 use llmd_engine::quant::packed::*;
 fn main() {
+    if let Ok(nt) = std::env::var("KBENCH_SCOPED_ONLY") {
+        // Scaling check: `KBENCH_SCOPED_ONLY=8` in two processes at once vs two threads.
+        let nt: usize = nt.parse().expect("token count");
+        let rows: usize = std::env::var("KBENCH_ROWS").ok().and_then(|t| t.parse().ok()).unwrap_or(1536);
+        let cols = 576usize;
+        let q8 = std::env::var("KBENCH_KIND").is_ok_and(|k| k == "q8_0");
+        let (kind, bb) = if q8 { (PackKind::Q8_0, 34) } else { (PackKind::Q4_1, 20) };
+        let raw: Vec<u8> = (0..rows * cols / 32 * bb).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();
+        let rb = cols / 32 * bb;
+        let w = PackedMatrix::pack(kind, rows, cols, |r0, b| {
+            b.copy_from_slice(&raw[r0 * rb..r0 * rb + b.len()]);
+            Ok(())
+        })
+        .unwrap();
+        let x: Vec<f32> = (0..nt * cols).map(|i| ((i * 13 % 101) as f32) / 50.0 - 1.0).collect();
+        let mut a = QuantActs::default();
+        a.quantize(&x, nt, cols);
+        let threads: usize = std::env::var("KBENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(1);
+        println!(
+            "{threads} threads nt={nt}: {:.1} GMAC/s",
+            scoped_pair(&w, &a, nt, (20000 * 8 * 1536 / nt / rows).max(3), threads)
+        );
+        return;
+    }
     {
         let pool = llmd_engine::backend::pool::Pool::new(2);
         let hits = std::sync::atomic::AtomicUsize::new(0);
@@ -72,11 +96,19 @@ fn main() {
         let sec = t0.elapsed().as_secs_f64() / 5.0;
         println!("kernel on 2 scoped threads nt=256: {:.1} GMAC/s", (rows * cols * nt) as f64 / sec / 1e9);
     }
+    for nt in [8usize, 256] {
+        let reps = if nt == 8 { 2000 } else { 40 };
+        println!(
+            "scoped, spawned once, nt={nt}: 1 thread {:.1} GMAC/s, 2 threads {:.1} GMAC/s",
+            scoped_pair(&w, &a, nt, reps, 1),
+            scoped_pair(&w, &a, nt, reps, 2)
+        );
+    }
     for k in Kernel::available() {
-        for nt in [1usize, 256] {
+        for nt in [1usize, 2, 8, 256] {
             let mut out = vec![0f32; 16 * nt];
             let t0 = std::time::Instant::now();
-            let reps = if nt == 1 { 200 } else { 3 };
+            let reps = if nt <= 8 { 200 } else { 3 };
             for _ in 0..reps {
                 for t in 0..w.tiles() {
                     k.run(&w, t, &a, 0, nt, &mut out);
@@ -90,3 +122,23 @@ fn main() {
 
 #[allow(dead_code)]
 fn backend_bench() {}
+
+/// Both threads run the kernel over their half of the tiles `reps` times, spawned once.
+pub fn scoped_pair(w: &PackedMatrix, a: &QuantActs, nt: usize, reps: usize, threads: usize) -> f64 {
+    let k = Kernel::best();
+    let tiles = w.tiles();
+    let t0 = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for h in 0..threads {
+            s.spawn(move || {
+                let mut out = vec![0f32; 16 * nt];
+                for _ in 0..reps {
+                    for t in (h * tiles / threads)..((h + 1) * tiles / threads) {
+                        k.run(w, t, a, 0, nt, &mut out);
+                    }
+                }
+            });
+        }
+    });
+    (w.rows * w.cols * nt * reps) as f64 / t0.elapsed().as_secs_f64() / 1e9
+}

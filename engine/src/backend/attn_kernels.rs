@@ -163,6 +163,20 @@ mod x86 {
         unsafe { axpys256_impl(w, v, stride, out) }
     }
 
+    /// Prefetches the cache lines of `len` f16 values from `p`.
+    #[inline(always)]
+    unsafe fn prefetch_row(p: *const f16, len: usize) {
+        let b = p as *const i8;
+        let mut o = 0;
+        while o < 2 * len {
+            // SAFETY: the caller's row is readable; a prefetch never faults anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(b.add(o)) };
+            o += 64;
+        }
+        // SAFETY: as above (the row's last byte, in case it starts mid-line).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(b.add(2 * len - 1)) };
+    }
+
     /// Eight positions at a time, one accumulator each, then the reference's lane sum.
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn dots256_impl(q: &[f32], k: &[f16], stride: usize, out: &mut [f32]) {
@@ -171,6 +185,11 @@ mod x86 {
         let (qp, kp) = (q.as_ptr(), k.as_ptr());
         let mut j = 0;
         while j + 8 <= n {
+            // The cache is usually out of cache (it streams once per layer): fetch the next 8 rows.
+            for p in j + 8..(j + 16).min(n) {
+                // SAFETY: row p < n is inside `k`; prefetches never fault.
+                unsafe { prefetch_row(kp.add(p * stride), hd) };
+            }
             let mut acc = [_mm256_setzero_ps(); 8];
             for i in (0..hd).step_by(8) {
                 // SAFETY: i + 8 <= hd; rows j..j+8 are inside `k` (the caller's contract).
@@ -224,6 +243,10 @@ mod x86 {
         }
         let vp = v.as_ptr();
         for (j, &wj) in w.iter().enumerate() {
+            if j + 8 < w.len() {
+                // SAFETY: row j + 8 is inside `v`; prefetches never fault.
+                unsafe { prefetch_row(vp.add((j + 8) * stride + c), 8 * R) };
+            }
             let wv = _mm256_set1_ps(wj);
             for (r, a) in acc.iter_mut().enumerate() {
                 // SAFETY: row j's columns c+8r..c+8r+8 are inside `v` (the caller's contract).

@@ -47,19 +47,28 @@ pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    // The first token group streams this tile from memory; meanwhile it prefetches the next
+    // tile (the next call's), so that one starts from cache.
+    let next = if tile + 1 < w.tiles() && prefetch_on() { Some(w.tile(tile + 1)) } else { None };
     let mut j = 0;
     while j < nt {
         let g = (nt - j).min(GROUP);
+        let pf = if j == 0 { next } else { None };
         // SAFETY: same contract as this function, for tokens t0+j..t0+j+g.
         unsafe {
             if g == 2 {
-                group512::<KIND, 2>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
+                group512::<KIND, 2>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..], pf);
             } else {
-                group512::<KIND, 1>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..]);
+                group512::<KIND, 1>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..], pf);
             }
         }
         j += g;
     }
+}
+
+fn prefetch_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("LLMD_NO_PREFETCH").is_none())
 }
 
 #[inline]
@@ -70,6 +79,7 @@ unsafe fn group512<const KIND: u8, const NT: usize>(
     a: &QuantActs,
     t0: usize,
     out: &mut [f32],
+    prefetch: Option<&[u8]>,
 ) {
     let kind = match KIND {
         K_Q4_0 => PackKind::Q4_0,
@@ -99,6 +109,15 @@ unsafe fn group512<const KIND: u8, const NT: usize>(
     let p = data.as_ptr();
     let (aq, ad, am, ac) = (a.qs.as_ptr(), a.d.as_ptr(), a.ms.as_ptr(), a.gcorr.as_ptr());
     for b in 0..blocks {
+        if let Some(next) = prefetch {
+            // Same-sized tiles: record `b` of the next tile is at the same offset.
+            let mut o = b * rec;
+            while o < (b + 1) * rec && o < next.len() {
+                // SAFETY: `o` is inside `next`; a prefetch never faults anyway.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(next.as_ptr().add(o) as *const i8) };
+                o += 64;
+            }
+        }
         // SAFETY: record `b` spans `rec` bytes inside `data` (asserted above): the scales at
         // offsets 0 and 32 (32 bytes each) and the weights at `qo..qo + 256` or `qo + 512`.
         let (dv, mv, wv) = unsafe {
