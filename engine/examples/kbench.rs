@@ -17,6 +17,31 @@ fn main() {
         let x: Vec<f32> = (0..nt * cols).map(|i| ((i * 13 % 101) as f32) / 50.0 - 1.0).collect();
         let mut a = QuantActs::default();
         a.quantize(&x, nt, cols);
+        if std::env::var_os("KBENCH_BACKEND").is_some() {
+            use llmd_engine::backend::Backend;
+            use std::sync::Arc;
+            let cpu = llmd_engine::backend::cpu::CpuBackend::new(2);
+            let t = llmd_engine::format::TensorRef {
+                ty: if q8 { llmd_engine::quant::GgmlType::Q8_0 } else { llmd_engine::quant::GgmlType::Q4_1 },
+                dims: vec![cols as u64, rows as u64],
+                file: Arc::new(llmd_engine::format::ModelBytes::Owned(raw.clone())),
+                range: 0..raw.len(),
+            };
+            let wm = llmd_engine::model::weights::WeightMatrix::from_tensor("w", rows, cols, t);
+            let mut out = vec![0f32; rows * nt];
+            let reps = (20000 * 8 * 1536 / nt / rows).max(3);
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                cpu.matmul(&wm, &x, nt, &mut out).unwrap();
+            }
+            let s = t0.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "backend matmul nt={nt} rows={rows}: {:.1} GMAC/s, {:.1} us",
+                (rows * cols * nt) as f64 / s / 1e9,
+                s * 1e6
+            );
+            return;
+        }
         let threads: usize = std::env::var("KBENCH_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(1);
         println!(
             "{threads} threads nt={nt}: {:.1} GMAC/s",

@@ -58,7 +58,7 @@ fn check_attention(s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &[f32]) 
     let kv_row = s.n_kv_heads * s.head_dim;
     let total = s.start + s.n_tokens;
     let scales_ok = match kv {
-        KvLayer::F16 { .. } => true,
+        KvLayer::F16 { k, v } => k.len() == s.n_kv_heads && v.len() == s.n_kv_heads,
         KvLayer::Q8 { ks, vs, .. } => ks.len() >= total * s.n_kv_heads && vs.len() >= total * s.n_kv_heads,
     };
     if s.n_kv_heads == 0
@@ -105,7 +105,7 @@ fn attend_one(
     match kv {
         KvLayer::F16 { k, .. } => {
             p.resize(n_ctx, 0.0);
-            (kern.dots)(qh, &k[kvh * hd..], kv_row, p);
+            (kern.dots)(qh, &k[kvh], hd, p);
             for x in p.iter_mut() {
                 *x *= scale;
             }
@@ -123,7 +123,7 @@ fn attend_one(
     (kern.scale_round)(p, (1.0 / sum) as f32);
     o.fill(0.0);
     match kv {
-        KvLayer::F16 { v, .. } => (kern.axpys)(p, &v[kvh * hd..], kv_row, o),
+        KvLayer::F16 { v, .. } => (kern.axpys)(p, &v[kvh], hd, o),
         KvLayer::Q8 { v, vs, .. } => {
             for (j, &w) in p.iter().enumerate() {
                 (kern.axpy_q8)(w * vs[j * s.n_kv_heads + kvh], &v[at(j)], o);
@@ -222,7 +222,7 @@ thread_local! {
 }
 
 /// Parallel tasks per worker thread in a packed matmul (a little slack for uneven progress).
-const TASKS_PER_THREAD: usize = 4;
+const TASKS_PER_THREAD: usize = 8;
 
 fn shape_err(op: &'static str, detail: String) -> BackendError {
     BackendError::Shape { op, detail }
@@ -434,8 +434,17 @@ impl Backend for CpuBackend {
         if gate.len() != up.len() {
             return Err(shape_err("swiglu", format!("gate {} vs up {}", gate.len(), up.len())));
         }
-        for (g, u) in gate.iter_mut().zip(up) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
+        let f = |g: &mut [f32], u: &[f32]| {
+            for (g, u) in g.iter_mut().zip(u) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+        };
+        // Element-wise, so any split gives the same values; large batches use every thread.
+        if gate.len() >= 8192 && self.desc.threads > 1 {
+            let chunk = gate.len().div_ceil(self.desc.threads * 2);
+            par_chunks(&self.pool, gate, chunk, |i, g| f(g, &up[i * chunk..i * chunk + g.len()]));
+        } else {
+            f(gate, up);
         }
         Ok(())
     }
@@ -495,7 +504,14 @@ mod tests {
         let v: Vec<f16> = det(total * n_kv * hd, 3).into_iter().map(f16::from_f32).collect();
         let mut out = vec![0f32; q.len()];
         let s = AttentionShape { n_heads, n_kv_heads: n_kv, head_dim: hd, start, n_tokens: n };
-        cpu.attention(&s, &q, KvLayer::F16 { k: &k, v: &v }, &mut out).expect("attention");
+        // The cache keeps one vector per KV head.
+        let per_head = |x: &[f16]| -> Vec<Vec<f16>> {
+            (0..n_kv)
+                .map(|h| x.chunks_exact(n_kv * hd).flat_map(|row| &row[h * hd..(h + 1) * hd]).copied().collect())
+                .collect()
+        };
+        let (kh, vh) = (per_head(&k), per_head(&v));
+        cpu.attention(&s, &q, KvLayer::F16 { k: &kh, v: &vh }, &mut out).expect("attention");
         for t in 0..n {
             for h in 0..n_heads {
                 let kvh = h / (n_heads / n_kv);

@@ -49,7 +49,7 @@ pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: 
 unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
     // The first token group streams this tile from memory; meanwhile it prefetches the next
     // tile (the next call's), so that one starts from cache.
-    let next = if tile + 1 < w.tiles() && prefetch_on() { Some(w.tile(tile + 1)) } else { None };
+    let next = if tile + 1 < w.tiles() { Some(w.tile(tile + 1)) } else { None };
     let mut j = 0;
     while j < nt {
         let g = (nt - j).min(GROUP);
@@ -64,11 +64,6 @@ unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, 
         }
         j += g;
     }
-}
-
-fn prefetch_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("LLMD_NO_PREFETCH").is_none())
 }
 
 #[inline]
