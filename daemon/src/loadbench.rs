@@ -10,7 +10,9 @@
 //! 2. **single**: one client decodes `--decode-tokens` tokens → one sequence's decode rate;
 //! 3. **batched**: `--clients` clients each decode `--decode-tokens` tokens at once → aggregate
 //!    decode rate while all of them are decoding (from the last one's first token to the first
-//!    one's last); `batch_decode_gain` = batched / single (same short prompts);
+//!    one's last). Phases 2 and 3 alternate for `--decode-rounds` rounds (a slow spell of a
+//!    shared machine then hits both); `batch_decode_gain` = the median of the rounds'
+//!    batched / single (same short prompts);
 //! 4. **mixed**: `--foreground` clients send short foreground prompts (0.8–1.6 s think time,
 //!    staggered per client) while
 //!    the rest send long background prompts, for `--duration-s`; then no new requests and every
@@ -50,6 +52,10 @@ pub struct LoadArgs {
     /// both p99s come from samples of similar size).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(2..=1000))]
     pub idle_requests: u64,
+    /// Rounds of the decode phases (one sequence, then all clients), alternated; the gain is
+    /// the median of the rounds' gains.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=20))]
+    pub decode_rounds: u64,
     /// Model id (default: the first installed).
     #[arg(long = "load-model")]
     pub model: Option<String>,
@@ -247,6 +253,7 @@ pub fn run(
     // 1. Idle foreground TTFT.
     say("phase 1/4: idle daemon: one foreground client");
     let mut dup = 0usize;
+    let mut decode_outcomes: Vec<Outcome> = Vec::new();
     let mut c = Client::new(socket, service, model)?;
     let mut idle = Vec::new();
     for i in 0..args.idle_requests {
@@ -254,31 +261,42 @@ pub fn run(
     }
     say(&format!("phase 1/4: idle daemon: the {} foreground clients alone for {} s", args.foreground, args.duration_s));
     let fg_alone = clients_for(socket, service, model, args, args.foreground, args.duration_s, &mut dup)?;
-    // 2. One sequence decoding.
-    say("phase 2/4: one sequence decoding");
-    let single = vec![c.run(&request(prompt(true, 0), decode_tokens as i32, true), true)];
+    // 2 and 3, alternated for `--decode-rounds` rounds so that a slow spell of a shared
+    // machine hits both sides of the ratio: one sequence decoding, then all clients at once.
+    let mut rounds: Vec<(f64, f64)> = Vec::new();
+    for r in 0..args.decode_rounds {
+        say(&format!("phase 2/4 (round {}/{}): one sequence decoding", r + 1, args.decode_rounds));
+        let single = c.run(&request(prompt(true, r), decode_tokens as i32, true), true);
+        say(&format!(
+            "phase 3/4 (round {}/{}): {} sequences decoding at once",
+            r + 1,
+            args.decode_rounds,
+            args.clients
+        ));
+        let batched: Vec<Outcome> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..args.clients)
+                .map(|i| {
+                    s.spawn(move || -> Result<(Outcome, usize), String> {
+                        let mut c = Client::new(socket, service, model)?;
+                        let o = c.run(&request(prompt(true, 100 * (r + 1) + i), decode_tokens as i32, true), true);
+                        Ok((o, c.duplicates()))
+                    })
+                })
+                .collect();
+            hs.into_iter().filter_map(|h| h.join().ok()).collect::<Result<Vec<_>, String>>()
+        })?
+        .into_iter()
+        .map(|(o, d)| {
+            dup += d;
+            o
+        })
+        .collect();
+        rounds.push((decode_rate(std::slice::from_ref(&single)), decode_rate(&batched)));
+        decode_outcomes.push(single);
+        decode_outcomes.extend(batched);
+    }
     dup += c.duplicates();
     drop(c);
-    // 3. All clients decoding at once.
-    say(&format!("phase 3/4: {} sequences decoding at once", args.clients));
-    let batched: Vec<Outcome> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..args.clients)
-            .map(|i| {
-                s.spawn(move || -> Result<(Outcome, usize), String> {
-                    let mut c = Client::new(socket, service, model)?;
-                    let o = c.run(&request(prompt(true, 100 + i), decode_tokens as i32, true), true);
-                    Ok((o, c.duplicates()))
-                })
-            })
-            .collect();
-        hs.into_iter().filter_map(|h| h.join().ok()).collect::<Result<Vec<_>, String>>()
-    })?
-    .into_iter()
-    .map(|(o, d)| {
-        dup += d;
-        o
-    })
-    .collect();
     // 4. Mixed load.
     say(&format!(
         "phase 4/4: {} foreground + {} background clients for {} s",
@@ -298,22 +316,24 @@ pub fn run(
     let bg: Vec<Outcome> = mixed.iter().filter(|o| !o.foreground).cloned().collect();
     let fg_t = ttfts(&fg);
     let bg_t = ttfts(&bg);
-    let single_rate = decode_rate(&single);
-    let batched_rate = decode_rate(&batched);
-    let errors: Vec<String> = idle
-        .iter()
-        .chain(&fg_alone)
-        .chain(&single)
-        .chain(&batched)
-        .chain(&mixed)
-        .filter_map(|o| o.error.clone())
-        .collect();
+    let median = |mut v: Vec<f64>| -> f64 {
+        v.sort_by(|a, b| a.total_cmp(b));
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            v[v.len() / 2]
+        }
+    };
+    let single_rate = median(rounds.iter().map(|r| r.0).collect());
+    let batched_rate = median(rounds.iter().map(|r| r.1).collect());
+    let gain = median(rounds.iter().map(|r| r.1 / r.0).collect());
+    let errors: Vec<String> =
+        idle.iter().chain(&fg_alone).chain(&decode_outcomes).chain(&mixed).filter_map(|o| o.error.clone()).collect();
     let lost = errors.iter().filter(|e| e.starts_with("lost")).count();
     let bg_failed = bg.iter().filter(|o| o.error.is_some()).count();
     let alone_t = ttfts(&fg_alone);
     let fg_ratio = percentile(&fg_t, 99.0) / percentile(&alone_t, 99.0);
     let fg_vs_one = percentile(&fg_t, 99.0) / percentile(&idle_t, 99.0);
-    let gain = batched_rate / single_rate;
     let class_rate = |v: &[Outcome]| v.iter().map(|o| o.tokens).sum::<usize>() as f64 / mixed_s;
     if json_out {
         println!(
@@ -328,6 +348,7 @@ pub fn run(
                 "fg_tok_s": class_rate(&fg), "bg_tok_s": class_rate(&bg),
                 "fg_requests": fg.len(), "bg_requests": bg.len(),
                 "single_decode_tok_s": single_rate, "batched_decode_tok_s": batched_rate,
+                "decode_rounds": rounds.iter().map(|r| json!({"single_tok_s": r.0, "batched_tok_s": r.1, "gain": r.1 / r.0})).collect::<Vec<_>>(),
                 "fg_p99_ttft_ratio": fg_ratio, "batch_decode_gain": gain,
                 "errors": errors.len(), "lost": lost, "duplicated": dup, "bg_failed": bg_failed,
             })
@@ -343,8 +364,19 @@ pub fn run(
             println!("{name:<34} {:>10.0} {:>10.0} {n:>9}", percentile(t, 50.0), percentile(t, 99.0));
         }
         println!("tokens/s under load: foreground {:.1}, background {:.1}", class_rate(&fg), class_rate(&bg));
+        for (i, r) in rounds.iter().enumerate() {
+            println!(
+                "decode round {}: one sequence {:.1} tok/s, {} at once {:.1} tok/s in all (gain {:.2}x)",
+                i + 1,
+                r.0,
+                args.clients,
+                r.1,
+                r.1 / r.0
+            );
+        }
         println!(
-            "decode: one sequence {single_rate:.1} tok/s, {} at once {batched_rate:.1} tok/s in all (gain {gain:.2}x)",
+            "decode (medians of {} rounds): one sequence {single_rate:.1} tok/s, {} at once {batched_rate:.1} tok/s, batch_decode_gain {gain:.2}x",
+            rounds.len(),
             args.clients
         );
         println!("fg_p99_ttft_ratio {fg_ratio:.2} (loaded p99 / p99 of the foreground clients alone)");

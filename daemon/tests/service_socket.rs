@@ -502,6 +502,8 @@ fn the_load_benchmark_accounts_for_every_request() {
             "2",
             "--decode-tokens",
             "8",
+            "--decode-rounds",
+            "2",
         ])
         .stdin(Stdio::null())
         .output()
