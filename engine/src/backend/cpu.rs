@@ -171,44 +171,58 @@ impl CpuBackend {
     }
 
     /// `outs[i][t * rows_i + r]` for packed weights sharing `cols`, from one quantization of `x`
-    /// and one parallel step over all their tiles (shapes checked by the caller).
+    /// and one parallel step over all their tiles (shapes checked by the caller). Each task
+    /// owns a run of one matrix's tiles and writes their rows of every token straight into
+    /// `outs` (through a 16-row buffer that stays in L1).
     fn matmul_packed(&self, ws: &[&PackedMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
         let kernel = Kernel::best();
         let cols = ws[0].cols;
         ACTS.with(|acts| {
-            SCRATCH.with(|scratch| {
-                let mut acts = acts.borrow_mut();
-                self.quantize(&mut acts, x, n, cols);
-                let acts = &*acts;
-                let total_tiles: usize = ws.iter().map(|w| w.tiles()).sum();
-                let tpt = if n <= 16 { MATMUL_TASKS_PER_THREAD } else { MATMUL_TASKS_PER_THREAD_PREFILL };
-                let per_task = total_tiles.div_ceil(self.desc.threads * tpt).max(1);
-                let mut scratch = scratch.borrow_mut();
-                scratch.resize(total_tiles * TILE_ROWS * n, 0.0);
-                // Tile-major [tile][token][lane] for every matrix in turn.
-                let tile_of: Vec<(usize, usize)> =
-                    ws.iter().enumerate().flat_map(|(m, w)| (0..w.tiles()).map(move |t| (m, t))).collect();
-                par_chunks(&self.pool, &mut scratch[..], per_task * TILE_ROWS * n, |ci, o| {
-                    for (k, ot) in o.chunks_exact_mut(TILE_ROWS * n).enumerate() {
-                        let (m, t) = tile_of[ci * per_task + k];
-                        kernel.run(ws[m], t, acts, 0, n, ot);
+            let mut acts = acts.borrow_mut();
+            self.quantize(&mut acts, x, n, cols);
+            let acts = &*acts;
+            let total_tiles: usize = ws.iter().map(|w| w.tiles()).sum();
+            let tpt = if n <= 16 { MATMUL_TASKS_PER_THREAD } else { MATMUL_TASKS_PER_THREAD_PREFILL };
+            let per_task = total_tiles.div_ceil(self.desc.threads * tpt).max(1);
+            // Tasks: (matrix, first tile, tiles, each token's rows of those tiles).
+            type TaskOut<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
+            let mut tasks: Vec<Mutex<TaskOut<'_>>> = Vec::new();
+            for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+                let rows = w.rows;
+                let starts: Vec<usize> = (0..w.tiles()).step_by(per_task).collect();
+                let mut per_token: Vec<Vec<&mut [f32]>> = (0..starts.len()).map(|_| Vec::with_capacity(n)).collect();
+                for row in out[..n * rows].chunks_exact_mut(rows) {
+                    let mut rest = row;
+                    for (k, &t0) in starts.iter().enumerate() {
+                        let end = starts.get(k + 1).map_or(rows, |&t1| t1 * TILE_ROWS);
+                        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(end - t0 * TILE_ROWS);
+                        per_token[k].push(mine);
+                        rest = tail;
                     }
-                });
-                // Back to token-major [token][row] per matrix.
-                let mut base = 0;
-                for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                    let rows = w.rows;
-                    for tile in 0..w.tiles() {
-                        let tb = &scratch[(base + tile) * TILE_ROWS * n..(base + tile + 1) * TILE_ROWS * n];
-                        let r0 = tile * TILE_ROWS;
-                        let lanes = (rows - r0).min(TILE_ROWS);
-                        for (t, src) in tb.chunks_exact(TILE_ROWS).enumerate() {
-                            out[t * rows + r0..t * rows + r0 + lanes].copy_from_slice(&src[..lanes]);
+                }
+                for (k, dst) in per_token.into_iter().enumerate() {
+                    let t0 = starts[k];
+                    let nt = per_task.min(w.tiles() - t0);
+                    tasks.push(Mutex::new((m, t0, nt, dst)));
+                }
+            }
+            self.pool.run(tasks.len(), &|i| {
+                let mut g = tasks[i].lock().unwrap_or_else(|e| e.into_inner());
+                let (m, t0, nt, ref mut dst) = *g;
+                let w = ws[m];
+                SCRATCH.with(|buf| {
+                    let mut buf = buf.borrow_mut();
+                    buf.resize(TILE_ROWS * n, 0.0);
+                    for tile in t0..t0 + nt {
+                        kernel.run(w, tile, acts, 0, n, &mut buf);
+                        let r0 = (tile - t0) * TILE_ROWS;
+                        let lanes = (w.rows - tile * TILE_ROWS).min(TILE_ROWS);
+                        for (d, src) in dst.iter_mut().zip(buf.chunks_exact(TILE_ROWS)) {
+                            d[r0..r0 + lanes].copy_from_slice(&src[..lanes]);
                         }
                     }
-                    base += w.tiles();
-                }
-            })
+                });
+            });
         });
     }
 }
@@ -218,7 +232,7 @@ thread_local! {
     static SCORES: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     /// Quantized activations of the current matmul, reused between calls on this thread.
     static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
-    /// Tile-major matmul results, reused between calls on this thread.
+    /// One tile's results for every token of a matmul, reused on this thread.
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
