@@ -180,6 +180,38 @@ mod x86 {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(b.add(2 * len - 1)) };
     }
 
+    /// `r[i][p] = a[p][i]`: an 8×8 transpose of f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn transpose8(a: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(a[0], a[1]);
+        let t1 = _mm256_unpackhi_ps(a[0], a[1]);
+        let t2 = _mm256_unpacklo_ps(a[2], a[3]);
+        let t3 = _mm256_unpackhi_ps(a[2], a[3]);
+        let t4 = _mm256_unpacklo_ps(a[4], a[5]);
+        let t5 = _mm256_unpackhi_ps(a[4], a[5]);
+        let t6 = _mm256_unpacklo_ps(a[6], a[7]);
+        let t7 = _mm256_unpackhi_ps(a[6], a[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+
     /// Eight positions at a time, one accumulator each, then the reference's lane sum.
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn dots256_impl(q: &[f32], k: &[f16], stride: usize, out: &mut [f32]) {
@@ -205,12 +237,15 @@ mod x86 {
                     }
                 }
             }
-            for (p, a) in acc.iter().enumerate() {
-                let mut l = [0f32; 8];
-                // SAFETY: `l` holds 8 f32s.
-                unsafe { _mm256_storeu_ps(l.as_mut_ptr(), *a) };
-                out[j + p] = l.iter().sum();
+            // Transposed, lane i of every position sits in one register: adding them in lane
+            // order is each position's left-to-right lane sum, for 8 positions at once.
+            let t = transpose8(acc);
+            let mut sum = t[0];
+            for v in &t[1..] {
+                sum = _mm256_add_ps(sum, *v);
             }
+            // SAFETY: j + 8 <= n = out.len().
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j), sum) };
             j += 8;
         }
         for (jj, o) in out.iter_mut().enumerate().skip(j) {

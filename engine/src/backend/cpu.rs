@@ -15,7 +15,6 @@ use crate::model::kv::KvLayer;
 use crate::model::weights::WeightMatrix;
 use crate::quant::packed::{self, Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use crate::quant::{self, GgmlType};
-use half::f16;
 use std::sync::Mutex;
 
 /// Weight rows per parallel task in a matmul.
@@ -98,7 +97,9 @@ fn attend_one(
     let n_ctx = s.start + t + 1;
     let (qh, p) = scratch;
     qh.clear();
-    qh.extend(q[t * q_row + h * hd..t * q_row + (h + 1) * hd].iter().map(|&x| f16::from_f32(x).to_f32()));
+    // The query rounded to f16 (`scale_round` by 1: x · 1 is x).
+    qh.extend_from_slice(&q[t * q_row + h * hd..t * q_row + (h + 1) * hd]);
+    (kern.scale_round)(qh, 1.0);
     let qh = &qh[..];
     p.clear();
     let at = |j: usize| j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd;
@@ -476,6 +477,7 @@ impl Backend for CpuBackend {
 mod tests {
     use super::*;
     use crate::format::{ModelBytes, TensorRef};
+    use half::f16;
     use std::sync::Arc;
 
     /// f16 rounding of queries, keys, values and softmax weights: ~2^-11 relative each.
