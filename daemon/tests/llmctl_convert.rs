@@ -1,29 +1,16 @@
 //! `llmctl convert`, `llmctl perplexity` and `llmctl bench --local --cold` as a user runs them:
 //! the real binary, the real default model (and the text from scripts/fetch-text.sh).
 
+mod common;
+
+use common::{llmctl, model, root};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn model() -> PathBuf {
-    let p = std::env::var_os("LLMD_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
-    p
-}
 
 fn text() -> PathBuf {
     let p = root().join("texts/jargon.txt");
     assert!(p.is_file(), "the evaluation text is missing at {}: run scripts/fetch-text.sh", p.display());
     p
-}
-
-fn llmctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_llmctl")).args(args).stdin(Stdio::null()).output().expect("llmctl runs")
 }
 
 fn s(p: &Path) -> &str {

@@ -1,23 +1,9 @@
 //! `llmctl run --local` as a user runs it: the real binary, the real default model.
 
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+mod common;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn model() -> PathBuf {
-    let p = std::env::var_os("LLMD_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
-    p
-}
-
-fn llmctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_llmctl")).args(args).stdin(Stdio::null()).output().expect("llmctl runs")
-}
+use common::{llmctl, model};
+use std::process::Output;
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()

@@ -5,6 +5,9 @@
 //! Two model ids ("a", "b") are two symbolic links to the default model in a models directory:
 //! distinct models to the daemon, one download on disk.
 
+mod common;
+
+use common::{chat, greedy};
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::ILlmSession::ILlmSession;
 use llmd_aidl::SessionOptions::SessionOptions;
@@ -14,12 +17,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The default model, as an absolute path (the tests link to it from their own directories).
 fn model() -> PathBuf {
-    let p = std::env::var_os("LLMD_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
-    std::fs::canonicalize(p).expect("absolute")
+    std::fs::canonicalize(common::model()).expect("absolute")
 }
 
 /// One daemon at a time (two cores; RSS figures must be this daemon's alone).
@@ -127,19 +127,6 @@ fn field(line: &str, key: &str) -> Option<u64> {
 
 fn session(conn: &Connection, id: &str) -> Strong<dyn ILlmSession> {
     conn.service.openSession(id, &SessionOptions::default()).expect("session opens")
-}
-
-fn chat(msg: &str, n: i32) -> GenerateRequest {
-    GenerateRequest {
-        messages: vec![llmd_aidl::ChatMessage::ChatMessage { role: "user".into(), content: msg.into() }],
-        temperature: 0.0,
-        maxTokens: n,
-        ..GenerateRequest::default()
-    }
-}
-
-fn greedy(prompt: &str, n: i32) -> GenerateRequest {
-    GenerateRequest { prompt: prompt.into(), temperature: 0.0, maxTokens: n, ..GenerateRequest::default() }
 }
 
 /// The ids a request streams; panics on an error.

@@ -1,6 +1,9 @@
 //! Tier 3: the llmd daemon and its clients over Binder-over-Unix-socket, with the real model.
 //! Each test starts its own daemon (its own socket and limits) and stops it at the end.
 
+mod common;
+
+use common::{chat, greedy, model};
 use llmd_aidl::ErrorCode::ErrorCode;
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::ILlmSession::ILlmSession;
@@ -16,14 +19,6 @@ use std::time::{Duration, Instant};
 const MODEL_ID: &str = "SmolLM2-135M-Instruct.Q4_1";
 /// Longest a daemon may take to start (load the model, bind the socket).
 const STARTUP: Duration = Duration::from_secs(60);
-
-fn model() -> PathBuf {
-    let p = std::env::var_os("LLMD_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
-    p
-}
 
 /// Tests share the machine's two cores: one daemon at a time keeps their timing meaningful.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -89,19 +84,6 @@ struct Outcome {
     ids: Vec<i32>,
     error: Option<(ErrorCode, String)>,
     finish: String,
-}
-
-fn greedy(prompt: &str, max_tokens: i32) -> GenerateRequest {
-    GenerateRequest { prompt: prompt.into(), temperature: 0.0, maxTokens: max_tokens, ..GenerateRequest::default() }
-}
-
-fn chat(msg: &str, max_tokens: i32) -> GenerateRequest {
-    GenerateRequest {
-        messages: vec![llmd_aidl::ChatMessage::ChatMessage { role: "user".into(), content: msg.into() }],
-        temperature: 0.0,
-        maxTokens: max_tokens,
-        ..GenerateRequest::default()
-    }
 }
 
 /// Sends a request and collects everything it streams until it ends.
