@@ -81,7 +81,6 @@ unsafe fn group512<const KIND: u8, const NT: usize>(
         K_Q4_1 => PackKind::Q4_1,
         _ => PackKind::Q8_0,
     };
-    debug_assert!(kind == w.kind);
     let blocks = w.blocks();
     let rec = kind.record_bytes();
     let qo = kind.qs_offset();
