@@ -68,6 +68,11 @@ pub struct BenchArgs {
     /// Decode steps measured.
     #[arg(long, default_value_t = 128)]
     pub decode_tokens: usize,
+    /// Also measure continuous batching: this many sequences decoding at once (each with its own
+    /// prompt and continuation, --decode-prompt + --decode-tokens), one token of each per pass,
+    /// against one sequence; prints tokens/s in all and the gain. 0 = off.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=64))]
+    pub batch: u64,
     /// KV cache storage for our engine: f16 (as llama.cpp) or q8.
     #[arg(long, default_value = "f16")]
     pub kv_type: llmd_engine::model::kv::KvType,
@@ -175,6 +180,9 @@ impl Drop for Peer {
 struct Figures {
     prefill: Vec<(usize, f64)>,
     decode: f64,
+    /// With --batch: tokens/s in all with `--batch` sequences, and the median over runs of
+    /// (that / one sequence's tokens/s in the same run).
+    batch: Option<(f64, f64)>,
     peak_rss_mb: f64,
     hwm_mb: f64,
 }
@@ -186,6 +194,10 @@ fn figures_json(f: &Figures) -> serde_json::Map<String, Value> {
         o.insert(format!("prefill_{n}_tok_s"), json!(v));
     }
     o.insert("decode_tok_s".into(), json!(f.decode));
+    if let Some((tok_s, gain)) = f.batch {
+        o.insert("batch_decode_tok_s".into(), json!(tok_s));
+        o.insert("batch_gain".into(), json!(gain));
+    }
     o.insert("peak_rss_mb".into(), json!(f.peak_rss_mb));
     o.insert("vm_hwm_mb".into(), json!(f.hwm_mb));
     o
@@ -208,6 +220,25 @@ fn ours_decode(model: &Model, prompt: &[u32], steps: &[u32]) -> Result<f64, Stri
     let t0 = Instant::now();
     for &t in steps {
         model.transformer.forward(&mut kv, &[t], Logits::Last).map_err(|e| e.to_string())?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// Seconds for the steps of `prompts.len()` sequences decoding together: each prompt is
+/// prefilled alone, then every pass runs one token of every sequence (`forward_batch`).
+fn ours_batch_decode(model: &Model, prompts: &[&[u32]], steps: &[&[u32]]) -> Result<f64, String> {
+    let mut kvs: Vec<_> = prompts.iter().map(|_| model.transformer.new_kv()).collect();
+    for (kv, p) in kvs.iter_mut().zip(prompts) {
+        for c in p.chunks(DEFAULT_PREFILL_CHUNK) {
+            model.transformer.forward(kv, c, Logits::Last).map_err(|e| e.to_string())?;
+        }
+    }
+    let n = steps.iter().map(|s| s.len()).min().unwrap_or(0);
+    let t0 = Instant::now();
+    for k in 0..n {
+        let toks: Vec<[u32; 1]> = steps.iter().map(|s| [s[k]]).collect();
+        let mut batch: Vec<_> = kvs.iter_mut().zip(&toks).map(|(kv, t)| (kv, &t[..])).collect();
+        model.transformer.forward_batch(&mut batch, Logits::Last).map_err(|e| e.to_string())?;
     }
     Ok(t0.elapsed().as_secs_f64())
 }
@@ -275,12 +306,17 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     }
     let mut text = String::new();
     let mut ids = Vec::new();
-    while ids.len() < longest {
+    let b = args.batch as usize;
+    while ids.len() < longest + b {
         text.push_str(BENCH_TEXT);
         ids = model.tokenizer.encode(&text, false, model.tokenizer.add_bos).map_err(|e| e.to_string())?;
     }
     let decode_prompt = &ids[..args.decode_prompt];
     let decode_steps = &ids[args.decode_prompt..args.decode_prompt + args.decode_tokens];
+    // With --batch: sequence q reads the same text from token q on.
+    let batch_prompts: Vec<&[u32]> = (0..b).map(|q| &ids[q..q + args.decode_prompt]).collect();
+    let batch_steps: Vec<&[u32]> =
+        (0..b).map(|q| &ids[q + args.decode_prompt..q + args.decode_prompt + args.decode_tokens]).collect();
 
     let mut peer = if args.compare_llamacpp {
         let mut p = Peer::start(&args.python)?;
@@ -302,8 +338,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         );
     }
 
-    let mut ours: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 1];
-    let mut theirs: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 1];
+    // Per figure, one value per run: the prefills, decode, then (with --batch) the batched
+    // tokens/s and that run's gain over its own one-sequence decode.
+    let (dec, bat, gain) = (args.prefill.len(), args.prefill.len() + 1, args.prefill.len() + 2);
+    let mut ours: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 3];
+    let mut theirs: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 3];
     for rep in 0..=reps {
         // Alternate which engine goes first, so neither always runs on a warmer machine.
         for side in if rep % 2 == 0 { [0, 1] } else { [1, 0] } {
@@ -330,7 +369,26 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
             };
             if let (Some(s), true) = (secs, rep > 0) {
                 let v = if side == 0 { &mut ours } else { &mut theirs };
-                v[args.prefill.len()].push(args.decode_tokens as f64 / s);
+                v[dec].push(args.decode_tokens as f64 / s);
+            }
+            if b == 0 {
+                continue;
+            }
+            let secs = if side == 0 {
+                Some(ours_batch_decode(&model, &batch_prompts, &batch_steps)?)
+            } else if let Some((p, _)) = peer.as_mut() {
+                Some(Peer::seconds(&p.call(json!({
+                    "op": "batch_decode", "prompts": batch_prompts, "steps": batch_steps, "threads": threads,
+                }))?)?)
+            } else {
+                None
+            };
+            if let (Some(s), true) = (secs, rep > 0) {
+                let v = if side == 0 { &mut ours } else { &mut theirs };
+                let tok_s = (b * args.decode_tokens) as f64 / s;
+                let one = v[dec].last().copied().unwrap_or(f64::NAN);
+                v[bat].push(tok_s);
+                v[gain].push(tok_s / one);
             }
         }
         if !args.json {
@@ -342,7 +400,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     }
     let figures = |v: &mut Vec<Vec<f64>>| Figures {
         prefill: args.prefill.iter().enumerate().map(|(i, &n)| (n, median(&mut v[i]))).collect(),
-        decode: median(&mut v[args.prefill.len()]),
+        decode: median(&mut v[dec]),
+        batch: (b > 0).then(|| (median(&mut v[bat]), median(&mut v[gain]))),
         ..Figures::default()
     };
     let mut mine = figures(&mut ours);
@@ -394,6 +453,9 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
                 o.insert(format!("ratio_prefill_{n}"), json!(a / b));
             }
             o.insert("ratio_decode".into(), json!(mine.decode / f.decode));
+            if let (Some((a, _)), Some((b, _))) = (mine.batch, f.batch) {
+                o.insert("ratio_batch_decode".into(), json!(a / b));
+            }
             o.insert("ratio_peak_rss".into(), json!(mine.peak_rss_mb / f.peak_rss_mb));
         }
         println!("{}", Value::Object(o));
@@ -409,16 +471,18 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         "ratio",
         "% ceiling"
     );
-    let row = |name: String, a: f64, b: Option<f64>, ceil: Option<f64>| {
+    // `digits` after the point: 1 for rates and sizes, 2 for the batch gain.
+    let row_digits = |name: String, a: f64, b: Option<f64>, ceil: Option<f64>, digits: usize| {
         println!(
-            "{:<22} {:>10.1} {:>12} {:>8} {:>11}",
+            "{:<22} {:>10.digits$} {:>12} {:>8} {:>11}",
             name,
             a,
-            b.map(|b| format!("{b:.1}")).unwrap_or_else(|| "-".into()),
+            b.map(|b| format!("{b:.digits$}")).unwrap_or_else(|| "-".into()),
             b.map(|b| format!("{:.2}x", a / b)).unwrap_or_else(|| "-".into()),
             ceil.map(|c| format!("{:.0}%", 100.0 * a / c)).unwrap_or_else(|| "-".into()),
         )
     };
+    let row = |name: String, a: f64, b: Option<f64>, ceil: Option<f64>| row_digits(name, a, b, ceil, 1);
     for (i, &(n, v)) in mine.prefill.iter().enumerate() {
         row(format!("prefill@{n} tok/s"), v, pf.as_ref().map(|f| f.prefill[i].1), Some(prefill_ceiling));
     }
@@ -428,6 +492,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         pf.as_ref().map(|f| f.decode),
         Some(decode_ceiling),
     );
+    if let Some((tok_s, g)) = mine.batch {
+        let theirs = pf.as_ref().and_then(|f| f.batch);
+        row(format!("decode tok/s, {b} at once"), tok_s, theirs.map(|t| t.0), None);
+        row_digits(format!("batch gain ({b} vs 1)"), g, theirs.map(|t| t.1), None, 2);
+    }
     row("peak RSS MB (model)".into(), mine.peak_rss_mb, pf.as_ref().map(|f| f.peak_rss_mb), None);
     row("VmHWM MB (process)".into(), mine.hwm_mb, pf.as_ref().map(|f| f.hwm_mb), None);
     println!(

@@ -117,11 +117,21 @@ fn bench_local_prints_the_documented_json_and_refuses_bad_arguments() {
         "8",
         "--decode-tokens",
         "4",
+        "--batch",
+        "3",
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object on stdout");
-    for key in ["prefill_8_tok_s", "prefill_16_tok_s", "decode_tok_s", "peak_rss_mb", "read_bandwidth_gb_s"] {
+    for key in [
+        "prefill_8_tok_s",
+        "prefill_16_tok_s",
+        "decode_tok_s",
+        "batch_decode_tok_s",
+        "batch_gain",
+        "peak_rss_mb",
+        "read_bandwidth_gb_s",
+    ] {
         assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {v}");
     }
     assert!(v.get("llamacpp").is_none(), "no peer unless --compare-llamacpp");

@@ -5,6 +5,11 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on stdout.
       -> {"ok": true, "rss_before_load_kb": .., "load_s": ..}
   {"op": "prefill", "tokens": [ids]}             -> {"ok": true, "seconds": ..}
   {"op": "decode", "prompt": [ids], "steps": [ids]} -> {"ok": true, "seconds": .., "prompt_seconds": ..}
+  {"op": "batch_decode", "prompts": [[ids], ..], "steps": [[ids], ..], "threads": T}
+      -> {"ok": true, "seconds": ..}
+      (continuous batching: a context of the loaded model with one sequence per prompt; each
+      prompt is prefilled alone, then every step decodes one token of every sequence in one
+      llama_decode; seconds covers the steps only)
   {"op": "rss"}                                   -> {"ok": true, "vm_hwm_kb": .., "vm_rss_kb": ..}
   {"op": "cold", "model": PATH, "threads": T, "n_ctx": C, "n_batch": B, "prompt": [ids]}
       -> {"ok": true, "seconds": .., "load_s": .., "eval_s": .., "read_bytes": .., "first_token": id}
@@ -47,6 +52,51 @@ def open_model(llama_cpp, req):
         logits_all=False,
         verbose=False,
     )
+
+
+def batch_decode(llama_cpp, llm, req):
+    """Seconds for len(steps[0]) batched steps of len(prompts) sequences (see the protocol)."""
+    L = llama_cpp
+    prompts, steps = req["prompts"], req["steps"]
+    b = len(prompts)
+    if b == 0 or len(steps) != b or len({len(s) for s in steps}) != 1:
+        raise ValueError("batch_decode needs one step list per prompt, all of one length")
+    per_seq = max(len(p) + len(s) for p, s in zip(prompts, steps))
+    cp = L.llama_context_default_params()
+    cp.n_seq_max = b
+    cp.n_ctx = b * ((per_seq + 255) // 256 * 256)
+    cp.n_batch = 512
+    cp.n_ubatch = 512
+    cp.n_threads = req["threads"]
+    cp.n_threads_batch = req["threads"]
+    ctx = L.llama_init_from_model(llm._model.model, cp)
+    if not ctx:
+        raise RuntimeError("llama_init_from_model failed")
+    batch = L.llama_batch_init(max(512, b), 0, b)
+    try:
+        def decode(items):
+            batch.n_tokens = len(items)
+            for i, (seq, pos, tok, want) in enumerate(items):
+                batch.token[i] = tok
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = want
+            rc = L.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+
+        for seq, p in enumerate(prompts):
+            for at in range(0, len(p), 512):
+                chunk = p[at:at + 512]
+                decode([(seq, at + i, t, at + i == len(p) - 1) for i, t in enumerate(chunk)])
+        t0 = time.perf_counter()
+        for k in range(len(steps[0])):
+            decode([(seq, len(prompts[seq]) + k, steps[seq][k], True) for seq in range(b)])
+        return time.perf_counter() - t0
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
 
 
 def reply(obj):
@@ -111,6 +161,8 @@ def main():
                 reply({"ok": True, "seconds": t2 - t0, "load_s": t1 - t0, "eval_s": t2 - t1,
                        "read_bytes": read, "first_token": first,
                        "version": llama_cpp.__version__})
+            elif op == "batch_decode":
+                reply({"ok": True, "seconds": batch_decode(llama_cpp, llm, req)})
             elif op == "rss":
                 reply({"ok": True, "vm_hwm_kb": status_kb("VmHWM"), "vm_rss_kb": status_kb("VmRSS")})
             elif op == "quit":
