@@ -62,6 +62,10 @@ fn main() {
     }
     for th in [1usize, 2] {
         println!("peak {th} threads: {:.0} GMAC/s", llmd_engine::quant::int8_peak_macs_per_s(th) / 1e9);
+        println!(
+            "  in the kernels' rounding order (vpdpbusd + cvt + FMA per 64 MACs): {:.0} GMAC/s",
+            llmd_engine::quant::packed::order_peak_macs_per_s(th) / 1e9
+        );
     }
     let (rows, cols, n) = (1536usize, 576usize, 256usize);
     let raw: Vec<u8> = (0..rows * cols / 32 * 20).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();

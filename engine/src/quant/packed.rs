@@ -564,6 +564,28 @@ pub fn int8_peak_macs_per_s(threads: usize) -> f64 {
     0.0
 }
 
+/// Sustained multiply-accumulates per second on `threads` threads in the rounding order the
+/// packed kernels follow (`vpdpbusd`, conversion and FMA per 64 MACs: see
+/// `packed_x86::order_peak_loop`) — the ceiling of a kernel that is bit-equal to [`reference`];
+/// 0 where not measured.
+pub fn order_peak_macs_per_s(threads: usize) -> f64 {
+    let k = Kernel::best();
+    #[cfg(target_arch = "x86_64")]
+    if k.kind() == KernelKind::Avx512Vnni {
+        const ITERS: u64 = 10_000_000;
+        let t0 = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..threads.max(1) {
+                // SAFETY: AVX-512 VNNI and FMA were detected (this kernel exists).
+                s.spawn(|| std::hint::black_box(unsafe { super::packed_x86::order_peak_loop(ITERS) }));
+            }
+        });
+        return (threads.max(1) as u64 * ITERS * 12 * 64) as f64 / t0.elapsed().as_secs_f64();
+    }
+    let _ = (k, threads);
+    0.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

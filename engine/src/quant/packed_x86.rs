@@ -317,3 +317,34 @@ pub unsafe fn vnni_peak_loop(iters: u64) -> i32 {
     }
     _mm512_reduce_add_epi32(s)
 }
+
+/// Multiply-accumulates one thread sustains in llama.cpp's x86 rounding order, which every
+/// kernel here must follow: per 64 MACs (16 rows × 4 columns of one token) one `vpdpbusd` from
+/// zero, one int→float conversion and one FMA into that group's float lane. 12 independent
+/// chains over `iters` iterations; the activation word changes every iteration, so nothing is
+/// hoisted out of the loop. This is the packed kernel's ceiling, below [`vnni_peak_loop`]'s.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and VNNI, and FMA.
+#[target_feature(enable = "avx512f,avx512vnni,fma")]
+pub unsafe fn order_peak_loop(iters: u64) -> f32 {
+    let mut acc = [_mm512_setzero_ps(); 12];
+    let w = _mm512_set1_epi8(3);
+    let scale = _mm512_set1_ps(1e-9);
+    let words: Vec<i32> = (0..64).collect();
+    for it in 0..iters {
+        let base = &words[(it & 31) as usize..];
+        for (k, v) in acc.iter_mut().enumerate() {
+            // SAFETY: `k < 12 < base.len()`; a volatile read, so the kernel's per-token
+            // activation load is not folded away.
+            let word = unsafe { std::ptr::read_volatile(base.as_ptr().add(k)) };
+            let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_set1_epi32(word));
+            *v = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), *v);
+        }
+    }
+    let mut s = acc[0];
+    for v in &acc[1..] {
+        s = _mm512_add_ps(s, *v);
+    }
+    _mm512_reduce_add_ps(s)
+}
