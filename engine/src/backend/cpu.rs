@@ -146,7 +146,15 @@ impl CpuBackend {
     /// Quantizes `n` rows of `x` into `acts`, in parallel over tokens for large batches.
     fn quantize(&self, acts: &mut QuantActs, x: &[f32], n: usize, cols: usize) {
         acts.resize(n, cols);
-        let rows_per_task = if n >= 16 { n.div_ceil(self.desc.threads * TASKS_PER_THREAD) } else { n };
+        // Decode batches of 4 or more tokens split over the threads too (B=8 pass 1–3% faster,
+        // measured alternating pass by pass); smaller ones are not worth a parallel step.
+        let rows_per_task = if n >= 16 {
+            n.div_ceil(self.desc.threads * TASKS_PER_THREAD)
+        } else if n >= 4 {
+            n.div_ceil(self.desc.threads)
+        } else {
+            n
+        };
         let blocks = cols / packed::BLOCK;
         let QuantActs { qs, d, sum, ms, gsum, gcorr, .. } = acts;
         let parts: Vec<Mutex<_>> = qs
