@@ -32,6 +32,12 @@ pub struct AttnKernels {
     /// `axpy(w[j], v[j·stride..j·stride + out.len()], out)` for `j` = 0, 1, … in order: `axpy`
     /// over many positions with `out` kept in registers (same values, bit for bit).
     pub axpys: fn(&[f32], &[f16], usize, &mut [f32]),
+    /// `dots(q[h], k, stride, out[h])` for every query head `h` of one KV head's group
+    /// (grouped-query attention): each key row is loaded and converted once for all of them.
+    pub dots_group: fn(&[&[f32]], &[f16], usize, &mut [&mut [f32]]),
+    /// `axpys(w[h], v, stride, out[h])` for every query head `h` of one KV head's group: each
+    /// value row is converted once for all of them.
+    pub axpys_group: fn(&[&[f32]], &[f16], usize, &mut [&mut [f32]]),
 }
 
 impl AttnKernels {
@@ -44,6 +50,8 @@ impl AttnKernels {
         scale_round: scale_round_ref,
         dots: dots_ref,
         axpys: axpys_ref,
+        dots_group: dots_group_ref,
+        axpys_group: axpys_group_ref,
     };
 
     /// Every set this CPU runs, best first; the reference last.
@@ -51,6 +59,14 @@ impl AttnKernels {
         let mut v = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
+                v.push(x86::AVX512VL);
+            }
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("f16c")
                 && std::arch::is_x86_feature_detected!("fma")
@@ -116,6 +132,18 @@ pub fn axpys_ref(w: &[f32], v: &[f16], stride: usize, out: &mut [f32]) {
     }
 }
 
+pub fn dots_group_ref(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+    for (q, o) in q.iter().zip(out.iter_mut()) {
+        dots_ref(q, k, stride, o);
+    }
+}
+
+pub fn axpys_group_ref(w: &[&[f32]], v: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+    for (w, o) in w.iter().zip(out.iter_mut()) {
+        axpys_ref(w, v, stride, o);
+    }
+}
+
 pub fn scale_round_ref(x: &mut [f32], s: f32) {
     for v in x.iter_mut() {
         *v = f16::from_f32(*v * s).to_f32();
@@ -136,7 +164,187 @@ mod x86 {
         scale_round: round256,
         dots: dots256,
         axpys: axpys256,
+        dots_group: dots_group256,
+        axpys_group: axpys_group256,
     };
+
+    /// AVX2 with AVX-512VL's 32 vector registers, which hold the accumulators of three query
+    /// heads at once: the grouped kernels convert each key and value row once per group of
+    /// three heads instead of once per head. The other kernels are AVX2's.
+    pub const AVX512VL: AttnKernels =
+        AttnKernels { name: "avx512vl", dots_group: dots_group512, axpys_group: axpys_group512, ..AVX2 };
+
+    fn dots_group256(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+        for (q, o) in q.iter().zip(out.iter_mut()) {
+            dots256(q, k, stride, o);
+        }
+    }
+    fn axpys_group256(w: &[&[f32]], v: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+        for (w, o) in w.iter().zip(out.iter_mut()) {
+            axpys256(w, v, stride, o);
+        }
+    }
+
+    /// Heads per grouped call: 3 × 8 accumulators (and 3 query or weight registers) fit in 32.
+    const GROUP_HEADS: usize = 3;
+
+    fn dots_group512(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+        let hd = q.first().map_or(0, |q| q.len());
+        let n = out.first().map_or(0, |o| o.len());
+        let fits = hd.is_multiple_of(8)
+            && hd <= 256
+            && stride >= hd
+            && q.len() == out.len()
+            && q.iter().all(|x| x.len() == hd)
+            && out.iter().all(|o| o.len() == n);
+        if !fits {
+            return dots_group_ref(q, k, stride, out);
+        }
+        if let Some(last) = n.checked_sub(1) {
+            let _ = &k[last * stride..last * stride + hd];
+        }
+        for (qs, os) in q.chunks(GROUP_HEADS).zip(out.chunks_mut(GROUP_HEADS)) {
+            // SAFETY: AVX2, F16C, FMA, AVX-512F/VL were detected before this table was handed
+            // out; every row `j < n` is inside `k` (checked above) and every head has `hd`
+            // query values and `n` outputs.
+            unsafe {
+                match qs.len() {
+                    3 => dots_group_impl::<3>(qs, k, stride, os),
+                    2 => dots_group_impl::<2>(qs, k, stride, os),
+                    _ => dots_group_impl::<1>(qs, k, stride, os),
+                }
+            }
+        }
+    }
+
+    fn axpys_group512(w: &[&[f32]], v: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+        let hd = out.first().map_or(0, |o| o.len());
+        let n = w.first().map_or(0, |w| w.len());
+        let fits = hd.is_multiple_of(8)
+            && stride >= hd
+            && w.len() == out.len()
+            && w.iter().all(|x| x.len() == n)
+            && out.iter().all(|o| o.len() == hd);
+        if !fits {
+            return axpys_group_ref(w, v, stride, out);
+        }
+        if let Some(last) = n.checked_sub(1) {
+            let _ = &v[last * stride..last * stride + hd];
+        }
+        for (ws, os) in w.chunks(GROUP_HEADS).zip(out.chunks_mut(GROUP_HEADS)) {
+            let mut c = 0;
+            while c + 64 <= hd {
+                // SAFETY: as `dots_group512`: features detected, rows inside `v`, columns
+                // c..c+64 inside every output.
+                unsafe {
+                    match ws.len() {
+                        3 => axpys_group_cols::<3, 8>(ws, v, stride, os, c),
+                        2 => axpys_group_cols::<2, 8>(ws, v, stride, os, c),
+                        _ => axpys_group_cols::<1, 8>(ws, v, stride, os, c),
+                    }
+                }
+                c += 64;
+            }
+            while c + 8 <= hd {
+                // SAFETY: as above, columns c..c+8.
+                unsafe {
+                    match ws.len() {
+                        3 => axpys_group_cols::<3, 1>(ws, v, stride, os, c),
+                        2 => axpys_group_cols::<2, 1>(ws, v, stride, os, c),
+                        _ => axpys_group_cols::<1, 1>(ws, v, stride, os, c),
+                    }
+                }
+                c += 8;
+            }
+        }
+    }
+
+    /// [`dots256_impl`] for `G` heads at once: each position's key is converted once, then
+    /// multiplied and added into each head's accumulator exactly as the one-head kernel does.
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl")]
+    unsafe fn dots_group_impl<const G: usize>(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+        let hd = q[0].len();
+        let n = out[0].len();
+        let kp = k.as_ptr();
+        let qp: [*const f32; G] = std::array::from_fn(|h| q[h].as_ptr());
+        let mut j = 0;
+        while j + 8 <= n {
+            for p in j + PREFETCH_ROWS..(j + PREFETCH_ROWS + 8).min(n) {
+                // SAFETY: row p < n is inside `k`; prefetches never fault.
+                unsafe { prefetch_row(kp.add(p * stride), hd) };
+            }
+            let mut acc = [[_mm256_setzero_ps(); 8]; G];
+            for i in (0..hd).step_by(8) {
+                // SAFETY: i + 8 <= hd; rows j..j+8 are inside `k`; each query holds hd values.
+                unsafe {
+                    let qv: [__m256; G] = std::array::from_fn(|h| _mm256_loadu_ps(qp[h].add(i)));
+                    for p in 0..8 {
+                        let kv = _mm256_cvtph_ps(_mm_loadu_si128(kp.add((j + p) * stride + i) as *const __m128i));
+                        for h in 0..G {
+                            acc[h][p] = _mm256_add_ps(acc[h][p], _mm256_mul_ps(qv[h], kv));
+                        }
+                    }
+                }
+            }
+            for h in 0..G {
+                let t = transpose8(acc[h]);
+                let mut sum = t[0];
+                for v in &t[1..] {
+                    sum = _mm256_add_ps(sum, *v);
+                }
+                // SAFETY: j + 8 <= n = out[h].len().
+                unsafe { _mm256_storeu_ps(out[h].as_mut_ptr().add(j), sum) };
+            }
+            j += 8;
+        }
+        for h in 0..G {
+            for jj in j..n {
+                // SAFETY: row jj is inside `k`; AVX2/F16C as this function.
+                out[h][jj] = unsafe { dot256_impl(q[h], &k[jj * stride..jj * stride + hd]) };
+            }
+        }
+    }
+
+    /// [`axpys_cols`] for `G` heads at once: columns `c..c + 8R` of each value row are
+    /// converted once, then multiplied by each head's weight and added into its output.
+    #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl")]
+    unsafe fn axpys_group_cols<const G: usize, const R: usize>(
+        w: &[&[f32]],
+        v: &[f16],
+        stride: usize,
+        out: &mut [&mut [f32]],
+        c: usize,
+    ) {
+        let n = w[0].len();
+        let mut acc = [[_mm256_setzero_ps(); R]; G];
+        for h in 0..G {
+            for (r, a) in acc[h].iter_mut().enumerate() {
+                // SAFETY: each output holds at least c + 8R f32s (the caller's contract).
+                *a = unsafe { _mm256_loadu_ps(out[h].as_ptr().add(c + 8 * r)) };
+            }
+        }
+        let vp = v.as_ptr();
+        for j in 0..n {
+            if j + PREFETCH_ROWS < n {
+                // SAFETY: row j + PREFETCH_ROWS is inside `v`; prefetches never fault.
+                unsafe { prefetch_row(vp.add((j + PREFETCH_ROWS) * stride + c), 8 * R) };
+            }
+            let wv: [__m256; G] = std::array::from_fn(|h| _mm256_set1_ps(w[h][j]));
+            for r in 0..R {
+                // SAFETY: row j's columns c+8r..c+8r+8 are inside `v` (the caller's contract).
+                let x = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(vp.add(j * stride + c + 8 * r) as *const __m128i)) };
+                for h in 0..G {
+                    acc[h][r] = _mm256_add_ps(acc[h][r], _mm256_mul_ps(wv[h], x));
+                }
+            }
+        }
+        for h in 0..G {
+            for (r, a) in acc[h].iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(out[h].as_mut_ptr().add(c + 8 * r), *a) };
+            }
+        }
+    }
 
     fn dots256(q: &[f32], k: &[f16], stride: usize, out: &mut [f32]) {
         let hd = q.len();
@@ -470,6 +678,29 @@ mod tests {
                         (r.axpy)(wj, &head[j * stride..j * stride + n], &mut b);
                     }
                     assert_eq!(a, b, "{} axpys n={n} positions={pos}", k.name);
+                    // Groups of 1 to 7 heads sharing the cache (chunks of 3 inside the kernel).
+                    for g in 1..=7usize {
+                        let qs: Vec<Vec<f32>> = (0..g).map(|h| det(n, 20 + h as u32, 3.0)).collect();
+                        let qr: Vec<&[f32]> = qs.iter().map(|q| &q[..]).collect();
+                        let mut outs = vec![vec![0f32; pos]; g];
+                        let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                        (k.dots_group)(&qr, head, stride, &mut refs);
+                        for (h, o) in outs.iter().enumerate() {
+                            let mut want = vec![0f32; pos];
+                            (r.dots)(&qs[h], head, stride, &mut want);
+                            assert_eq!(o, &want, "{} dots_group n={n} positions={pos} heads={g} head {h}", k.name);
+                        }
+                        let ws: Vec<Vec<f32>> = (0..g).map(|h| det(pos, 30 + h as u32, 0.5)).collect();
+                        let wr: Vec<&[f32]> = ws.iter().map(|w| &w[..]).collect();
+                        let mut outs: Vec<Vec<f32>> = (0..g).map(|h| det(n, 40 + h as u32, 1.0)).collect();
+                        let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                        (k.axpys_group)(&wr, head, stride, &mut refs);
+                        for (h, o) in outs.iter().enumerate() {
+                            let mut want = det(n, 40 + h as u32, 1.0);
+                            (r.axpys)(&ws[h], head, stride, &mut want);
+                            assert_eq!(o, &want, "{} axpys_group n={n} positions={pos} heads={g} head {h}", k.name);
+                        }
+                    }
                 }
             }
         }

@@ -133,6 +133,61 @@ fn attend_one(
     }
 }
 
+/// Heads `h0..h0 + outs.len() / head_dim` of token `t`, which share one KV head: with an f16
+/// cache each key and value row is converted once for all of them (`dots_group`,
+/// `axpys_group`); each head's arithmetic is [`attend_one`]'s, so the values are the same.
+#[allow(clippy::too_many_arguments)]
+fn attend_group(
+    s: &AttentionShape,
+    q: &[f32],
+    kv: KvLayer<'_>,
+    t: usize,
+    h0: usize,
+    outs: &mut [f32],
+    scratch: &mut (Vec<f32>, Vec<f32>),
+    kern: &AttnKernels,
+) {
+    let hd = s.head_dim;
+    let g = outs.len() / hd;
+    let KvLayer::F16 { k, v } = kv else {
+        for (i, o) in outs.chunks_exact_mut(hd).enumerate() {
+            attend_one(s, q, kv, t, h0 + i, o, scratch, kern);
+        }
+        return;
+    };
+    let q_row = s.n_heads * hd;
+    let kvh = h0 / (s.n_heads / s.n_kv_heads);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let n_ctx = s.start + t + 1;
+    let (qh, p) = scratch;
+    qh.clear();
+    qh.extend_from_slice(&q[t * q_row + h0 * hd..t * q_row + (h0 + g) * hd]);
+    (kern.scale_round)(qh, 1.0);
+    p.clear();
+    p.resize(g * n_ctx, 0.0);
+    {
+        let qs: Vec<&[f32]> = qh.chunks_exact(hd).collect();
+        let mut ps: Vec<&mut [f32]> = p.chunks_exact_mut(n_ctx).collect();
+        (kern.dots_group)(&qs, &k[kvh], hd, &mut ps);
+    }
+    for ph in p.chunks_exact_mut(n_ctx) {
+        for x in ph.iter_mut() {
+            *x *= scale;
+        }
+        let max = ph.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0f64;
+        for x in ph.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x as f64;
+        }
+        (kern.scale_round)(ph, (1.0 / sum) as f32);
+    }
+    outs.fill(0.0);
+    let ws: Vec<&[f32]> = p.chunks_exact(n_ctx).collect();
+    let mut os: Vec<&mut [f32]> = outs.chunks_exact_mut(hd).collect();
+    (kern.axpys_group)(&ws, &v[kvh], hd, &mut os);
+}
+
 /// Runs `f(i, chunk_i)` over `chunk`-sized pieces of `data` on the pool.
 fn par_chunks<T: Send>(pool: &Pool, data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
     let chunks: Vec<Mutex<&mut [T]>> = data.chunks_mut(chunk.max(1)).map(Mutex::new).collect();
@@ -433,15 +488,28 @@ impl Backend for CpuBackend {
         for it in items.iter() {
             check_attention(&it.shape, it.q, it.kv, it.out)?;
         }
-        let heads: usize = items.iter().map(|it| it.shape.n_tokens * it.shape.n_heads).sum();
-        let per_task = heads.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
-        // Tasks: runs of up to `per_task` (token, head) outputs of one sequence.
+        // The unit of work: the query heads of one token that share a KV head (converting
+        // each key and value row once for all of them), or single heads when that leaves too
+        // few units to keep every thread busy (one token decoding: a few KV heads).
+        let kv_units: usize = items.iter().map(|it| it.shape.n_tokens * it.shape.n_kv_heads).sum();
+        let grouped = kv_units >= self.desc.threads * 4;
+        let unit_heads = |s: &AttentionShape| {
+            if grouped && s.n_heads.is_multiple_of(s.n_kv_heads) {
+                s.n_heads / s.n_kv_heads
+            } else {
+                1
+            }
+        };
+        let units: usize = items.iter().map(|it| it.shape.n_tokens * it.shape.n_heads / unit_heads(&it.shape)).sum();
+        let per_task = units.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
+        // Tasks: runs of up to `per_task` units of one sequence.
         let mut tasks: Vec<Mutex<(usize, usize, &mut [f32])>> = Vec::new();
         let mut views = Vec::with_capacity(items.len());
         for (i, it) in items.iter_mut().enumerate() {
-            views.push((it.shape, it.q, it.kv));
+            let gh = unit_heads(&it.shape);
+            views.push((it.shape, it.q, it.kv, gh));
             let hd = it.shape.head_dim;
-            for (c, chunk) in it.out.chunks_mut(hd * per_task).enumerate() {
+            for (c, chunk) in it.out.chunks_mut(hd * gh * per_task).enumerate() {
                 tasks.push(Mutex::new((i, c * per_task, chunk)));
             }
         }
@@ -449,12 +517,18 @@ impl Backend for CpuBackend {
         self.pool.run(tasks.len(), &|ti| {
             let mut g = tasks[ti].lock().unwrap_or_else(|e| e.into_inner());
             let (i, first, ref mut chunk) = *g;
-            let (s, q, kv) = views[i];
+            let (s, q, kv, gh) = views[i];
+            let per_token = s.n_heads / gh;
             SCORES.with(|p| {
                 let mut p = p.borrow_mut();
-                for (k, o) in chunk.chunks_exact_mut(s.head_dim).enumerate() {
+                for (k, o) in chunk.chunks_exact_mut(s.head_dim * gh).enumerate() {
                     let u = first + k;
-                    attend_one(&s, q, kv, u / s.n_heads, u % s.n_heads, o, &mut p, &kern);
+                    let (t, h0) = (u / per_token, (u % per_token) * gh);
+                    if gh == 1 {
+                        attend_one(&s, q, kv, t, h0, o, &mut p, &kern);
+                    } else {
+                        attend_group(&s, q, kv, t, h0, o, &mut p, &kern);
+                    }
                 }
             });
         });
