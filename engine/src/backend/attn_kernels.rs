@@ -12,6 +12,10 @@
 
 use half::f16;
 
+/// A kernel over the query heads of one KV head's group: per head, its query (or softmax
+/// weights), then the shared key (or value) rows, the row stride, and per head its output.
+pub type GroupFn = fn(&[&[f32]], &[f16], usize, &mut [&mut [f32]]);
+
 /// The kernels one CPU uses, chosen once.
 #[derive(Clone, Copy)]
 pub struct AttnKernels {
@@ -34,10 +38,10 @@ pub struct AttnKernels {
     pub axpys: fn(&[f32], &[f16], usize, &mut [f32]),
     /// `dots(q[h], k, stride, out[h])` for every query head `h` of one KV head's group
     /// (grouped-query attention): each key row is loaded and converted once for all of them.
-    pub dots_group: fn(&[&[f32]], &[f16], usize, &mut [&mut [f32]]),
+    pub dots_group: GroupFn,
     /// `axpys(w[h], v, stride, out[h])` for every query head `h` of one KV head's group: each
     /// value row is converted once for all of them.
-    pub axpys_group: fn(&[&[f32]], &[f16], usize, &mut [&mut [f32]]),
+    pub axpys_group: GroupFn,
 }
 
 impl AttnKernels {
@@ -261,6 +265,7 @@ mod x86 {
 
     /// [`dots256_impl`] for `G` heads at once: each position's key is converted once, then
     /// multiplied and added into each head's accumulator exactly as the one-head kernel does.
+    #[allow(clippy::needless_range_loop)] // heads and positions index several arrays at once
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl")]
     unsafe fn dots_group_impl<const G: usize>(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
         let hd = q[0].len();
@@ -307,6 +312,7 @@ mod x86 {
 
     /// [`axpys_cols`] for `G` heads at once: columns `c..c + 8R` of each value row are
     /// converted once, then multiplied by each head's weight and added into its output.
+    #[allow(clippy::needless_range_loop)] // heads and columns index several arrays at once
     #[target_feature(enable = "avx2,f16c,fma,avx512f,avx512vl")]
     unsafe fn axpys_group_cols<const G: usize, const R: usize>(
         w: &[&[f32]],
@@ -521,7 +527,7 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     unsafe fn dotq8_256_impl(q: &[f32], k: &[i8]) -> f32 {
         let n = q.len().min(k.len());
-        if n % 8 != 0 {
+        if !n.is_multiple_of(8) {
             return dot_q8_ref(q, k);
         }
         let mut acc = _mm256_setzero_ps();
@@ -574,7 +580,7 @@ mod x86 {
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn dot256_impl(q: &[f32], k: &[f16]) -> f32 {
         let n = q.len().min(k.len());
-        if n % 8 != 0 {
+        if !n.is_multiple_of(8) {
             return dot_ref(q, k);
         }
         let mut acc = _mm256_setzero_ps();
