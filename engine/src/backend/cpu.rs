@@ -115,13 +115,7 @@ fn attend_one(
             p.extend((0..n_ctx).map(|j| (kern.dot_q8)(qh, &k[at(j)]) * ks[j * s.n_kv_heads + kvh] * scale))
         }
     }
-    let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let mut sum = 0f64;
-    for x in p.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x as f64;
-    }
-    (kern.scale_round)(p, (1.0 / sum) as f32);
+    softmax_rounded(p, kern);
     o.fill(0.0);
     match kv {
         KvLayer::F16 { v, .. } => (kern.axpys)(p, &v[kvh], hd, o),
@@ -131,6 +125,18 @@ fn attend_one(
             }
         }
     }
+}
+
+/// Scores to softmax weights in place: libm `expf` of each score minus the largest, the sum in
+/// f64, then each weight times 1/sum rounded to f16 (llama.cpp's order).
+fn softmax_rounded(p: &mut [f32], kern: &AttnKernels) {
+    let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut sum = 0f64;
+    for x in p.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x as f64;
+    }
+    (kern.scale_round)(p, (1.0 / sum) as f32);
 }
 
 /// Heads `h0..h0 + outs.len() / head_dim` of token `t`, which share one KV head: with an f16
@@ -174,13 +180,7 @@ fn attend_group(
         for x in ph.iter_mut() {
             *x *= scale;
         }
-        let max = ph.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0f64;
-        for x in ph.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x as f64;
-        }
-        (kern.scale_round)(ph, (1.0 / sum) as f32);
+        softmax_rounded(ph, kern);
     }
     outs.fill(0.0);
     let ws: Vec<&[f32]> = p.chunks_exact(n_ctx).collect();

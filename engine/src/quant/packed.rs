@@ -544,23 +544,31 @@ impl Kernel {
     }
 }
 
+/// Multiply-accumulates per second of `threads` threads each running `run(iters)` at once,
+/// `macs_per_iter` per iteration.
+#[cfg(target_arch = "x86_64")]
+fn sustained(threads: usize, iters: u64, macs_per_iter: u64, run: impl Fn(u64) + Sync) -> f64 {
+    let t0 = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| run(iters));
+        }
+    });
+    (threads.max(1) as u64 * iters * macs_per_iter) as f64 / t0.elapsed().as_secs_f64()
+}
+
 /// Sustained int8 multiply-accumulates per second on `threads` threads with the best kernel's
 /// instruction (the prefill ceiling the benchmark reports against); 0 where not measured.
 pub fn int8_peak_macs_per_s(threads: usize) -> f64 {
-    let k = Kernel::best();
     #[cfg(target_arch = "x86_64")]
-    if k.kind() == KernelKind::Avx512Vnni {
-        const ITERS: u64 = 20_000_000;
-        let t0 = std::time::Instant::now();
-        std::thread::scope(|s| {
-            for _ in 0..threads.max(1) {
-                // SAFETY: AVX-512 VNNI was detected (this kernel exists).
-                s.spawn(|| std::hint::black_box(unsafe { super::packed_x86::vnni_peak_loop(ITERS) }));
-            }
-        });
-        return (threads.max(1) as u64 * ITERS * 16 * 64) as f64 / t0.elapsed().as_secs_f64();
+    if Kernel::best().kind() == KernelKind::Avx512Vnni {
+        let run = |n| {
+            // SAFETY: AVX-512 VNNI was detected (this kernel exists).
+            std::hint::black_box(unsafe { super::packed_x86::vnni_peak_loop(n) });
+        };
+        return sustained(threads, 20_000_000, 16 * 64, run);
     }
-    let _ = (k, threads);
+    let _ = threads;
     0.0
 }
 
@@ -569,20 +577,15 @@ pub fn int8_peak_macs_per_s(threads: usize) -> f64 {
 /// `packed_x86::order_peak_loop`) — the ceiling of a kernel that is bit-equal to [`reference`];
 /// 0 where not measured.
 pub fn order_peak_macs_per_s(threads: usize) -> f64 {
-    let k = Kernel::best();
     #[cfg(target_arch = "x86_64")]
-    if k.kind() == KernelKind::Avx512Vnni {
-        const ITERS: u64 = 10_000_000;
-        let t0 = std::time::Instant::now();
-        std::thread::scope(|s| {
-            for _ in 0..threads.max(1) {
-                // SAFETY: AVX-512 VNNI and FMA were detected (this kernel exists).
-                s.spawn(|| std::hint::black_box(unsafe { super::packed_x86::order_peak_loop(ITERS) }));
-            }
-        });
-        return (threads.max(1) as u64 * ITERS * 12 * 64) as f64 / t0.elapsed().as_secs_f64();
+    if Kernel::best().kind() == KernelKind::Avx512Vnni {
+        let run = |n| {
+            // SAFETY: AVX-512 VNNI and FMA were detected (this kernel exists).
+            std::hint::black_box(unsafe { super::packed_x86::order_peak_loop(n) });
+        };
+        return sustained(threads, 10_000_000, 12 * 64, run);
     }
-    let _ = (k, threads);
+    let _ = threads;
     0.0
 }
 
