@@ -139,6 +139,8 @@ fn bench_local_prints_the_documented_json_and_refuses_bad_arguments() {
     assert!(!bad.status.success() && stderr(&bad).contains("at least 1"), "{}", stderr(&bad));
     let missing = llmctl(&["bench", "--local", "--model", "/nonexistent.gguf"]);
     assert!(!missing.status.success() && stderr(&missing).contains("/nonexistent.gguf"), "{}", stderr(&missing));
+    let batch_load = llmctl(&["bench", "--load", "--batch", "3"]);
+    assert!(!batch_load.status.success() && stderr(&batch_load).contains("--local"), "{}", stderr(&batch_load));
     let neither = llmctl(&["bench", "--model", m.to_str().expect("utf-8 path")]);
     assert!(!neither.status.success() && stderr(&neither).contains("--local"), "{}", stderr(&neither));
 }

@@ -58,6 +58,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Run(args) if args.local => cli::run_local(args),
+        Command::Bench(args) if args.load && args.batch > 0 => {
+            Err("--batch measures the engine inside llmctl: use it with --local (--load has --clients)".into())
+        }
         Command::Bench(args) if args.load => llmd_daemon::loadbench::run(
             cli.socket.as_deref(),
             &cli.service,
