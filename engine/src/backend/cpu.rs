@@ -602,8 +602,16 @@ mod tests {
 
     #[test]
     fn attention_matches_a_float64_reference() {
+        // 3 tokens × 2 KV heads run head by head; 7 tokens (14 units ≥ 4 × 2 threads) run the
+        // heads of each KV head together.
+        for n in [3, 7] {
+            attention_case(n);
+        }
+    }
+
+    fn attention_case(n: usize) {
         let cpu = CpuBackend::new(2);
-        let (n_heads, n_kv, hd, start, n) = (4, 2, 16, 5, 3);
+        let (n_heads, n_kv, hd, start) = (6, 2, 16, 5);
         let total = start + n;
         let q = det(n * n_heads * hd, 1);
         let k: Vec<f16> = det(total * n_kv * hd, 2).into_iter().map(f16::from_f32).collect();
@@ -639,6 +647,18 @@ mod tests {
                     assert!((got as f64 - want).abs() <= ATTENTION_TOL as f64, "t{t} h{h} d{d}: {got} vs {want}");
                 }
             }
+        }
+        // Each token alone (one unit per head) gives the same bits as all of them at once.
+        for t in 0..n {
+            let st = AttentionShape { start: start + t, n_tokens: 1, ..s };
+            let trunc =
+                |x: &Vec<Vec<f16>>| -> Vec<Vec<f16>> { x.iter().map(|h| h[..(start + t + 1) * hd].to_vec()).collect() };
+            let (kt, vt) = (trunc(&kh), trunc(&vh));
+            let row = n_heads * hd;
+            let mut one = vec![0f32; row];
+            cpu.attention(&st, &q[t * row..(t + 1) * row], KvLayer::F16 { k: &kt, v: &vt }, &mut one)
+                .expect("attention");
+            assert_eq!(one, out[t * row..(t + 1) * row], "token {t} of {n}");
         }
     }
 
