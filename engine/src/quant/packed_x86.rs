@@ -49,11 +49,13 @@ pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: 
 unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
     // While this tile is computed, the next one (the next call's) is prefetched into L2: token
     // group `j` of `groups` prefetches the records of the blocks `b` with `b % groups == j`, so
-    // the prefetches spread over the whole tile's work. Measured with `batchbench` alternating
-    // variants pass by pass (B=8, 3 runs each): L2 and spread 18.0–18.5 ms median per pass;
-    // into L1 and spread 18.5–20.1 (the next tile evicts this one's weights, which the later
-    // groups re-read); L2 from the first group only 18.7–19.1; the tile after next 18.9–19.5;
-    // no prefetch 20.4–21.7. One sequence (B=1): 4.2–4.9 against 4.5–5.4 ms into L1.
+    // the prefetches spread over the whole tile's work. Measured with `batchbench`, B=8,
+    // variants alternating pass by pass, median ms per pass in three runs: into L2 vs into L1
+    // (both from the first group, the old way) 15.5/19.2/19.4 vs 16.8/20.5/21.2; spread vs
+    // first group only (both L2) 18.0/18.1/18.5 vs 18.7/18.8/19.1; L2 vs L1 (both spread)
+    // 18.5/19.1/19.4 vs 18.5/19.5/20.1, no prefetch 20.4/21.0/21.7 in those runs. Into L1 the
+    // next tile evicts this one's weights, which the later token groups re-read. One sequence:
+    // 4.9/4.6/4.2 against 5.4/4.9/4.5 the old way.
     let next = if tile + 1 < w.tiles() { Some(w.tile(tile + 1)) } else { None };
     let groups = nt.div_ceil(GROUP);
     let mut j = 0;
