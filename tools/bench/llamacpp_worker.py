@@ -69,6 +69,9 @@ def batch_decode(llama_cpp, llm, req):
     cp.n_ubatch = 512
     cp.n_threads = req["threads"]
     cp.n_threads_batch = req["threads"]
+    # A second context on the model `load` opened (llama-cpp-python 0.3.36 keeps the raw
+    # llama_model pointer in the private `_model.model`; the high-level Llama has no
+    # multi-sequence decode).
     ctx = L.llama_init_from_model(llm._model.model, cp)
     if not ctx:
         raise RuntimeError("llama_init_from_model failed")

@@ -136,16 +136,26 @@ pub fn axpys_ref(w: &[f32], v: &[f16], stride: usize, out: &mut [f32]) {
     }
 }
 
-pub fn dots_group_ref(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
-    for (q, o) in q.iter().zip(out.iter_mut()) {
-        dots_ref(q, k, stride, o);
+/// A grouped kernel as one head at a time: `one(a[h], kv, stride, out[h])` for every head.
+#[inline]
+fn each_head(
+    one: fn(&[f32], &[f16], usize, &mut [f32]),
+    a: &[&[f32]],
+    kv: &[f16],
+    stride: usize,
+    out: &mut [&mut [f32]],
+) {
+    for (a, o) in a.iter().zip(out.iter_mut()) {
+        one(a, kv, stride, o);
     }
 }
 
+pub fn dots_group_ref(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
+    each_head(dots_ref, q, k, stride, out)
+}
+
 pub fn axpys_group_ref(w: &[&[f32]], v: &[f16], stride: usize, out: &mut [&mut [f32]]) {
-    for (w, o) in w.iter().zip(out.iter_mut()) {
-        axpys_ref(w, v, stride, o);
-    }
+    each_head(axpys_ref, w, v, stride, out)
 }
 
 pub fn scale_round_ref(x: &mut [f32], s: f32) {
@@ -179,14 +189,10 @@ mod x86 {
         AttnKernels { name: "avx512vl", dots_group: dots_group512, axpys_group: axpys_group512, ..AVX2 };
 
     fn dots_group256(q: &[&[f32]], k: &[f16], stride: usize, out: &mut [&mut [f32]]) {
-        for (q, o) in q.iter().zip(out.iter_mut()) {
-            dots256(q, k, stride, o);
-        }
+        each_head(dots256, q, k, stride, out)
     }
     fn axpys_group256(w: &[&[f32]], v: &[f16], stride: usize, out: &mut [&mut [f32]]) {
-        for (w, o) in w.iter().zip(out.iter_mut()) {
-            axpys256(w, v, stride, o);
-        }
+        each_head(axpys256, w, v, stride, out)
     }
 
     /// Heads per grouped call: 3 × 8 accumulators (and 3 query or weight registers) fit in 32.
