@@ -77,7 +77,7 @@ fn check_attention(s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &[f32]) 
 }
 
 /// One (token, head) of causal attention: f16-rounded query, scores over the cache, softmax
-/// (libm `expf`, f64 denominator), f16-rounded weights, weighted sum of values into `o`.
+/// (`exp_sub`, f64 denominator), f16-rounded weights, weighted sum of values into `o`.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
     s: &AttentionShape,
@@ -127,13 +127,13 @@ fn attend_one(
     }
 }
 
-/// Scores to softmax weights in place: libm `expf` of each score minus the largest, the sum in
+/// Scores to softmax weights in place: `exp_sub` (see `attn_kernels::exp_ref`) of each score minus the largest, the sum in
 /// f64, then each weight times 1/sum rounded to f16 (llama.cpp's order).
 fn softmax_rounded(p: &mut [f32], kern: &AttnKernels) {
     let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let mut sum = 0f64;
-    for x in p.iter_mut() {
-        *x = (*x - max).exp();
+    (kern.exp_sub)(p, max);
+    for x in p.iter() {
         sum += *x as f64;
     }
     (kern.scale_round)(p, (1.0 / sum) as f32);
@@ -186,6 +186,16 @@ fn attend_group(
     let ws: Vec<&[f32]> = p.chunks_exact(n_ctx).collect();
     let mut os: Vec<&mut [f32]> = outs.chunks_exact_mut(hd).collect();
     (kern.axpys_group)(&ws, &v[kvh], hd, &mut os);
+}
+
+/// The second half of RMS norm: `row · 1/sqrt(mean + eps) · weight` from the row's f64 sum of
+/// squares.
+fn scale_row(row: &mut [f32], weight: &[f32], sum: f64, eps: f32) {
+    let mean = (sum / row.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for (v, w) in row.iter_mut().zip(weight) {
+        *v = (*v * scale) * w;
+    }
 }
 
 /// Runs `f(i, chunk_i)` over `chunk`-sized pieces of `data` on the pool.
@@ -428,13 +438,25 @@ impl Backend for CpuBackend {
         if d == 0 || x.len() % d != 0 {
             return Err(shape_err("rms_norm", format!("{} values for rows of {d}", x.len())));
         }
-        for row in x.chunks_exact_mut(d) {
-            let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
-            let mean = (sum / d as f64) as f32;
-            let scale = 1.0 / (mean + eps).sqrt();
-            for (v, w) in row.iter_mut().zip(weight) {
-                *v = (*v * scale) * w;
+        // Four rows at a time: each row's sum runs in the same order as alone (so the values
+        // are the same), but the four dependent f64 add chains overlap (B=8 pass ~1% faster,
+        // measured alternating pass by pass).
+        let mut groups = x.chunks_exact_mut(4 * d);
+        for g in &mut groups {
+            let mut sums = [0f64; 4];
+            for i in 0..d {
+                for (r, s) in sums.iter_mut().enumerate() {
+                    let v = g[r * d + i];
+                    *s += (v * v) as f64;
+                }
             }
+            for (row, sum) in g.chunks_exact_mut(d).zip(sums) {
+                scale_row(row, weight, sum, eps);
+            }
+        }
+        for row in groups.into_remainder().chunks_exact_mut(d) {
+            let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+            scale_row(row, weight, sum, eps);
         }
         Ok(())
     }
@@ -539,10 +561,9 @@ impl Backend for CpuBackend {
         if gate.len() != up.len() {
             return Err(shape_err("swiglu", format!("gate {} vs up {}", gate.len(), up.len())));
         }
+        let kern = AttnKernels::best();
         let f = |g: &mut [f32], u: &[f32]| {
-            for (g, u) in g.iter_mut().zip(u) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
+            (kern.swiglu)(g, u);
         };
         // Element-wise, so any split gives the same values; large batches use every thread.
         if gate.len() >= 8192 && self.desc.threads > 1 {
@@ -660,6 +681,30 @@ mod tests {
                 .expect("attention");
             assert_eq!(one, out[t * row..(t + 1) * row], "token {t} of {n}");
         }
+    }
+
+    #[test]
+    fn rms_norm_of_many_rows_equals_each_row_alone_and_the_definition() {
+        let cpu = CpuBackend::new(2);
+        let d = 96;
+        let w = det(d, 5);
+        for rows in [1usize, 3, 4, 7, 9] {
+            let x: Vec<f32> = det(rows * d, 6).iter().map(|v| v * 3.0).collect();
+            let mut all = x.clone();
+            cpu.rms_norm(&mut all, &w, 1e-5).expect("rows of d");
+            for (r, got) in all.chunks_exact(d).enumerate() {
+                let mut one = x[r * d..(r + 1) * d].to_vec();
+                cpu.rms_norm(&mut one, &w, 1e-5).expect("one row");
+                assert_eq!(got, &one[..], "rows={rows} row {r}");
+                let row = &x[r * d..(r + 1) * d];
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+                for ((g, &v), &wi) in got.iter().zip(row).zip(&w) {
+                    let want = v as f64 / (ms + 1e-5).sqrt() * wi as f64;
+                    assert!((*g as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()), "rows={rows} row {r}");
+                }
+            }
+        }
+        assert!(cpu.rms_norm(&mut [0.0; 5], &w, 1e-5).is_err());
     }
 
     #[test]

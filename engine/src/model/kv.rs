@@ -136,6 +136,37 @@ impl KvCache {
         }
     }
 
+    /// Makes room in layer `layer` for `rows` new positions and prefetches that room, so that
+    /// the [`Self::append`] that follows does not wait on memory (the rows written last were
+    /// evicted long since: measured, those cache misses were most of the append's time).
+    pub(crate) fn prepare_append(&mut self, layer: usize, rows: usize) {
+        use crate::backend::attn_kernels::prefetch;
+        let keep = self.len * self.kv_dim;
+        let heads_keep = keep / self.head_dim;
+        match &mut self.store {
+            Store::F16 { k, v } => {
+                let (heads, hd) = (self.kv_dim / self.head_dim, self.head_dim);
+                for store in [k, v] {
+                    for x in store[layer * heads..(layer + 1) * heads].iter_mut() {
+                        x.truncate(self.len * hd);
+                        x.reserve(rows * hd);
+                        prefetch(&x.spare_capacity_mut()[..rows * hd]);
+                    }
+                }
+            }
+            Store::Q8 { k, ks, v, vs } => {
+                for (q, s) in [(&mut k[layer], &mut ks[layer]), (&mut v[layer], &mut vs[layer])] {
+                    q.truncate(keep);
+                    s.truncate(heads_keep);
+                    q.reserve(rows * self.kv_dim);
+                    s.reserve(rows * self.kv_dim / self.head_dim);
+                    prefetch(&q.spare_capacity_mut()[..rows * self.kv_dim]);
+                    prefetch(&s.spare_capacity_mut()[..rows * self.kv_dim / self.head_dim]);
+                }
+            }
+        }
+    }
+
     /// Appends keys and values of new positions to layer `layer` (committed by [`Self::advance`]).
     pub(crate) fn append(&mut self, layer: usize, k_new: &[f32], v_new: &[f32]) {
         let keep = self.len * self.kv_dim;

@@ -217,6 +217,13 @@ impl Pass<'_> {
         };
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let x = &mut st.x;
+        // The caches' next rows, fetched while Q, K and V are computed (B=8 pass ~1–2% faster,
+        // measured alternating pass by pass: the append had waited ~0.6 ms per pass on them).
+        for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&st.spans) {
+            if len > 0 {
+                kv.prepare_append(li, len);
+            }
+        }
         let mut h = x.clone();
         self.op(OpKind::RmsNorm, n)?.rms_norm(&mut h, &l.attn_norm, c.norm_eps)?;
         if let Some(f) = capture.as_mut() {
