@@ -23,6 +23,18 @@ const ROWS_PER_TASK: usize = 32;
 pub struct CpuBackend {
     desc: BackendDescriptor,
     pool: Pool,
+    /// The rotation table of the last `rope` call (every layer of a pass rotates Q and K at
+    /// the same positions, so it is computed once per pass instead of 2 × layers times).
+    rope_table: Mutex<RopeTable>,
+}
+
+/// `(cos, sin)` per (position, rotated pair) for `positions` under `key`.
+#[derive(Default)]
+struct RopeTable {
+    /// theta, freq_scale (bits), rope_dims, and the frequency factors' bits if any.
+    key: (u32, u32, usize, Option<Vec<u32>>),
+    positions: Vec<usize>,
+    cs: Vec<(f32, f32)>,
 }
 
 impl CpuBackend {
@@ -48,7 +60,7 @@ impl CpuBackend {
             max_tokens: None,
             threads,
         };
-        Self { desc, pool }
+        Self { desc, pool, rope_table: Mutex::new(RopeTable::default()) }
     }
 }
 
@@ -475,27 +487,51 @@ impl Backend for CpuBackend {
         if freq_factors.is_some_and(|f| f.len() < p.rope_dims / 2) {
             return Err(shape_err("rope", "fewer frequency factors than rotated pairs".into()));
         }
-        let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
         let half = p.rope_dims / 2;
-        let mut cs = vec![(0f32, 0f32); half];
-        for (xr, &pos) in x.chunks_exact_mut(row).zip(positions) {
-            // ggml computes the angle by repeated multiplication; we do the same.
-            let mut theta = pos as f32;
-            for (i, c) in cs.iter_mut().enumerate() {
-                let ff = freq_factors.map_or(1.0, |f| f[i]);
-                let t = p.freq_scale * (theta / ff);
-                *c = (t.cos(), t.sin());
-                theta *= theta_scale;
+        let key = (
+            p.theta.to_bits(),
+            p.freq_scale.to_bits(),
+            p.rope_dims,
+            freq_factors.map(|f| f[..half].iter().map(|v| v.to_bits()).collect()),
+        );
+        let mut table = self.rope_table.lock().unwrap_or_else(|e| e.into_inner());
+        if table.key != key || table.positions != positions {
+            let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
+            table.cs.clear();
+            for &pos in positions {
+                // ggml computes the angle by repeated multiplication; we do the same.
+                let mut theta = pos as f32;
+                for i in 0..half {
+                    let ff = freq_factors.map_or(1.0, |f| f[i]);
+                    let t = p.freq_scale * (theta / ff);
+                    table.cs.push((t.cos(), t.sin()));
+                    theta *= theta_scale;
+                }
             }
+            table.key = key;
+            table.positions.clear();
+            table.positions.extend_from_slice(positions);
+        }
+        for (xr, cs) in x.chunks_exact_mut(row).zip(table.cs.chunks_exact(half.max(1))) {
+            let rotate = |x0: &mut f32, x1: &mut f32, (cos, sin): (f32, f32)| {
+                let (a, b) = (*x0, *x1);
+                *x0 = a * cos - b * sin;
+                *x1 = a * sin + b * cos;
+            };
             for head in xr.chunks_exact_mut(p.head_dim) {
-                for (i, &(cos, sin)) in cs.iter().enumerate() {
-                    let (a, b) = match p.style {
-                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                        RopeStyle::Neox => (i, i + half),
-                    };
-                    let (x0, x1) = (head[a], head[b]);
-                    head[a] = x0 * cos - x1 * sin;
-                    head[b] = x0 * sin + x1 * cos;
+                match p.style {
+                    RopeStyle::Interleaved => {
+                        for (pair, &c) in head[..2 * half].chunks_exact_mut(2).zip(cs) {
+                            let [x0, x1] = pair else { continue };
+                            rotate(x0, x1, c);
+                        }
+                    }
+                    RopeStyle::Neox => {
+                        let (lo, hi) = head[..2 * half].split_at_mut(half);
+                        for ((x0, x1), &c) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
+                            rotate(x0, x1, c);
+                        }
+                    }
                 }
             }
         }
@@ -594,6 +630,34 @@ mod tests {
 
     fn rope(style: RopeStyle) -> RopeParams {
         RopeParams { n_heads: 2, head_dim: 8, rope_dims: 8, theta: 10000.0, freq_scale: 1.0, style }
+    }
+
+    #[test]
+    fn rope_reuses_its_table_only_for_the_same_positions_and_parameters() {
+        // One backend across calls against a fresh backend per call: any stale table shows.
+        let shared = CpuBackend::new(1);
+        let ff = [1.0f32, 2.0, 4.0, 8.0];
+        let ff2 = [1.0f32, 2.0, 4.0, 9.0];
+        let mut p2 = rope(RopeStyle::Neox);
+        p2.theta = 500.0;
+        let mut p3 = rope(RopeStyle::Neox);
+        p3.rope_dims = 4;
+        let calls: [(&[usize], RopeParams, Option<&[f32]>); 7] = [
+            (&[3, 4], rope(RopeStyle::Neox), None),
+            (&[3, 4], rope(RopeStyle::Interleaved), None),
+            (&[3, 5], rope(RopeStyle::Neox), None),
+            (&[3, 5], p2, None),
+            (&[3, 5], p3, None),
+            (&[3, 5], rope(RopeStyle::Neox), Some(&ff)),
+            (&[3, 5], rope(RopeStyle::Neox), Some(&ff2)),
+        ];
+        for (i, (pos, p, f)) in calls.iter().enumerate() {
+            let x = det(pos.len() * p.n_heads * p.head_dim, 40 + i as u32);
+            let (mut a, mut b) = (x.clone(), x);
+            shared.rope(&mut a, pos, p, *f).expect("shape");
+            CpuBackend::new(1).rope(&mut b, pos, p, *f).expect("shape");
+            assert_eq!(a, b, "call {i}");
+        }
     }
 
     #[test]
