@@ -67,15 +67,40 @@ pub struct Sampler {
     rng: ChaCha8Rng,
 }
 
-/// Index of the largest value (the first one on ties, as llama.cpp's greedy sampler).
+/// Index of the largest value (the first one on ties, as llama.cpp's greedy sampler): the
+/// same index as scanning with `if x[i] > x[best] { best = i }` from `best = 0` (so NaNs are
+/// passed over, and a NaN first wins), found in two vectorisable passes — the maximum in 16
+/// lanes, then its first position — instead of one dependent scan (~8x faster over a 49152-token
+/// vocabulary; greedy decoding runs it once per token per sequence on the engine's thread).
 pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
+    let Some(&first) = x.first() else { return 0 };
+    if first.is_nan() {
+        return 0;
+    }
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            // `max` ignores NaN; which zero a tie of ±0 keeps does not matter below.
+            *l = l.max(v);
         }
     }
-    best as u32
+    let m = chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    // `m` is not NaN (x[0] is a number), and the first value equal to it is the scan's pick:
+    // every earlier value is smaller or NaN, and ±0 compare equal, as they do in the scan.
+    x.iter().position(|&v| v == m).unwrap_or(0) as u32
+}
+
+/// The `k` best candidates in `(logit descending, id ascending)` order — the same as sorting
+/// them all and keeping `k`, in linear time plus a sort of `k` (a full sort of a 49152-token
+/// vocabulary took milliseconds per sampled token).
+fn top_k(cand: &mut Vec<(u32, f32)>, k: usize) {
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, order);
+        cand.truncate(k);
+    }
+    cand.sort_by(order);
 }
 
 impl Sampler {
@@ -104,10 +129,7 @@ impl Sampler {
         }
         let mut cand: Vec<(u32, f32)> =
             logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
+        top_k(&mut cand, p.top_k);
         if cand.is_empty() {
             return argmax(logits);
         }
@@ -165,6 +187,54 @@ mod tests {
         let mut s = Sampler::new(SamplingParams::greedy()).expect("valid");
         assert_eq!(s.sample(&mut logits(), &[]), 1);
         assert_eq!(argmax(&[0.5, 2.0, 2.0]), 1);
+    }
+
+    /// The definitions the fast versions must equal: a dependent scan, and a full sort.
+    fn argmax_scan(x: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &v) in x.iter().enumerate() {
+            if v > x[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    #[test]
+    fn argmax_and_top_k_equal_the_scan_and_the_full_sort() {
+        let mut seed = 0x9E37_79B9u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for case in 0..400 {
+            let n = [1usize, 2, 15, 16, 17, 33, 100, 1000][case % 8];
+            // Few distinct values (ties), both zeros, NaNs and infinities mixed in.
+            let mut x: Vec<f32> = (0..n).map(|_| (next() % 7) as f32 - 3.0).collect();
+            for _ in 0..(next() % 4) {
+                let i = next() as usize % n;
+                x[i] = [f32::NAN, -0.0, 0.0, f32::INFINITY, f32::NEG_INFINITY][next() as usize % 5];
+            }
+            assert_eq!(argmax(&x), argmax_scan(&x), "case {case}: {x:?}");
+            let cand: Vec<(u32, f32)> =
+                x.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
+            for k in [0usize, 1, 3, 40, n] {
+                let mut want = cand.clone();
+                want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                if k > 0 {
+                    want.truncate(k);
+                }
+                let mut got = cand.clone();
+                top_k(&mut got, k);
+                let bits = |v: &[(u32, f32)]| v.iter().map(|c| (c.0, c.1.to_bits())).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "case {case} k={k}");
+            }
+        }
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
     }
 
     #[test]

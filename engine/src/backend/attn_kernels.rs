@@ -231,7 +231,7 @@ pub fn scale_round_ref(x: &mut [f32], s: f32) {
 /// Asks the CPU to bring the cache lines of `s` (memory about to be written, such as a KV
 /// cache's spare capacity) into cache ahead of the write, so the write does not stall on
 /// them. A hint only: no effect on values; a no-op where the target has no prefetch here.
-pub fn prefetch<T>(s: &[std::mem::MaybeUninit<T>]) {
+pub fn prefetch<T>(s: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         let (p, bytes) = (s.as_ptr() as *const i8, std::mem::size_of_val(s));
