@@ -50,6 +50,8 @@ pub struct AttnKernels {
     pub exp_sub: fn(&mut [f32], f32),
     /// `g[i] = g[i] / (1 + exp_ref(−g[i])) · u[i]` in f32 (SiLU(gate) · up); `u.len() == g.len()`.
     pub swiglu: fn(&mut [f32], &[f32]),
+    /// `out[i] = f16(x[i])`, rounding to nearest even (new KV cache rows).
+    pub to_f16: fn(&[f32], &mut [f16]),
 }
 
 impl AttnKernels {
@@ -66,6 +68,7 @@ impl AttnKernels {
         axpys_group: axpys_group_ref,
         exp_sub: exp_sub_ref,
         swiglu: swiglu_ref,
+        to_f16: to_f16_ref,
     };
 
     /// Every set this CPU runs, best first; the reference last.
@@ -222,6 +225,12 @@ pub fn swiglu_ref(g: &mut [f32], u: &[f32]) {
     }
 }
 
+pub fn to_f16_ref(x: &[f32], out: &mut [f16]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = f16::from_f32(v);
+    }
+}
+
 pub fn scale_round_ref(x: &mut [f32], s: f32) {
     for v in x.iter_mut() {
         *v = f16::from_f32(*v * s).to_f32();
@@ -265,6 +274,7 @@ mod x86 {
         axpys_group: axpys_group256,
         exp_sub: exp_sub256,
         swiglu: swiglu256,
+        to_f16: to_f16_256,
     };
 
     /// AVX2 with AVX-512VL's 32 vector registers, which hold the accumulators of three query
@@ -302,6 +312,27 @@ mod x86 {
         let kbits = _mm256_castpd_si256(_mm256_add_pd(kd, shift));
         let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(kbits, _mm256_set1_epi64x(1023)));
         _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)))
+    }
+
+    fn to_f16_256(x: &[f32], out: &mut [f16]) {
+        // SAFETY: F16C was detected before this table was handed out.
+        unsafe { to_f16_256_impl(x, out) }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    fn to_f16_256_impl(x: &[f32], out: &mut [f16]) {
+        let n = x.len().min(out.len());
+        let (x, out) = (&x[..n], &mut out[..n]);
+        let mut xc = x.chunks_exact(8);
+        let mut oc = out.chunks_exact_mut(8);
+        for (xv, ov) in (&mut xc).zip(&mut oc) {
+            // SAFETY: `xv` and `ov` are 8 values each, read and written unaligned.
+            unsafe {
+                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(xv.as_ptr()));
+                _mm_storeu_si128(ov.as_mut_ptr() as *mut __m128i, h);
+            }
+        }
+        to_f16_ref(xc.remainder(), oc.into_remainder());
     }
 
     fn exp_sub256(x: &mut [f32], m: f32) {
@@ -993,6 +1024,18 @@ mod tests {
                 (k.swiglu)(&mut a, &us[..len]);
                 swiglu_ref(&mut b, &us[..len]);
                 assert!(same(&a, &b), "{} swiglu len={len}", k.name);
+            }
+        }
+        // New KV rows: f16 rounding, specials and subnormals included.
+        let mut hs = xs.clone();
+        hs.extend([65504.0, 65520.0, 1e-5, 6e-8, 3e-8, -2.5e-8, 0.1, 1.0 / 3.0]);
+        for k in AttnKernels::available() {
+            for len in (0..=17).chain([hs.len()]) {
+                let (mut a, mut b) = (vec![f16::ZERO; len], vec![f16::ZERO; len]);
+                (k.to_f16)(&hs[..len], &mut a);
+                to_f16_ref(&hs[..len], &mut b);
+                let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+                assert!(same, "{} to_f16 len={len}", k.name);
             }
         }
         // SiLU's definition at a few points, against f64.

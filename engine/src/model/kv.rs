@@ -3,7 +3,6 @@
 //! memory, for long contexts).
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 /// How keys and values are stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -175,6 +174,7 @@ impl KvCache {
             Store::F16 { k, v } => {
                 let (heads, hd) = (self.kv_dim / self.head_dim, self.head_dim);
                 let keep_h = self.len * hd;
+                let to_f16 = crate::backend::attn_kernels::AttnKernels::best().to_f16;
                 for (store, new) in [(k, k_new), (v, v_new)] {
                     for (h, x) in store[layer * heads..(layer + 1) * heads].iter_mut().enumerate() {
                         x.truncate(keep_h);
@@ -182,8 +182,8 @@ impl KvCache {
                         for row in new.chunks_exact(self.kv_dim) {
                             let at = x.len();
                             x.resize(at + hd, f16::ZERO);
-                            // Round to nearest even, as `f16::from_f32` (SIMD where the CPU has it).
-                            x[at..].convert_from_f32_slice(&row[h * hd..(h + 1) * hd]);
+                            // Round to nearest even, as `f16::from_f32`.
+                            (to_f16)(&row[h * hd..(h + 1) * hd], &mut x[at..]);
                         }
                     }
                 }
