@@ -267,11 +267,11 @@ impl CpuBackend {
         }
     }
 
-    /// `outs[i][t * rows_i + r]` for packed weights sharing `cols`, from one quantization of `x`
-    /// and one parallel step over all their tiles (shapes checked by the caller). Each task
-    /// owns a run of one matrix's tiles and writes their rows of every token straight into
-    /// `outs` (through a 16-row buffer that stays in L1).
-    fn matmul_packed(&self, ws: &[&PackedMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+    /// `outs[i][t][r]` (matrix `i`, token `t`, row `r`) for packed weights sharing `cols`, from
+    /// one quantization of `x` and one parallel step over all their tiles (shapes checked by
+    /// the caller). Each task owns a run of one matrix's tiles and writes their rows of every
+    /// token straight into `outs` (through a 16-row buffer that stays in L1).
+    fn matmul_packed(&self, ws: &[&PackedMatrix], x: &[f32], n: usize, outs: &mut [Vec<&mut [f32]>]) {
         let kernel = Kernel::best();
         let cols = ws[0].cols;
         ACTS.with(|acts| {
@@ -288,8 +288,8 @@ impl CpuBackend {
                 let rows = w.rows;
                 let starts: Vec<usize> = (0..w.tiles()).step_by(per_task).collect();
                 let mut per_token: Vec<Vec<&mut [f32]>> = (0..starts.len()).map(|_| Vec::with_capacity(n)).collect();
-                for row in out[..n * rows].chunks_exact_mut(rows) {
-                    let mut rest = row;
+                for row in out.iter_mut().take(n) {
+                    let mut rest: &mut [f32] = std::mem::take(row);
                     for (k, &t0) in starts.iter().enumerate() {
                         let end = starts.get(k + 1).map_or(rows, |&t1| t1 * TILE_ROWS);
                         let (mine, tail) = std::mem::take(&mut rest).split_at_mut(end - t0 * TILE_ROWS);
@@ -361,7 +361,7 @@ impl Backend for CpuBackend {
             ));
         }
         if let Some(p) = &w.packed {
-            self.matmul_packed(&[p], x, n, &mut [out]);
+            self.matmul_packed(&[p], x, n, &mut [out.chunks_exact_mut(rows).collect()]);
             return Ok(());
         }
         let at = w.ty.vec_dot_type();
@@ -418,12 +418,39 @@ impl Backend for CpuBackend {
             && ws.iter().zip(outs.iter()).all(|(w, o)| o.len() == n * w.rows);
         match packed {
             Some(p) if fits => {
-                self.matmul_packed(&p, x, n, outs);
+                let mut rows: Vec<Vec<&mut [f32]>> =
+                    ws.iter().zip(outs.iter_mut()).map(|(w, o)| o.chunks_exact_mut(w.rows).collect()).collect();
+                self.matmul_packed(&p, x, n, &mut rows);
                 Ok(())
             }
             _ => {
                 for (w, o) in ws.iter().zip(outs.iter_mut()) {
                     self.matmul(w, x, n, o)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn matmul_rows(&self, w: &WeightMatrix, x: &[f32], rows: &mut [&mut [f32]]) -> Result<(), BackendError> {
+        let n = rows.len();
+        if x.len() != n * w.cols || rows.iter().any(|r| r.len() != w.rows) {
+            return Err(shape_err(
+                "matmul_rows",
+                format!("{}: {}x{} weights, {} inputs for {n} output rows", w.name, w.rows, w.cols, x.len()),
+            ));
+        }
+        match &w.packed {
+            Some(p) => {
+                let mut outs = vec![rows.iter_mut().map(|r| &mut **r).collect::<Vec<&mut [f32]>>()];
+                self.matmul_packed(&[p], x, n, &mut outs);
+                Ok(())
+            }
+            _ => {
+                let mut out = vec![0f32; n * w.rows];
+                self.matmul(w, x, n, &mut out)?;
+                for (r, o) in rows.iter_mut().zip(out.chunks_exact(w.rows.max(1))) {
+                    r.copy_from_slice(o);
                 }
                 Ok(())
             }
@@ -807,5 +834,17 @@ mod tests {
             assert_eq!(&batched[t * rows..(t + 1) * rows], &one[..], "token {t}");
         }
         assert!(cpu.matmul(&w, &x, n + 1, &mut batched).is_err(), "shape mismatch is an error");
+        // Rows handed out one per token equal the contiguous result, packed or not.
+        let mut unpacked = w.clone();
+        unpacked.packed = None;
+        for m in [&w, &unpacked] {
+            let mut rows_out = vec![vec![0f32; rows]; n];
+            let mut refs: Vec<&mut [f32]> = rows_out.iter_mut().map(|r| &mut r[..]).collect();
+            cpu.matmul_rows(m, &x, &mut refs).expect("matmul_rows");
+            assert_eq!(rows_out.concat(), batched, "packed: {}", m.packed.is_some());
+            let mut short = vec![vec![0f32; rows - 1]; n];
+            let mut refs: Vec<&mut [f32]> = short.iter_mut().map(|r| &mut r[..]).collect();
+            assert!(cpu.matmul_rows(m, &x, &mut refs).is_err(), "a short output row is an error");
+        }
     }
 }

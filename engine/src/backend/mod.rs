@@ -112,6 +112,21 @@ pub trait Backend: Send + Sync {
     /// `out[t][r] = dot(w.row(r), x[t])` for `n_tokens` rows of `x` (each `w.cols` long).
     fn matmul(&self, w: &WeightMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), BackendError>;
 
+    /// [`Self::matmul`] with each token's output row in its own slice (`rows[t]`, `w.rows`
+    /// long), so the caller can hand results out without copying them (the output head's
+    /// logits, one vector per sequence). By default through a temporary buffer.
+    fn matmul_rows(&self, w: &WeightMatrix, x: &[f32], rows: &mut [&mut [f32]]) -> Result<(), BackendError> {
+        if rows.iter().any(|r| r.len() != w.rows) {
+            return Err(BackendError::Shape { op: "matmul_rows", detail: format!("output rows are not {} long", w.rows) });
+        }
+        let mut out = vec![0f32; rows.len() * w.rows];
+        self.matmul(w, x, rows.len(), &mut out)?;
+        for (r, o) in rows.iter_mut().zip(out.chunks_exact(w.rows.max(1))) {
+            r.copy_from_slice(o);
+        }
+        Ok(())
+    }
+
     /// Several matmuls of the same input: `outs[i] = ws[i] · x` (e.g. Q, K and V). A backend may
     /// share one activation quantization and one parallel step among them; by default they run
     /// in turn.

@@ -326,13 +326,13 @@ impl Pass<'_> {
             return Ok(vec![Vec::new(); batch.len()]);
         }
         self.op(OpKind::RmsNorm, rows.len())?.rms_norm(&mut last, output_norm, c.norm_eps)?;
-        let logits = self.matmul(output, &last, rows.len())?;
+        // Each sequence's logits go straight into its own vector (no copy out of one buffer).
         let vocab = output.rows;
-        let mut out = Vec::with_capacity(batch.len());
-        let mut at = 0;
-        for cnt in counts {
-            out.push(logits[at * vocab..(at + cnt) * vocab].to_vec());
-            at += cnt;
+        let mut out: Vec<Vec<f32>> = counts.iter().map(|&cnt| vec![0f32; cnt * vocab]).collect();
+        {
+            let mut row_refs: Vec<&mut [f32]> = out.iter_mut().flat_map(|o| o.chunks_exact_mut(vocab.max(1))).collect();
+            let op = OpDesc { kind: OpKind::MatMul, weight_type: Some(output.ty), n_tokens: rows.len() };
+            self.planner.place(&op)?.matmul_rows(output, &last, &mut row_refs)?;
         }
         Ok(out)
     }
