@@ -431,7 +431,10 @@ mod x86 {
             unsafe {
                 let x = _mm256_loadu_ps(gv.as_ptr());
                 let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-                let y = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), e)), _mm256_loadu_ps(uv.as_ptr()));
+                let y = _mm256_mul_ps(
+                    _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), e)),
+                    _mm256_loadu_ps(uv.as_ptr()),
+                );
                 _mm256_storeu_ps(gv.as_mut_ptr(), y);
             }
         }
@@ -1012,7 +1015,9 @@ mod tests {
         xs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 88.72284, -103.98, 1e-40, -1e-40]);
         xs.extend((0..200).map(|i| -110.0 + i as f32 * 1.0001));
         let us = det(xs.len(), 8, 2.0);
-        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+        let same = |a: &[f32], b: &[f32]| {
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+        };
         for k in AttnKernels::available() {
             // Every length up to 17 (the SIMD bodies and their scalar tails), then all of them.
             for len in (0..=17).chain([xs.len()]) {

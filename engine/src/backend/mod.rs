@@ -117,7 +117,10 @@ pub trait Backend: Send + Sync {
     /// logits, one vector per sequence). By default through a temporary buffer.
     fn matmul_rows(&self, w: &WeightMatrix, x: &[f32], rows: &mut [&mut [f32]]) -> Result<(), BackendError> {
         if rows.iter().any(|r| r.len() != w.rows) {
-            return Err(BackendError::Shape { op: "matmul_rows", detail: format!("output rows are not {} long", w.rows) });
+            return Err(BackendError::Shape {
+                op: "matmul_rows",
+                detail: format!("output rows are not {} long", w.rows),
+            });
         }
         let mut out = vec![0f32; rows.len() * w.rows];
         self.matmul(w, x, rows.len(), &mut out)?;
