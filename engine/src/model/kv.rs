@@ -4,6 +4,10 @@
 
 use half::f16;
 
+/// New positions per sequence whose room [`KvCache::prepare_append`] prefetches (a decode
+/// step appends one).
+const PREFETCH_ROWS: usize = 4;
+
 /// How keys and values are stored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvType {
@@ -135,11 +139,14 @@ impl KvCache {
         }
     }
 
-    /// Makes room in layer `layer` for `rows` new positions and prefetches that room, so that
-    /// the [`Self::append`] that follows does not wait on memory (the rows written last were
-    /// evicted long since: measured, those cache misses were most of the append's time).
+    /// Makes room in layer `layer` for `rows` new positions and prefetches the first of them
+    /// (at most [`PREFETCH_ROWS`]), so that the [`Self::append`] that follows does not wait on
+    /// memory: the rows written last were evicted long since, and those cache misses were most
+    /// of a decode step's append time. A prompt chunk's many rows are written in order, which
+    /// the hardware prefetcher follows; prefetching them all would only flush L1.
     pub(crate) fn prepare_append(&mut self, layer: usize, rows: usize) {
         use crate::backend::attn_kernels::prefetch;
+        let pf = rows.min(PREFETCH_ROWS);
         let keep = self.len * self.kv_dim;
         let heads_keep = keep / self.head_dim;
         match &mut self.store {
@@ -149,7 +156,7 @@ impl KvCache {
                     for x in store[layer * heads..(layer + 1) * heads].iter_mut() {
                         x.truncate(self.len * hd);
                         x.reserve(rows * hd);
-                        prefetch(&x.spare_capacity_mut()[..rows * hd]);
+                        prefetch(&x.spare_capacity_mut()[..pf * hd]);
                     }
                 }
             }
@@ -159,8 +166,8 @@ impl KvCache {
                     s.truncate(heads_keep);
                     q.reserve(rows * self.kv_dim);
                     s.reserve(rows * self.kv_dim / self.head_dim);
-                    prefetch(&q.spare_capacity_mut()[..rows * self.kv_dim]);
-                    prefetch(&s.spare_capacity_mut()[..rows * self.kv_dim / self.head_dim]);
+                    prefetch(&q.spare_capacity_mut()[..pf * self.kv_dim]);
+                    prefetch(&s.spare_capacity_mut()[..pf * self.kv_dim / self.head_dim]);
                 }
             }
         }
