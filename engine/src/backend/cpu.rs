@@ -142,8 +142,9 @@ fn attend_one(
     }
 }
 
-/// Scores to softmax weights in place: `exp_sub` (see `attn_kernels::exp_ref`) of each score minus the largest, the sum in
-/// f64, then each weight times 1/sum rounded to f16 (llama.cpp's order).
+/// Scores to softmax weights in place: `exp_sub` (see `attn_kernels::exp_ref`) of each score
+/// minus the largest, the sum in f64, then each weight times 1/sum rounded to f16 (llama.cpp's
+/// order).
 fn softmax_rounded(p: &mut [f32], kern: &AttnKernels) {
     let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let mut sum = 0f64;
