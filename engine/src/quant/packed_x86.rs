@@ -29,6 +29,54 @@ const K_Q4_0: u8 = 0;
 const K_Q4_1: u8 = 1;
 const K_Q8_0: u8 = 2;
 
+/// `PackKind` of a `KIND` const parameter.
+const fn kind_of<const KIND: u8>() -> PackKind {
+    match KIND {
+        K_Q4_0 => PackKind::Q4_0,
+        K_Q4_1 => PackKind::Q4_1,
+        _ => PackKind::Q8_0,
+    }
+}
+
+/// The checks every inner loop starts with (a panic, never out-of-bounds access): tile `tile`
+/// of `w` is of kind `KIND` and whole, `out` holds `nt` tokens' rows, and the activations hold
+/// tokens `t0..t0 + nt` of `w.cols` columns. Returns the tile's bytes.
+#[inline(always)]
+fn checked_tile<'w, const KIND: u8>(
+    w: &'w PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &[f32],
+) -> &'w [u8] {
+    let blocks = w.blocks();
+    let data = w.tile(tile);
+    let ab_end = (t0 + nt) * blocks;
+    assert!(
+        w.kind == kind_of::<KIND>()
+            && data.len() == blocks * kind_of::<KIND>().record_bytes()
+            && out.len() >= nt * TILE_ROWS
+            && a.qs.len() >= ab_end * BLOCK
+            && a.d.len() >= ab_end
+            && a.ms.len() >= ab_end
+            && a.gcorr.len() >= ab_end * 16
+    );
+    data
+}
+
+/// Prefetches record `b` (`rec` bytes) of the next tile into L2; same-sized tiles, so it is at
+/// the same offset as this tile's record `b`.
+#[inline(always)]
+fn prefetch_record(next: &[u8], b: usize, rec: usize) {
+    let mut o = b * rec;
+    while o < (b + 1) * rec && o < next.len() {
+        // SAFETY: `o` is inside `next`; a prefetch never faults anyway (SSE is part of x86-64).
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(o) as *const i8) };
+        o += 64;
+    }
+}
+
 /// # Safety
 /// The CPU must support AVX-512 F/BW and VNNI, FMA and F16C; `out` holds `nt * TILE_ROWS`
 /// values and `t0 + nt <= a.n`, `a.cols == w.cols`, `tile < w.tiles()` (checked by the caller).
@@ -91,27 +139,12 @@ unsafe fn group512<const KIND: u8, const NT: usize>(
     out: &mut [f32],
     prefetch: Option<(&[u8], usize, usize)>,
 ) {
-    let kind = match KIND {
-        K_Q4_0 => PackKind::Q4_0,
-        K_Q4_1 => PackKind::Q4_1,
-        _ => PackKind::Q8_0,
-    };
+    let data = checked_tile::<KIND>(w, tile, a, t0, NT, out);
     let blocks = w.blocks();
-    let rec = kind.record_bytes();
-    let qo = kind.qs_offset();
+    let rec = kind_of::<KIND>().record_bytes();
+    let qo = kind_of::<KIND>().qs_offset();
     // Where this kind's offset terms sit among a block's 16 (none for Q4_1: its offset is 0).
     let corr = if KIND == K_Q8_0 { 8 } else { 0 };
-    let data = w.tile(tile);
-    let ab_end = (t0 + NT) * blocks;
-    assert!(
-        w.kind == kind
-            && data.len() == blocks * rec
-            && out.len() >= NT * TILE_ROWS
-            && a.qs.len() >= ab_end * BLOCK
-            && a.d.len() >= ab_end
-            && a.ms.len() >= ab_end
-            && a.gcorr.len() >= ab_end * 16
-    );
     let mut lanes = [[_mm512_setzero_ps(); 8]; NT];
     let mut summs = [_mm512_setzero_ps(); NT];
     let mask = _mm512_set1_epi8(0x0F);
@@ -119,13 +152,7 @@ unsafe fn group512<const KIND: u8, const NT: usize>(
     let (aq, ad, am, ac) = (a.qs.as_ptr(), a.d.as_ptr(), a.ms.as_ptr(), a.gcorr.as_ptr());
     for b in 0..blocks {
         if let Some((next, _, _)) = prefetch.filter(|&(_, group, groups)| b % groups == group) {
-            // Same-sized tiles: record `b` of the next tile is at the same offset.
-            let mut o = b * rec;
-            while o < (b + 1) * rec && o < next.len() {
-                // SAFETY: `o` is inside `next`; a prefetch never faults anyway.
-                unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(o) as *const i8) };
-                o += 64;
-            }
+            prefetch_record(next, b, rec);
         }
         // SAFETY: record `b` spans `rec` bytes inside `data` (asserted above): the scales at
         // offsets 0 and 32 (32 bytes each) and the weights at `qo..qo + 256` or `qo + 512`.
@@ -198,32 +225,44 @@ macro_rules! isum_init {
     };
 }
 
-/// Group `k` of one block for two tokens, with the group's weights in `w`: per token `j`, its
-/// integer sum in `t_j` (started by [`isum_init`], then one `vpdpbusd` against the token's 4
-/// activations at byte `act` of `q_j`), converted and fused into lane `l_j` with scale `s_j`.
+/// Group `k` of one block for one token: its integer sum in `t` (started by [`isum_init`]
+/// from offset-term pointer `c`, then one `vpdpbusd` of the group's weights `w` against the
+/// token's 4 activations at byte `act` of `q`), converted and fused into lane `l` with scale `s`.
+macro_rules! group_one {
+    ($mode:ident, $t:literal, $c:literal, $q:literal, $s:literal, $w:literal, $act:literal, $corr:literal, $l:literal) => {
+        concat!(
+            isum_init!($mode, $t, $c, $corr),
+            "vpdpbusd ",
+            $t,
+            ", ",
+            $w,
+            ", dword ptr [",
+            $q,
+            " + ",
+            $act,
+            "]{{1to16}}\n",
+            "vcvtdq2ps ",
+            $t,
+            ", ",
+            $t,
+            "\n",
+            "vfmadd231ps ",
+            $l,
+            ", ",
+            $s,
+            ", ",
+            $t,
+            "\n",
+        )
+    };
+}
+
+/// Group `k` of one block for both tokens (lanes `l0`, `l1`), with the group's weights in `w`.
 macro_rules! group_pair {
     ($mode:ident, $w:literal, $act:literal, $corr:literal, $l0:literal, $l1:literal) => {
         concat!(
-            isum_init!($mode, "{t0}", "{c0}", $corr),
-            "vpdpbusd {t0}, ",
-            $w,
-            ", dword ptr [{q0} + ",
-            $act,
-            "]{{1to16}}\n",
-            "vcvtdq2ps {t0}, {t0}\n",
-            "vfmadd231ps ",
-            $l0,
-            ", {s0}, {t0}\n",
-            isum_init!($mode, "{t1}", "{c1}", $corr),
-            "vpdpbusd {t1}, ",
-            $w,
-            ", dword ptr [{q1} + ",
-            $act,
-            "]{{1to16}}\n",
-            "vcvtdq2ps {t1}, {t1}\n",
-            "vfmadd231ps ",
-            $l1,
-            ", {s1}, {t1}\n",
+            group_one!($mode, "{t0}", "{c0}", "{q0}", "{s0}", $w, $act, $corr, $l0),
+            group_one!($mode, "{t1}", "{c1}", "{q1}", "{s1}", $w, $act, $corr, $l1),
         )
     };
 }
@@ -296,24 +335,9 @@ unsafe fn pair512<const KIND: u8>(
     out: &mut [f32],
     prefetch: Option<(&[u8], usize, usize)>,
 ) {
-    let kind = match KIND {
-        K_Q4_0 => PackKind::Q4_0,
-        K_Q4_1 => PackKind::Q4_1,
-        _ => PackKind::Q8_0,
-    };
+    let data = checked_tile::<KIND>(w, tile, a, t0, 2, out);
     let blocks = w.blocks();
-    let rec = kind.record_bytes();
-    let data = w.tile(tile);
-    let ab_end = (t0 + 2) * blocks;
-    assert!(
-        w.kind == kind
-            && data.len() == blocks * rec
-            && out.len() >= 2 * TILE_ROWS
-            && a.qs.len() >= ab_end * BLOCK
-            && a.d.len() >= ab_end
-            && a.ms.len() >= ab_end
-            && a.gcorr.len() >= ab_end * 16
-    );
+    let rec = kind_of::<KIND>().record_bytes();
     let z = _mm512_setzero_ps();
     let (mut l00, mut l01, mut l02, mut l03, mut l04, mut l05, mut l06, mut l07) = (z, z, z, z, z, z, z, z);
     let (mut l10, mut l11, mut l12, mut l13, mut l14, mut l15, mut l16, mut l17) = (z, z, z, z, z, z, z, z);
@@ -326,15 +350,8 @@ unsafe fn pair512<const KIND: u8>(
         None => (usize::MAX, 0),
     };
     for b in 0..blocks {
-        if pf_phase == 0 {
-            if let Some((next, _, _)) = prefetch {
-                let mut o = b * rec;
-                while o < (b + 1) * rec && o < next.len() {
-                    // SAFETY: `o` is inside `next`; a prefetch never faults anyway.
-                    unsafe { _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(o) as *const i8) };
-                    o += 64;
-                }
-            }
+        if let Some((next, _, _)) = prefetch.filter(|_| pf_phase == 0) {
+            prefetch_record(next, b, rec);
         }
         if pf_groups > 0 {
             pf_phase = if pf_phase == 0 { pf_groups - 1 } else { pf_phase - 1 };
@@ -348,93 +365,76 @@ unsafe fn pair512<const KIND: u8>(
             let r = data.as_ptr().add(b * rec);
             let (q0, q1) = (a.qs.as_ptr().add(ab0 * BLOCK), a.qs.as_ptr().add(ab1 * BLOCK));
             let (d0, d1) = (a.d.as_ptr().add(ab0), a.d.as_ptr().add(ab1));
+            // The operands every kind passes: record, activations, scales, scratch registers
+            // and the 16 pinned lanes; each kind adds its own (minimum terms or offset terms).
+            macro_rules! pair_asm {
+                ([$($body:expr),* $(,)?], $($extra:tt)*) => {
+                    std::arch::asm!(
+                        pair_scales!(),
+                        $($body,)*
+                        r = in(reg) r,
+                        q0 = in(reg) q0,
+                        q1 = in(reg) q1,
+                        d0 = in(reg) d0,
+                        d1 = in(reg) d1,
+                        x = out(zmm_reg) _,
+                        h = out(zmm_reg) _,
+                        s0 = out(zmm_reg) _,
+                        s1 = out(zmm_reg) _,
+                        t0 = out(zmm_reg) _,
+                        t1 = out(zmm_reg) _,
+                        $($extra)*
+                        inout("zmm16") l00, inout("zmm17") l01, inout("zmm18") l02, inout("zmm19") l03,
+                        inout("zmm20") l04, inout("zmm21") l05, inout("zmm22") l06, inout("zmm23") l07,
+                        inout("zmm24") l10, inout("zmm25") l11, inout("zmm26") l12, inout("zmm27") l13,
+                        inout("zmm28") l14, inout("zmm29") l15, inout("zmm30") l16, inout("zmm31") l17,
+                        options(pure, readonly, nostack, preserves_flags),
+                    )
+                };
+            }
+            let (c0, c1) = (a.gcorr.as_ptr().add(ab0 * 16), a.gcorr.as_ptr().add(ab1 * 16));
             if KIND == K_Q4_1 {
-                std::arch::asm!(
-                    pair_scales!(),
-                    // The minimum term: summs + m · a_m, not fused.
-                    "vcvtph2ps {x}, ymmword ptr [{r} + 32]",
-                    "vmulps {t0}, {x}, dword ptr [{m0}]{{1to16}}",
-                    "vaddps {sm0}, {sm0}, {t0}",
-                    "vmulps {t1}, {x}, dword ptr [{m1}]{{1to16}}",
-                    "vaddps {sm1}, {sm1}, {t1}",
-                    q4_chunk!(zero, "64", "0", "16", "0", "0", "zmm16", "zmm24", "zmm20", "zmm28"),
-                    q4_chunk!(zero, "128", "4", "20", "0", "0", "zmm17", "zmm25", "zmm21", "zmm29"),
-                    q4_chunk!(zero, "192", "8", "24", "0", "0", "zmm18", "zmm26", "zmm22", "zmm30"),
-                    q4_chunk!(zero, "256", "12", "28", "0", "0", "zmm19", "zmm27", "zmm23", "zmm31"),
-                    r = in(reg) r,
-                    q0 = in(reg) q0,
-                    q1 = in(reg) q1,
-                    d0 = in(reg) d0,
-                    d1 = in(reg) d1,
+                pair_asm!(
+                    [
+                        // The minimum term: summs + m · a_m, not fused.
+                        "vcvtph2ps {x}, ymmword ptr [{r} + 32]",
+                        "vmulps {t0}, {x}, dword ptr [{m0}]{{1to16}}",
+                        "vaddps {sm0}, {sm0}, {t0}",
+                        "vmulps {t1}, {x}, dword ptr [{m1}]{{1to16}}",
+                        "vaddps {sm1}, {sm1}, {t1}",
+                        q4_chunk!(zero, "64", "0", "16", "0", "0", "zmm16", "zmm24", "zmm20", "zmm28"),
+                        q4_chunk!(zero, "128", "4", "20", "0", "0", "zmm17", "zmm25", "zmm21", "zmm29"),
+                        q4_chunk!(zero, "192", "8", "24", "0", "0", "zmm18", "zmm26", "zmm22", "zmm30"),
+                        q4_chunk!(zero, "256", "12", "28", "0", "0", "zmm19", "zmm27", "zmm23", "zmm31"),
+                    ],
                     m0 = in(reg) a.ms.as_ptr().add(ab0),
                     m1 = in(reg) a.ms.as_ptr().add(ab1),
                     mask = in(zmm_reg) mask,
                     sm0 = inout(zmm_reg) sm0,
                     sm1 = inout(zmm_reg) sm1,
-                    x = out(zmm_reg) _,
-                    h = out(zmm_reg) _,
-                    s0 = out(zmm_reg) _,
-                    s1 = out(zmm_reg) _,
-                    t0 = out(zmm_reg) _,
-                    t1 = out(zmm_reg) _,
-                    inout("zmm16") l00, inout("zmm17") l01, inout("zmm18") l02, inout("zmm19") l03,
-                    inout("zmm20") l04, inout("zmm21") l05, inout("zmm22") l06, inout("zmm23") l07,
-                    inout("zmm24") l10, inout("zmm25") l11, inout("zmm26") l12, inout("zmm27") l13,
-                    inout("zmm28") l14, inout("zmm29") l15, inout("zmm30") l16, inout("zmm31") l17,
-                    options(pure, readonly, nostack, preserves_flags),
                 );
             } else if KIND == K_Q4_0 {
-                std::arch::asm!(
-                    pair_scales!(),
-                    q4_chunk!(corr, "32", "0", "16", "0", "16", "zmm16", "zmm24", "zmm20", "zmm28"),
-                    q4_chunk!(corr, "96", "4", "20", "4", "20", "zmm17", "zmm25", "zmm21", "zmm29"),
-                    q4_chunk!(corr, "160", "8", "24", "8", "24", "zmm18", "zmm26", "zmm22", "zmm30"),
-                    q4_chunk!(corr, "224", "12", "28", "12", "28", "zmm19", "zmm27", "zmm23", "zmm31"),
-                    r = in(reg) r,
-                    q0 = in(reg) q0,
-                    q1 = in(reg) q1,
-                    d0 = in(reg) d0,
-                    d1 = in(reg) d1,
-                    c0 = in(reg) a.gcorr.as_ptr().add(ab0 * 16),
-                    c1 = in(reg) a.gcorr.as_ptr().add(ab1 * 16),
+                pair_asm!(
+                    [
+                        q4_chunk!(corr, "32", "0", "16", "0", "16", "zmm16", "zmm24", "zmm20", "zmm28"),
+                        q4_chunk!(corr, "96", "4", "20", "4", "20", "zmm17", "zmm25", "zmm21", "zmm29"),
+                        q4_chunk!(corr, "160", "8", "24", "8", "24", "zmm18", "zmm26", "zmm22", "zmm30"),
+                        q4_chunk!(corr, "224", "12", "28", "12", "28", "zmm19", "zmm27", "zmm23", "zmm31"),
+                    ],
+                    c0 = in(reg) c0,
+                    c1 = in(reg) c1,
                     mask = in(zmm_reg) mask,
-                    x = out(zmm_reg) _,
-                    h = out(zmm_reg) _,
-                    s0 = out(zmm_reg) _,
-                    s1 = out(zmm_reg) _,
-                    t0 = out(zmm_reg) _,
-                    t1 = out(zmm_reg) _,
-                    inout("zmm16") l00, inout("zmm17") l01, inout("zmm18") l02, inout("zmm19") l03,
-                    inout("zmm20") l04, inout("zmm21") l05, inout("zmm22") l06, inout("zmm23") l07,
-                    inout("zmm24") l10, inout("zmm25") l11, inout("zmm26") l12, inout("zmm27") l13,
-                    inout("zmm28") l14, inout("zmm29") l15, inout("zmm30") l16, inout("zmm31") l17,
-                    options(pure, readonly, nostack, preserves_flags),
                 );
             } else {
-                std::arch::asm!(
-                    pair_scales!(),
-                    q8_pair!("32", "96", "0", "4", "32", "36", "zmm16", "zmm24", "zmm17", "zmm25"),
-                    q8_pair!("160", "224", "8", "12", "40", "44", "zmm18", "zmm26", "zmm19", "zmm27"),
-                    q8_pair!("288", "352", "16", "20", "48", "52", "zmm20", "zmm28", "zmm21", "zmm29"),
-                    q8_pair!("416", "480", "24", "28", "56", "60", "zmm22", "zmm30", "zmm23", "zmm31"),
-                    r = in(reg) r,
-                    q0 = in(reg) q0,
-                    q1 = in(reg) q1,
-                    d0 = in(reg) d0,
-                    d1 = in(reg) d1,
-                    c0 = in(reg) a.gcorr.as_ptr().add(ab0 * 16),
-                    c1 = in(reg) a.gcorr.as_ptr().add(ab1 * 16),
-                    x = out(zmm_reg) _,
-                    h = out(zmm_reg) _,
-                    s0 = out(zmm_reg) _,
-                    s1 = out(zmm_reg) _,
-                    t0 = out(zmm_reg) _,
-                    t1 = out(zmm_reg) _,
-                    inout("zmm16") l00, inout("zmm17") l01, inout("zmm18") l02, inout("zmm19") l03,
-                    inout("zmm20") l04, inout("zmm21") l05, inout("zmm22") l06, inout("zmm23") l07,
-                    inout("zmm24") l10, inout("zmm25") l11, inout("zmm26") l12, inout("zmm27") l13,
-                    inout("zmm28") l14, inout("zmm29") l15, inout("zmm30") l16, inout("zmm31") l17,
-                    options(pure, readonly, nostack, preserves_flags),
+                pair_asm!(
+                    [
+                        q8_pair!("32", "96", "0", "4", "32", "36", "zmm16", "zmm24", "zmm17", "zmm25"),
+                        q8_pair!("160", "224", "8", "12", "40", "44", "zmm18", "zmm26", "zmm19", "zmm27"),
+                        q8_pair!("288", "352", "16", "20", "48", "52", "zmm20", "zmm28", "zmm21", "zmm29"),
+                        q8_pair!("416", "480", "24", "28", "56", "60", "zmm22", "zmm30", "zmm23", "zmm31"),
+                    ],
+                    c0 = in(reg) c0,
+                    c1 = in(reg) c1,
                 );
             }
         }
