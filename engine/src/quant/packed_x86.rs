@@ -343,18 +343,9 @@ unsafe fn pair512<const KIND: u8>(
     let (mut l10, mut l11, mut l12, mut l13, mut l14, mut l15, mut l16, mut l17) = (z, z, z, z, z, z, z, z);
     let (mut sm0, mut sm1) = (z, z);
     let mask = _mm512_set1_epi8(0x0F);
-    // Which blocks prefetch a record of the next tile (`b % groups == group`, as in
-    // `group512`), as a countdown.
-    let (mut pf_phase, pf_groups) = match prefetch {
-        Some((_, group, groups)) => ((groups - group) % groups, groups),
-        None => (usize::MAX, 0),
-    };
     for b in 0..blocks {
-        if let Some((next, _, _)) = prefetch.filter(|_| pf_phase == 0) {
+        if let Some((next, _, _)) = prefetch.filter(|&(_, group, groups)| b % groups == group) {
             prefetch_record(next, b, rec);
-        }
-        if pf_groups > 0 {
-            pf_phase = if pf_phase == 0 { pf_groups - 1 } else { pf_phase - 1 };
         }
         let (ab0, ab1) = (t0 * blocks + b, (t0 + 1) * blocks + b);
         // SAFETY: record `b` (`rec` bytes: scales, Q4_1 minimums, weights) is inside `data`;
