@@ -109,7 +109,8 @@ pub trait Backend: Send + Sync {
         self.descriptor().supports(op)
     }
 
-    /// `out[t][r] = dot(w.row(r), x[t])` for `n_tokens` rows of `x` (each `w.cols` long).
+    /// `out[t][r] = dot(w.row(r), x[t])` for `n_tokens` rows of `x` (each `w.cols` long); every
+    /// element of `out` is written (callers pass buffers reused from earlier layers).
     fn matmul(&self, w: &WeightMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), BackendError>;
 
     /// [`Self::matmul`] with each token's output row in its own slice (`rows[t]`, `w.rows`
