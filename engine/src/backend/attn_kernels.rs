@@ -957,7 +957,8 @@ mod tests {
                     // Groups of 1 to 7 heads sharing the cache (chunks of 3 inside the kernel).
                     for g in 1..=7usize {
                         // The grouped kernels' contract: f16 queries and weights.
-                        let f16s = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect() };
+                        let f16s =
+                            |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect() };
                         let qs: Vec<Vec<f32>> = (0..g).map(|h| f16s(det(n, 20 + h as u32, 3.0))).collect();
                         let qr: Vec<&[f32]> = qs.iter().map(|q| &q[..]).collect();
                         let mut outs = vec![vec![0f32; pos]; g];

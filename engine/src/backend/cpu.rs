@@ -8,10 +8,10 @@
 
 use super::attn_kernels::{prefetch, AttnKernels};
 use super::pool::Pool;
-use super::{AttentionItem, AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
+use super::{check_append, AttentionItem, AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
 use crate::error::BackendError;
 use crate::model::config::RopeStyle;
-use crate::model::kv::KvLayer;
+use crate::model::kv::{append_head, KvInput, KvLayer};
 use crate::model::weights::WeightMatrix;
 use crate::quant::packed::{self, Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use crate::quant::{self, GgmlType};
@@ -211,15 +211,34 @@ fn attend_group(
     kern: &AttnKernels,
 ) {
     let hd = s.head_dim;
-    let g = outs.len() / hd;
     let KvLayer::F16 { k, v } = kv else {
         for (i, o) in outs.chunks_exact_mut(hd).enumerate() {
             attend_one(s, q, kv, t, h0 + i, o, scratch, kern);
         }
         return;
     };
-    let q_row = s.n_heads * hd;
     let kvh = h0 / (s.n_heads / s.n_kv_heads);
+    attend_group_f16(s, q, (&k[kvh], &v[kvh]), k.get(kvh + 1).map(|x| &x[..]), t, h0, outs, scratch, kern);
+}
+
+/// [`attend_group`] over one f16 KV head's keys and values (`head`); `next_keys` (the next
+/// head's, if any) are prefetched.
+#[allow(clippy::too_many_arguments)]
+fn attend_group_f16(
+    s: &AttentionShape,
+    q: &[f32],
+    head: (&[half::f16], &[half::f16]),
+    next_keys: Option<&[half::f16]>,
+    t: usize,
+    h0: usize,
+    outs: &mut [f32],
+    scratch: &mut (Vec<f32>, Vec<f32>),
+    kern: &AttnKernels,
+) {
+    let (k, v) = head;
+    let hd = s.head_dim;
+    let g = outs.len() / hd;
+    let q_row = s.n_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let n_ctx = s.start + t + 1;
     let (qh, p) = scratch;
@@ -230,8 +249,8 @@ fn attend_group(
     // fetched while the keys are read, and the next KV head's first keys while this one is
     // attended (B=8 pass 1–2% faster each, measured alternating pass by pass).
     let prefetch_start = |x: &[half::f16]| prefetch(&x[..(n_ctx.min(ATTN_PREFETCH_ROWS) * hd).min(x.len())]);
-    prefetch_start(&v[kvh]);
-    if let Some(next) = k.get(kvh + 1) {
+    prefetch_start(v);
+    if let Some(next) = next_keys {
         prefetch_start(next);
     }
     p.clear();
@@ -239,7 +258,7 @@ fn attend_group(
     {
         let qs: Vec<&[f32]> = qh.chunks_exact(hd).collect();
         let mut ps: Vec<&mut [f32]> = p.chunks_exact_mut(n_ctx).collect();
-        (kern.dots_group)(&qs, &k[kvh], hd, &mut ps);
+        (kern.dots_group)(&qs, k, hd, &mut ps);
     }
     for ph in p.chunks_exact_mut(n_ctx) {
         for x in ph.iter_mut() {
@@ -250,7 +269,7 @@ fn attend_group(
     outs.fill(0.0);
     let ws: Vec<&[f32]> = p.chunks_exact(n_ctx).collect();
     let mut os: Vec<&mut [f32]> = outs.chunks_exact_mut(hd).collect();
-    (kern.axpys_group)(&ws, &v[kvh], hd, &mut os);
+    (kern.axpys_group)(&ws, v, hd, &mut os);
 }
 
 /// The second half of RMS norm: `row · 1/sqrt(mean + eps) · weight` from the row's f64 sum of
@@ -619,12 +638,17 @@ impl Backend for CpuBackend {
     }
 
     fn attention(&self, s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &mut [f32]) -> Result<(), BackendError> {
-        self.attention_many(&mut [AttentionItem { shape: *s, q, kv, out }])
+        self.attention_many(&mut [AttentionItem { shape: *s, q, kv: KvInput::Ready(kv), out }])
     }
 
     fn attention_many(&self, items: &mut [AttentionItem<'_>]) -> Result<(), BackendError> {
         for it in items.iter() {
-            check_attention(&it.shape, it.q, it.kv, it.out)?;
+            match &it.kv {
+                KvInput::Ready(kv) => check_attention(&it.shape, it.q, *kv, it.out)?,
+                KvInput::AppendF16 { k, v, k_new, v_new } => {
+                    check_append(&it.shape, (it.q, it.out), (k, v), (k_new, v_new))?
+                }
+            }
         }
         // The unit of work: the query heads of one token that share a KV head (converting
         // each key and value row once for all of them), or single heads when that leaves too
@@ -640,32 +664,59 @@ impl Backend for CpuBackend {
         };
         let units: usize = items.iter().map(|it| it.shape.n_tokens * it.shape.n_heads / unit_heads(&it.shape)).sum();
         let per_task = units.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
-        // Tasks: runs of up to `per_task` units of one sequence.
-        let mut tasks: Vec<Mutex<(usize, usize, &mut [f32])>> = Vec::new();
+        // Tasks: runs of up to `per_task` units of one sequence. A one-token item whose units
+        // are its KV heads appends each head's new key and value in the task that then attends
+        // over that head (`fold`): on the calling thread, the appends of a B=8 pass had been
+        // serial work while the workers waited. Other items' new rows are appended here first.
+        type Fold<'a> = (&'a mut [Vec<half::f16>], &'a mut [Vec<half::f16>], &'a [f32], &'a [f32]);
+        type Task<'a> = Mutex<(usize, usize, &'a mut [f32], Option<Fold<'a>>)>;
+        let mut tasks: Vec<Task<'_>> = Vec::new();
         let mut views = Vec::with_capacity(items.len());
         for (i, it) in items.iter_mut().enumerate() {
-            let gh = unit_heads(&it.shape);
-            views.push((it.shape, it.q, it.kv, gh));
-            let hd = it.shape.head_dim;
-            for (c, chunk) in it.out.chunks_mut(hd * gh * per_task).enumerate() {
-                tasks.push(Mutex::new((i, c * per_task, chunk)));
+            let s = it.shape;
+            let gh = unit_heads(&s);
+            let hd = s.head_dim;
+            let fold = gh > 1 && s.n_tokens == 1 && matches!(it.kv, KvInput::AppendF16 { .. });
+            let kv = if fold { KvLayer::F16 { k: &[], v: &[] } } else { it.append_all()? };
+            views.push((s, it.q, kv, gh));
+            let outs = it.out.chunks_mut(hd * gh * per_task);
+            match std::mem::replace(&mut it.kv, KvInput::Ready(kv)) {
+                KvInput::AppendF16 { k, v, k_new, v_new } if fold => {
+                    for (c, ((chunk, kc), vc)) in
+                        outs.zip(k.chunks_mut(per_task)).zip(v.chunks_mut(per_task)).enumerate()
+                    {
+                        tasks.push(Mutex::new((i, c * per_task, chunk, Some((kc, vc, k_new, v_new)))));
+                    }
+                }
+                _ => {
+                    for (c, chunk) in outs.enumerate() {
+                        tasks.push(Mutex::new((i, c * per_task, chunk, None)));
+                    }
+                }
             }
         }
         let kern = AttnKernels::best();
         self.pool.run(tasks.len(), &|ti| {
             let mut g = tasks[ti].lock().unwrap_or_else(|e| e.into_inner());
-            let (i, first, ref mut chunk) = *g;
+            let (i, first, ref mut chunk, ref mut fold) = *g;
             let (s, q, kv, gh) = views[i];
             let per_token = s.n_heads / gh;
+            let kv_dim = s.n_kv_heads * s.head_dim;
             SCORES.with(|p| {
                 let mut p = p.borrow_mut();
                 for (k, o) in chunk.chunks_exact_mut(s.head_dim * gh).enumerate() {
                     let u = first + k;
                     let (t, h0) = (u / per_token, (u % per_token) * gh);
-                    if gh == 1 {
-                        attend_one(&s, q, kv, t, h0, o, &mut p, &kern);
-                    } else {
-                        attend_group(&s, q, kv, t, h0, o, &mut p, &kern);
+                    match fold {
+                        // One token: unit `u` is KV head `u`, the task's head `k`.
+                        Some((kh, vh, k_new, v_new)) => {
+                            append_head(&mut kh[k], s.start, u, s.head_dim, k_new, kv_dim, kern.to_f16);
+                            append_head(&mut vh[k], s.start, u, s.head_dim, v_new, kv_dim, kern.to_f16);
+                            let next = kh.get(k + 1).map(|x| &x[..]);
+                            attend_group_f16(&s, q, (&kh[k], &vh[k]), next, t, h0, o, &mut p, &kern);
+                        }
+                        None if gh == 1 => attend_one(&s, q, kv, t, h0, o, &mut p, &kern),
+                        None => attend_group(&s, q, kv, t, h0, o, &mut p, &kern),
                     }
                 }
             });
@@ -763,6 +814,89 @@ mod tests {
             cpu.rope(&mut inter, &[pos], &rope(RopeStyle::Interleaved), None).expect("rope");
             assert_eq!(inter, permute(&neox), "position {pos}");
         }
+    }
+
+    /// One-token items whose new keys and values attention appends itself: grouped (8 KV units
+    /// on 2 threads, each task appending its heads) and not (2 units) give the same bits as
+    /// the caches appended first, and leave the same caches; a wrong append is a typed error.
+    #[test]
+    fn attention_appends_new_keys_and_values_exactly_as_a_prior_append() {
+        let cpu = CpuBackend::new(2);
+        let (n_heads, n_kv, hd) = (6, 2, 16);
+        let kv_dim = n_kv * hd;
+        let to_f16 = AttnKernels::best().to_f16;
+        for seqs in [1usize, 4] {
+            let starts: Vec<usize> = (0..seqs).map(|i| 3 + 5 * i).collect();
+            let caches: Vec<(Vec<Vec<f16>>, Vec<Vec<f16>>)> = starts
+                .iter()
+                .enumerate()
+                .map(|(i, &st)| {
+                    let h = |seed: u32| -> Vec<Vec<f16>> {
+                        (0..n_kv)
+                            .map(|j| det(st * hd, seed + j as u32).into_iter().map(f16::from_f32).collect())
+                            .collect()
+                    };
+                    (h(10 * i as u32), h(10 * i as u32 + 5))
+                })
+                .collect();
+            let qs: Vec<Vec<f32>> = (0..seqs).map(|i| det(n_heads * hd, 100 + i as u32)).collect();
+            let news: Vec<(Vec<f32>, Vec<f32>)> =
+                (0..seqs).map(|i| (det(kv_dim, 200 + i as u32), det(kv_dim, 300 + i as u32))).collect();
+            let shape = |st: usize| AttentionShape { n_heads, n_kv_heads: n_kv, head_dim: hd, start: st, n_tokens: 1 };
+            // Appended first, then attended.
+            let mut ready = caches.clone();
+            for ((k, v), ((kn, vn), &st)) in ready.iter_mut().zip(news.iter().zip(&starts)) {
+                for h in 0..n_kv {
+                    crate::model::kv::append_head(&mut k[h], st, h, hd, kn, kv_dim, to_f16);
+                    crate::model::kv::append_head(&mut v[h], st, h, hd, vn, kv_dim, to_f16);
+                }
+            }
+            let mut want = vec![vec![0f32; n_heads * hd]; seqs];
+            let mut items: Vec<AttentionItem<'_>> = ready
+                .iter()
+                .zip(&qs)
+                .zip(want.iter_mut())
+                .zip(&starts)
+                .map(|((((k, v), q), out), &st)| AttentionItem {
+                    shape: shape(st),
+                    q,
+                    kv: KvInput::Ready(KvLayer::F16 { k, v }),
+                    out,
+                })
+                .collect();
+            cpu.attention_many(&mut items).expect("ready");
+            drop(items);
+            // Appended by attention.
+            let mut own = caches.clone();
+            let mut got = vec![vec![0f32; n_heads * hd]; seqs];
+            let mut items: Vec<AttentionItem<'_>> = own
+                .iter_mut()
+                .zip(&qs)
+                .zip(got.iter_mut())
+                .zip(news.iter().zip(&starts))
+                .map(|((((k, v), q), out), ((kn, vn), &st))| AttentionItem {
+                    shape: shape(st),
+                    q,
+                    kv: KvInput::AppendF16 { k, v, k_new: kn, v_new: vn },
+                    out,
+                })
+                .collect();
+            cpu.attention_many(&mut items).expect("append");
+            drop(items);
+            assert_eq!(got, want, "{seqs} sequences");
+            assert_eq!(own, ready, "{seqs} sequences: caches");
+        }
+        // Three values short of a row: an error, and nothing attended.
+        let (mut k, mut v) = (vec![Vec::new(); n_kv], vec![Vec::new(); n_kv]);
+        let (q, short) = (det(n_heads * hd, 1), det(kv_dim - 3, 2));
+        let mut out = vec![0f32; n_heads * hd];
+        let mut items = [AttentionItem {
+            shape: AttentionShape { n_heads, n_kv_heads: n_kv, head_dim: hd, start: 0, n_tokens: 1 },
+            q: &q,
+            kv: KvInput::AppendF16 { k: &mut k, v: &mut v, k_new: &short, v_new: &short },
+            out: &mut out,
+        }];
+        assert!(matches!(cpu.attention_many(&mut items), Err(BackendError::Shape { op: "attention", .. })));
     }
 
     #[test]

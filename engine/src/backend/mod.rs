@@ -7,7 +7,7 @@ pub mod cpu;
 pub mod pool;
 
 use crate::error::BackendError;
-use crate::model::kv::KvLayer;
+use crate::model::kv::{KvInput, KvLayer};
 use crate::model::weights::WeightMatrix;
 use crate::quant::GgmlType;
 use std::sync::Arc;
@@ -85,8 +85,70 @@ pub struct AttentionShape {
 pub struct AttentionItem<'a> {
     pub shape: AttentionShape,
     pub q: &'a [f32],
-    pub kv: KvLayer<'a>,
+    /// The cache, with this step's keys and values in it or still to be appended.
+    pub kv: KvInput<'a>,
     pub out: &'a mut [f32],
+}
+
+impl<'a> AttentionItem<'a> {
+    /// Appends the item's new keys and values to an f16 cache (after its first `shape.start`
+    /// positions) and leaves it ready to read; the cache layer as attention then reads it.
+    pub fn append_all(&mut self) -> Result<KvLayer<'a>, BackendError> {
+        let s = self.shape;
+        let ready = match std::mem::replace(&mut self.kv, KvInput::Ready(KvLayer::F16 { k: &[], v: &[] })) {
+            KvInput::Ready(kv) => kv,
+            KvInput::AppendF16 { k, v, k_new, v_new } => {
+                check_append(&s, (self.q, self.out), (k, v), (k_new, v_new))?;
+                let to_f16 = attn_kernels::AttnKernels::best().to_f16;
+                let kv_dim = s.n_kv_heads * s.head_dim;
+                for (store, new) in [(&mut *k, k_new), (&mut *v, v_new)] {
+                    for (h, x) in store.iter_mut().enumerate() {
+                        crate::model::kv::append_head(x, s.start, h, s.head_dim, new, kv_dim, to_f16);
+                    }
+                }
+                KvLayer::F16 { k, v }
+            }
+        };
+        self.kv = KvInput::Ready(ready);
+        Ok(ready)
+    }
+}
+
+/// Checks an [`KvInput::AppendF16`] item: a valid shape, `q` and `out` of `n_tokens` rows of
+/// all heads, one vector per KV head holding at least `start` positions, and `n_tokens` new
+/// rows of keys and of values.
+pub fn check_append(
+    s: &AttentionShape,
+    (q, out): (&[f32], &[f32]),
+    (k, v): (&[Vec<half::f16>], &[Vec<half::f16>]),
+    (k_new, v_new): (&[f32], &[f32]),
+) -> Result<(), BackendError> {
+    let rows = s.n_tokens * s.n_kv_heads * s.head_dim;
+    if s.n_kv_heads == 0
+        || s.head_dim == 0
+        || !s.n_heads.is_multiple_of(s.n_kv_heads)
+        || q.len() != s.n_tokens * s.n_heads * s.head_dim
+        || out.len() != q.len()
+        || k.len() != s.n_kv_heads
+        || v.len() != s.n_kv_heads
+        || k_new.len() != rows
+        || v_new.len() != rows
+        || k.iter().chain(v).any(|x| x.len() < s.start * s.head_dim)
+    {
+        return Err(BackendError::Shape {
+            op: "attention",
+            detail: format!(
+                "{s:?} with q {}, out {}, appending {} key and {} value values to {} and {} heads",
+                q.len(),
+                out.len(),
+                k_new.len(),
+                v_new.len(),
+                k.len(),
+                v.len()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Rotary embedding parameters.
@@ -170,7 +232,8 @@ pub trait Backend: Send + Sync {
     /// backend can; by default one after another.
     fn attention_many(&self, items: &mut [AttentionItem<'_>]) -> Result<(), BackendError> {
         for it in items.iter_mut() {
-            self.attention(&it.shape, it.q, it.kv, it.out)?;
+            let kv = it.append_all()?;
+            self.attention(&it.shape, it.q, kv, it.out)?;
         }
         Ok(())
     }

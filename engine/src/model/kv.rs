@@ -56,6 +56,40 @@ impl KvLayer<'_> {
     }
 }
 
+/// One layer's cache as one sequence's attention takes it: ready to read, or f16 heads still
+/// to receive this step's keys and values.
+pub enum KvInput<'a> {
+    /// The cache already holds every position attended to.
+    Ready(KvLayer<'a>),
+    /// One vector per KV head holding (at least) the first `start` positions of the item's
+    /// [`AttentionShape`](crate::backend::AttentionShape), and the item's new keys and values
+    /// (`n_tokens` rows of `kv_dim`). The backend appends each head's share with
+    /// [`append_head`] before attending over that head, so a parallel step can do each head's
+    /// append in the task that then reads it.
+    AppendF16 { k: &'a mut [Vec<f16>], v: &'a mut [Vec<f16>], k_new: &'a [f32], v_new: &'a [f32] },
+}
+
+/// Keeps the first `keep` positions of one head's vector `x` (`hd` values each) and appends
+/// head `head`'s values of each new row (`kv_dim` long) as f16, rounded to nearest even
+/// (`to_f16`, as `f16::from_f32`).
+pub fn append_head(
+    x: &mut Vec<f16>,
+    keep: usize,
+    head: usize,
+    hd: usize,
+    new: &[f32],
+    kv_dim: usize,
+    to_f16: fn(&[f32], &mut [f16]),
+) {
+    x.truncate(keep * hd);
+    x.reserve(new.len() / kv_dim.max(1) * hd);
+    for row in new.chunks_exact(kv_dim) {
+        let at = x.len();
+        x.resize(at + hd, f16::ZERO);
+        (to_f16)(&row[head * hd..(head + 1) * hd], &mut x[at..]);
+    }
+}
+
 enum Store {
     /// Indexed `[layer * kv_heads + head]`.
     F16 {
@@ -84,6 +118,18 @@ fn quantize_head(x: &[f32], out: &mut Vec<i8>) -> f32 {
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     out.extend(x.iter().map(|&v| (v * id).round_ties_even() as i8));
     d
+}
+
+/// Keeps the first `keep` values and `heads_keep` scales of an int8 layer and appends `x`
+/// quantized per head of `hd`.
+fn append_q8(q: &mut Vec<i8>, s: &mut Vec<f32>, keep: usize, heads_keep: usize, hd: usize, x: &[f32]) {
+    q.truncate(keep);
+    s.truncate(heads_keep);
+    q.reserve(x.len());
+    s.reserve(x.len() / hd);
+    for head in x.chunks_exact(hd) {
+        s.push(quantize_head(head, q));
+    }
 }
 
 impl KvCache {
@@ -140,7 +186,7 @@ impl KvCache {
     }
 
     /// Makes room in layer `layer` for `rows` new positions and prefetches the first of them
-    /// (at most [`PREFETCH_ROWS`]), so that the [`Self::append`] that follows does not wait on
+    /// (at most [`PREFETCH_ROWS`]), so that the append ([`Self::attention_input`], [`append_head`]) that follows does not wait on
     /// memory: the rows written last were evicted long since, and those cache misses were most
     /// of a decode step's append time. A prompt chunk's many rows are written in order, which
     /// the hardware prefetcher follows; prefetching them all would only flush L1.
@@ -173,49 +219,25 @@ impl KvCache {
         }
     }
 
-    /// Appends keys and values of new positions to layer `layer` (committed by [`Self::advance`]).
-    pub(crate) fn append(&mut self, layer: usize, k_new: &[f32], v_new: &[f32]) {
-        let keep = self.len * self.kv_dim;
-        let heads_keep = keep / self.head_dim;
+    /// Layer `layer` for this step's attention, whose new keys and values are `k_new` and
+    /// `v_new` (rows of `kv_dim`; committed by [`Self::advance`]): an f16 cache's heads are
+    /// handed over for the backend to append to ([`KvInput::AppendF16`]); an int8 cache
+    /// appends here.
+    pub(crate) fn attention_input<'a>(&'a mut self, layer: usize, k_new: &'a [f32], v_new: &'a [f32]) -> KvInput<'a> {
+        let heads = self.kv_heads();
+        let (keep, hd) = (self.len * self.kv_dim, self.head_dim);
         match &mut self.store {
-            Store::F16 { k, v } => {
-                let (heads, hd) = (self.kv_dim / self.head_dim, self.head_dim);
-                let keep_h = self.len * hd;
-                let to_f16 = crate::backend::attn_kernels::AttnKernels::best().to_f16;
-                for (store, new) in [(k, k_new), (v, v_new)] {
-                    for (h, x) in store[layer * heads..(layer + 1) * heads].iter_mut().enumerate() {
-                        x.truncate(keep_h);
-                        x.reserve(new.len() / heads);
-                        for row in new.chunks_exact(self.kv_dim) {
-                            let at = x.len();
-                            x.resize(at + hd, f16::ZERO);
-                            // Round to nearest even, as `f16::from_f32`.
-                            (to_f16)(&row[h * hd..(h + 1) * hd], &mut x[at..]);
-                        }
-                    }
-                }
-            }
+            Store::F16 { k, v } => KvInput::AppendF16 {
+                k: &mut k[layer * heads..(layer + 1) * heads],
+                v: &mut v[layer * heads..(layer + 1) * heads],
+                k_new,
+                v_new,
+            },
             Store::Q8 { k, ks, v, vs } => {
-                for (q, s, x) in [(&mut k[layer], &mut ks[layer], k_new), (&mut v[layer], &mut vs[layer], v_new)] {
-                    q.truncate(keep);
-                    s.truncate(heads_keep);
-                    q.reserve(x.len());
-                    s.reserve(x.len() / self.head_dim);
-                    for head in x.chunks_exact(self.head_dim) {
-                        s.push(quantize_head(head, q));
-                    }
-                }
+                append_q8(&mut k[layer], &mut ks[layer], keep, keep / hd, hd, k_new);
+                append_q8(&mut v[layer], &mut vs[layer], keep, keep / hd, hd, v_new);
+                KvInput::Ready(KvLayer::Q8 { k: &k[layer], ks: &ks[layer], v: &v[layer], vs: &vs[layer] })
             }
-        }
-    }
-
-    pub(crate) fn layer(&self, layer: usize) -> KvLayer<'_> {
-        match &self.store {
-            Store::F16 { k, v } => {
-                let heads = self.kv_heads();
-                KvLayer::F16 { k: &k[layer * heads..(layer + 1) * heads], v: &v[layer * heads..(layer + 1) * heads] }
-            }
-            Store::Q8 { k, ks, v, vs } => KvLayer::Q8 { k: &k[layer], ks: &ks[layer], v: &v[layer], vs: &vs[layer] },
         }
     }
 

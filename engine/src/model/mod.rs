@@ -243,8 +243,10 @@ impl Pass<'_> {
         let Scratch { h, q, k, v, attn, o, g, u, down } = buf;
         // The caches' next rows, fetched while Q, K and V are computed (B=8 pass ~1–2% faster,
         // measured alternating pass by pass: the append had waited ~0.6 ms per pass on them).
+        // Not for one-token steps into f16 caches: attention appends those in its parallel
+        // step (see `CpuBackend::attention_many`).
         for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&st.spans) {
-            if len > 0 {
+            if len > 1 || (len == 1 && kv.kv_type() != kv::KvType::F16) {
                 kv.prepare_append(li, len);
             }
         }
@@ -264,15 +266,11 @@ impl Pass<'_> {
         let rope_op = self.op(OpKind::Rope, n)?;
         rope_op.rope(q, &st.positions, &rope(c.n_heads), rope_freqs)?;
         rope_op.rope(k, &st.positions, &rope(c.n_kv_heads), rope_freqs)?;
-        for ((kv, _), &(off, len, _)) in batch.iter_mut().zip(&st.spans) {
-            if len > 0 {
-                kv.append(li, &k[off * kvd..(off + len) * kvd], &v[off * kvd..(off + len) * kvd]);
-            }
-        }
-        // Every sequence's attention in one step, each over its own cache.
+        // Every sequence's attention in one step, each over its own cache, which receives the
+        // new keys and values first (in the step itself where the backend can).
         let mut items = Vec::with_capacity(batch.len());
         let mut rest: &mut [f32] = attn;
-        for ((kv, _), &(off, len, start)) in batch.iter().zip(&st.spans) {
+        for ((kv, _), &(off, len, start)) in batch.iter_mut().zip(&st.spans) {
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len * qd);
             rest = tail;
             if len > 0 {
@@ -285,7 +283,7 @@ impl Pass<'_> {
                         n_tokens: len,
                     },
                     q: &q[off * qd..(off + len) * qd],
-                    kv: kv.layer(li),
+                    kv: kv.attention_input(li, &k[off * kvd..(off + len) * kvd], &v[off * kvd..(off + len) * kvd]),
                     out: mine,
                 });
             }
