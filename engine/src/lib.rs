@@ -4,8 +4,6 @@
 //! No Binder or Android dependency lives here; the daemon drives the engine through [`Model`],
 //! [`model::Transformer::forward`] (one bounded unit of work per call) and [`generate`].
 
-/// TEMP A/B switch
-pub static AB: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 pub mod backend;
 pub mod chat;
 pub mod convert;
