@@ -349,13 +349,22 @@ impl CpuBackend {
             let acts = &*acts;
             let total_tiles: usize = ws.iter().map(|w| w.tiles()).sum();
             let tpt = if n <= 16 { MATMUL_TASKS_PER_THREAD } else { MATMUL_TASKS_PER_THREAD_PREFILL };
-            let per_task = total_tiles.div_ceil(self.desc.threads * tpt).max(1);
+            let tasks_wanted = self.desc.threads * tpt;
             // Tasks: (matrix, first tile, tiles, each token's rows of those tiles).
             type TaskOut<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
             let mut tasks: Vec<Mutex<TaskOut<'_>>> = Vec::new();
             for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
                 let rows = w.rows;
-                let starts: Vec<usize> = (0..w.tiles()).step_by(per_task).collect();
+                // Each matrix gets its share of the tasks by its share of the tiles, in runs as
+                // even as it allows: Q, K and V of 36, 12 and 12 tiles make 18, 18, 12 and 12
+                // for 4 tasks (2 per thread), not 15, 15, 6, 12 and 12 (runs of a fixed length
+                // left one thread 6 tiles more). B=8 pass 0.9–1.3% faster in four runs, one
+                // sequence 0.5–1.2% in three, alternating pass by pass.
+                let pieces = match w.tiles() {
+                    0 => 0,
+                    t => ((t * tasks_wanted + total_tiles / 2) / total_tiles).clamp(1, t),
+                };
+                let starts: Vec<usize> = (0..pieces).map(|p| p * w.tiles() / pieces).collect();
                 let mut per_token: Vec<Vec<&mut [f32]>> = (0..starts.len()).map(|_| Vec::with_capacity(n)).collect();
                 for row in out.iter_mut().take(n) {
                     let mut rest: &mut [f32] = std::mem::take(row);
@@ -368,7 +377,7 @@ impl CpuBackend {
                 }
                 for (k, dst) in per_token.into_iter().enumerate() {
                     let t0 = starts[k];
-                    let nt = per_task.min(w.tiles() - t0);
+                    let nt = starts.get(k + 1).copied().unwrap_or(w.tiles()) - t0;
                     tasks.push(Mutex::new((m, t0, nt, dst)));
                 }
             }
