@@ -81,6 +81,9 @@ pub fn append_head(
     kv_dim: usize,
     to_f16: fn(&[f32], &mut [f16]),
 ) {
+    if hd == 0 || kv_dim < (head + 1) * hd {
+        return;
+    }
     x.truncate(keep * hd);
     x.reserve(new.len() / kv_dim.max(1) * hd);
     for row in new.chunks_exact(kv_dim) {
@@ -186,9 +189,9 @@ impl KvCache {
     }
 
     /// Makes room in layer `layer` for `rows` new positions and prefetches the first of them
-    /// (at most [`PREFETCH_ROWS`]), so that the append ([`Self::attention_input`], [`append_head`]) that follows does not wait on
-    /// memory: the rows written last were evicted long since, and those cache misses were most
-    /// of a decode step's append time. A prompt chunk's many rows are written in order, which
+    /// (at most [`PREFETCH_ROWS`]), so that the append that follows ([`Self::attention_input`],
+    /// [`append_head`]) does not wait on memory: the rows written last were evicted long since,
+    /// and those cache misses were most of a decode step's append time. A prompt chunk's many rows are written in order, which
     /// the hardware prefetcher follows; prefetching them all would only flush L1.
     pub(crate) fn prepare_append(&mut self, layer: usize, rows: usize) {
         use crate::backend::attn_kernels::prefetch;
