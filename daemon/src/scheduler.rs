@@ -19,7 +19,7 @@ use llmd_engine::chat::ChatMessage;
 use llmd_engine::generate::{FinishReason, GenerateRequest, Generation, GenerationStats};
 use llmd_engine::model::Logits;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
@@ -43,6 +43,8 @@ pub struct Job {
     pub input: TurnInput,
     pub request: GenerateRequest,
     pub callback: rsbinder::Strong<dyn IGenerationCallback>,
+    /// Where the worker puts the request's callbacks (see [`Outbox`]).
+    outbox: Outbox,
     pub cancel: Arc<AtomicBool>,
     pub enqueued: Instant,
     /// The scheduling class (the request's hint capped by its uid's).
@@ -60,6 +62,7 @@ impl Job {
         request: GenerateRequest,
         callback: rsbinder::Strong<dyn IGenerationCallback>,
     ) -> Self {
+        let cancel = Arc::new(AtomicBool::new(false));
         Self {
             id: 0,
             model,
@@ -67,8 +70,9 @@ impl Job {
             session,
             input,
             request,
+            outbox: Outbox::new(callback.clone(), cancel.clone()),
             callback,
-            cancel: Arc::new(AtomicBool::new(false)),
+            cancel,
             enqueued: Instant::now(),
             class: Class::Foreground,
             deadline_ms: 0,
@@ -79,6 +83,82 @@ impl Job {
         self.class = class;
         self.deadline_ms = deadline_ms;
         self
+    }
+}
+
+/// Undelivered callbacks at which a request stops being decoded until its client takes them.
+const MAX_UNSENT: usize = 64;
+
+/// A request's callbacks, sent in order by a thread of its own. A client that stops reading
+/// them (an app the system froze, a stuck process) then holds up only its own request: once
+/// [`MAX_UNSENT`] are waiting, the request is not decoded until the client takes them, and its
+/// deadline and cancellation still apply. Sent on the worker thread, one frozen client's full
+/// socket had stopped every other app's generation (measured: requests behind it queued until
+/// they timed out). A failed send means the client is gone: the request is cancelled.
+struct Outbox {
+    callback: rsbinder::Strong<dyn IGenerationCallback>,
+    cancel: Arc<AtomicBool>,
+    /// The delivery thread's queue and the count not yet sent, once something was sent.
+    line: Option<(Sender<Delivery>, Arc<AtomicUsize>)>,
+}
+
+enum Delivery {
+    Started(i64),
+    Tokens(i64, String, Vec<i32>),
+    Completed(i64, WireStats),
+    Error(i64, i32, String),
+}
+
+impl Delivery {
+    fn deliver(&self, cb: &rsbinder::Strong<dyn IGenerationCallback>) -> rsbinder::BinderResult<()> {
+        match self {
+            Self::Started(id) => cb.onStarted(*id),
+            Self::Tokens(id, text, ids) => cb.onTokens(*id, text, ids),
+            Self::Completed(id, stats) => cb.onCompleted(*id, stats),
+            Self::Error(id, code, message) => cb.onError(*id, *code, message),
+        }
+    }
+}
+
+impl Outbox {
+    fn new(callback: rsbinder::Strong<dyn IGenerationCallback>, cancel: Arc<AtomicBool>) -> Self {
+        Self { callback, cancel, line: None }
+    }
+
+    /// Queues `d` for the client; the delivery thread starts with the first.
+    fn send(&mut self, d: Delivery) {
+        if self.line.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<Delivery>();
+            let unsent = Arc::new(AtomicUsize::new(0));
+            let (cb, cancel, left) = (self.callback.clone(), self.cancel.clone(), unsent.clone());
+            let spawned = std::thread::Builder::new().name("llmd-deliver".into()).spawn(move || {
+                for d in rx {
+                    if d.deliver(&cb).is_err() {
+                        cancel.store(true, Ordering::Release);
+                    }
+                    left.fetch_sub(1, Ordering::AcqRel);
+                }
+            });
+            if spawned.is_err() {
+                // No thread to be had: deliver here, as before.
+                if d.deliver(&self.callback).is_err() {
+                    self.cancel.store(true, Ordering::Release);
+                }
+                return;
+            }
+            self.line = Some((tx, unsent));
+        }
+        if let Some((tx, unsent)) = &self.line {
+            unsent.fetch_add(1, Ordering::AcqRel);
+            if tx.send(d).is_err() {
+                unsent.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Callbacks queued and not yet taken by the client.
+    fn unsent(&self) -> usize {
+        self.line.as_ref().map_or(0, |(_, n)| n.load(Ordering::Acquire))
     }
 }
 
@@ -371,7 +451,13 @@ impl Worker {
             while let Ok(job) = self.rx.try_recv() {
                 self.start(job);
             }
-            self.pass();
+            if !self.pass() {
+                // Nothing could run (requests waiting on their clients): wait a little for
+                // new work rather than spin.
+                if let Ok(job) = self.rx.recv_timeout(std::time::Duration::from_millis(2)) {
+                    self.start(job);
+                }
+            }
         }
     }
 
@@ -403,7 +489,8 @@ impl Worker {
         }) {
             Ok((gen, context, rewind_to)) => {
                 self.with_shared(|s| s.scheduler.set_running(job.id));
-                let _ = job.callback.onStarted(job.id as i64);
+                let mut job = job;
+                job.outbox.send(Delivery::Started(job.id as i64));
                 let now = self.now_ms();
                 let waited = job.enqueued.elapsed().as_millis() as u64;
                 let arrived_ms = now.saturating_sub(waited);
@@ -434,8 +521,8 @@ impl Worker {
 
     /// One engine pass: ends cancelled and expired requests, asks the policy for the units,
     /// samples and streams the decoding ones, then runs every fed token of a model in one
-    /// batched forward.
-    fn pass(&mut self) {
+    /// batched forward. Returns whether it fed any (none: every request is waiting).
+    fn pass(&mut self) -> bool {
         let t0 = Instant::now();
         let ids: Vec<u64> = self.active.keys().copied().collect();
         for id in ids {
@@ -450,12 +537,14 @@ impl Worker {
             }
         }
         if self.active.is_empty() {
-            return;
+            return false;
         }
         let now_ms = self.now_ms();
+        // A request whose client is not taking its callbacks waits (see `Outbox`).
         let entries: Vec<Entry> = self
             .active
             .values()
+            .filter(|r| r.job.outbox.unsent() < MAX_UNSENT)
             .map(|r| Entry {
                 id: r.job.id,
                 uid: r.job.uid,
@@ -481,11 +570,7 @@ impl Worker {
                 Ok((out, feed)) => {
                     if !out.ids.is_empty() || !out.text.is_empty() {
                         let ids: Vec<i32> = out.ids.iter().map(|&t| t as i32).collect();
-                        if r.job.callback.onTokens(r.job.id as i64, &out.text, &ids).is_err() {
-                            let r = self.active.remove(&id).expect("present");
-                            self.end(r, Err(ServiceError::Cancelled));
-                            continue;
-                        }
+                        r.job.outbox.send(Delivery::Tokens(r.job.id as i64, out.text, ids));
                     }
                     if let Some(stats) = out.done {
                         let r = self.active.remove(&id).expect("present");
@@ -522,6 +607,7 @@ impl Worker {
         self.passes += 1;
         self.avg_pass_us = if self.avg_pass_us == 0 { us } else { (self.avg_pass_us * 7 + us) / 8 };
         self.publish(batch);
+        batch > 0
     }
 
     /// Runs the fed tokens, one batched forward per model, and hands each sequence its logits.
@@ -633,13 +719,13 @@ impl Worker {
         let id = r.job.id as i64;
         let queue_wait = r.first_served.unwrap_or(r.started).saturating_duration_since(r.job.enqueued);
         let before_start = r.started.saturating_duration_since(r.job.enqueued);
-        let _ = match outcome {
-            Ok(stats) => r.job.callback.onCompleted(id, &wire_stats(&stats, queue_wait, before_start)),
-            Err(e) => r.job.callback.onError(id, e.code().0, &e.to_string()),
-        };
+        r.job.outbox.send(match outcome {
+            Ok(stats) => Delivery::Completed(id, wire_stats(&stats, queue_wait, before_start)),
+            Err(e) => Delivery::Error(id, e.code().0, e.to_string()),
+        });
     }
 
-    fn end_unstarted(&mut self, job: Job, e: ServiceError) {
+    fn end_unstarted(&mut self, mut job: Job, e: ServiceError) {
         {
             let mut inner = job.session.lock();
             inner.active_request = None;
@@ -648,7 +734,7 @@ impl Worker {
             }
         }
         self.finish_books(job.id);
-        let _ = job.callback.onError(job.id as i64, e.code().0, &e.to_string());
+        job.outbox.send(Delivery::Error(job.id as i64, e.code().0, e.to_string()));
     }
 
     fn finish_books(&self, id: u64) {

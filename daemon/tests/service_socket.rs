@@ -244,6 +244,56 @@ fn a_killed_client_is_detected_and_its_session_freed() {
     assert_eq!(run(&session(&conn), &greedy("The capital of France is", 4)).ids, golden_capital_ids(4));
 }
 
+/// A client that stops reading its callbacks (here a stopped `llmctl`, as the system freezes a
+/// cached app) holds up only its own request: other clients keep being served, the frozen
+/// request waits without spinning, and it finishes once its client reads again. Before, its
+/// full socket blocked the worker thread and every other request queued behind it.
+#[test]
+fn a_frozen_client_holds_up_only_its_own_request() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    // A long generation that does not stop early (greedy counting), streamed to a client.
+    let frozen = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["--socket", d.socket.to_str().expect("path"), "run", "--max-tokens", "3000", "1, 2, 3, 4, 5, 6, 7, 8,"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("llmctl starts");
+    let t = Instant::now();
+    while conn.service.getStatus().expect("status").requestsRunning == 0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the client's request never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = frozen.id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill").args([sig, &pid]).status().expect("kill runs").success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    // Long enough for the stopped client's socket to fill at full decoding speed (~200
+    // tokens/s here; it had blocked the worker within ~3 s).
+    std::thread::sleep(Duration::from_secs(8));
+    // Another client is served, within a bound far below the 120 s `run` would wait.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let socket = d.socket.clone();
+    std::thread::spawn(move || {
+        let conn = client::connect(Some(&socket), "llmd").expect("client connects");
+        let _ = tx.send(run(&session(&conn), &greedy("The capital of France is", 4)).ids);
+    });
+    let served = rx.recv_timeout(Duration::from_secs(20));
+    signal("-CONT");
+    assert_eq!(served.expect("served while another client is frozen"), golden_capital_ids(4));
+    // The frozen request is still there, and completes once its client reads again.
+    let out = frozen.wait_with_output().expect("llmctl ends");
+    assert!(out.status.success(), "the thawed client's request failed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(", 300,"),
+        "the thawed client got its whole reply: {}",
+        &text[text.len().saturating_sub(200)..]
+    );
+}
+
 #[test]
 fn a_two_turn_session_keeps_its_context() {
     let d = Daemon::start("");
