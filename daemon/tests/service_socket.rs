@@ -207,20 +207,11 @@ fn cancel_stops_within_one_step_and_returns_kv_memory() {
     assert_eq!(run(&s, &greedy("The capital of France is", 4)).ids, golden_capital_ids(4));
 }
 
-#[test]
-fn a_killed_client_is_detected_and_its_session_freed() {
-    let d = Daemon::start("");
-    let conn = d.connect();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_llmctl"))
-        .args([
-            "--socket",
-            d.socket.to_str().expect("path"),
-            "run",
-            "--max-tokens",
-            "1000",
-            "Write a long essay about rivers.",
-        ])
-        .stdout(Stdio::null())
+/// `llmctl run --max-tokens N PROMPT` against `d`, once its request is running.
+fn llmctl_run_started(d: &Daemon, conn: &Connection, max_tokens: &str, prompt: &str, stdout: Stdio) -> Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["--socket", d.socket.to_str().expect("path"), "run", "--max-tokens", max_tokens, prompt])
+        .stdout(stdout)
         .stderr(Stdio::null())
         .spawn()
         .expect("llmctl starts");
@@ -229,6 +220,14 @@ fn a_killed_client_is_detected_and_its_session_freed() {
         assert!(t.elapsed() < Duration::from_secs(30), "the client's request never started");
         std::thread::sleep(Duration::from_millis(50));
     }
+    child
+}
+
+#[test]
+fn a_killed_client_is_detected_and_its_session_freed() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let mut child = llmctl_run_started(&d, &conn, "1000", "Write a long essay about rivers.", Stdio::null());
     child.kill().expect("kill");
     let _ = child.wait();
     let t = Instant::now();
@@ -253,17 +252,7 @@ fn a_frozen_client_holds_up_only_its_own_request() {
     let d = Daemon::start("");
     let conn = d.connect();
     // A long generation that does not stop early (greedy counting), streamed to a client.
-    let frozen = Command::new(env!("CARGO_BIN_EXE_llmctl"))
-        .args(["--socket", d.socket.to_str().expect("path"), "run", "--max-tokens", "3000", "1, 2, 3, 4, 5, 6, 7, 8,"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("llmctl starts");
-    let t = Instant::now();
-    while conn.service.getStatus().expect("status").requestsRunning == 0 {
-        assert!(t.elapsed() < Duration::from_secs(30), "the client's request never started");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let frozen = llmctl_run_started(&d, &conn, "3000", "1, 2, 3, 4, 5, 6, 7, 8,", Stdio::piped());
     let pid = frozen.id().to_string();
     let signal = |sig: &str| {
         let ok = Command::new("kill").args([sig, &pid]).status().expect("kill runs").success();
