@@ -27,8 +27,8 @@ use half::f16;
 /// significand bits ≤ 24, exponents far inside f32's range), so `acc + q·k` rounds once
 /// either way: the SIMD versions fuse each multiply-add and still equal the unfused reference
 /// bit for bit (tested). Measured with the variants alternating pass by pass (`batchbench`,
-/// B=8, 300 passes, three runs): pass median ratio 0.979, 0.983 and 0.995, attention 3–4%
-/// faster. Inputs outside the contract may differ from the reference in the last bit.
+/// B=8, 300 passes, three runs): pass median ratio 0.979, 0.983 and 0.995, attention
+/// 3.5–4.4% faster. Inputs outside the contract may differ from the reference in the last bit.
 pub type GroupFn = fn(&[&[f32]], &[f16], usize, &mut [&mut [f32]]);
 
 /// The kernels one CPU uses, chosen once.

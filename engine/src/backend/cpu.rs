@@ -340,7 +340,7 @@ impl CpuBackend {
             // A decode batch's few rows are quantized by every thread for itself, at its first
             // task of the step ([`OWN_ACTS`]): one parallel step and its barrier fewer per
             // matmul. Same values (each row is quantized alone). B=8 pass 0.1–3.2% faster in
-            // six runs (median ratio 0.988), B=4 ±0.8%, alternating pass by pass.
+            // six runs (median ratio 0.988), B=4 0.984–1.001, alternating pass by pass.
             let own = (4..=16).contains(&n) && self.desc.threads > 1;
             let step = MATMUL_STEP.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             if !own {
