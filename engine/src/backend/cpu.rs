@@ -387,8 +387,8 @@ impl CpuBackend {
                 let w = ws[m];
                 SCRATCH.with(|buf| {
                     let mut buf = buf.borrow_mut();
-                    buf.resize(TILE_ROWS * n, 0.0);
                     for tile in t0..t0 + nt {
+                        let r0 = (tile - t0) * TILE_ROWS;
                         if own {
                             OWN_ACTS.with(|o| {
                                 let mut o = o.borrow_mut();
@@ -399,15 +399,10 @@ impl CpuBackend {
                                     packed::quantize_rows(x, packed::QuantOut { qs, d, sum, ms, gsum, gcorr });
                                     *seen = step;
                                 }
-                                kernel.run(w, tile, mine, 0, n, &mut buf);
+                                kernel.run_rows(w, tile, mine, 0, dst, r0, &mut buf);
                             });
                         } else {
-                            kernel.run(w, tile, acts, 0, n, &mut buf);
-                        }
-                        let r0 = (tile - t0) * TILE_ROWS;
-                        let lanes = (w.rows - tile * TILE_ROWS).min(TILE_ROWS);
-                        for (d, src) in dst.iter_mut().zip(buf.chunks_exact(TILE_ROWS)) {
-                            d[r0..r0 + lanes].copy_from_slice(&src[..lanes]);
+                            kernel.run_rows(w, tile, acts, 0, dst, r0, &mut buf);
                         }
                     }
                 });
@@ -427,7 +422,8 @@ thread_local! {
     /// This thread's own quantization of a decode batch's activations, and the matmul step
     /// ([`MATMUL_STEP`]) it belongs to.
     static OWN_ACTS: std::cell::RefCell<(u64, QuantActs)> = std::cell::RefCell::new((0, QuantActs::default()));
-    /// One tile's results for every token of a matmul, reused on this thread.
+    /// One tile's results for every token of a matmul where a kernel cannot store them in
+    /// place (`Kernel::run_rows`), reused on this thread.
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 

@@ -520,6 +520,39 @@ impl Kernel {
         })
     }
 
+    /// Rows of tile `tile` for tokens `t0..t0 + rows.len()` straight into each token's output
+    /// row: `rows[j][r0 + lane]` for the tile's real rows (the last tile may have fewer than
+    /// 16). The AVX-512 kernel stores whole tiles in place; the others, and a partial last
+    /// tile, go through `scratch` (resized as needed).
+    ///
+    /// # Panics
+    /// On shapes that do not fit (a bug in the caller, never input data).
+    pub fn run_rows(
+        self,
+        w: &PackedMatrix,
+        tile: usize,
+        a: &QuantActs,
+        t0: usize,
+        rows: &mut [&mut [f32]],
+        r0: usize,
+        scratch: &mut Vec<f32>,
+    ) {
+        let nt = rows.len();
+        let lanes = w.rows.saturating_sub(tile * TILE_ROWS).min(TILE_ROWS);
+        assert!(tile < w.tiles() && a.cols == w.cols && t0 + nt <= a.n && rows.iter().all(|r| r.len() >= r0 + lanes));
+        #[cfg(target_arch = "x86_64")]
+        if self.0 == KernelKind::Avx512Vnni && lanes == TILE_ROWS {
+            // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were
+            // detected; the shape contract is asserted above (whole tile: 16 rows fit).
+            return unsafe { super::packed_x86::tile_avx512vnni_rows(w, tile, a, t0, rows, r0) };
+        }
+        scratch.resize(TILE_ROWS * nt, 0.0);
+        self.run(w, tile, a, t0, nt, scratch);
+        for (d, src) in rows.iter_mut().zip(scratch.chunks_exact(TILE_ROWS)) {
+            d[r0..r0 + lanes].copy_from_slice(&src[..lanes]);
+        }
+    }
+
     /// Rows of tile `tile` for tokens `t0..t0 + nt` into `out[j * TILE_ROWS + lane]`.
     ///
     /// # Panics
@@ -640,6 +673,38 @@ mod tests {
             k.run(w, t, a, 0, a.n, o);
         }
         out
+    }
+
+    #[test]
+    fn results_stored_into_token_rows_equal_the_tile_buffer_bit_for_bit() {
+        // 50 rows: three whole tiles and a partial last one (2 rows), which takes the buffered
+        // path; outputs at an offset inside longer rows, the rest of each row left alone.
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (rows, cols, n, r0, extra) = (50, 128, 5, 3, 7);
+            let w = pack(ty, &random_rows(ty, rows, cols, 3 + ty.id() as u64), rows, cols);
+            let mut a = QuantActs::default();
+            a.quantize(&random_x(n * cols, 21), n, cols);
+            for k in Kernel::available() {
+                let want = run_all(k, &w, &a);
+                let mut out = vec![vec![f32::NAN; r0 + rows + extra]; n];
+                let mut scratch = Vec::new();
+                for t in 0..w.tiles() {
+                    let mut refs: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut o[r0 + t * TILE_ROWS..]).collect();
+                    k.run_rows(&w, t, &a, 0, &mut refs, 0, &mut scratch);
+                }
+                for (j, row) in out.iter().enumerate() {
+                    for r in 0..rows {
+                        let e = want[(r / TILE_ROWS) * TILE_ROWS * n + j * TILE_ROWS + r % TILE_ROWS];
+                        assert_eq!(row[r0 + r].to_bits(), e.to_bits(), "{} {ty} token {j} row {r}", k.name());
+                    }
+                    assert!(
+                        row[..r0].iter().chain(&row[r0 + rows..]).all(|v| v.is_nan()),
+                        "{} wrote outside",
+                        k.name()
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -39,24 +39,16 @@ const fn kind_of<const KIND: u8>() -> PackKind {
 }
 
 /// The checks every inner loop starts with (a panic, never out-of-bounds access): tile `tile`
-/// of `w` is of kind `KIND` and whole, `out` holds `nt` tokens' rows, and the activations hold
-/// tokens `t0..t0 + nt` of `w.cols` columns. Returns the tile's bytes.
+/// of `w` is of kind `KIND` and whole, and the activations hold tokens `t0..t0 + nt` of
+/// `w.cols` columns. Returns the tile's bytes. (The outputs are the callers' contract.)
 #[inline(always)]
-fn checked_tile<'w, const KIND: u8>(
-    w: &'w PackedMatrix,
-    tile: usize,
-    a: &QuantActs,
-    t0: usize,
-    nt: usize,
-    out: &[f32],
-) -> &'w [u8] {
+fn checked_tile<'w, const KIND: u8>(w: &'w PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize) -> &'w [u8] {
     let blocks = w.blocks();
     let data = w.tile(tile);
     let ab_end = (t0 + nt) * blocks;
     assert!(
         w.kind == kind_of::<KIND>()
             && data.len() == blocks * kind_of::<KIND>().record_bytes()
-            && out.len() >= nt * TILE_ROWS
             && a.qs.len() >= ab_end * BLOCK
             && a.d.len() >= ab_end
             && a.ms.len() >= ab_end
@@ -82,19 +74,68 @@ fn prefetch_record(next: &[u8], b: usize, rec: usize) {
 /// values and `t0 + nt <= a.n`, `a.cols == w.cols`, `tile < w.tiles()` (checked by the caller).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    assert!(out.len() >= nt * TILE_ROWS);
+    let base = out.as_mut_ptr();
+    // SAFETY: the same contract; token `j`'s 16 values go to `out[16j..16j + 16]`, inside
+    // `out` (asserted), and no two tokens share them.
+    unsafe { tile512_dispatch(w, tile, a, t0, nt, |j| base.add(j * TILE_ROWS)) }
+}
+
+/// [`tile_avx512vnni`] with each token's 16 values stored straight into its own output row:
+/// `rows[j][r0..r0 + 16]` for token `t0 + j` (no copy through a buffer).
+///
+/// # Safety
+/// As [`tile_avx512vnni`], with `rows.len() == nt` instead of `out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+pub unsafe fn tile_avx512vnni_rows(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    rows: &mut [&mut [f32]],
+    r0: usize,
+) {
+    assert!(rows.iter().all(|r| r.len() >= r0 + TILE_ROWS));
+    let ptrs: &mut [&mut [f32]] = rows;
+    let base = ptrs.as_mut_ptr();
+    // SAFETY: the same contract; token `j`'s 16 values go to `rows[j][r0..r0 + 16]`, inside
+    // that row (asserted); the rows are distinct `&mut` slices, so no two tokens share them.
+    unsafe { tile512_dispatch(w, tile, a, t0, ptrs.len(), |j| (*base.add(j)).as_mut_ptr().add(r0)) }
+}
+
+/// # Safety
+/// As [`tile_avx512vnni`]; `dst(j)` for `j < nt` is valid for writing 16 f32s, and distinct
+/// tokens' are disjoint.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn tile512_dispatch(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    dst: impl Fn(usize) -> *mut f32,
+) {
     // SAFETY: the same contract, passed on.
     unsafe {
         match w.kind {
-            PackKind::Q4_0 => tile512::<K_Q4_0>(w, tile, a, t0, nt, out),
-            PackKind::Q4_1 => tile512::<K_Q4_1>(w, tile, a, t0, nt, out),
-            PackKind::Q8_0 => tile512::<K_Q8_0>(w, tile, a, t0, nt, out),
+            PackKind::Q4_0 => tile512::<K_Q4_0>(w, tile, a, t0, nt, &dst),
+            PackKind::Q4_1 => tile512::<K_Q4_1>(w, tile, a, t0, nt, &dst),
+            PackKind::Q8_0 => tile512::<K_Q8_0>(w, tile, a, t0, nt, &dst),
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+unsafe fn tile512<const KIND: u8>(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    dst: &impl Fn(usize) -> *mut f32,
+) {
     // While this tile is computed, a later one (a later call's) is prefetched into L2: token
     // group `j` of `groups` prefetches the records of the blocks `b` with `b % groups == j`, so
     // the prefetches spread over the whole tile's work. Measured with `batchbench`, B=8,
@@ -118,9 +159,9 @@ unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, 
         // SAFETY: same contract as this function, for tokens t0+j..t0+j+g.
         unsafe {
             if g == 2 {
-                pair512::<KIND>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..], pf);
+                pair512::<KIND>(w, tile, a, t0 + j, [dst(j), dst(j + 1)], pf);
             } else {
-                group512::<KIND, 1>(w, tile, a, t0 + j, &mut out[j * TILE_ROWS..], pf);
+                group512::<KIND, 1>(w, tile, a, t0 + j, [dst(j)], pf);
             }
         }
         j += g;
@@ -129,6 +170,10 @@ unsafe fn tile512<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, 
 
 /// `NT` tokens of one tile in intrinsics (used for a single token; [`pair512`] is the
 /// two-token loop: at `NT` = 2 the compiler spilled lanes to the stack).
+///
+/// # Safety
+/// As [`tile_avx512vnni`], for tokens `t0..t0 + NT`, whose 16 values go to `out[j]` (each
+/// valid for 16 f32s, disjoint).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 unsafe fn group512<const KIND: u8, const NT: usize>(
@@ -136,10 +181,10 @@ unsafe fn group512<const KIND: u8, const NT: usize>(
     tile: usize,
     a: &QuantActs,
     t0: usize,
-    out: &mut [f32],
+    out: [*mut f32; NT],
     prefetch: Option<(&[u8], usize, usize)>,
 ) {
-    let data = checked_tile::<KIND>(w, tile, a, t0, NT, out);
+    let data = checked_tile::<KIND>(w, tile, a, t0, NT);
     let blocks = w.blocks();
     let rec = kind_of::<KIND>().record_bytes();
     let qo = kind_of::<KIND>().qs_offset();
@@ -208,9 +253,8 @@ unsafe fn group512<const KIND: u8, const NT: usize>(
             _mm512_add_ps(_mm512_add_ps(l[5], l[1]), _mm512_add_ps(l[7], l[3])),
         );
         let r = if KIND == K_Q4_1 { _mm512_add_ps(r, summs[j]) } else { r };
-        let o = &mut out[j * TILE_ROWS..(j + 1) * TILE_ROWS];
-        // SAFETY: `o` is 16 writable f32s.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), r) };
+        // SAFETY: `out[j]` is valid for 16 f32s (this function's contract).
+        unsafe { _mm512_storeu_ps(out[j], r) };
     }
 }
 
@@ -324,7 +368,8 @@ macro_rules! pair_scales {
 /// [`group512`] and [`super::packed::reference`] (tested bit for bit).
 ///
 /// # Safety
-/// As [`tile_avx512vnni`], for tokens `t0` and `t0 + 1`.
+/// As [`tile_avx512vnni`], for tokens `t0` and `t0 + 1`, whose 16 values go to `out[0]` and
+/// `out[1]` (each valid for 16 f32s, disjoint).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 unsafe fn pair512<const KIND: u8>(
@@ -332,10 +377,10 @@ unsafe fn pair512<const KIND: u8>(
     tile: usize,
     a: &QuantActs,
     t0: usize,
-    out: &mut [f32],
+    out: [*mut f32; 2],
     prefetch: Option<(&[u8], usize, usize)>,
 ) {
-    let data = checked_tile::<KIND>(w, tile, a, t0, 2, out);
+    let data = checked_tile::<KIND>(w, tile, a, t0, 2);
     let blocks = w.blocks();
     let rec = kind_of::<KIND>().record_bytes();
     let z = _mm512_setzero_ps();
@@ -443,10 +488,10 @@ unsafe fn pair512<const KIND: u8>(
     };
     let r0 = sum([l00, l01, l02, l03, l04, l05, l06, l07], sm0);
     let r1 = sum([l10, l11, l12, l13, l14, l15, l16, l17], sm1);
-    // SAFETY: `out` holds at least 32 f32s (asserted above).
+    // SAFETY: `out[0]` and `out[1]` are each valid for 16 f32s (this function's contract).
     unsafe {
-        _mm512_storeu_ps(out.as_mut_ptr(), r0);
-        _mm512_storeu_ps(out.as_mut_ptr().add(TILE_ROWS), r1);
+        _mm512_storeu_ps(out[0], r0);
+        _mm512_storeu_ps(out[1], r1);
     }
 }
 
