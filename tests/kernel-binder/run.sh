@@ -83,11 +83,23 @@ sleep 1
 LLMD_LOG=info llmd --model /models/SmolLM2-135M-Instruct.Q4_1.gguf --kernel-binder on --threads 2 > /tmp/llmd.log 2>&1 &
 llmctl status > /tmp/status.txt 2>&1; S=$?
 OUT=$(llmctl run --max-tokens 8 "The capital of France is" 2>/tmp/llmctl.err); RC=$?
+# A client stopped mid-reply must hold up only its own request.
+llmctl run --max-tokens 64 "1, 2, 3, 4, 5, 6, 7, 8," > /tmp/bg.out 2>/tmp/bg.err &
+BG=$!
+n=0; while [ ! -s /tmp/bg.out ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n + 1)); done
+kill -STOP $BG
+OUT2=$(llmctl run --max-tokens 8 "The capital of France is" 2>/tmp/llmctl2.err); RC2=$?
+kill -CONT $BG
+wait $BG; BGRC=$?
 echo "E2E_STATUS_RC=$S"; cat /tmp/status.txt
 echo "E2E_OUT_BEGIN"; printf '%s' "$OUT"; echo; echo "E2E_OUT_END"
 echo "--- llmctl stderr"; cat /tmp/llmctl.err
 echo "--- llmd log"; tail -n 20 /tmp/llmd.log
 echo "--- hub log"; tail -n 5 /tmp/hub.log
+echo "E2E_FROZEN_RC=$RC2"
+echo "E2E_OUT2_BEGIN"; printf '%s' "$OUT2"; echo; echo "E2E_OUT2_END"
+echo "--- stopped client's stderr"; cat /tmp/bg.err
+echo "E2E_BG_RC=$BGRC"
 echo "E2E_RC=$RC"
 poweroff -f
 INIT
@@ -113,4 +125,17 @@ if [ "$out" != "$EXPECTED" ]; then
   exit 1
 fi
 grep -E 'sessions_open|interface_version' "$work/serial.txt" >&2 || true
-log "1 passed, 0 failed: llmd served a greedy reply over kernel Binder: $(printf '%q' "$out")"
+log "passed: llmd served a greedy reply over kernel Binder: $(printf '%q' "$out")"
+out2=$(sed -n '/^E2E_OUT2_BEGIN$/,/^E2E_OUT2_END$/p' "$work/serial.txt" | sed '1d;$d')
+if ! grep -q '^E2E_FROZEN_RC=0$' "$work/serial.txt" || [ "$out2" != "$EXPECTED" ]; then
+  cat "$work/serial.txt" >&2
+  log "FAILED: with a stopped client, another got $(printf '%q' "$out2"), expected $(printf '%q' "$EXPECTED")"
+  exit 1
+fi
+if ! grep -q '^E2E_BG_RC=0$' "$work/serial.txt"; then
+  cat "$work/serial.txt" >&2
+  log "FAILED: the stopped client's reply did not complete after it was resumed"
+  exit 1
+fi
+log "passed: with a client stopped mid-reply, another got the same reply, and the stopped one finished once resumed"
+log "2 passed, 0 failed"
