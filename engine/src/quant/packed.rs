@@ -527,6 +527,7 @@ impl Kernel {
     ///
     /// # Panics
     /// On shapes that do not fit (a bug in the caller, never input data).
+    #[allow(clippy::too_many_arguments)] // `run`'s arguments, the rows' offset and a buffer
     pub fn run_rows(
         self,
         w: &PackedMatrix,
