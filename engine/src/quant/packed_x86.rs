@@ -85,7 +85,8 @@ pub unsafe fn tile_avx512vnni(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: 
 /// `rows[j][r0..r0 + 16]` for token `t0 + j` (no copy through a buffer).
 ///
 /// # Safety
-/// As [`tile_avx512vnni`], with `rows.len() == nt` instead of `out`.
+/// As [`tile_avx512vnni`], with `rows.len() == nt` instead of `out`, and every row holding at
+/// least `r0 + 16` values (checked by the caller, `Kernel::run_rows`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 pub unsafe fn tile_avx512vnni_rows(
     w: &PackedMatrix,
@@ -95,12 +96,12 @@ pub unsafe fn tile_avx512vnni_rows(
     rows: &mut [&mut [f32]],
     r0: usize,
 ) {
-    assert!(rows.iter().all(|r| r.len() >= r0 + TILE_ROWS));
-    let ptrs: &mut [&mut [f32]] = rows;
-    let base = ptrs.as_mut_ptr();
+    let nt = rows.len();
+    let base = rows.as_mut_ptr();
     // SAFETY: the same contract; token `j`'s 16 values go to `rows[j][r0..r0 + 16]`, inside
-    // that row (asserted); the rows are distinct `&mut` slices, so no two tokens share them.
-    unsafe { tile512_dispatch(w, tile, a, t0, ptrs.len(), |j| (*base.add(j)).as_mut_ptr().add(r0)) }
+    // that row (the caller's check); the rows are distinct `&mut` slices, so no two tokens
+    // share them.
+    unsafe { tile512_dispatch(w, tile, a, t0, nt, |j| (*base.add(j)).as_mut_ptr().add(r0)) }
 }
 
 /// # Safety
