@@ -134,6 +134,9 @@ pub struct SchedulerConfig {
     /// Tokens (prompt + generated) a uid may use per `quota_window_s`; 0 = unlimited.
     pub quota_tokens_per_uid: usize,
     pub quota_window_s: u64,
+    /// Least time between two `onTokens` callbacks of one request: tokens decoded meanwhile
+    /// go out together (the first at once, the last with `onCompleted`). 0 = one per pass.
+    pub stream_interval_ms: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -148,6 +151,7 @@ impl Default for SchedulerConfig {
             weights: Default::default(),
             quota_tokens_per_uid: 0,
             quota_window_s: 60,
+            stream_interval_ms: 16,
         }
     }
 }

@@ -84,6 +84,8 @@ struct Outcome {
     ids: Vec<i32>,
     error: Option<(ErrorCode, String)>,
     finish: String,
+    /// `onTokens` callbacks received.
+    token_callbacks: usize,
 }
 
 /// Sends a request and collects everything it streams until it ends.
@@ -99,6 +101,7 @@ fn run(session: &Strong<dyn ILlmSession>, req: &GenerateRequest) -> Outcome {
             Event::Tokens(t, ids) => {
                 o.text.push_str(&t);
                 o.ids.extend(ids);
+                o.token_callbacks += 1;
             }
             Event::Completed(s) => {
                 o.finish = s.finishReason;
@@ -249,7 +252,8 @@ fn a_killed_client_is_detected_and_its_session_freed() {
 /// full socket blocked the worker thread and every other request queued behind it.
 #[test]
 fn a_frozen_client_holds_up_only_its_own_request() {
-    let d = Daemon::start("");
+    // One `onTokens` per token, so the stopped client's socket fills as fast as it can.
+    let d = Daemon::start("[scheduler]\nstream_interval_ms = 0\n");
     let conn = d.connect();
     // A long generation that does not stop early (greedy counting), streamed to a client.
     let frozen = llmctl_run_started(&d, &conn, "3000", "1, 2, 3, 4, 5, 6, 7, 8,", Stdio::piped());
@@ -281,6 +285,56 @@ fn a_frozen_client_holds_up_only_its_own_request() {
         "the thawed client got its whole reply: {}",
         &text[text.len().saturating_sub(200)..]
     );
+}
+
+/// `onTokens` pacing (`scheduler.stream_interval_ms`): the first tokens go out at once, later
+/// ones are held and sent together, whatever is held arrives before `onCompleted`, and no token
+/// or byte of text is lost or reordered. With the interval at 0, one callback per token.
+#[test]
+fn paced_token_callbacks_lose_nothing_and_the_first_is_not_held() {
+    let req = greedy("The capital of France is", 32);
+    let every = {
+        let d = Daemon::start("[scheduler]\nstream_interval_ms = 0\n");
+        run(&session(&d.connect()), &req)
+    };
+    assert_eq!(every.ids, golden_capital_ids(32), "the daemon's greedy tokens differ from llama.cpp's golden ones");
+    assert_eq!(every.token_callbacks, every.ids.len(), "interval 0: one onTokens per token");
+    // An interval far longer than the request: the first callback, then everything else in one.
+    let d = Daemon::start("[scheduler]\nstream_interval_ms = 600000\n");
+    let conn = d.connect();
+    let (cb, _tx, rx) = client::callback();
+    let s = session(&conn);
+    s.generate(&req, &cb).expect("submitted");
+    let mut events = Vec::new();
+    loop {
+        let e = rx.recv_timeout(Duration::from_secs(120)).expect("the request ends");
+        let end = matches!(e, Event::Completed(_) | Event::Error(..));
+        events.push(e);
+        if end {
+            break;
+        }
+    }
+    let tokens: Vec<(String, Vec<i32>)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Tokens(t, ids) => Some((t.clone(), ids.clone())),
+            _ => None,
+        })
+        .collect();
+    assert!(matches!(events.last(), Some(Event::Completed(_))), "{:?}", events.last());
+    assert_eq!(tokens.len(), 2, "the first tokens at once, the rest held until the end");
+    assert_eq!(tokens[0].1.len(), 1, "the first token is sent alone, not held");
+    let ids: Vec<i32> = tokens.iter().flat_map(|(_, i)| i.clone()).collect();
+    let text: String = tokens.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(ids, every.ids);
+    assert_eq!(text, every.text);
+    // The default paces at a frame (16 ms): the same stream (how many callbacks depends on the
+    // machine's speed: a pass slower than 16 ms sends every token).
+    drop(d);
+    let d = Daemon::start("");
+    let paced = run(&session(&d.connect()), &req);
+    assert_eq!((paced.ids, paced.text), (every.ids, every.text));
+    assert!(paced.token_callbacks >= 2, "{}", paced.token_callbacks);
 }
 
 #[test]
