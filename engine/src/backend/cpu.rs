@@ -332,7 +332,14 @@ impl CpuBackend {
     /// one quantization of `x` and one parallel step over all their tiles (shapes checked by
     /// the caller). Each task owns a run of one matrix's tiles and writes their rows of every
     /// token straight into `outs` (through a 16-row buffer that stays in L1).
-    fn matmul_packed(&self, ws: &[&PackedMatrix], x: &[f32], n: usize, outs: &mut [Vec<&mut [f32]>]) {
+    fn matmul_packed(
+        &self,
+        ws: &[&PackedMatrix],
+        x: &[f32],
+        n: usize,
+        outs: &mut [Vec<&mut [f32]>],
+        order: packed::Order,
+    ) {
         let kernel = Kernel::best();
         let cols = ws[0].cols;
         ACTS.with(|acts| {
@@ -399,10 +406,10 @@ impl CpuBackend {
                                     packed::quantize_rows(x, packed::QuantOut { qs, d, sum, ms, gsum, gcorr });
                                     *seen = step;
                                 }
-                                kernel.run_rows(w, tile, mine, 0, dst, r0, &mut buf);
+                                kernel.run_rows_order(order, w, tile, mine, 0, dst, r0, &mut buf);
                             });
                         } else {
-                            kernel.run_rows(w, tile, acts, 0, dst, r0, &mut buf);
+                            kernel.run_rows_order(order, w, tile, acts, 0, dst, r0, &mut buf);
                         }
                     }
                 });
@@ -455,7 +462,7 @@ impl Backend for CpuBackend {
             ));
         }
         if let Some(p) = &w.packed {
-            self.matmul_packed(&[p], x, n, &mut [out.chunks_exact_mut(rows).collect()]);
+            self.matmul_packed(&[p], x, n, &mut [out.chunks_exact_mut(rows).collect()], packed::Order::Lanes);
             return Ok(());
         }
         let at = w.ty.vec_dot_type();
@@ -514,7 +521,7 @@ impl Backend for CpuBackend {
             Some(p) if fits => {
                 let mut rows: Vec<Vec<&mut [f32]>> =
                     ws.iter().zip(outs.iter_mut()).map(|(w, o)| o.chunks_exact_mut(w.rows).collect()).collect();
-                self.matmul_packed(&p, x, n, &mut rows);
+                self.matmul_packed(&p, x, n, &mut rows, packed::Order::Lanes);
                 Ok(())
             }
             _ => {
@@ -537,7 +544,9 @@ impl Backend for CpuBackend {
         match &w.packed {
             Some(p) => {
                 let mut outs = vec![rows.iter_mut().map(|r| &mut **r).collect::<Vec<&mut [f32]>>()];
-                self.matmul_packed(&[p], x, n, &mut outs);
+                // The output head: its results are final, so it sums each block in one integer
+                // (`packed::Order::BlockSum`, see there).
+                self.matmul_packed(&[p], x, n, &mut outs, packed::Order::BlockSum);
                 Ok(())
             }
             _ => {
@@ -1043,14 +1052,35 @@ mod tests {
             assert_eq!(&batched[t * rows..(t + 1) * rows], &one[..], "token {t}");
         }
         assert!(cpu.matmul(&w, &x, n + 1, &mut batched).is_err(), "shape mismatch is an error");
-        // Rows handed out one per token equal the contiguous result, packed or not.
+        // `matmul_rows` (the output head) hands out one row per token. Unpacked, it equals the
+        // contiguous result; packed, it sums in the head's order (`packed::Order::BlockSum`):
+        // equal to that order's scalar reference, and each token alone to the batch.
+        let p = w.packed.as_ref().expect("Q8_0 packs");
+        let mut a = QuantActs::default();
+        a.quantize(&x, n, cols);
+        let mut tile = vec![0f32; TILE_ROWS * n];
+        let mut head_ref = vec![0f32; n * rows];
+        for t in 0..p.tiles() {
+            packed::reference_order(packed::Order::BlockSum, p, t, &a, 0, n, &mut tile);
+            for j in 0..n {
+                for lane in 0..TILE_ROWS.min(rows - t * TILE_ROWS) {
+                    head_ref[j * rows + t * TILE_ROWS + lane] = tile[j * TILE_ROWS + lane];
+                }
+            }
+        }
+        assert_ne!(head_ref, batched, "the orders round differently here");
         let mut unpacked = w.clone();
         unpacked.packed = None;
-        for m in [&w, &unpacked] {
+        for (m, want) in [(&w, &head_ref), (&unpacked, &batched)] {
             let mut rows_out = vec![vec![0f32; rows]; n];
             let mut refs: Vec<&mut [f32]> = rows_out.iter_mut().map(|r| &mut r[..]).collect();
             cpu.matmul_rows(m, &x, &mut refs).expect("matmul_rows");
-            assert_eq!(rows_out.concat(), batched, "packed: {}", m.packed.is_some());
+            assert_eq!(&rows_out.concat(), want, "packed: {}", m.packed.is_some());
+            for t in 0..n {
+                let mut one = vec![0f32; rows];
+                cpu.matmul_rows(m, &x[t * cols..(t + 1) * cols], &mut [&mut one[..]]).expect("matmul_rows");
+                assert_eq!(one, rows_out[t], "packed: {}, token {t} alone", m.packed.is_some());
+            }
             let mut short = vec![vec![0f32; rows - 1]; n];
             let mut refs: Vec<&mut [f32]> = short.iter_mut().map(|r| &mut r[..]).collect();
             assert!(cpu.matmul_rows(m, &x, &mut refs).is_err(), "a short output row is an error");

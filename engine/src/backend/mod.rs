@@ -177,7 +177,10 @@ pub trait Backend: Send + Sync {
 
     /// [`Self::matmul`] with each token's output row in its own slice (`rows[t]`, `w.rows`
     /// long), so the caller can hand results out without copying them (the output head's
-    /// logits, one vector per sequence). By default through a temporary buffer.
+    /// logits, one vector per sequence). By default through a temporary buffer. This is the
+    /// output head's op: its results are final (never re-quantized), so a backend may round its
+    /// float sums in a faster order than `matmul`'s (the CPU's packed weights: one integer sum
+    /// per block, `quant::packed::Order::BlockSum`), the same for any batch.
     fn matmul_rows(&self, w: &WeightMatrix, x: &[f32], rows: &mut [&mut [f32]]) -> Result<(), BackendError> {
         if rows.iter().any(|r| r.len() != w.rows) {
             return Err(BackendError::Shape {

@@ -31,11 +31,21 @@ fn sdot<const I: i32>(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
     acc
 }
 
+/// With `BLOCKSUM`, the output head's order (`packed::Order::BlockSum`): the eight groups'
+/// integer sums are added (exact) and each block takes one fused multiply-add.
+///
 /// # Safety
 /// The CPU must support NEON and the dot-product extension; `out` holds `nt * TILE_ROWS`
 /// values, `t0 + nt <= a.n`, `a.cols == w.cols`, `tile < w.tiles()`.
 #[target_feature(enable = "neon,dotprod")]
-pub unsafe fn tile_neon_dotprod(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+pub unsafe fn tile_neon_dotprod<const BLOCKSUM: bool>(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
     let kind = w.kind;
     let blocks = w.blocks();
     let rec = kind.record_bytes();
@@ -49,6 +59,7 @@ pub unsafe fn tile_neon_dotprod(w: &PackedMatrix, tile: usize, a: &QuantActs, t0
     for j in 0..nt {
         for quad in 0..4 {
             let mut lanes = [vdupq_n_f32(0.0); 8];
+            let mut acc = vdupq_n_f32(0.0);
             let mut summs = vdupq_n_f32(0.0);
             for b in 0..blocks {
                 let r = &data[b * rec..(b + 1) * rec];
@@ -93,20 +104,34 @@ pub unsafe fn tile_neon_dotprod(w: &PackedMatrix, tile: usize, a: &QuantActs, t0
                     chunk!(2);
                     chunk!(3);
                     let scale = vmulq_f32(vld1q_f32(dv.as_ptr()), vdupq_n_f32(a.d[ab]));
-                    for k in 0..8 {
-                        lanes[k] = vfmaq_f32(lanes[k], scale, vcvtq_f32_s32(isum[k]));
+                    if BLOCKSUM {
+                        let s03 = vaddq_s32(vaddq_s32(isum[0], isum[1]), vaddq_s32(isum[2], isum[3]));
+                        let s47 = vaddq_s32(vaddq_s32(isum[4], isum[5]), vaddq_s32(isum[6], isum[7]));
+                        acc = vfmaq_f32(acc, scale, vcvtq_f32_s32(vaddq_s32(s03, s47)));
+                    } else {
+                        for k in 0..8 {
+                            lanes[k] = vfmaq_f32(lanes[k], scale, vcvtq_f32_s32(isum[k]));
+                        }
                     }
                     if kind == PackKind::Q4_1 {
                         summs = vaddq_f32(summs, vmulq_f32(vld1q_f32(mv.as_ptr()), vdupq_n_f32(a.ms[ab])));
                     }
                 }
             }
-            let l = &lanes;
-            let r = vaddq_f32(
-                vaddq_f32(vaddq_f32(l[4], l[0]), vaddq_f32(l[6], l[2])),
-                vaddq_f32(vaddq_f32(l[5], l[1]), vaddq_f32(l[7], l[3])),
-            );
-            let r = vaddq_f32(r, summs);
+            let r = if BLOCKSUM {
+                if kind == PackKind::Q4_1 {
+                    vaddq_f32(acc, summs)
+                } else {
+                    acc
+                }
+            } else {
+                let l = &lanes;
+                let r = vaddq_f32(
+                    vaddq_f32(vaddq_f32(l[4], l[0]), vaddq_f32(l[6], l[2])),
+                    vaddq_f32(vaddq_f32(l[5], l[1]), vaddq_f32(l[7], l[3])),
+                );
+                vaddq_f32(r, summs)
+            };
             let o = &mut out[j * TILE_ROWS + 4 * quad..j * TILE_ROWS + 4 * quad + 4];
             // SAFETY: `o` is 4 writable f32s.
             unsafe { vst1q_f32(o.as_mut_ptr(), r) };

@@ -496,6 +496,151 @@ unsafe fn pair512<const KIND: u8>(
     }
 }
 
+/// Tokens per call of the AVX-512 loop in the output head's order: per token it keeps two
+/// integer chains, a float accumulator and the Q4_1 minimum term, so four tokens leave room
+/// for a block's weights in the 32 registers.
+const GROUP_BLOCKSUM: usize = 4;
+
+/// [`tile_avx512vnni`] in the output head's order (`packed::Order::BlockSum`): per block and
+/// token, eight `vpdpbusd`s build one exact integer sum (two chains, added), then one
+/// conversion and one FMA; up to [`GROUP_BLOCKSUM`] tokens share each unpacked block.
+///
+/// # Safety
+/// As [`tile_avx512vnni`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+pub unsafe fn tile_avx512vnni_blocksum(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    assert!(out.len() >= nt * TILE_ROWS && a.sum.len() >= (t0 + nt) * w.blocks());
+    // SAFETY: the same contract, passed on; `out` holds `nt * 16` values (asserted).
+    unsafe {
+        match w.kind {
+            PackKind::Q4_0 => tile512_blocksum::<K_Q4_0>(w, tile, a, t0, nt, out),
+            PackKind::Q4_1 => tile512_blocksum::<K_Q4_1>(w, tile, a, t0, nt, out),
+            PackKind::Q8_0 => tile512_blocksum::<K_Q8_0>(w, tile, a, t0, nt, out),
+        }
+    }
+}
+
+/// # Safety
+/// As [`tile_avx512vnni_blocksum`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn tile512_blocksum<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    // The next tiles are prefetched into L2 as in [`tile512`].
+    let ahead = if KIND == K_Q8_0 { 2 } else { 1 };
+    let next = if tile + ahead < w.tiles() { Some(w.tile(tile + ahead)) } else { None };
+    let groups = nt.div_ceil(GROUP_BLOCKSUM);
+    let base = out.as_mut_ptr();
+    let mut j = 0;
+    while j < nt {
+        let g = (nt - j).min(GROUP_BLOCKSUM);
+        let pf = next.map(|n| (n, j / GROUP_BLOCKSUM, groups));
+        // SAFETY: same contract, for tokens t0+j..t0+j+g, whose values go to
+        // `out[16j..16(j + g)]`, inside `out` (the caller's assertion).
+        unsafe {
+            let o = base.add(j * TILE_ROWS);
+            match g {
+                4 => group512_blocksum::<KIND, 4>(w, tile, a, t0 + j, o, pf),
+                3 => group512_blocksum::<KIND, 3>(w, tile, a, t0 + j, o, pf),
+                2 => group512_blocksum::<KIND, 2>(w, tile, a, t0 + j, o, pf),
+                _ => group512_blocksum::<KIND, 1>(w, tile, a, t0 + j, o, pf),
+            }
+        }
+        j += g;
+    }
+}
+
+/// `NT` tokens of one tile in the output head's order: per block the weights are unpacked once
+/// (4-bit kinds: a 64-byte chunk gives the low-nibble group `c` and the high-nibble group
+/// `c + 4`) and each token's integer sum runs through the block's 8 `vpdpbusd`s in two chains
+/// (integer sums are exact in any order), starting from the offset term `−o · a_s`.
+///
+/// # Safety
+/// As [`tile_avx512vnni_blocksum`], for tokens `t0..t0 + NT`, whose 16 values each go to
+/// `out[16j..16j + 16]` (valid for writing).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn group512_blocksum<const KIND: u8, const NT: usize>(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    out: *mut f32,
+    prefetch: Option<(&[u8], usize, usize)>,
+) {
+    let data = checked_tile::<KIND>(w, tile, a, t0, NT);
+    let blocks = w.blocks();
+    assert!(a.sum.len() >= (t0 + NT) * blocks);
+    let rec = kind_of::<KIND>().record_bytes();
+    let qo = kind_of::<KIND>().qs_offset();
+    let o = kind_of::<KIND>().offset();
+    let mut acc = [_mm512_setzero_ps(); NT];
+    let mut summs = [_mm512_setzero_ps(); NT];
+    let mask = _mm512_set1_epi8(0x0F);
+    let p = data.as_ptr();
+    let (aq, ad, am, asum) = (a.qs.as_ptr(), a.d.as_ptr(), a.ms.as_ptr(), a.sum.as_ptr());
+    for b in 0..blocks {
+        if let Some((next, _, _)) = prefetch.filter(|&(_, group, groups)| b % groups == group) {
+            prefetch_record(next, b, rec);
+        }
+        // SAFETY: record `b` spans `rec` bytes inside `data` (asserted above): the scales at
+        // offsets 0 and 32 (32 bytes each) and the weights at `qo..qo + 256` or `qo + 512`.
+        // Blocks `(t0 + j) * blocks + b` of the activations (32 values, a scale, a sum and a
+        // minimum term each) are inside their buffers (asserted above); unaligned 4-byte reads.
+        unsafe {
+            let r = p.add(b * rec);
+            let q = r.add(qo);
+            let mut lo = [_mm512_setzero_si512(); NT];
+            let mut hi = [_mm512_setzero_si512(); NT];
+            let mut qp = [aq as *const i32; NT];
+            for j in 0..NT {
+                let ab = (t0 + j) * blocks + b;
+                qp[j] = aq.add(ab * BLOCK) as *const i32;
+                if KIND != K_Q4_1 {
+                    lo[j] = _mm512_set1_epi32(-o * *asum.add(ab));
+                }
+            }
+            if KIND == K_Q8_0 {
+                for c in 0..4 {
+                    let x = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                    let y = _mm512_loadu_si512(q.add(64 * (c + 4)) as *const _);
+                    for j in 0..NT {
+                        lo[j] = _mm512_dpbusd_epi32(lo[j], x, _mm512_set1_epi32(qp[j].add(c).read_unaligned()));
+                        hi[j] = _mm512_dpbusd_epi32(hi[j], y, _mm512_set1_epi32(qp[j].add(c + 4).read_unaligned()));
+                    }
+                }
+            } else {
+                for c in 0..4 {
+                    let x = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                    let wl = _mm512_and_si512(x, mask);
+                    let wh = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+                    for j in 0..NT {
+                        lo[j] = _mm512_dpbusd_epi32(lo[j], wl, _mm512_set1_epi32(qp[j].add(c).read_unaligned()));
+                        hi[j] = _mm512_dpbusd_epi32(hi[j], wh, _mm512_set1_epi32(qp[j].add(c + 4).read_unaligned()));
+                    }
+                }
+            }
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(r as *const __m256i));
+            for j in 0..NT {
+                let ab = (t0 + j) * blocks + b;
+                let scale = _mm512_mul_ps(dv, _mm512_set1_ps(*ad.add(ab)));
+                acc[j] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(lo[j], hi[j])), acc[j]);
+            }
+            if KIND == K_Q4_1 {
+                let mv = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(32) as *const __m256i));
+                for (j, s) in summs.iter_mut().enumerate() {
+                    let ab = (t0 + j) * blocks + b;
+                    *s = _mm512_add_ps(*s, _mm512_mul_ps(mv, _mm512_set1_ps(*am.add(ab))));
+                }
+            }
+        }
+    }
+    for j in 0..NT {
+        let r = if KIND == K_Q4_1 { _mm512_add_ps(acc[j], summs[j]) } else { acc[j] };
+        // SAFETY: `out[16j..16j + 16]` is valid for writing (this function's contract).
+        unsafe { _mm512_storeu_ps(out.add(j * TILE_ROWS), r) };
+    }
+}
+
 /// [`super::packed::quantize_rows_body`] with AVX-512: per block, two 16-lane loads, the
 /// maximum magnitude, one multiply and one round-to-nearest-even conversion per 16 values,
 /// and the group sums from one `vpdpbusd` against ones. Equal to the definition bit for bit
@@ -543,10 +688,20 @@ pub unsafe fn quantize_rows_avx512(x: &[f32], o: QuantOut<'_>) {
     }
 }
 
+/// With `BLOCKSUM`, the output head's order (`packed::Order::BlockSum`): the eight groups'
+/// integer sums are added (exact) and each block takes one FMA.
+///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; the same shape contract as [`tile_avx512vnni`].
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn tile_avx2(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+pub unsafe fn tile_avx2<const BLOCKSUM: bool>(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
     let kind = w.kind;
     let blocks = w.blocks();
     let rec = kind.record_bytes();
@@ -562,6 +717,7 @@ pub unsafe fn tile_avx2(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize,
     for j in 0..nt {
         for h in 0..2 {
             let mut lanes = [_mm256_setzero_ps(); 8];
+            let mut acc = _mm256_setzero_ps();
             let mut summs = _mm256_setzero_ps();
             for b in 0..blocks {
                 // SAFETY: record `b` spans `rec` bytes inside `data` (asserted above); half `h`
@@ -591,6 +747,7 @@ pub unsafe fn tile_avx2(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize,
                 };
                 let (aq, ag, ad, am) = act(a, (t0 + j) * blocks + b);
                 let scale = _mm256_mul_ps(dv, _mm256_set1_ps(ad));
+                let mut total = _mm256_setzero_si256();
                 for k in 0..8 {
                     let av = _mm256_set1_epi32(word(aq, k));
                     let pairs = if kind == PackKind::Q8_0 {
@@ -601,18 +758,33 @@ pub unsafe fn tile_avx2(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize,
                         _mm256_maddubs_epi16(wv[k], av)
                     };
                     let isum = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(-off * ag[k]));
-                    lanes[k] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), lanes[k]);
+                    if BLOCKSUM {
+                        total = _mm256_add_epi32(total, isum);
+                    } else {
+                        lanes[k] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum), lanes[k]);
+                    }
+                }
+                if BLOCKSUM {
+                    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc);
                 }
                 if kind == PackKind::Q4_1 {
                     summs = _mm256_add_ps(summs, _mm256_mul_ps(mv, _mm256_set1_ps(am)));
                 }
             }
-            let l = &lanes;
-            let r = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(l[4], l[0]), _mm256_add_ps(l[6], l[2])),
-                _mm256_add_ps(_mm256_add_ps(l[5], l[1]), _mm256_add_ps(l[7], l[3])),
-            );
-            let r = _mm256_add_ps(r, summs);
+            let r = if BLOCKSUM {
+                if kind == PackKind::Q4_1 {
+                    _mm256_add_ps(acc, summs)
+                } else {
+                    acc
+                }
+            } else {
+                let l = &lanes;
+                let r = _mm256_add_ps(
+                    _mm256_add_ps(_mm256_add_ps(l[4], l[0]), _mm256_add_ps(l[6], l[2])),
+                    _mm256_add_ps(_mm256_add_ps(l[5], l[1]), _mm256_add_ps(l[7], l[3])),
+                );
+                _mm256_add_ps(r, summs)
+            };
             let o = &mut out[j * TILE_ROWS + 8 * h..j * TILE_ROWS + 8 * h + 8];
             // SAFETY: `o` is 8 writable f32s.
             unsafe { _mm256_storeu_ps(o.as_mut_ptr(), r) };
