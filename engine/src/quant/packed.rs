@@ -426,11 +426,29 @@ pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
     ((l[4] + l[0]) + (l[6] + l[2])) + ((l[5] + l[1]) + (l[7] + l[3]))
 }
 
+/// Weight `e` (0..32) of row `lane` in block record `d`, as the unsigned value `u = w + o` the
+/// kernels multiply (see the layout above).
+#[inline(always)]
+fn unsigned_weight(kind: PackKind, d: &[u8], lane: usize, e: usize) -> i32 {
+    let qo = kind.qs_offset();
+    let (k, i) = (e / 4, e % 4);
+    match kind {
+        PackKind::Q4_0 | PackKind::Q4_1 => {
+            let q = d[qo + 64 * (k % 4) + 4 * lane + i] as i32;
+            if k < 4 {
+                q & 15
+            } else {
+                q >> 4
+            }
+        }
+        PackKind::Q8_0 => d[qo + 64 * k + 4 * lane + i] as i32,
+    }
+}
+
 /// The scalar reference: `out[j * TILE_ROWS + lane]` for tokens `t0..t0+nt`, rows of tile `tile`.
 pub fn reference(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
     let blocks = w.blocks();
     let rec = w.kind.record_bytes();
-    let qo = w.kind.qs_offset();
     let o = w.kind.offset();
     let tdata = w.tile(tile);
     for j in 0..nt {
@@ -447,18 +465,7 @@ pub fn reference(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: us
                 for (k, l) in lanes.iter_mut().enumerate() {
                     let mut isum = -o * a.gsum[ab * 8 + k];
                     for i in 0..4 {
-                        let u = match w.kind {
-                            PackKind::Q4_0 | PackKind::Q4_1 => {
-                                let q = d[qo + 64 * (k % 4) + 4 * lane + i] as i32;
-                                if k < 4 {
-                                    q & 15
-                                } else {
-                                    q >> 4
-                                }
-                            }
-                            PackKind::Q8_0 => d[qo + 64 * k + 4 * lane + i] as i32,
-                        };
-                        isum += u * aq[4 * k + i] as i32;
+                        isum += unsigned_weight(w.kind, d, lane, 4 * k + i) * aq[4 * k + i] as i32;
                     }
                     *l = scale.mul_add(isum as f32, *l);
                 }
@@ -493,7 +500,6 @@ pub fn reference_order(order: Order, w: &PackedMatrix, tile: usize, a: &QuantAct
 fn reference_blocksum(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
     let blocks = w.blocks();
     let rec = w.kind.record_bytes();
-    let qo = w.kind.qs_offset();
     let o = w.kind.offset();
     let tdata = w.tile(tile);
     for j in 0..nt {
@@ -507,21 +513,8 @@ fn reference_blocksum(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, n
                 let aq = &a.qs[ab * BLOCK..(ab + 1) * BLOCK];
                 let wd = f16::from_le_bytes([d[2 * lane], d[2 * lane + 1]]).to_f32();
                 let mut isum = -o * a.sum[ab];
-                for k in 0..8 {
-                    for i in 0..4 {
-                        let u = match w.kind {
-                            PackKind::Q4_0 | PackKind::Q4_1 => {
-                                let q = d[qo + 64 * (k % 4) + 4 * lane + i] as i32;
-                                if k < 4 {
-                                    q & 15
-                                } else {
-                                    q >> 4
-                                }
-                            }
-                            PackKind::Q8_0 => d[qo + 64 * k + 4 * lane + i] as i32,
-                        };
-                        isum += u * aq[4 * k + i] as i32;
-                    }
+                for (e, &q) in aq.iter().enumerate() {
+                    isum += unsigned_weight(w.kind, d, lane, e) * q as i32;
                 }
                 acc = (wd * a.d[ab]).mul_add(isum as f32, acc);
                 if w.kind == PackKind::Q4_1 {
