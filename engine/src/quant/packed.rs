@@ -674,36 +674,37 @@ impl Kernel {
         out: &mut [f32],
     ) {
         assert!(tile < w.tiles() && a.cols == w.cols && t0 + nt <= a.n && out.len() >= nt * TILE_ROWS);
-        if order == Order::BlockSum {
-            return match self.0 {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were
-                // detected; the shape contract is asserted above.
-                KernelKind::Avx512Vnni => unsafe { super::packed_x86::tile_avx512vnni_blocksum(w, tile, a, t0, nt, out) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX2, FMA and F16C were detected; shapes asserted above.
-                KernelKind::Avx2 => unsafe { super::packed_x86::tile_avx2::<true>(w, tile, a, t0, nt, out) },
-                #[cfg(target_arch = "aarch64")]
-                // SAFETY: the dot-product extension was detected; shapes asserted above.
-                KernelKind::NeonDotprod => unsafe { super::packed_arm::tile_neon_dotprod::<true>(w, tile, a, t0, nt, out) },
-                #[allow(unreachable_patterns)]
-                _ => reference_blocksum(w, tile, a, t0, nt, out),
-            };
-        }
+        let blocksum = order == Order::BlockSum;
         match self.0 {
-            KernelKind::Scalar => reference(w, tile, a, t0, nt, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were
             // detected; the shape contract is asserted above.
-            KernelKind::Avx512Vnni => unsafe { super::packed_x86::tile_avx512vnni(w, tile, a, t0, nt, out) },
+            KernelKind::Avx512Vnni => unsafe {
+                if blocksum {
+                    super::packed_x86::tile_avx512vnni_blocksum(w, tile, a, t0, nt, out)
+                } else {
+                    super::packed_x86::tile_avx512vnni(w, tile, a, t0, nt, out)
+                }
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2, FMA and F16C were detected; shapes asserted above.
-            KernelKind::Avx2 => unsafe { super::packed_x86::tile_avx2::<false>(w, tile, a, t0, nt, out) },
+            KernelKind::Avx2 => unsafe {
+                if blocksum {
+                    super::packed_x86::tile_avx2::<true>(w, tile, a, t0, nt, out)
+                } else {
+                    super::packed_x86::tile_avx2::<false>(w, tile, a, t0, nt, out)
+                }
+            },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: the dot-product extension was detected; shapes asserted above.
-            KernelKind::NeonDotprod => unsafe { super::packed_arm::tile_neon_dotprod::<false>(w, tile, a, t0, nt, out) },
-            #[allow(unreachable_patterns)]
-            _ => reference(w, tile, a, t0, nt, out),
+            KernelKind::NeonDotprod => unsafe {
+                if blocksum {
+                    super::packed_arm::tile_neon_dotprod::<true>(w, tile, a, t0, nt, out)
+                } else {
+                    super::packed_arm::tile_neon_dotprod::<false>(w, tile, a, t0, nt, out)
+                }
+            },
+            _ => reference_order(order, w, tile, a, t0, nt, out),
         }
     }
 }
