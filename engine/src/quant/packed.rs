@@ -845,58 +845,28 @@ mod tests {
         }
     }
 
+    /// The block-sum order rounds the same exact sum in f32 as `vec_dot`, elsewhere: one
+    /// rounding per block and term (48 blocks here), 2^-24 relative each, with margin; relative
+    /// to Σ|w·a| of the row.
+    const F32_SUM_TOL: f64 = 1e-5;
+
     #[test]
-    fn the_reference_equals_the_gguf_dot_product_bit_for_bit() {
-        // `vec_dot` is the llama.cpp-order dot product checked against gguf-py and llama.cpp.
+    fn the_references_agree_with_the_gguf_dot_product() {
+        // `vec_dot` is the llama.cpp-order dot product checked against gguf-py and llama.cpp:
+        // the lanes reference equals it bit for bit, the block-sum (output head) reference
+        // within f32 rounding.
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let (rows, cols, n) = (37, 96, 3);
+            let (rows, cols, n) = (37, 1536, 3);
             let raw = random_rows(ty, rows, cols, 7 + ty.id() as u64);
             let w = pack(ty, &raw, rows, cols);
             let x = random_x(n * cols, 11);
             let mut a = QuantActs::default();
             a.quantize(&x, n, cols);
-            let out = run_all(Kernel(KernelKind::Scalar), &w, &a);
+            let lanes = run_all(Kernel(KernelKind::Scalar), &w, &a);
+            let blocksum = run_all_order(Kernel(KernelKind::Scalar), Order::BlockSum, &w, &a);
             let at = ty.vec_dot_type();
             let arow = at.row_bytes(cols).expect("blocks");
             let wrow = ty.row_bytes(cols).expect("blocks");
-            for t in 0..n {
-                let mut aq = vec![0u8; arow];
-                quantize_row(at, &x[t * cols..(t + 1) * cols], &mut aq).expect("quantize");
-                for r in 0..rows {
-                    let want = vec_dot(ty, cols, &raw[r * wrow..(r + 1) * wrow], &aq).expect("dot");
-                    let got = out[(r / TILE_ROWS) * TILE_ROWS * n + t * TILE_ROWS + r % TILE_ROWS];
-                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} row {r} token {t}: {got} vs {want}");
-                }
-            }
-            // Dequantizing a packed row gives GGUF's values.
-            let mut deq = vec![0f32; cols];
-            let mut want = vec![0f32; cols];
-            for r in [0, 15, 16, rows - 1] {
-                w.dequantize_row(r, &mut deq);
-                crate::quant::dequantize_row(ty, &raw[r * wrow..(r + 1) * wrow], &mut want).expect("deq");
-                assert_eq!(deq, want, "{ty} row {r}");
-            }
-        }
-    }
-
-    /// Both orders round the same exact sum in f32: one rounding per block and term (at most
-    /// 48 blocks here), 2^-24 relative each, with margin; relative to Σ|w·a| of the row.
-    const F32_SUM_TOL: f64 = 1e-5;
-
-    #[test]
-    fn the_head_order_agrees_with_the_gguf_dot_product_within_f32_rounding() {
-        // `vec_dot` (llama.cpp's x86 order, checked against gguf-py and llama.cpp) and the
-        // block-sum reference differ only in where the float sum rounds.
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            let (rows, cols, n) = (37, 1536, 3);
-            let raw = random_rows(ty, rows, cols, 5 + ty.id() as u64);
-            let w = pack(ty, &raw, rows, cols);
-            let x = random_x(n * cols, 13);
-            let mut a = QuantActs::default();
-            a.quantize(&x, n, cols);
-            let out = run_all_order(Kernel(KernelKind::Scalar), Order::BlockSum, &w, &a);
-            let at = ty.vec_dot_type();
-            let (arow, wrow) = (at.row_bytes(cols).expect("blocks"), ty.row_bytes(cols).expect("blocks"));
             let mut deq = vec![0f32; cols];
             let mut differ = 0;
             for t in 0..n {
@@ -904,18 +874,28 @@ mod tests {
                 quantize_row(at, &x[t * cols..(t + 1) * cols], &mut aq).expect("quantize");
                 for r in 0..rows {
                     let want = vec_dot(ty, cols, &raw[r * wrow..(r + 1) * wrow], &aq).expect("dot");
-                    let got = out[(r / TILE_ROWS) * TILE_ROWS * n + t * TILE_ROWS + r % TILE_ROWS];
+                    let at_r = (r / TILE_ROWS) * TILE_ROWS * n + t * TILE_ROWS + r % TILE_ROWS;
+                    let got = lanes[at_r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} row {r} token {t}: {got} vs {want}");
                     w.dequantize_row(r, &mut deq);
                     let mag: f64 = (0..cols)
                         .map(|i| (deq[i] as f64 * a.qs[t * cols + i] as f64 * a.d[(t * cols + i) / BLOCK] as f64).abs())
                         .sum();
+                    let got = blocksum[at_r];
                     let diff = (got as f64 - want as f64).abs();
-                    assert!(diff <= F32_SUM_TOL * mag, "{ty} row {r} token {t}: {got} vs {want} (Σ|w·a| {mag})");
+                    assert!(diff <= F32_SUM_TOL * mag, "{ty} block sum, row {r} token {t}: {got} vs {want} (Σ|w·a| {mag})");
                     differ += usize::from(got != want);
                 }
             }
-            // The orders do round differently (else this test would show nothing).
-            assert!(differ > 0, "{ty}: every result equal");
+            // The orders do round differently (else the block-sum check would show nothing).
+            assert!(differ > 0, "{ty}: every block-sum result equal to the lanes order's");
+            // Dequantizing a packed row gives GGUF's values.
+            let mut want = vec![0f32; cols];
+            for r in [0, 15, 16, rows - 1] {
+                w.dequantize_row(r, &mut deq);
+                crate::quant::dequantize_row(ty, &raw[r * wrow..(r + 1) * wrow], &mut want).expect("deq");
+                assert_eq!(deq, want, "{ty} row {r}");
+            }
         }
     }
 
