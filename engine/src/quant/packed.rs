@@ -445,40 +445,6 @@ fn unsigned_weight(kind: PackKind, d: &[u8], lane: usize, e: usize) -> i32 {
     }
 }
 
-/// The scalar reference: `out[j * TILE_ROWS + lane]` for tokens `t0..t0+nt`, rows of tile `tile`.
-pub fn reference(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
-    let blocks = w.blocks();
-    let rec = w.kind.record_bytes();
-    let o = w.kind.offset();
-    let tdata = w.tile(tile);
-    for j in 0..nt {
-        let t = t0 + j;
-        for lane in 0..TILE_ROWS {
-            let mut lanes = [0f32; 8];
-            let mut summs = 0f32;
-            for b in 0..blocks {
-                let d = &tdata[b * rec..(b + 1) * rec];
-                let ab = t * blocks + b;
-                let aq = &a.qs[ab * BLOCK..(ab + 1) * BLOCK];
-                let wd = f16::from_le_bytes([d[2 * lane], d[2 * lane + 1]]).to_f32();
-                let scale = wd * a.d[ab];
-                for (k, l) in lanes.iter_mut().enumerate() {
-                    let mut isum = -o * a.gsum[ab * 8 + k];
-                    for i in 0..4 {
-                        isum += unsigned_weight(w.kind, d, lane, 4 * k + i) * aq[4 * k + i] as i32;
-                    }
-                    *l = scale.mul_add(isum as f32, *l);
-                }
-                if w.kind == PackKind::Q4_1 {
-                    let m = f16::from_le_bytes([d[32 + 2 * lane], d[33 + 2 * lane]]).to_f32();
-                    summs += m * a.ms[ab];
-                }
-            }
-            out[j * TILE_ROWS + lane] = hsum8(&lanes) + summs;
-        }
-    }
-}
-
 /// The float accumulation order of a packed matmul (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Order {
@@ -488,16 +454,14 @@ pub enum Order {
     BlockSum,
 }
 
-/// The scalar reference in either order.
-pub fn reference_order(order: Order, w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
-    match order {
-        Order::Lanes => reference(w, tile, a, t0, nt, out),
-        Order::BlockSum => reference_blocksum(w, tile, a, t0, nt, out),
-    }
+/// The scalar reference in llama.cpp's order ([`Order::Lanes`]): `out[j * TILE_ROWS + lane]`
+/// for tokens `t0..t0+nt`, rows of tile `tile`.
+pub fn reference(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+    reference_order(Order::Lanes, w, tile, a, t0, nt, out)
 }
 
-/// [`reference`] in [`Order::BlockSum`].
-fn reference_blocksum(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+/// The scalar reference in either order, exactly as the module docs write them.
+pub fn reference_order(order: Order, w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
     let blocks = w.blocks();
     let rec = w.kind.record_bytes();
     let o = w.kind.offset();
@@ -505,6 +469,7 @@ fn reference_blocksum(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, n
     for j in 0..nt {
         let t = t0 + j;
         for lane in 0..TILE_ROWS {
+            let mut lanes = [0f32; 8];
             let mut acc = 0f32;
             let mut summs = 0f32;
             for b in 0..blocks {
@@ -512,17 +477,35 @@ fn reference_blocksum(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, n
                 let ab = t * blocks + b;
                 let aq = &a.qs[ab * BLOCK..(ab + 1) * BLOCK];
                 let wd = f16::from_le_bytes([d[2 * lane], d[2 * lane + 1]]).to_f32();
-                let mut isum = -o * a.sum[ab];
-                for (e, &q) in aq.iter().enumerate() {
-                    isum += unsigned_weight(w.kind, d, lane, e) * q as i32;
+                let scale = wd * a.d[ab];
+                match order {
+                    Order::Lanes => {
+                        for (k, l) in lanes.iter_mut().enumerate() {
+                            let mut isum = -o * a.gsum[ab * 8 + k];
+                            for i in 0..4 {
+                                isum += unsigned_weight(w.kind, d, lane, 4 * k + i) * aq[4 * k + i] as i32;
+                            }
+                            *l = scale.mul_add(isum as f32, *l);
+                        }
+                    }
+                    Order::BlockSum => {
+                        let mut isum = -o * a.sum[ab];
+                        for (e, &q) in aq.iter().enumerate() {
+                            isum += unsigned_weight(w.kind, d, lane, e) * q as i32;
+                        }
+                        acc = scale.mul_add(isum as f32, acc);
+                    }
                 }
-                acc = (wd * a.d[ab]).mul_add(isum as f32, acc);
                 if w.kind == PackKind::Q4_1 {
                     let m = f16::from_le_bytes([d[32 + 2 * lane], d[33 + 2 * lane]]).to_f32();
                     summs += m * a.ms[ab];
                 }
             }
-            out[j * TILE_ROWS + lane] = if w.kind == PackKind::Q4_1 { acc + summs } else { acc };
+            out[j * TILE_ROWS + lane] = match order {
+                Order::Lanes => hsum8(&lanes) + summs,
+                Order::BlockSum if w.kind == PackKind::Q4_1 => acc + summs,
+                Order::BlockSum => acc,
+            };
         }
     }
 }
