@@ -406,10 +406,10 @@ impl CpuBackend {
                                     packed::quantize_rows(x, packed::QuantOut { qs, d, sum, ms, gsum, gcorr });
                                     *seen = step;
                                 }
-                                kernel.run_rows_order(order, w, tile, mine, 0, dst, r0, &mut buf);
+                                kernel.run_rows(order, w, tile, mine, 0, dst, r0, &mut buf);
                             });
                         } else {
-                            kernel.run_rows_order(order, w, tile, acts, 0, dst, r0, &mut buf);
+                            kernel.run_rows(order, w, tile, acts, 0, dst, r0, &mut buf);
                         }
                     }
                 });

@@ -581,32 +581,13 @@ impl Kernel {
 
     /// Rows of tile `tile` for tokens `t0..t0 + rows.len()` straight into each token's output
     /// row: `rows[j][r0 + lane]` for the tile's real rows (the last tile may have fewer than
-    /// 16). The AVX-512 kernel stores whole tiles in place; the others, and a partial last
-    /// tile, go through `scratch` (resized as needed).
+    /// 16), summed in `order`. The AVX-512 kernel in [`Order::Lanes`] stores whole tiles in
+    /// place; the others, and a partial last tile, go through `scratch` (resized as needed).
     ///
     /// # Panics
     /// On shapes that do not fit (a bug in the caller, never input data).
-    #[allow(clippy::too_many_arguments)] // `run`'s arguments, the rows' offset and a buffer
+    #[allow(clippy::too_many_arguments)] // `run`'s arguments, the order, the rows' offset and a buffer
     pub fn run_rows(
-        self,
-        w: &PackedMatrix,
-        tile: usize,
-        a: &QuantActs,
-        t0: usize,
-        rows: &mut [&mut [f32]],
-        r0: usize,
-        scratch: &mut Vec<f32>,
-    ) {
-        self.run_rows_order(Order::Lanes, w, tile, a, t0, rows, r0, scratch)
-    }
-
-    /// [`Kernel::run_rows`] in either accumulation order ([`Order::BlockSum`] always goes
-    /// through `scratch`).
-    ///
-    /// # Panics
-    /// On shapes that do not fit (a bug in the caller, never input data).
-    #[allow(clippy::too_many_arguments)] // `run_rows`'s arguments and the order
-    pub fn run_rows_order(
         self,
         order: Order,
         w: &PackedMatrix,
@@ -811,7 +792,7 @@ mod tests {
                 let mut scratch = Vec::new();
                 for t in 0..w.tiles() {
                     let mut refs: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut o[r0 + t * TILE_ROWS..]).collect();
-                    k.run_rows_order(order, &w, t, &a, 0, &mut refs, 0, &mut scratch);
+                    k.run_rows(order, &w, t, &a, 0, &mut refs, 0, &mut scratch);
                 }
                 for (j, row) in out.iter().enumerate() {
                     for r in 0..rows {
