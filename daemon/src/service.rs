@@ -73,9 +73,8 @@ impl Shared {
             next_session: AtomicU64::new(1),
         });
         let policy = shared.config.scheduler.policy(chunk);
-        let worker = Worker::new(rx, Arc::downgrade(&shared), chunk, max_prompt, policy).with_stream_interval(
-            std::time::Duration::from_millis(shared.config.scheduler.stream_interval_ms),
-        );
+        let worker = Worker::new(rx, Arc::downgrade(&shared), chunk, max_prompt, policy)
+            .with_stream_interval(std::time::Duration::from_millis(shared.config.scheduler.stream_interval_ms));
         std::thread::Builder::new().name("llmd-engine".into()).spawn(move || worker.run())?;
         let weak = Arc::downgrade(&shared);
         let poll = std::time::Duration::from_millis(shared.config.residency.pressure_poll_ms);

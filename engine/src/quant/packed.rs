@@ -461,7 +461,15 @@ pub fn reference(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: us
 }
 
 /// The scalar reference in either order, exactly as the module docs write them.
-pub fn reference_order(order: Order, w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+pub fn reference_order(
+    order: Order,
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
     let blocks = w.blocks();
     let rec = w.kind.record_bytes();
     let o = w.kind.offset();
@@ -847,7 +855,10 @@ mod tests {
                         .sum();
                     let got = blocksum[at_r];
                     let diff = (got as f64 - want as f64).abs();
-                    assert!(diff <= F32_SUM_TOL * mag, "{ty} block sum, row {r} token {t}: {got} vs {want} (Σ|w·a| {mag})");
+                    assert!(
+                        diff <= F32_SUM_TOL * mag,
+                        "{ty} block sum, row {r} token {t}: {got} vs {want} (Σ|w·a| {mag})"
+                    );
                     differ += usize::from(got != want);
                 }
             }

@@ -508,7 +508,14 @@ const GROUP_BLOCKSUM: usize = 4;
 /// # Safety
 /// As [`tile_avx512vnni`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-pub unsafe fn tile_avx512vnni_blocksum(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+pub unsafe fn tile_avx512vnni_blocksum(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
     assert!(out.len() >= nt * TILE_ROWS && a.sum.len() >= (t0 + nt) * w.blocks());
     // SAFETY: the same contract, passed on; `out` holds `nt * 16` values (asserted).
     unsafe {
@@ -524,7 +531,14 @@ pub unsafe fn tile_avx512vnni_blocksum(w: &PackedMatrix, tile: usize, a: &QuantA
 /// As [`tile_avx512vnni_blocksum`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-unsafe fn tile512_blocksum<const KIND: u8>(w: &PackedMatrix, tile: usize, a: &QuantActs, t0: usize, nt: usize, out: &mut [f32]) {
+unsafe fn tile512_blocksum<const KIND: u8>(
+    w: &PackedMatrix,
+    tile: usize,
+    a: &QuantActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+) {
     // The next tiles are prefetched into L2 as in [`tile512`].
     let ahead = if KIND == K_Q8_0 { 2 } else { 1 };
     let next = if tile + ahead < w.tiles() { Some(w.tile(tile + ahead)) } else { None };
