@@ -135,3 +135,58 @@ fn spilled_kv_cache_continues_exactly() {
         assert!(llmd_engine::model::kv::KvCache::read_from(&mut bytes.as_slice(), c.n_layers + 1, c.kv_dim()).is_err());
     }
 }
+
+/// A batch of decode steps large enough to be split over the threads (each thread one whole
+/// pass over its run of sequences, `model::split_plan`) gives every sequence the logits it gets
+/// alone, bit for bit, with an odd count so the runs differ in length.
+#[test]
+#[allow(clippy::needless_range_loop)] // a step indexes every sequence's record of steps
+fn split_decode_passes_equal_each_sequence_alone() {
+    const SEQUENCES: usize = 9;
+    const DECODE_STEPS: usize = 4;
+    let model = default_model();
+    let g = golden();
+    let golden_prompts: Vec<Vec<u32>> =
+        g["prompts"].as_array().expect("prompts").iter().map(|p| ids(&p["prompt_ids"])).collect();
+    // Distinct prompts of different lengths: the golden ones, each cut after a different count.
+    let prompts: Vec<Vec<u32>> = (0..SEQUENCES)
+        .map(|i| {
+            let p = &golden_prompts[i % golden_prompts.len()];
+            p[..p.len().min(6 + 3 * i)].to_vec()
+        })
+        .collect();
+    let parts = model.transformer.planner().split_parts();
+    assert_eq!(llmd_engine::model::split_plan(&[1; SEQUENCES], parts), Some(2), "the test model runs 2 threads");
+    assert_eq!(llmd_engine::model::split_plan(&[1; 7], parts), None, "fewer than 4 per part: one pass");
+    let step_logits = |kv: &mut llmd_engine::model::kv::KvCache, t: u32| {
+        model.transformer.forward(kv, &[t], Logits::Last).expect("step")
+    };
+    // Alone: each prompt, then greedy steps.
+    let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
+    for p in &prompts {
+        let mut kv = model.transformer.new_kv();
+        let mut l = model.transformer.forward(&mut kv, p, Logits::Last).expect("prefill");
+        let mut steps = Vec::new();
+        for _ in 0..DECODE_STEPS {
+            l = step_logits(&mut kv, llmd_engine::sampling::argmax(&l));
+            steps.push(l.clone());
+        }
+        alone.push(steps);
+    }
+    // Together: every step one batch of all the sequences (split in two runs of 4 and 5).
+    let mut kvs: Vec<_> = prompts.iter().map(|_| model.transformer.new_kv()).collect();
+    let mut last: Vec<Vec<f32>> = kvs
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(kv, p)| model.transformer.forward(kv, p, Logits::Last).expect("prefill"))
+        .collect();
+    for step in 0..DECODE_STEPS {
+        let next: Vec<[u32; 1]> = last.iter().map(|l| [llmd_engine::sampling::argmax(l)]).collect();
+        let mut batch: Vec<(&mut llmd_engine::model::kv::KvCache, &[u32])> =
+            kvs.iter_mut().zip(&next).map(|(kv, t)| (kv, &t[..])).collect();
+        last = model.transformer.forward_batch(&mut batch, Logits::Last).expect("batch");
+        for (i, l) in last.iter().enumerate() {
+            assert!(l == &alone[i][step], "sequence {i}, step {step}: split batch logits differ from alone");
+        }
+    }
+}

@@ -26,9 +26,6 @@ const ROWS_PER_TASK: usize = 32;
 pub struct CpuBackend {
     desc: BackendDescriptor,
     pool: Pool,
-    /// The rotation table of the last `rope` call (every layer of a pass rotates Q and K at
-    /// the same positions, so it is computed once per pass instead of 2 × layers times).
-    rope_table: Mutex<RopeTable>,
 }
 
 /// `(cos, sin)` per (position, rotated pair) for `positions` under `key`.
@@ -63,7 +60,7 @@ impl CpuBackend {
             max_tokens: None,
             threads,
         };
-        Self { desc, pool, rope_table: Mutex::new(RopeTable::default()) }
+        Self { desc, pool }
     }
 }
 
@@ -422,6 +419,10 @@ impl CpuBackend {
 static MATMUL_STEP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 thread_local! {
+    /// The rotation table of this thread's last `rope` call (every layer of a pass rotates Q
+    /// and K at the same positions, so it is computed once per pass instead of 2 × layers
+    /// times). Per thread: the parts of a split pass rotate at their own positions.
+    static ROPE_TABLE: std::cell::RefCell<RopeTable> = std::cell::RefCell::new(RopeTable::default());
     /// The current (token, head)'s rounded query and attention scores, reused on this thread.
     static SCORES: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     /// Quantized activations of the current matmul, reused between calls on this thread.
@@ -451,6 +452,22 @@ fn shape_err(op: &'static str, detail: String) -> BackendError {
 impl Backend for CpuBackend {
     fn descriptor(&self) -> &BackendDescriptor {
         &self.desc
+    }
+
+    fn split_parts(&self) -> usize {
+        if Pool::in_split() {
+            1
+        } else {
+            self.pool.threads()
+        }
+    }
+
+    fn split(&self, parts: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
+        if self.split_parts() < 2 {
+            return false;
+        }
+        self.pool.run_split(parts, f);
+        true
     }
 
     fn matmul(&self, w: &WeightMatrix, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), BackendError> {
@@ -635,47 +652,48 @@ impl Backend for CpuBackend {
             p.rope_dims,
             freq_factors.map(|f| f[..half].iter().map(|v| v.to_bits()).collect()),
         );
-        let mut table = self.rope_table.lock().unwrap_or_else(|e| e.into_inner());
-        if table.key != key || table.positions != positions {
-            let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
-            table.cs.clear();
-            for &pos in positions {
-                // ggml computes the angle by repeated multiplication; we do the same.
-                let mut theta = pos as f32;
-                for i in 0..half {
-                    let ff = freq_factors.map_or(1.0, |f| f[i]);
-                    let t = p.freq_scale * (theta / ff);
-                    table.cs.push((t.cos(), t.sin()));
-                    theta *= theta_scale;
-                }
-            }
-            table.key = key;
-            table.positions.clear();
-            table.positions.extend_from_slice(positions);
-        }
-        for (xr, cs) in x.chunks_exact_mut(row).zip(table.cs.chunks_exact(half.max(1))) {
-            let rotate = |x0: &mut f32, x1: &mut f32, (cos, sin): (f32, f32)| {
-                let (a, b) = (*x0, *x1);
-                *x0 = a * cos - b * sin;
-                *x1 = a * sin + b * cos;
-            };
-            for head in xr.chunks_exact_mut(p.head_dim) {
-                match p.style {
-                    RopeStyle::Interleaved => {
-                        for (pair, &c) in head[..2 * half].chunks_exact_mut(2).zip(cs) {
-                            let [x0, x1] = pair else { continue };
-                            rotate(x0, x1, c);
-                        }
-                    }
-                    RopeStyle::Neox => {
-                        let (lo, hi) = head[..2 * half].split_at_mut(half);
-                        for ((x0, x1), &c) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
-                            rotate(x0, x1, c);
-                        }
+        ROPE_TABLE.with_borrow_mut(|table| {
+            if table.key != key || table.positions != positions {
+                let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
+                table.cs.clear();
+                for &pos in positions {
+                    // ggml computes the angle by repeated multiplication; we do the same.
+                    let mut theta = pos as f32;
+                    for i in 0..half {
+                        let ff = freq_factors.map_or(1.0, |f| f[i]);
+                        let t = p.freq_scale * (theta / ff);
+                        table.cs.push((t.cos(), t.sin()));
+                        theta *= theta_scale;
                     }
                 }
+                table.key = key;
+                table.positions.clear();
+                table.positions.extend_from_slice(positions);
             }
-        }
+            for (xr, cs) in x.chunks_exact_mut(row).zip(table.cs.chunks_exact(half.max(1))) {
+                let rotate = |x0: &mut f32, x1: &mut f32, (cos, sin): (f32, f32)| {
+                    let (a, b) = (*x0, *x1);
+                    *x0 = a * cos - b * sin;
+                    *x1 = a * sin + b * cos;
+                };
+                for head in xr.chunks_exact_mut(p.head_dim) {
+                    match p.style {
+                        RopeStyle::Interleaved => {
+                            for (pair, &c) in head[..2 * half].chunks_exact_mut(2).zip(cs) {
+                                let [x0, x1] = pair else { continue };
+                                rotate(x0, x1, c);
+                            }
+                        }
+                        RopeStyle::Neox => {
+                            let (lo, hi) = head[..2 * half].split_at_mut(half);
+                            for ((x0, x1), &c) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
+                                rotate(x0, x1, c);
+                            }
+                        }
+                    }
+                }
+            }
+        });
         Ok(())
     }
 

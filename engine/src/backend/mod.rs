@@ -167,6 +167,19 @@ pub struct RopeParams {
 pub trait Backend: Send + Sync {
     fn descriptor(&self) -> &BackendDescriptor;
 
+    /// How many parts [`Self::split`] would run at once now: 1 where the backend cannot split
+    /// (the default), or while it is already running a part.
+    fn split_parts(&self) -> usize {
+        1
+    }
+
+    /// Runs `f(0) .. f(parts - 1)` at once, each part on its own thread of this backend and
+    /// every op a part issues inline on that thread (no barrier between the parts until all
+    /// end). Returns false, having run nothing, where the backend cannot.
+    fn split(&self, _parts: usize, _f: &(dyn Fn(usize) + Sync)) -> bool {
+        false
+    }
+
     fn supports(&self, op: &OpDesc) -> bool {
         self.descriptor().supports(op)
     }
@@ -268,6 +281,23 @@ impl Planner {
             .find(|b| b.supports(op))
             .map(|b| b.as_ref())
             .ok_or_else(|| BackendError::NoBackend(format!("{op:?}")))
+    }
+
+    /// [`Backend::split_parts`] of the only backend; 1 with several (a part's ops could be
+    /// placed on another backend, whose work would not split with it).
+    pub fn split_parts(&self) -> usize {
+        match self.backends.as_slice() {
+            [only] => only.split_parts(),
+            _ => 1,
+        }
+    }
+
+    /// [`Backend::split`] on the only backend; false (nothing run) with several.
+    pub fn split(&self, parts: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
+        match self.backends.as_slice() {
+            [only] => only.split(parts, f),
+            _ => false,
+        }
     }
 
     pub fn backends(&self) -> impl Iterator<Item = &BackendDescriptor> {

@@ -16,6 +16,12 @@ const SPIN: Duration = Duration::from_micros(300);
 
 type Task<'a> = dyn Fn(usize) + Sync + 'a;
 
+thread_local! {
+    /// Set while this thread runs one part of a [`Pool::run_split`]: the steps that part
+    /// starts run inline on this thread.
+    static IN_SPLIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 struct Shared {
     /// Bumped once per step; workers wait for it to change.
     epoch: AtomicU64,
@@ -69,13 +75,37 @@ impl Pool {
         self.workers.len() + 1
     }
 
+    /// Runs `f(0) .. f(parts - 1)` at once, one part per thread (at most [`Self::threads`]
+    /// parts run at a time), and returns when all have finished. Every step a part starts
+    /// ([`Self::run`]) runs inline on the part's thread: the parts meet only at the end, not at
+    /// each step's barrier.
+    pub fn run_split(&self, parts: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.run(parts, &|i| {
+            struct Reset;
+            impl Drop for Reset {
+                fn drop(&mut self) {
+                    IN_SPLIT.with(|c| c.set(false));
+                }
+            }
+            IN_SPLIT.with(|c| c.set(true));
+            let _reset = Reset;
+            f(i)
+        })
+    }
+
+    /// True on a thread that is running a part of a [`Self::run_split`].
+    pub fn in_split() -> bool {
+        IN_SPLIT.with(|c| c.get())
+    }
+
     /// Runs `f(0) .. f(n_tasks - 1)` across the pool and returns when all have finished.
-    /// A panic in a task is re-raised here after every thread has left the step.
+    /// A panic in a task is re-raised here after every thread has left the step. Inside a
+    /// part of a [`Self::run_split`], the tasks run in turn on the calling thread.
     pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if n_tasks == 0 {
             return;
         }
-        if self.workers.is_empty() || n_tasks == 1 {
+        if self.workers.is_empty() || n_tasks == 1 || Self::in_split() {
             (0..n_tasks).for_each(f);
             return;
         }
@@ -184,6 +214,31 @@ mod tests {
             }
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 50), "n={n}");
         }
+    }
+
+    #[test]
+    fn split_parts_run_at_once_and_their_steps_run_inline() {
+        let pool = Pool::new(2);
+        let threads: Vec<Mutex<Vec<std::thread::ThreadId>>> = (0..2).map(|_| Mutex::new(Vec::new())).collect();
+        let barrier = std::sync::Barrier::new(2);
+        pool.run_split(2, &|part| {
+            // Both parts are running at once, or this waits forever.
+            barrier.wait();
+            assert!(Pool::in_split());
+            pool.run(8, &|_| threads[part].lock().expect("lock").push(std::thread::current().id()));
+        });
+        assert!(!Pool::in_split());
+        let a = threads[0].lock().expect("lock").clone();
+        let b = threads[1].lock().expect("lock").clone();
+        assert_eq!((a.len(), b.len()), (8, 8));
+        assert!(a.iter().all(|t| *t == a[0]) && b.iter().all(|t| *t == b[0]), "each part's tasks on its own thread");
+        assert_ne!(a[0], b[0]);
+        // After the split, steps use both threads again.
+        let count = AtomicUsize::new(0);
+        pool.run(16, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 16);
     }
 
     #[test]

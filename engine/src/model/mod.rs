@@ -21,6 +21,24 @@ pub enum Logits {
     All,
 }
 
+/// Decode tokens per part below which a pass split over the threads
+/// ([`Transformer::forward_batch`]) is slower than one pass over the whole batch. Measured on
+/// the default model with 2 threads (`batchbench`, split and whole passes alternating, median
+/// ms per pass): 4 sequences per part (B=8) 0.97–1.00 of the whole pass in fast spells of this
+/// machine and 0.91–0.96 in slow ones, 8 per part (B=16) 0.85–0.87; 3 per part (B=6) 1.09–1.13
+/// and 2 (B=4) 1.14–1.19, where each part reading all the weights for itself costs more than
+/// the barriers it saves.
+pub const SPLIT_MIN_TOKENS_PER_PART: usize = 4;
+
+/// The parts [`Transformer::forward_batch`] runs a batch in, given each sequence's token count
+/// and how many parts the backend can run at once: `Some(parts)` (every thread one part) for a
+/// batch of decode steps (one token each) with at least [`SPLIT_MIN_TOKENS_PER_PART`] per part,
+/// else `None` (one pass). Prompt chunks are not split: a chunk is one sequence's tokens, so
+/// parts would be uneven, and its matmuls already keep every thread busy.
+pub fn split_plan(tokens: &[usize], parts: usize) -> Option<usize> {
+    (parts >= 2 && tokens.iter().all(|&t| t == 1) && tokens.len() >= SPLIT_MIN_TOKENS_PER_PART * parts).then_some(parts)
+}
+
 /// The network: configuration, weights and the backends that run it.
 pub struct Transformer {
     pub config: ModelConfig,
@@ -60,11 +78,23 @@ impl Transformer {
     /// runs once over all their tokens; attention runs per sequence over its own cache. Returns
     /// each sequence's logits as [`Self::forward`] would — and bit for bit the same values, since
     /// every row of a matmul is computed independently of the others (tested).
+    ///
+    /// A large batch of decode steps ([`split_plan`]) is cut into one part per thread, each a
+    /// whole pass over its sequences on its own thread: the threads then meet once per pass
+    /// instead of at ~190 parallel steps, where a thread that ran late (another process, the
+    /// daemon's own threads, the host) held the other one up at every barrier. Each part
+    /// reads the weights for itself, which only a compute-bound batch can afford.
     pub fn forward_batch(
         &self,
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let tokens: Vec<usize> = batch.iter().map(|b| b.1.len()).collect();
+        if let Some(parts) = split_plan(&tokens, self.planner.split_parts()) {
+            if let Some(out) = self.forward_split(batch, which, parts) {
+                return out;
+            }
+        }
         let p = self.pass();
         let w = &self.weights;
         let Some(mut st) = p.begin(batch, &w.token_embd)? else {
@@ -74,6 +104,44 @@ impl Transformer {
             p.layer(&mut st, batch, li, l, w.rope_freqs.as_deref(), None)?;
         }
         p.finish(st, batch, &w.output_norm, &w.output, which)
+    }
+
+    /// [`Self::forward_batch`] in `parts` contiguous runs of sequences, each on its own thread;
+    /// None if the backend did not split after all.
+    fn forward_split(
+        &self,
+        batch: &mut [(&mut KvCache, &[u32])],
+        which: Logits,
+        parts: usize,
+    ) -> Option<Result<Vec<Vec<f32>>, BackendError>> {
+        type PartOut = Option<Result<Vec<Vec<f32>>, BackendError>>;
+        let n = batch.len();
+        let mut runs = Vec::with_capacity(parts);
+        let mut rest = batch;
+        for i in 0..parts {
+            let (run, tail) = std::mem::take(&mut rest).split_at_mut((i + 1) * n / parts - i * n / parts);
+            runs.push(std::sync::Mutex::new((run, PartOut::None)));
+            rest = tail;
+        }
+        let ran = self.planner.split(parts, &|i| {
+            let mut part = runs[i].lock().unwrap_or_else(|e| e.into_inner());
+            let (ref mut run, ref mut out) = *part;
+            *out = Some(self.forward_batch(run, which));
+        });
+        if !ran {
+            return None;
+        }
+        let mut logits = Vec::with_capacity(n);
+        for run in runs {
+            // Every part has run once `split` returns (a panic in one is raised in there); a
+            // part without output would only be run here, on this thread.
+            let (run, out) = run.into_inner().unwrap_or_else(|e| e.into_inner());
+            match out.unwrap_or_else(|| self.forward_batch(run, which)) {
+                Ok(l) => logits.extend(l),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(Ok(logits))
     }
 
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`
@@ -355,5 +423,25 @@ impl Pass<'_> {
             self.planner.place(&op)?.matmul_rows(output, &last, &mut row_refs)?;
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_large_batches_of_decode_steps_are_split() {
+        assert_eq!(split_plan(&[1; 8], 2), Some(2));
+        assert_eq!(split_plan(&[1; 9], 2), Some(2));
+        assert_eq!(split_plan(&[1; 7], 2), None, "fewer than 4 decode steps per part");
+        assert_eq!(split_plan(&[1; 16], 4), Some(4));
+        assert_eq!(split_plan(&[1; 15], 4), None);
+        assert_eq!(split_plan(&[1; 64], 1), None, "one thread");
+        assert_eq!(split_plan(&[1; 64], 0), None);
+        assert_eq!(split_plan(&[], 2), None);
+        let mut with_chunk = vec![1; 12];
+        with_chunk[3] = 64;
+        assert_eq!(split_plan(&with_chunk, 2), None, "a prompt chunk in the batch");
     }
 }
