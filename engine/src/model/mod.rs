@@ -23,11 +23,10 @@ pub enum Logits {
 
 /// Decode tokens per part below which a pass split over the threads
 /// ([`Transformer::forward_batch`]) is slower than one pass over the whole batch. Measured on
-/// the default model with 2 threads (`batchbench`, split and whole passes alternating, median
-/// ms per pass): 4 sequences per part (B=8) 0.97–1.00 of the whole pass in fast spells of this
-/// machine and 0.91–0.96 in slow ones, 8 per part (B=16) 0.85–0.87; 3 per part (B=6) 1.09–1.13
-/// and 2 (B=4) 1.14–1.19, where each part reading all the weights for itself costs more than
-/// the barriers it saves.
+/// the default model with 2 threads (`batchbench`, split and whole passes alternating, 300
+/// passes, ratio of median ms per pass): 4 and 8 sequences per part (B=8, B=16) 0.91–0.97;
+/// 3 and 4 (B=7) 0.95–0.99; 3 (B=6) 1.05–1.07 and 2 (B=4) 1.08–1.09, where each part reading
+/// all the layers' weights for itself costs more than the barriers it saves.
 pub const SPLIT_MIN_TOKENS_PER_PART: usize = 4;
 
 /// The parts [`Transformer::forward_batch`] runs a batch in, given each sequence's token count
@@ -79,11 +78,13 @@ impl Transformer {
     /// each sequence's logits as [`Self::forward`] would — and bit for bit the same values, since
     /// every row of a matmul is computed independently of the others (tested).
     ///
-    /// A large batch of decode steps ([`split_plan`]) is cut into one part per thread, each a
-    /// whole pass over its sequences on its own thread: the threads then meet once per pass
-    /// instead of at ~190 parallel steps, where a thread that ran late (another process, the
-    /// daemon's own threads, the host) held the other one up at every barrier. Each part
-    /// reads the weights for itself, which only a compute-bound batch can afford.
+    /// A large batch of decode steps ([`split_plan`]) is cut into one part per thread, each
+    /// running every layer over its sequences on its own thread: the threads then meet once
+    /// per pass instead of at ~190 parallel steps, where a thread that ran late (another
+    /// process, the daemon's own threads, the host) held the other one up at every barrier.
+    /// Each part reads the layers' weights for itself, which only a compute-bound batch can
+    /// afford; the output head then runs once over every sequence, on all threads (B=8 pass
+    /// 0.968–0.982 of the head run per part, alternated in `batchbench`).
     pub fn forward_batch(
         &self,
         batch: &mut [(&mut KvCache, &[u32])],
@@ -106,42 +107,54 @@ impl Transformer {
         p.finish(st, batch, &w.output_norm, &w.output, which)
     }
 
-    /// [`Self::forward_batch`] in `parts` contiguous runs of sequences, each on its own thread;
-    /// None if the backend did not split after all.
+    /// [`Self::forward_batch`] in `parts` contiguous runs of sequences, each run's layers on its
+    /// own thread; then the output head over every sequence at once, on all threads (it reads
+    /// its weights once for the whole batch instead of once per run, and no cache advances
+    /// unless every run got through). None if the backend did not split after all.
     fn forward_split(
         &self,
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
         parts: usize,
     ) -> Option<Result<Vec<Vec<f32>>, BackendError>> {
-        type PartOut = Option<Result<Vec<Vec<f32>>, BackendError>>;
+        type PartOut = Option<Result<Option<PassState>, BackendError>>;
+        let p = self.pass();
+        let w = &self.weights;
         let n = batch.len();
         let mut runs = Vec::with_capacity(parts);
-        let mut rest = batch;
+        let mut rest: &mut [(&mut KvCache, &[u32])] = &mut *batch;
         for i in 0..parts {
             let (run, tail) = std::mem::take(&mut rest).split_at_mut((i + 1) * n / parts - i * n / parts);
             runs.push(std::sync::Mutex::new((run, PartOut::None)));
             rest = tail;
         }
+        let layers = |run: &mut [(&mut KvCache, &[u32])]| -> Result<Option<PassState>, BackendError> {
+            let Some(mut st) = p.begin(run, &w.token_embd)? else { return Ok(None) };
+            for (li, l) in w.layers.iter().enumerate() {
+                p.layer(&mut st, run, li, l, w.rope_freqs.as_deref(), None)?;
+            }
+            Ok(Some(st))
+        };
         let ran = self.planner.split(parts, &|i| {
             let mut part = runs[i].lock().unwrap_or_else(|e| e.into_inner());
             let (ref mut run, ref mut out) = *part;
-            *out = Some(self.forward_batch(run, which));
+            *out = Some(layers(run));
         });
         if !ran {
             return None;
         }
-        let mut logits = Vec::with_capacity(n);
+        let mut states = Vec::with_capacity(parts);
         for run in runs {
             // Every part has run once `split` returns (a panic in one is raised in there); a
             // part without output would only be run here, on this thread.
             let (run, out) = run.into_inner().unwrap_or_else(|e| e.into_inner());
-            match out.unwrap_or_else(|| self.forward_batch(run, which)) {
-                Ok(l) => logits.extend(l),
+            match out.unwrap_or_else(|| layers(run)) {
+                Ok(st) => states.push(st),
                 Err(e) => return Some(Err(e)),
             }
         }
-        Some(Ok(logits))
+        let joined = PassState::join(self.config.d_model, states.into_iter().flatten());
+        Some(p.finish(joined, batch, &w.output_norm, &w.output, which))
     }
 
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`
@@ -196,6 +209,24 @@ pub(crate) struct PassState {
 
 /// See [`PassState::buf`]. `n` tokens: `h` and `o`, `down` are `n · d_model`; `q` and `attn`
 /// `n · q_dim`; `k` and `v` `n · kv_dim`; `g` and `u` `n · ffn_dim`.
+impl PassState {
+    /// The states of consecutive runs of one batch as one (for the output head): residual rows
+    /// and positions in run order, spans shifted to their place. No layer runs on the result.
+    fn join(d_model: usize, parts: impl Iterator<Item = PassState>) -> PassState {
+        let mut j =
+            PassState { x: Vec::new(), positions: Vec::new(), spans: Vec::new(), n: 0, buf: Scratch::default() };
+        for st in parts {
+            debug_assert_eq!(st.x.len(), st.n * d_model);
+            j.spans.extend(st.spans.iter().map(|&(off, len, start)| (off + j.n, len, start)));
+            j.x.extend_from_slice(&st.x);
+            j.positions.extend_from_slice(&st.positions);
+            j.n += st.n;
+        }
+        j
+    }
+}
+
+#[derive(Default)]
 struct Scratch {
     h: Vec<f32>,
     q: Vec<f32>,
