@@ -220,13 +220,24 @@ mod tests {
     fn split_parts_run_at_once_and_their_steps_run_inline() {
         let pool = Pool::new(2);
         let threads: Vec<Mutex<Vec<std::thread::ThreadId>>> = (0..2).map(|_| Mutex::new(Vec::new())).collect();
-        let barrier = std::sync::Barrier::new(2);
+        let arrived = AtomicUsize::new(0);
+        let together = AtomicBool::new(true);
         pool.run_split(2, &|part| {
-            // Both parts are running at once, or this waits forever.
-            barrier.wait();
+            // Both parts run at once: each sees the other arrive (a part run after the other
+            // would wait out the deadline, and the test fails rather than hangs).
+            arrived.fetch_add(1, Ordering::SeqCst);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while arrived.load(Ordering::SeqCst) < 2 {
+                if Instant::now() > deadline {
+                    together.store(false, Ordering::SeqCst);
+                    break;
+                }
+                std::hint::spin_loop();
+            }
             assert!(Pool::in_split());
             pool.run(8, &|_| threads[part].lock().expect("lock").push(std::thread::current().id()));
         });
+        assert!(together.load(Ordering::SeqCst), "the two parts did not run at once");
         assert!(!Pool::in_split());
         let a = threads[0].lock().expect("lock").clone();
         let b = threads[1].lock().expect("lock").clone();
