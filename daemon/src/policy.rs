@@ -272,6 +272,81 @@ impl Quota {
     }
 }
 
+/// Admission's limits (the config's `[limits]` and `[scheduler]` quota keys).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Requests in flight in the whole daemon.
+    pub max_requests: usize,
+    /// Requests in flight per uid.
+    pub max_requests_per_uid: usize,
+    /// Tokens (prompt + generated) a uid may use per window; 0 = no quota.
+    pub quota_tokens: usize,
+    pub quota_window_ms: u64,
+}
+
+/// The books as a request arrives.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Load {
+    /// Requests in flight in the daemon (queued or running).
+    pub in_flight: usize,
+    /// Of those, the caller's uid's.
+    pub uid_in_flight: usize,
+    /// Whether the request's session already has one in flight.
+    pub session_busy: bool,
+    /// The worker's average pass in ms (0 before the first), for the retry hint.
+    pub pass_ms: u64,
+}
+
+/// Why a request is not admitted (the scheduler turns each into a `ServiceError`, and
+/// `error.rs` that into an `ErrorCode`: `TokenQuota`/`UidLimit` → QUOTA_EXCEEDED,
+/// `SessionBusy`/`Full` → BUSY).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The uid used its token quota; it is back under it in `retry_ms`.
+    TokenQuota { retry_ms: u64 },
+    /// The session is generating already (one request per session at a time).
+    SessionBusy,
+    /// The uid has `limit` requests in flight.
+    UidLimit { limit: usize },
+    /// The daemon holds `in_flight` requests, its limit; retry in about `retry_ms`.
+    Full { in_flight: usize, retry_ms: u64 },
+}
+
+/// Shortest pass assumed by the BUSY retry hint (before the worker has measured one, or when
+/// passes are shorter).
+pub const MIN_HINT_PASS_MS: u64 = 10;
+
+/// Admission control for a request of `uid` arriving at `now_ms`, checked in this order: the
+/// uid's token quota over the sliding window, one request per session, the uid's requests in
+/// flight, the daemon's. A full daemon answers BUSY with a hint of one pass per request ahead
+/// (a request leaves roughly every few passes, so this errs long rather than invite a retry
+/// storm).
+pub fn admit(limits: &Limits, load: &Load, quota: &mut Quota, uid: u32, now_ms: u64) -> Result<(), Refusal> {
+    if limits.quota_tokens > 0 {
+        if let Some(retry_ms) = quota.retry_after(uid, now_ms, limits.quota_window_ms, limits.quota_tokens) {
+            return Err(Refusal::TokenQuota { retry_ms });
+        }
+    }
+    if load.session_busy {
+        return Err(Refusal::SessionBusy);
+    }
+    if load.uid_in_flight >= limits.max_requests_per_uid {
+        return Err(Refusal::UidLimit { limit: limits.max_requests_per_uid });
+    }
+    if load.in_flight >= limits.max_requests {
+        let retry_ms = load.pass_ms.max(MIN_HINT_PASS_MS) * load.in_flight.max(1) as u64;
+        return Err(Refusal::Full { in_flight: load.in_flight, retry_ms });
+    }
+    Ok(())
+}
+
+/// Whether a request admitted at `admitted_ms` with a deadline of `deadline_ms` (0 = none) has
+/// run out at `now_ms`. The worker asks at every pass boundary, for waiting and running
+/// requests alike, so a request ends within one pass of its deadline, wherever it is.
+pub fn deadline_passed(admitted_ms: u64, deadline_ms: u64, now_ms: u64) -> bool {
+    deadline_ms > 0 && now_ms.saturating_sub(admitted_ms) >= deadline_ms
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -439,5 +514,80 @@ mod tests {
         assert_eq!(q.retry_after(7, 60_000, 60_000, 1000), None);
         assert_eq!(q.used(7, 90_000, 60_000), 0);
         assert_eq!(q.used(8, 0, 60_000), 0);
+    }
+
+    #[test]
+    fn admission_refuses_for_the_first_limit_reached_and_hints_when_to_retry() {
+        let limits = Limits { max_requests: 4, max_requests_per_uid: 2, quota_tokens: 100, quota_window_ms: 60_000 };
+        let mut q = Quota::default();
+        let load = Load { in_flight: 3, uid_in_flight: 1, session_busy: false, pass_ms: 12 };
+        assert_eq!(admit(&limits, &load, &mut q, 7, 0), Ok(()), "room everywhere");
+        // BUSY when full: one pass per request ahead, at least MIN_HINT_PASS_MS a pass.
+        let full = Load { in_flight: 4, ..load };
+        assert_eq!(admit(&limits, &full, &mut q, 7, 0), Err(Refusal::Full { in_flight: 4, retry_ms: 48 }));
+        let unmeasured = Load { pass_ms: 0, ..full };
+        assert_eq!(
+            admit(&limits, &unmeasured, &mut q, 7, 0),
+            Err(Refusal::Full { in_flight: 4, retry_ms: 4 * MIN_HINT_PASS_MS })
+        );
+        // One request leaves: admitted again.
+        assert_eq!(admit(&limits, &Load { in_flight: 3, ..full }, &mut q, 7, 5), Ok(()));
+        // The uid's own limit comes before the daemon's, the session's before both.
+        let uid_full = Load { uid_in_flight: 2, ..full };
+        assert_eq!(admit(&limits, &uid_full, &mut q, 7, 0), Err(Refusal::UidLimit { limit: 2 }));
+        let busy = Load { session_busy: true, ..uid_full };
+        assert_eq!(admit(&limits, &busy, &mut q, 7, 0), Err(Refusal::SessionBusy));
+        // Over the token quota: refused first, with the time until the window lets it back in.
+        q.record(7, 1_000, 60);
+        q.record(7, 2_000, 40);
+        assert_eq!(admit(&limits, &busy, &mut q, 7, 30_000), Err(Refusal::TokenQuota { retry_ms: 31_000 }));
+        assert_eq!(admit(&limits, &load, &mut q, 8, 30_000), Ok(()), "another uid is not charged");
+        assert_eq!(admit(&limits, &load, &mut q, 7, 61_000), Ok(()), "the first record left the window");
+        let no_quota = Limits { quota_tokens: 0, ..limits };
+        q.record(7, 61_000, 1_000_000);
+        assert_eq!(admit(&no_quota, &load, &mut q, 7, 61_000), Ok(()), "0 = no quota");
+    }
+
+    #[test]
+    fn a_deadline_ends_a_request_at_the_first_pass_boundary_past_it_waiting_or_running() {
+        assert!(!deadline_passed(1_000, 250, 1_249));
+        assert!(deadline_passed(1_000, 250, 1_250));
+        assert!(!deadline_passed(0, 0, u64::MAX), "0 = no deadline");
+        // The worker's loop with a fake clock: 100 ms passes; at each boundary, expired
+        // requests end, then the policy plans over the rest.
+        let mut p = Policy::new(PolicyConfig::default());
+        // (entry, admitted ms, deadline ms): a long foreground prompt without a deadline, a
+        // background prompt that waits behind it, a foreground request decoding every pass.
+        let mut live = vec![
+            (entry(1, 10, Class::Foreground, 0, 1_000_000), 0, 0),
+            (entry(2, 20, Class::Background, 0, 100), 0, 450),
+            (entry(3, 30, Class::Foreground, 0, 0), 0, 320),
+        ];
+        let mut ended = HashMap::new();
+        let mut served = HashMap::<u64, usize>::new();
+        let mut now = 0;
+        while now <= 1_000 {
+            live.retain(|(e, admitted, deadline)| {
+                let gone = deadline_passed(*admitted, *deadline, now);
+                if gone {
+                    ended.insert(e.id, now);
+                }
+                !gone
+            });
+            let entries: Vec<Entry> = live.iter().map(|x| x.0.clone()).collect();
+            let plan = p.plan(now, &entries);
+            for id in plan.decode.iter().chain(plan.prefill.iter().map(|x| &x.0)) {
+                *served.entry(*id).or_default() += 1;
+                let e = &mut live.iter_mut().find(|x| x.0.id == *id).expect("planned entries are live").0;
+                e.last_served_ms = now;
+                p.charge(e.uid, 1);
+            }
+            now += 100;
+        }
+        assert_eq!(ended.get(&3), Some(&400), "running: ends at the first boundary past 320 ms");
+        assert_eq!(served.get(&3), Some(&4), "served at 0, 100, 200 and 300 ms, then never");
+        assert_eq!(ended.get(&2), Some(&500), "waiting: ends at the first boundary past 450 ms");
+        assert_eq!(served.get(&2), None, "it never got a turn behind the foreground prompt");
+        assert!(!ended.contains_key(&1), "no deadline, never ended");
     }
 }

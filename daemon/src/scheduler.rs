@@ -10,7 +10,7 @@
 //! callback is sent. Every request ends in `Worker::end`, which records the outcome once.
 
 use crate::error::ServiceError;
-use crate::policy::{Class, Entry, Policy, Quota};
+use crate::policy::{self, Class, Entry, Policy, Quota, Refusal};
 use crate::service::Shared;
 use crate::session::{SessionCore, SessionInner};
 use llmd_aidl::GenerationStats::GenerationStats as WireStats;
@@ -49,8 +49,10 @@ pub struct Job {
     pub enqueued: Instant,
     /// The scheduling class (the request's hint capped by its uid's).
     pub class: Class,
-    /// Milliseconds from submission by which it must finish (0 = none).
+    /// Milliseconds from admission by which it must finish (0 = none).
     pub deadline_ms: u64,
+    /// When it was admitted, on the scheduler's clock ([`Scheduler::now_ms`]).
+    pub admitted_ms: u64,
 }
 
 impl Job {
@@ -76,6 +78,7 @@ impl Job {
             enqueued: Instant::now(),
             class: Class::Foreground,
             deadline_ms: 0,
+            admitted_ms: 0,
         }
     }
 
@@ -318,42 +321,40 @@ impl Scheduler {
             shared.upgrade().ok_or_else(|| ServiceError::Internal("the service is shutting down".into()))?;
         let limits = &shared_arc.config.limits;
         let sc = &shared_arc.config.scheduler;
-        if sc.quota_tokens_per_uid > 0 {
+        let rules = policy::Limits {
+            max_requests: limits.max_requests,
+            max_requests_per_uid: limits.max_requests_per_uid,
+            quota_tokens: sc.quota_tokens_per_uid,
+            quota_window_ms: sc.quota_window_s * 1000,
+        };
+        {
             let now = self.now_ms();
-            if let Some(retry_ms) =
-                self.quota().retry_after(job.uid, now, sc.quota_window_s * 1000, sc.quota_tokens_per_uid)
-            {
-                return Err(ServiceError::TokenQuota {
+            let mut book = self.book();
+            let mut inner = job.session.lock();
+            let load = policy::Load {
+                in_flight: book.jobs.len(),
+                uid_in_flight: book.per_uid.get(&job.uid).copied().unwrap_or(0),
+                session_busy: inner.active_request.is_some(),
+                pass_ms: self.report().avg_pass_us / 1000,
+            };
+            policy::admit(&rules, &load, &mut self.quota(), job.uid, now).map_err(|r| match r {
+                Refusal::TokenQuota { retry_ms } => ServiceError::TokenQuota {
                     uid: job.uid,
                     limit: sc.quota_tokens_per_uid,
                     window_s: sc.quota_window_s,
                     retry_ms,
-                });
-            }
-        }
-        {
-            let mut book = self.book();
-            let mut inner = job.session.lock();
-            if inner.active_request.is_some() {
-                return Err(ServiceError::Busy("this session is already generating; wait for it or cancel it".into()));
-            }
-            let mine = book.per_uid.get(&job.uid).copied().unwrap_or(0);
-            if mine >= limits.max_requests_per_uid {
-                return Err(ServiceError::QuotaExceeded {
-                    uid: job.uid,
-                    what: "requests in flight",
-                    limit: limits.max_requests_per_uid,
-                });
-            }
-            if book.jobs.len() >= limits.max_requests {
-                // A request leaves roughly every few passes; hint at one pass per request ahead.
-                let pass_ms = (self.report().avg_pass_us / 1000).max(10);
-                return Err(ServiceError::Busy(format!(
-                    "{} requests in flight; retry in ~{} ms",
-                    book.jobs.len(),
-                    pass_ms * book.jobs.len() as u64
-                )));
-            }
+                },
+                Refusal::SessionBusy => {
+                    ServiceError::Busy("this session is already generating; wait for it or cancel it".into())
+                }
+                Refusal::UidLimit { limit } => {
+                    ServiceError::QuotaExceeded { uid: job.uid, what: "requests in flight", limit }
+                }
+                Refusal::Full { in_flight, retry_ms } => {
+                    ServiceError::Busy(format!("{in_flight} requests in flight; retry in ~{retry_ms} ms"))
+                }
+            })?;
+            job.admitted_ms = now;
             job.id = book.next_id;
             book.next_id += 1;
             inner.active_request = Some(job.id);
@@ -576,13 +577,14 @@ impl Worker {
     /// batched forward. Returns whether it fed any (none: every request is waiting).
     fn pass(&mut self) -> bool {
         let t0 = Instant::now();
+        let now_ms = self.now_ms();
         let ids: Vec<u64> = self.active.keys().copied().collect();
         for id in ids {
             let Some(r) = self.active.get(&id) else { continue };
             if r.job.cancel.load(Ordering::Acquire) || r.job.session.closed.load(Ordering::Acquire) {
                 let r = self.active.remove(&id).expect("present");
                 self.end(r, Err(ServiceError::Cancelled));
-            } else if r.job.deadline_ms > 0 && r.job.enqueued.elapsed().as_millis() as u64 >= r.job.deadline_ms {
+            } else if policy::deadline_passed(r.job.admitted_ms, r.job.deadline_ms, now_ms) {
                 let r = self.active.remove(&id).expect("present");
                 let d = r.job.deadline_ms;
                 self.end(r, Err(ServiceError::DeadlineExceeded(d)));
@@ -591,7 +593,6 @@ impl Worker {
         if self.active.is_empty() {
             return false;
         }
-        let now_ms = self.now_ms();
         // A request whose client is not taking its callbacks waits (see `Outbox`).
         let entries: Vec<Entry> = self
             .active

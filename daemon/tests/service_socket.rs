@@ -432,6 +432,35 @@ fn over_limit_requests_get_their_error_code_while_others_are_served() {
 }
 
 #[test]
+fn a_full_daemon_answers_busy_with_a_retry_hint_and_admits_once_a_request_ends() {
+    // The daemon-wide limit: with its one request in flight, a request of another session is
+    // refused BUSY with a retry hint, and admitted once the first ends.
+    let d = Daemon::start("[limits]\nmax_requests = 1\nmax_requests_per_uid = 4\n");
+    let conn = d.connect();
+    let (a, b) = (session(&conn), session(&conn));
+    let (cb, _tx, rx) = client::callback();
+    a.generate(&greedy("The capital of France is", 48), &cb).expect("first request queued");
+    let refused = b.generate(&greedy("Hello", 8), &client::callback().0).expect_err("the daemon is full");
+    assert_eq!(error_code_of(&refused), Some(ErrorCode::BUSY), "{refused:?}");
+    let why = client::describe(&refused);
+    assert!(why.contains("retry in"), "BUSY says when to retry: {why}");
+    while !matches!(rx.recv_timeout(Duration::from_secs(60)).expect("events"), Event::Completed(_) | Event::Error(..)) {
+    }
+    // The first request's books close just after its last callback is queued.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let o = loop {
+        let o = run(&b, &greedy("Hello", 4));
+        match &o.error {
+            Some((code, _)) if *code == ErrorCode::BUSY && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            _ => break o,
+        }
+    };
+    assert!(o.error.is_none(), "admitted once the daemon has room: {o:?}");
+}
+
+#[test]
 fn malformed_requests_get_clear_errors() {
     let d = Daemon::start("");
     let conn = d.connect();
