@@ -101,7 +101,10 @@ const MAX_UNSENT: usize = 64;
 ///
 /// Tokens are paced: a request's first tokens go out at once (its time to first token), later
 /// ones are held and sent together once `stream_interval_ms` (config) has passed since the last
-/// `onTokens`, and whatever is held goes out before `onCompleted`/`onError`. No screen shows
+/// `onTokens`, and whatever is held goes out before `onCompleted`/`onError` — except on a
+/// cancel, which drops them: the turn is rolled back, and a client that asked to stop gets at
+/// most the unit that was running when its cancel landed (with the pacing, a fast machine
+/// held several tokens and sent them after `cancel` had returned). No screen shows
 /// text faster than a frame, and every callback costs both processes a transaction and a
 /// wake-up: at 16 ms a phone app gets at most ~60 `onTokens` a second instead of one per token.
 struct Outbox {
@@ -169,6 +172,11 @@ impl Outbox {
     fn send(&mut self, d: Delivery) {
         self.flush(Instant::now());
         self.queue(d);
+    }
+
+    /// Drops the held tokens unsent (see the type's comment on cancels).
+    fn drop_held(&mut self) {
+        self.held = None;
     }
 
     /// Queues `d` for the client; the delivery thread starts with the first.
@@ -755,6 +763,7 @@ impl Worker {
         let outcome = match outcome {
             Err(ServiceError::Cancelled) => {
                 r.gen.cancel();
+                r.job.outbox.drop_held();
                 Err(ServiceError::Cancelled)
             }
             other => other,

@@ -210,6 +210,35 @@ fn cancel_stops_within_one_step_and_returns_kv_memory() {
     assert_eq!(run(&s, &greedy("The capital of France is", 4)).ids, golden_capital_ids(4));
 }
 
+/// Tokens the pacing holds when a cancel lands are dropped, not sent after `cancel` returned:
+/// the turn is rolled back, and the client asked to stop. With a 60 s interval every token
+/// after the first is held; before, the cancel flushed them all (a fast CI machine saw 3 late
+/// tokens at the default 16 ms).
+#[test]
+fn a_cancel_drops_the_tokens_the_pacing_held() {
+    let d = Daemon::start("[scheduler]\nstream_interval_ms = 60000\n");
+    let conn = d.connect();
+    let s = session(&conn);
+    let (cb, _tx, rx) = client::callback();
+    let id = s.generate(&greedy("1, 2, 3, 4, 5, 6, 7, 8,", 400), &cb).expect("queued");
+    while !matches!(rx.recv_timeout(Duration::from_secs(60)).expect("the first tokens"), Event::Tokens(..)) {}
+    // Decoding goes on while every new token is held.
+    std::thread::sleep(Duration::from_millis(150));
+    s.cancel(id).expect("cancel accepted");
+    let mut after = 0;
+    let end = loop {
+        match rx.recv_timeout(Duration::from_secs(30)).expect("the request ends") {
+            Event::Tokens(_, ids) => after += ids.len(),
+            Event::Error(code, _) => break ErrorCode(code),
+            Event::Completed(s) => panic!("completed ({}) despite the cancel", s.finishReason),
+            _ => {}
+        }
+    };
+    assert_eq!(end, ErrorCode::CANCELLED);
+    assert_eq!(after, 0, "{after} held tokens were sent after the cancel");
+    assert_eq!(conn.service.getStatus().expect("status").kvCacheBytes, 0, "the cancelled turn's KV memory was not returned");
+}
+
 /// `llmctl run --max-tokens N PROMPT` against `d`, once its request is running.
 fn llmctl_run_started(d: &Daemon, conn: &Connection, max_tokens: &str, prompt: &str, stdout: Stdio) -> Child {
     let child = Command::new(env!("CARGO_BIN_EXE_llmctl"))
@@ -574,20 +603,27 @@ fn priorities_are_validated_and_capped_and_dump_shows_the_queue() {
     // A foreground hint from a uid capped at background runs as background.
     let (cb, _tx, rx) = client::callback();
     s.generate(&greedy(&"word ".repeat(400), 16), &cb).expect("queued");
-    std::thread::sleep(Duration::from_millis(300));
-    let dump = conn.admin().expect("admin").dumpState().expect("dump");
-    assert!(dump.contains("class background"), "{dump}");
-    assert!(dump.contains("SCHEDULER") && dump.contains("vtime"), "{dump}");
-    loop {
-        match rx.recv_timeout(Duration::from_secs(120)).expect("events") {
-            Event::Completed(s) => {
-                assert!(s.queueWaitMs >= 0 && s.timeToFirstTokenMs >= s.queueWaitMs, "{s:?}");
-                break;
+    // Polled while the request is in flight: a fixed sleep outlived the whole request on a
+    // fast machine (416 tokens done in under 300 ms).
+    let admin = conn.admin().expect("admin");
+    let mut seen = None;
+    let stats = loop {
+        if seen.is_none() {
+            let dump = admin.dumpState().expect("dump");
+            if dump.contains("class background") {
+                seen = Some(dump);
             }
-            Event::Error(c, m) => panic!("{c} {m}"),
-            _ => {}
         }
-    }
+        match rx.recv_timeout(Duration::from_millis(if seen.is_none() { 1 } else { 120_000 })) {
+            Ok(Event::Completed(s)) => break s,
+            Ok(Event::Error(c, m)) => panic!("{c} {m}"),
+            Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(e) => panic!("events: {e}"),
+        }
+    };
+    let dump = seen.expect("the dump never showed the request as background while it ran");
+    assert!(dump.contains("SCHEDULER") && dump.contains("vtime"), "{dump}");
+    assert!(stats.queueWaitMs >= 0 && stats.timeToFirstTokenMs >= stats.queueWaitMs, "{stats:?}");
 }
 
 #[test]
