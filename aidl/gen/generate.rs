@@ -8,5 +8,5 @@ pub fn generate(sources: &[std::path::PathBuf], output: &std::path::Path) -> Res
     for f in sources {
         b = b.source(f.clone());
     }
-    b.output(output.to_path_buf()).generate().map_err(|e| format!("{e:?}"))
+    b.output(output).generate().map_err(|e| format!("{e:?}"))
 }

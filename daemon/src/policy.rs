@@ -135,7 +135,7 @@ impl Policy {
     /// means starving, served before anything else.
     fn rank(&self, e: &Entry, now_ms: u64) -> i64 {
         let waited = now_ms.saturating_sub(e.last_served_ms);
-        let steps = if self.cfg.aging_ms == 0 { 0 } else { (waited / self.cfg.aging_ms) as i64 };
+        let steps = waited.checked_div(self.cfg.aging_ms).map_or(0, |s| s as i64);
         (e.class as i64 - steps).max(-1)
     }
 

@@ -236,7 +236,11 @@ fn a_cancel_drops_the_tokens_the_pacing_held() {
     };
     assert_eq!(end, ErrorCode::CANCELLED);
     assert_eq!(after, 0, "{after} held tokens were sent after the cancel");
-    assert_eq!(conn.service.getStatus().expect("status").kvCacheBytes, 0, "the cancelled turn's KV memory was not returned");
+    assert_eq!(
+        conn.service.getStatus().expect("status").kvCacheBytes,
+        0,
+        "the cancelled turn's KV memory was not returned"
+    );
 }
 
 /// `llmctl run --max-tokens N PROMPT` against `d`, once its request is running.

@@ -13,7 +13,7 @@ fn main() {
             b.copy_from_slice(&raw[r0 * rb..r0 * rb + b.len()]);
             Ok(())
         })
-        .unwrap();
+        .expect("packs");
         let x: Vec<f32> = (0..nt * cols).map(|i| ((i * 13 % 101) as f32) / 50.0 - 1.0).collect();
         let mut a = QuantActs::default();
         a.quantize(&x, nt, cols);
@@ -32,7 +32,7 @@ fn main() {
             let reps = (20000 * 8 * 1536 / nt / rows).max(3);
             let t0 = std::time::Instant::now();
             for _ in 0..reps {
-                cpu.matmul(&wm, &x, nt, &mut out).unwrap();
+                cpu.matmul(&wm, &x, nt, &mut out).expect("matmul");
             }
             let s = t0.elapsed().as_secs_f64() / reps as f64;
             println!(
@@ -73,7 +73,7 @@ fn main() {
         b.copy_from_slice(&raw[r0 * 360..r0 * 360 + b.len()]);
         Ok(())
     })
-    .unwrap();
+    .expect("packs");
     let x: Vec<f32> = (0..n * cols).map(|i| ((i * 13 % 101) as f32) / 50.0 - 1.0).collect();
     let mut a = QuantActs::default();
     a.quantize(&x, n, cols);
@@ -93,7 +93,7 @@ fn main() {
             let reps = if nt <= 16 { 300 } else { 10 };
             let t0 = std::time::Instant::now();
             for _ in 0..reps {
-                cpu.matmul(&wm, &x[..nt * cols], nt, &mut out).unwrap();
+                cpu.matmul(&wm, &x[..nt * cols], nt, &mut out).expect("matmul");
             }
             let s = t0.elapsed().as_secs_f64() / reps as f64;
             println!("backend 2 threads nt={nt}: {:.1} GMAC/s, {:.1} us", (rows * cols * nt) as f64 / s / 1e9, s * 1e6);

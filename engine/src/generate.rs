@@ -197,10 +197,8 @@ impl Model {
         let mut g = Generation::new(self, kv, prompt.to_vec(), req)?;
         loop {
             let out = g.step(self, kv)?;
-            if !out.ids.is_empty() || !out.text.is_empty() {
-                if on_text(&out.text, &out.ids) == Flow::Stop {
-                    return Ok(g.cancel());
-                }
+            if (!out.ids.is_empty() || !out.text.is_empty()) && on_text(&out.text, &out.ids) == Flow::Stop {
+                return Ok(g.cancel());
             }
             if let Some(stats) = out.done {
                 return Ok(stats);

@@ -293,7 +293,7 @@ mod tests {
         })
         .expect("valid");
         let n = 20_000;
-        let ones = (0..n).filter(|_| s.sample(&mut vec![0.0, 3f32.ln()], &[]) == 1).count();
+        let ones = (0..n).filter(|_| s.sample(&mut [0.0, 3f32.ln()], &[]) == 1).count();
         let p = ones as f64 / n as f64;
         // Binomial standard deviation at n = 20000 is ~0.003; allow 5 of them.
         assert!((p - 0.75).abs() < 0.015, "p = {p}");

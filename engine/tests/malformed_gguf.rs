@@ -90,7 +90,7 @@ impl Gguf {
             b.extend_from_slice(&ty.to_le_bytes());
             b.extend_from_slice(&off.to_le_bytes());
         }
-        while b.len() % self.alignment != 0 {
+        while !b.len().is_multiple_of(self.alignment) {
             b.push(0);
         }
         b.extend_from_slice(&self.data);

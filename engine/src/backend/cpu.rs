@@ -74,7 +74,7 @@ fn check_attention(s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &[f32]) 
     };
     if s.n_kv_heads == 0
         || s.head_dim == 0
-        || s.n_heads % s.n_kv_heads != 0
+        || !s.n_heads.is_multiple_of(s.n_kv_heads)
         || q.len() != s.n_tokens * q_row
         || out.len() != q.len()
         || kv.positions(kv_row) < total
@@ -605,7 +605,7 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &mut [f32], weight: &[f32], eps: f32) -> Result<(), BackendError> {
         let d = weight.len();
-        if d == 0 || x.len() % d != 0 {
+        if d == 0 || !x.len().is_multiple_of(d) {
             return Err(shape_err("rms_norm", format!("{} values for rows of {d}", x.len())));
         }
         // Four rows at a time: each row's sum runs in the same order as alone (so the values
@@ -639,7 +639,7 @@ impl Backend for CpuBackend {
         freq_factors: Option<&[f32]>,
     ) -> Result<(), BackendError> {
         let row = p.n_heads * p.head_dim;
-        if x.len() != positions.len() * row || p.rope_dims > p.head_dim || p.rope_dims % 2 != 0 {
+        if x.len() != positions.len() * row || p.rope_dims > p.head_dim || !p.rope_dims.is_multiple_of(2) {
             return Err(shape_err("rope", format!("{} values for {} positions of {row}", x.len(), positions.len())));
         }
         if freq_factors.is_some_and(|f| f.len() < p.rope_dims / 2) {
@@ -833,7 +833,8 @@ mod tests {
         p2.theta = 500.0;
         let mut p3 = rope(RopeStyle::Neox);
         p3.rope_dims = 4;
-        let calls: [(&[usize], RopeParams, Option<&[f32]>); 7] = [
+        type Call<'a> = (&'a [usize], RopeParams, Option<&'a [f32]>);
+        let calls: [Call; 7] = [
             (&[3, 4], rope(RopeStyle::Neox), None),
             (&[3, 4], rope(RopeStyle::Interleaved), None),
             (&[3, 5], rope(RopeStyle::Neox), None),
@@ -887,7 +888,8 @@ mod tests {
         let to_f16 = AttnKernels::best().to_f16;
         for seqs in [1usize, 4] {
             let starts: Vec<usize> = (0..seqs).map(|i| 3 + 5 * i).collect();
-            let caches: Vec<(Vec<Vec<f16>>, Vec<Vec<f16>>)> = starts
+            type HeadCaches = (Vec<Vec<f16>>, Vec<Vec<f16>>);
+            let caches: Vec<HeadCaches> = starts
                 .iter()
                 .enumerate()
                 .map(|(i, &st)| {

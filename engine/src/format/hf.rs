@@ -100,7 +100,7 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
         other => return Err(FormatError::UnsupportedArchitecture(other.to_owned())),
     };
     let n_heads = hf.num_attention_heads;
-    let head_dim = hf.head_dim.unwrap_or(if n_heads > 0 { hf.hidden_size / n_heads } else { 0 });
+    let head_dim = hf.head_dim.unwrap_or(hf.hidden_size.checked_div(n_heads).unwrap_or(0));
     let mut rope_freq_factors = None;
     let rope_freq_scale = match &hf.rope_scaling {
         None | Some(serde_json::Value::Null) => 1.0,

@@ -141,10 +141,10 @@ impl ModelConfig {
                 return bad(what, format!("{v} (1..={MAX_DIM})"));
             }
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad("head_count", format!("{} query heads, {} KV heads", self.n_heads, self.n_kv_heads));
         }
-        if self.rope_dims == 0 || self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
+        if self.rope_dims == 0 || self.rope_dims > self.head_dim || !self.rope_dims.is_multiple_of(2) {
             return bad("rope.dimension_count", format!("{} for head size {}", self.rope_dims, self.head_dim));
         }
         if self.context_length == 0 || self.context_length > MAX_CONTEXT {

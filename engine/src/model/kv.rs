@@ -45,7 +45,7 @@ impl KvLayer<'_> {
         match self {
             Self::F16 { k, v } => {
                 let heads = k.len();
-                if heads == 0 || v.len() != heads || kv_dim % heads != 0 {
+                if heads == 0 || v.len() != heads || !kv_dim.is_multiple_of(heads) {
                     return 0;
                 }
                 let hd = (kv_dim / heads).max(1);

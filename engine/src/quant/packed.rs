@@ -136,7 +136,7 @@ impl PackedMatrix {
         mut read: impl FnMut(usize, &mut [u8]) -> std::io::Result<()>,
     ) -> std::io::Result<Self> {
         let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
-        if cols == 0 || cols % BLOCK != 0 {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) {
             return Err(invalid(format!("{cols} columns are not whole blocks of {BLOCK}")));
         }
         let blocks = cols / BLOCK;
@@ -194,7 +194,7 @@ impl PackedMatrix {
     where
         E: From<std::io::Error>,
     {
-        if cols == 0 || cols % BLOCK != 0 || row_buf < cols {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) || row_buf < cols {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 format!("{cols} columns are not whole blocks of {BLOCK}"),
@@ -350,7 +350,7 @@ pub struct QuantOut<'a> {
 pub fn quantize_rows(x: &[f32], o: QuantOut<'_>) {
     let blocks = x.len() / BLOCK;
     assert!(
-        x.len() % BLOCK == 0
+        x.len().is_multiple_of(BLOCK)
             && o.qs.len() == x.len()
             && o.d.len() == blocks
             && o.sum.len() == blocks
