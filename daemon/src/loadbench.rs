@@ -5,7 +5,7 @@
 //! Phases (each client has its own connection and session):
 //! 1. **idle**: (a) one foreground client, `--idle-requests` short prompts one after another →
 //!    one client's time to first token (TTFT) on an idle daemon; (b) the `--foreground`
-//!    clients alone, exactly as in the mixed phase (same prompts, think times, duration) → the
+//!    clients alone, exactly as in the mixed phase (same prompts, arrival schedule, duration) → the
 //!    foreground workload's TTFT on a daemon with no background work;
 //! 2. **single**: one client decodes `--decode-tokens` tokens → one sequence's decode rate;
 //! 3. **batched**: `--clients` clients each decode `--decode-tokens` tokens at once → aggregate
@@ -13,12 +13,13 @@
 //!    one's last). Phases 2 and 3 alternate for `--decode-rounds` rounds (a slow spell of a
 //!    shared machine then hits both); `batch_decode_gain` = the median of the rounds'
 //!    batched / single (same short prompts);
-//! 4. **mixed**: `--foreground` clients send short foreground prompts (0.8–1.6 s think time,
-//!    staggered per client) while
+//! 4. **mixed**: `--foreground` clients send short foreground prompts on a fixed schedule
+//!    (gaps of 0.8–1.6 s, staggered per client, the same as in 1b) while
 //!    the rest send long background prompts, for `--duration-s`; then no new requests and every
 //!    outstanding one must finish. `fg_p99_ttft_ratio` = foreground p99 TTFT here / p99 of the
 //!    same foreground clients alone (1b): what the background load costs the foreground.
-//!    Two foreground prompts that arrive together delay each other in both phases; 1a's
+//!    Two foreground prompts that arrive together delay each other, at the same moments in
+//!    both phases (the schedule does not depend on the replies); 1a's
 //!    single client never sees that, so the ratio against 1a (`fg_p99_vs_one_client`) is
 //!    printed too.
 //!
@@ -172,8 +173,13 @@ impl Client {
     }
 }
 
+/// Foreground client `i`'s gap before its prompt `k`: 0.8–1.6 s.
+fn fg_gap_ms(i: u64, k: u64) -> u64 {
+    800 + (211 * (k + 3 * i) + 97 * i) % 800
+}
+
 /// `n` clients for `duration_s`: the first `args.foreground` send short foreground prompts
-/// (0.8–1.6 s think time, staggered per client), the rest long background prompts back to back;
+/// on a fixed schedule (gaps of 0.8–1.6 s, staggered per client), the rest long background prompts back to back;
 /// then no new requests, and every outstanding one runs to its end. Duplicates add to `dup`.
 fn clients_for(
     socket: Option<&Path>,
@@ -184,7 +190,8 @@ fn clients_for(
     duration_s: u64,
     dup: &mut usize,
 ) -> Result<Vec<Outcome>, String> {
-    let stop_at = Instant::now() + Duration::from_secs(duration_s);
+    let start = Instant::now();
+    let stop_at = start + Duration::from_secs(duration_s);
     let per_client: Vec<(Vec<Outcome>, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|i| {
@@ -193,14 +200,21 @@ fn clients_for(
                     let mut c = Client::new(socket, service, model)?;
                     let mut outs = Vec::new();
                     let mut k = 0u64;
+                    let mut due = start;
                     while Instant::now() < stop_at {
                         if fg {
-                            // Think time between interactive prompts: 0.8–1.6 s, different per
-                            // client so foreground clients do not march in step.
-                            std::thread::sleep(Duration::from_millis(800 + (211 * (k + 3 * i) + 97 * i) % 800));
-                            if Instant::now() >= stop_at {
+                            // Interactive prompts arrive on a fixed schedule from the phase's
+                            // start (gaps of 0.8–1.6 s, different per client so foreground
+                            // clients do not march in step), not a think time after each
+                            // reply: the same arrivals in the loaded phase as alone, so two
+                            // prompts that collide do so in both and the ratio compares like
+                            // with like. A prompt due while the client's last one still runs
+                            // goes once it ends (one request per session).
+                            due += Duration::from_millis(fg_gap_ms(i, k));
+                            if due >= stop_at {
                                 break;
                             }
+                            std::thread::sleep(due.saturating_duration_since(Instant::now()));
                             outs.push(c.run(&request(prompt(true, 1000 * i + k), 16, true), true));
                         } else {
                             outs.push(c.run(&request(prompt(false, 1000 * i + k), 64, false), false));
