@@ -168,6 +168,19 @@ fn four_clients_streaming_at_once_each_get_their_solo_greedy_tokens() {
     }
 }
 
+/// After a cancel: the request's ending error code, and how many tokens arrived before it.
+fn until_the_end(rx: &std::sync::mpsc::Receiver<Event>) -> (ErrorCode, usize) {
+    let mut after = 0;
+    loop {
+        match rx.recv_timeout(Duration::from_secs(30)).expect("the request ends") {
+            Event::Tokens(_, ids) => after += ids.len(),
+            Event::Error(code, _) => return (ErrorCode(code), after),
+            Event::Completed(s) => panic!("completed ({}) despite the cancel", s.finishReason),
+            _ => {}
+        }
+    }
+}
+
 #[test]
 fn cancel_stops_within_one_step_and_returns_kv_memory() {
     let d = Daemon::start("");
@@ -186,15 +199,7 @@ fn cancel_stops_within_one_step_and_returns_kv_memory() {
         }
     }
     s.cancel(id).expect("cancel accepted");
-    let mut after = 0;
-    let end = loop {
-        match rx.recv_timeout(Duration::from_secs(30)).expect("the request ends") {
-            Event::Tokens(_, ids) => after += ids.len(),
-            Event::Error(code, _) => break ErrorCode(code),
-            Event::Completed(s) => panic!("completed ({}) despite the cancel", s.finishReason),
-            _ => {}
-        }
-    };
+    let (end, after) = until_the_end(&rx);
     assert_eq!(end, ErrorCode::CANCELLED);
     // At most the unit the worker was running when the cancel landed, plus one oneway
     // callback already on its way (sent before the cancel, delivered after it returned).
@@ -225,15 +230,7 @@ fn a_cancel_drops_the_tokens_the_pacing_held() {
     // Decoding goes on while every new token is held.
     std::thread::sleep(Duration::from_millis(150));
     s.cancel(id).expect("cancel accepted");
-    let mut after = 0;
-    let end = loop {
-        match rx.recv_timeout(Duration::from_secs(30)).expect("the request ends") {
-            Event::Tokens(_, ids) => after += ids.len(),
-            Event::Error(code, _) => break ErrorCode(code),
-            Event::Completed(s) => panic!("completed ({}) despite the cancel", s.finishReason),
-            _ => {}
-        }
-    };
+    let (end, after) = until_the_end(&rx);
     assert_eq!(end, ErrorCode::CANCELLED);
     assert_eq!(after, 0, "{after} held tokens were sent after the cancel");
     assert_eq!(
