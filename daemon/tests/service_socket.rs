@@ -225,7 +225,9 @@ fn a_cancel_drops_the_tokens_the_pacing_held() {
     let conn = d.connect();
     let s = session(&conn);
     let (cb, _tx, rx) = client::callback();
-    let id = s.generate(&greedy("1, 2, 3, 4, 5, 6, 7, 8,", 400), &cb).expect("queued");
+    // Far more tokens than the 150 ms below can decode on any machine, so the cancel always
+    // lands mid-request.
+    let id = s.generate(&greedy("1, 2, 3, 4, 5, 6, 7, 8,", 2000), &cb).expect("queued");
     while !matches!(rx.recv_timeout(Duration::from_secs(60)).expect("the first tokens"), Event::Tokens(..)) {}
     // Decoding goes on while every new token is held.
     std::thread::sleep(Duration::from_millis(150));
