@@ -30,7 +30,7 @@ fn main() -> Result<(), String> {
             model.transformer.forward_batch(&mut batch, Logits::Last).map_err(|e| e.to_string())?;
         }
         let per = t0.elapsed().as_secs_f64() / steps as f64;
-        println!("B={b}: {:.1} ms per pass, {:.1} tok/s in all", per * 1e3, b as f64 / per);
+        println!("B={b}: {:.2} ms per pass, {:.1} tok/s in all", per * 1e3, b as f64 / per);
     }
     Ok(())
 }

@@ -84,6 +84,10 @@ impl Model {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let planner = Planner::cpu(opts.threads);
         let src = Source::open(path)?;
+        // Parsing the file and building the tokenizer leave freed heap behind; with the packed
+        // weights in their own mapping (`quant::packed::weight_arena`) nothing would reuse it,
+        // and it would stay resident (~35 MB for SmolLM2-135M, most of it at the peak too).
+        llmd_alloc_sys::release_free_memory();
         let mut weights = ModelWeights::load_progress(&src.config, &src.tensors, opts.embeddings_on_flash, progress)?;
         if weights.rope_freqs.is_none() {
             weights.rope_freqs = src.rope_freqs;
@@ -114,6 +118,8 @@ impl Model {
             })?;
         let mut transformer = Transformer::new(meta.config, weights, planner);
         transformer.kv_type = opts.kv_type;
+        // As in `load_with_progress`: the pipeline's freed buffers back to the OS.
+        llmd_alloc_sys::release_free_memory();
         Ok((Self { name, transformer, tokenizer, chat_template }, prefilled, report))
     }
 

@@ -35,6 +35,11 @@ const MIN_EXACT_PROMPTS: usize = 5;
 const TEST_CHUNK: usize = 64;
 
 #[test]
+fn the_golden_model_runs_from_its_weight_arena() {
+    assert_weights_in_arena(default_model());
+}
+
+#[test]
 fn greedy_tokens_and_logits_match_llama_cpp() {
     let model = default_model();
     let g = golden();

@@ -60,6 +60,8 @@ fn cold_start_prefill_equals_the_loaded_models_forward() {
     .expect("streaming load");
     let pre = pre.expect("a prompt gives logits");
     assert_eq!(pre.logits, want, "the pipeline runs the same layers on the same weights");
+    assert_weights_in_arena(&warm);
+    assert_weights_in_arena(&cold);
     assert_eq!(pre.kv.len(), prompt.len());
     assert_eq!(report.bytes_read, std::fs::metadata(&out).expect("size").len() - report_data_offset(&out));
     assert!(report.regions.iter().all(|r| r.unpack.0 >= r.read.1 - 1e-9), "a region is unpacked after it is read");

@@ -119,15 +119,12 @@ fn attend_one(
         KvLayer::F16 { k, .. } => {
             p.resize(n_ctx, 0.0);
             (kern.dots)(qh, &k[kvh], hd, p);
-            for x in p.iter_mut() {
-                *x *= scale;
-            }
         }
         KvLayer::Q8 { k, ks, .. } => {
-            p.extend((0..n_ctx).map(|j| (kern.dot_q8)(qh, &k[at(j)]) * ks[j * s.n_kv_heads + kvh] * scale))
+            p.extend((0..n_ctx).map(|j| (kern.dot_q8)(qh, &k[at(j)]) * ks[j * s.n_kv_heads + kvh]))
         }
     }
-    softmax_rounded(p, kern);
+    softmax_rounded(p, scale, kern);
     o.fill(0.0);
     match kv {
         KvLayer::F16 { v, .. } => (kern.axpys)(p, &v[kvh], hd, o),
@@ -139,11 +136,11 @@ fn attend_one(
     }
 }
 
-/// Scores to softmax weights in place: `exp_sub` (see `attn_kernels::exp_ref`) of each score
-/// minus the largest, the sum in f64, then each weight times 1/sum rounded to f16 (llama.cpp's
-/// order).
-fn softmax_rounded(p: &mut [f32], kern: &AttnKernels) {
-    let max = p.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+/// Dot products to softmax weights in place: each times `scale` (f32), `exp_sub` (see
+/// `attn_kernels::exp_ref`) of each score minus the largest, the sum in f64, then each weight
+/// times 1/sum rounded to f16 (llama.cpp's order).
+fn softmax_rounded(p: &mut [f32], scale: f32, kern: &AttnKernels) {
+    let max = (kern.scale_max)(p, scale);
     let mut sum = 0f64;
     (kern.exp_sub)(p, max);
     for x in p.iter() {
@@ -157,28 +154,35 @@ fn softmax_rounded(p: &mut [f32], kern: &AttnKernels) {
 /// weights are the same, but the dependent adds of the rows overlap (a sum alone waits on each
 /// add's latency; B=8 decode pass ~2% faster, means 19.07/18.40/18.28 against
 /// 18.57/17.95/17.91 ms alternating pass by pass).
-fn softmax_rounded_heads(p: &mut [f32], n_ctx: usize, kern: &AttnKernels) {
+fn softmax_rounded_heads(p: &mut [f32], n_ctx: usize, scale: f32, kern: &AttnKernels) {
     if n_ctx == 0 {
         return;
     }
     for rows in p.chunks_mut(4 * n_ctx) {
         let mut sums = [0f64; 4];
         for ph in rows.chunks_exact_mut(n_ctx) {
-            let max = ph.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let max = (kern.scale_max)(ph, scale);
             (kern.exp_sub)(ph, max);
         }
+        // Each head's sum runs left to right; three or four heads' run side by side.
         let r = rows.len() / n_ctx;
         if r == 4 {
-            for j in 0..n_ctx {
-                for (h, s) in sums.iter_mut().enumerate() {
-                    *s += rows[h * n_ctx + j] as f64;
-                }
+            let (a, rest) = rows.split_at(n_ctx);
+            let (b, rest) = rest.split_at(n_ctx);
+            let (c, d) = rest.split_at(n_ctx);
+            for (((a, b), c), d) in a.iter().zip(b).zip(c).zip(d) {
+                sums[0] += *a as f64;
+                sums[1] += *b as f64;
+                sums[2] += *c as f64;
+                sums[3] += *d as f64;
             }
         } else if r == 3 {
-            for j in 0..n_ctx {
-                for (h, s) in sums.iter_mut().take(3).enumerate() {
-                    *s += rows[h * n_ctx + j] as f64;
-                }
+            let (a, rest) = rows.split_at(n_ctx);
+            let (b, c) = rest.split_at(n_ctx);
+            for ((a, b), c) in a.iter().zip(b).zip(c) {
+                sums[0] += *a as f64;
+                sums[1] += *b as f64;
+                sums[2] += *c as f64;
             }
         } else {
             for (ph, s) in rows.chunks_exact(n_ctx).zip(sums.iter_mut()) {
@@ -257,12 +261,7 @@ fn attend_group_f16(
         let mut ps: Vec<&mut [f32]> = p.chunks_exact_mut(n_ctx).collect();
         (kern.dots_group)(&qs, k, hd, &mut ps);
     }
-    for ph in p.chunks_exact_mut(n_ctx) {
-        for x in ph.iter_mut() {
-            *x *= scale;
-        }
-    }
-    softmax_rounded_heads(p, n_ctx, kern);
+    softmax_rounded_heads(p, n_ctx, scale, kern);
     outs.fill(0.0);
     let ws: Vec<&[f32]> = p.chunks_exact(n_ctx).collect();
     let mut os: Vec<&mut [f32]> = outs.chunks_exact_mut(hd).collect();

@@ -29,6 +29,7 @@ use crate::quant::edgeflow;
 use crate::quant::packed::{PackKind, PackedMatrix};
 use crate::quant::{self, GgmlType};
 use half::f16;
+use llmd_alloc_sys::HugeArena;
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -169,6 +170,7 @@ pub(crate) fn load<T: Send + 'static>(
     let total = header.data_len;
     let readers = opts.readers.clamp(1, 8);
 
+    let arena = crate::quant::packed::weight_arena(packed_bytes(&meta.tensors));
     let meta = Arc::new(meta);
     let next = Arc::new(AtomicUsize::new(0));
     let read_so_far = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -227,6 +229,7 @@ pub(crate) fn load<T: Send + 'static>(
         let (meta, map, ready_so_far) = (meta.clone(), map.clone(), ready_so_far.clone());
         let report_progress = report_progress.clone();
         let stored_crc = header.data_crc;
+        let arena = arena.clone();
         handles.push(std::thread::spawn(move || {
             let mut pending = BTreeMap::new();
             let mut want = 0usize;
@@ -250,7 +253,7 @@ pub(crate) fn load<T: Send + 'static>(
                         let t = &meta.tensors[ti];
                         let at = (t.offset - region.offset) as usize;
                         let bytes = &r.bytes[at..at + t.len as usize];
-                        match build_part(t, bytes, &map, data_offset) {
+                        match build_part(t, bytes, &map, data_offset, arena.as_ref()) {
                             Ok(p) => {
                                 parts.insert(t.name.clone(), p);
                             }
@@ -393,8 +396,30 @@ pub(crate) fn load<T: Send + 'static>(
     Ok((meta, built, weights, prefilled, report))
 }
 
+/// Bytes of the packed copies of every matrix in `tensors` (GGML types with a tile layout,
+/// and EdgeFlow tensors, unpacked to Q8_0 tiles).
+fn packed_bytes(tensors: &[TensorEntry]) -> usize {
+    tensors
+        .iter()
+        .filter(|t| t.rows > 1)
+        .filter_map(|t| {
+            let kind = match t.kind {
+                TensorKind::Ggml { type_id } => PackKind::of(GgmlType::from_id(type_id)?)?,
+                TensorKind::Edgeflow => PackKind::Q8_0,
+            };
+            PackedMatrix::packed_len(kind, usize::try_from(t.rows).ok()?, usize::try_from(t.cols).ok()?)
+        })
+        .fold(0usize, |a, b| a.saturating_add(b))
+}
+
 /// Turns one tensor's checked bytes into weights.
-fn build_part(t: &TensorEntry, bytes: &[u8], map: &Arc<ModelBytes>, data_offset: u64) -> Result<Part, FormatError> {
+fn build_part(
+    t: &TensorEntry,
+    bytes: &[u8],
+    map: &Arc<ModelBytes>,
+    data_offset: u64,
+    arena: Option<&HugeArena>,
+) -> Result<Part, FormatError> {
     let computed = crc32fast::hash(bytes);
     if computed != t.crc32 {
         return Err(FormatError::ChecksumMismatch { what: format!("tensor {:?}", t.name), stored: t.crc32, computed });
@@ -417,7 +442,7 @@ fn build_part(t: &TensorEntry, bytes: &[u8], map: &Arc<ModelBytes>, data_offset:
                 return Ok(Part::Matrix(WeightMatrix::from_tensor(&t.name, rows, cols, tref(ty))));
             };
             let row_bytes = bytes.len() / rows;
-            let p = PackedMatrix::pack(kind, rows, cols, |r0, buf| {
+            let p = PackedMatrix::pack_in(arena, kind, rows, cols, |r0, buf| {
                 buf.copy_from_slice(&bytes[r0 * row_bytes..r0 * row_bytes + buf.len()]);
                 Ok(())
             })
@@ -442,7 +467,7 @@ fn build_part(t: &TensorEntry, bytes: &[u8], map: &Arc<ModelBytes>, data_offset:
                 return Err(bad(format!("{} bytes, the bit-widths need {at}", bytes.len())));
             }
             let buf_len = edgeflow::groups(cols) * edgeflow::GROUP;
-            let p = PackedMatrix::from_i8_rows(rows, cols, buf_len, |r, out| {
+            let p = PackedMatrix::from_i8_rows_in(arena, rows, cols, buf_len, |r, out| {
                 let d = f16::from_le_bytes([scales[2 * r], scales[2 * r + 1]]);
                 if !d.is_finite() {
                     return Err(bad(format!("channel {r} has scale {d}")));

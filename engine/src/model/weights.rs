@@ -5,6 +5,7 @@ use crate::error::FormatError;
 use crate::format::{TensorMap, TensorRef};
 use crate::quant::packed::{PackKind, PackedMatrix};
 use crate::quant::{self, GgmlType};
+use llmd_alloc_sys::HugeArena;
 use std::sync::Arc;
 
 /// A 2-D weight: `rows` rows of `cols` elements, each row a whole number of blocks.
@@ -25,7 +26,7 @@ pub struct WeightMatrix {
 impl WeightMatrix {
     /// Wraps a tensor already checked to hold `rows` × `cols` elements of its type.
     pub fn from_tensor(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
-        let packed = pack(&tensor, rows, cols).ok().flatten();
+        let packed = pack(None, &tensor, rows, cols).ok().flatten();
         Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed, on_flash: false }
     }
 
@@ -116,16 +117,39 @@ pub struct ModelWeights {
     pub rope_freqs: Option<Vec<f32>>,
 }
 
-/// The tile-layout copy of a tensor whose type has one.
-fn pack(t: &TensorRef, rows: usize, cols: usize) -> std::io::Result<Option<Arc<PackedMatrix>>> {
+/// The tile-layout copy of a tensor whose type has one, in `arena` while it has room.
+fn pack(
+    arena: Option<&HugeArena>,
+    t: &TensorRef,
+    rows: usize,
+    cols: usize,
+) -> std::io::Result<Option<Arc<PackedMatrix>>> {
     let Some(kind) = PackKind::of(t.ty) else { return Ok(None) };
     let row_bytes = t.range.len() / rows.max(1);
-    let p = PackedMatrix::pack(kind, rows, cols, |r0, buf| t.file.read_at(t.range.start + r0 * row_bytes, buf))?;
+    let p =
+        PackedMatrix::pack_in(arena, kind, rows, cols, |r0, buf| t.file.read_at(t.range.start + r0 * row_bytes, buf))?;
     Ok(Some(Arc::new(p)))
+}
+
+/// Bytes of the packed copies of every packable matrix in `tensors` (an upper bound of what
+/// the loader packs: a tensor it leaves on storage or does not use only reserves address
+/// space, which costs no memory).
+fn packed_bytes(tensors: &TensorMap) -> usize {
+    tensors
+        .values()
+        .filter_map(|t| {
+            let kind = PackKind::of(t.ty)?;
+            let (&cols, rest) = t.dims.split_first()?;
+            let rows = rest.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+            PackedMatrix::packed_len(kind, usize::try_from(rows).ok()?, usize::try_from(cols).ok()?)
+        })
+        .fold(0usize, |a, b| a.saturating_add(b))
 }
 
 struct Loader<'a> {
     t: &'a TensorMap,
+    /// Where the packed matrices go (see [`crate::quant::packed::weight_arena`]).
+    arena: Option<HugeArena>,
     /// Bytes of matrices bound so far and in all, reported after each.
     done: std::cell::Cell<u64>,
     total: u64,
@@ -159,7 +183,8 @@ impl Loader<'_> {
         let packed = if on_flash {
             None
         } else {
-            pack(t, rows, cols).map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?
+            pack(self.arena.as_ref(), t, rows, cols)
+                .map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?
         };
         self.done.set(self.done.get() + t.range.len() as u64);
         (self.progress)(self.done.get(), self.total);
@@ -210,7 +235,8 @@ impl ModelWeights {
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self, FormatError> {
         let total = tensors.values().map(|t| t.range.len() as u64).sum();
-        let l = Loader { t: tensors, done: std::cell::Cell::new(0), total, progress };
+        let arena = crate::quant::packed::weight_arena(packed_bytes(tensors));
+        let l = Loader { t: tensors, arena, done: std::cell::Cell::new(0), total, progress };
         let (d, q, kv, f) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let untied = tensors.contains_key("output.weight");
         let token_embd = l.matrix_opt("token_embd.weight", c.vocab_size, d, embeddings_on_flash && untied)?;

@@ -59,6 +59,7 @@
 
 use super::GgmlType;
 use half::f16;
+use llmd_alloc_sys::{ArenaBuf, HugeArena};
 
 /// Rows per tile: 16 i32 lanes of a 512-bit register; 4 NEON registers.
 pub const TILE_ROWS: usize = 16;
@@ -123,13 +124,91 @@ pub struct PackedMatrix {
     pub kind: PackKind,
     pub rows: usize,
     pub cols: usize,
-    data: Vec<u8>,
+    data: Data,
+}
+
+/// Where a packed matrix's bytes live: its own heap allocation, or its buffer in the model's
+/// huge-page arena ([`weight_arena`]).
+enum Data {
+    Heap(Vec<u8>),
+    Arena(ArenaBuf),
+}
+
+impl Data {
+    /// `n` zero bytes, from `arena` while it has room.
+    fn zeroed(arena: Option<&HugeArena>, n: usize) -> Self {
+        match arena.and_then(|a| a.alloc(n)) {
+            Some(buf) => Data::Arena(buf),
+            None => Data::Heap(vec![0u8; n]),
+        }
+    }
+}
+
+impl std::ops::Deref for Data {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Data::Heap(v) => v,
+            Data::Arena(b) => b,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Data {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Data::Heap(v) => v,
+            Data::Arena(b) => b,
+        }
+    }
+}
+
+/// An arena of `capacity` bytes for one model's packed matrices (see
+/// `llmd_alloc_sys::HugeArena`: one mapping advised for transparent huge pages, so the
+/// kernels' weight streams cross ~50 pages per pass instead of ~25,000). None when
+/// `LLMD_HUGE_PAGES=0` (each matrix on the heap; for comparisons) or when the address space
+/// cannot be reserved; a matrix that does not fit goes to the heap.
+pub fn weight_arena(capacity: usize) -> Option<HugeArena> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if capacity == 0 || *OFF.get_or_init(|| std::env::var("LLMD_HUGE_PAGES").is_ok_and(|v| v == "0")) {
+        return None;
+    }
+    match HugeArena::new(capacity) {
+        Ok(a) => {
+            tracing::debug!(capacity, huge_pages = a.huge_pages_advised(), "weight arena");
+            Some(a)
+        }
+        Err(e) => {
+            tracing::warn!(capacity, error = %e, "no weight arena; packed weights go to the heap");
+            None
+        }
+    }
 }
 
 impl PackedMatrix {
+    /// Bytes of a packed `rows` × `cols` matrix of `kind` (None if `cols` is not whole
+    /// blocks or the size overflows).
+    pub fn packed_len(kind: PackKind, rows: usize, cols: usize) -> Option<usize> {
+        if !cols.is_multiple_of(BLOCK) {
+            return None;
+        }
+        rows.div_ceil(TILE_ROWS).checked_mul(cols / BLOCK)?.checked_mul(kind.record_bytes())
+    }
+
     /// Packs `rows` GGUF rows of `kind` (each `cols` wide); `read(r0, buf)` fills `buf` with
     /// the whole rows starting at row `r0` (up to [`TILE_ROWS`] of them at a time).
     pub fn pack(
+        kind: PackKind,
+        rows: usize,
+        cols: usize,
+        read: impl FnMut(usize, &mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<Self> {
+        Self::pack_in(None, kind, rows, cols, read)
+    }
+
+    /// [`Self::pack`] into a buffer of `arena` when it has room.
+    pub fn pack_in(
+        arena: Option<&HugeArena>,
         kind: PackKind,
         rows: usize,
         cols: usize,
@@ -144,7 +223,7 @@ impl PackedMatrix {
         let rec = kind.record_bytes();
         let src_block = kind.ggml().type_size();
         let row_bytes = blocks * src_block;
-        let mut data = vec![0u8; tiles * blocks * rec];
+        let mut data = Data::zeroed(arena, tiles * blocks * rec);
         let mut src = vec![0u8; TILE_ROWS * row_bytes];
         let qo = kind.qs_offset();
         for (tile, tdata) in data.chunks_exact_mut(blocks * rec).enumerate() {
@@ -189,6 +268,20 @@ impl PackedMatrix {
         rows: usize,
         cols: usize,
         row_buf: usize,
+        fill: impl FnMut(usize, &mut [i8]) -> Result<f16, E>,
+    ) -> Result<Self, E>
+    where
+        E: From<std::io::Error>,
+    {
+        Self::from_i8_rows_in(None, rows, cols, row_buf, fill)
+    }
+
+    /// [`Self::from_i8_rows`] into a buffer of `arena` when it has room.
+    pub fn from_i8_rows_in<E>(
+        arena: Option<&HugeArena>,
+        rows: usize,
+        cols: usize,
+        row_buf: usize,
         mut fill: impl FnMut(usize, &mut [i8]) -> Result<f16, E>,
     ) -> Result<Self, E>
     where
@@ -205,7 +298,7 @@ impl PackedMatrix {
         let blocks = cols / BLOCK;
         let rec = kind.record_bytes();
         let qo = kind.qs_offset();
-        let mut data = vec![0u8; rows.div_ceil(TILE_ROWS) * blocks * rec];
+        let mut data = Data::zeroed(arena, rows.div_ceil(TILE_ROWS) * blocks * rec);
         let mut buf = vec![0i8; row_buf];
         for r in 0..rows {
             let (tile, lane) = (r / TILE_ROWS, r % TILE_ROWS);
@@ -242,6 +335,11 @@ impl PackedMatrix {
 
     pub fn size_bytes(&self) -> usize {
         self.data.len()
+    }
+
+    /// Whether the bytes live in a weight arena (not on the heap).
+    pub fn in_arena(&self) -> bool {
+        matches!(self.data, Data::Arena(_))
     }
 
     /// Row `r` as f32 (the same values GGUF dequantization gives).

@@ -44,3 +44,23 @@ pub fn golden_logits() -> Vec<f32> {
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
 }
+
+/// Every packed matrix of `m` lives in its model's weight arena (on the heap instead when
+/// `LLMD_HUGE_PAGES=0`), so the outputs a test checks come from arena-backed weights.
+pub fn assert_weights_in_arena(m: &Model) {
+    let want = std::env::var("LLMD_HUGE_PAGES").map_or(true, |v| v != "0");
+    let w = &m.transformer.weights;
+    let mut packed = 0;
+    for mat in w
+        .layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+        .chain([&w.token_embd, &w.output])
+    {
+        if let Some(p) = &mat.packed {
+            assert_eq!(p.in_arena(), want, "{}: in the arena", mat.name);
+            packed += 1;
+        }
+    }
+    assert!(packed > 7 * w.layers.len(), "only {packed} packed matrices");
+}

@@ -5,6 +5,12 @@
 //! `mallopt(M_PURGE, 0)` on Android. Elsewhere it does nothing.
 //!
 //! Call it after freeing a lot at once, from a quiet point: it walks every arena under its lock.
+//!
+//! [`HugeArena`] is one anonymous mapping for a model's repacked weights, advised for
+//! transparent huge pages, from which each matrix takes its own disjoint buffer.
+
+mod arena;
+pub use arena::{ArenaBuf, HugeArena};
 
 /// Returns free allocator memory to the OS; true if the allocator says it released some.
 pub fn release_free_memory() -> bool {
