@@ -23,7 +23,11 @@
 //!    single client never sees that, so the ratio against 1a (`fg_p99_vs_one_client`) is
 //!    printed too.
 //!
-//! TTFT is measured by the client: from the `generate` call to the first streamed tokens.
+//! TTFT is measured by the client: from the `generate` call to the first streamed tokens. The
+//! slowest foreground prompt of 1b and of 4 (the p99 at ~50 prompts) is also split with the
+//! daemon's own `onCompleted` figures into queue wait, prefill (the rest of the daemon's TTFT)
+//! and delivery, so a high p99 says where it came from (a prompt whose prefill shares its
+//! passes with another's shows a long prefill and no queue wait).
 //! A request is lost if no terminal callback (completed or error) arrives, duplicated if a
 //! second one does (checked by draining every request's callback channel at the end).
 
@@ -75,6 +79,8 @@ struct Outcome {
     /// Arrival time of each streamed token.
     times: Vec<Instant>,
     error: Option<String>,
+    /// The daemon's own figures from `onCompleted`: (queue wait, time to first token) in ms.
+    server: Option<(i64, i64)>,
 }
 
 fn percentile(v: &[f64], p: f64) -> f64 {
@@ -124,8 +130,16 @@ impl Client {
 
     /// One independent request: the session is reset first, so contexts do not pile up.
     fn run(&mut self, req: &GenerateRequest, foreground: bool) -> Outcome {
-        let mut o =
-            Outcome { foreground, ttft: None, first: None, last: None, tokens: 0, times: Vec::new(), error: None };
+        let mut o = Outcome {
+            foreground,
+            ttft: None,
+            first: None,
+            last: None,
+            tokens: 0,
+            times: Vec::new(),
+            error: None,
+            server: None,
+        };
         if let Err(e) = self.session.reset() {
             o.error = Some(client::describe(&e));
             return o;
@@ -148,7 +162,10 @@ impl Client {
                     o.tokens += ids.len();
                     o.times.extend(std::iter::repeat_n(now, ids.len()));
                 }
-                Ok(Event::Completed(_)) => break,
+                Ok(Event::Completed(stats)) => {
+                    o.server = Some((stats.queueWaitMs, stats.timeToFirstTokenMs));
+                    break;
+                }
                 Ok(Event::Error(code, m)) => {
                     o.error = Some(format!("{m} (code {code})"));
                     break;
@@ -351,6 +368,15 @@ pub fn run(
     let fg_ratio = percentile(&fg_t, 99.0) / percentile(&alone_t, 99.0);
     let fg_vs_one = percentile(&fg_t, 99.0) / percentile(&idle_t, 99.0);
     let class_rate = |v: &[Outcome]| v.iter().map(|o| o.tokens).sum::<usize>() as f64 / mixed_s;
+    // The slowest foreground prompt of a phase (its p99 at these counts), split into the
+    // daemon's queue wait, the rest of the daemon's time to first token, and delivery (the
+    // client's time to first token beyond the daemon's).
+    let slowest = |v: &[Outcome]| -> Option<(f64, i64, i64)> {
+        let o = v.iter().filter(|o| o.ttft.is_some()).max_by_key(|o| o.ttft)?;
+        let (wait, ttft) = o.server?;
+        Some((o.ttft?.as_secs_f64() * 1e3, wait, ttft))
+    };
+    let slow = [("foreground clients alone", slowest(&fg_alone)), ("loaded foreground", slowest(&fg))];
     if json_out {
         println!(
             "{}",
@@ -367,6 +393,8 @@ pub fn run(
                 "decode_rounds": rounds.iter().map(|r| json!({"single_tok_s": r.0, "batched_tok_s": r.1, "gain": r.1 / r.0})).collect::<Vec<_>>(),
                 "fg_p99_ttft_ratio": fg_ratio, "batch_decode_gain": gain,
                 "errors": errors.len(), "lost": lost, "duplicated": dup, "bg_failed": bg_failed,
+                "fg_alone_slowest_ms": slow[0].1.map(|(c, w, t)| json!({"client_ttft": c, "server_queue_wait": w, "server_ttft": t})),
+                "fg_slowest_ms": slow[1].1.map(|(c, w, t)| json!({"client_ttft": c, "server_queue_wait": w, "server_ttft": t})),
             })
         );
     } else {
@@ -397,6 +425,15 @@ pub fn run(
         );
         println!("fg_p99_ttft_ratio {fg_ratio:.2} (loaded p99 / p99 of the foreground clients alone)");
         println!("fg_p99_vs_one_client {fg_vs_one:.2} (loaded p99 / one idle client's p99)");
+        for (name, s) in &slow {
+            if let Some((client, wait, ttft)) = s {
+                println!(
+                    "slowest {name}: TTFT {client:.0} ms = daemon queue wait {wait} + daemon prefill {} + delivery {:.0}",
+                    ttft - wait,
+                    client - *ttft as f64
+                );
+            }
+        }
         println!("requests: {} errors, {lost} lost, {dup} duplicated, {bg_failed} background failed", errors.len());
         for e in errors.iter().take(5) {
             println!("  error: {e}");

@@ -662,4 +662,13 @@ fn the_load_benchmark_accounts_for_every_request() {
         "{v}"
     );
     assert!(v["bg_requests"].as_u64().is_some_and(|n| n >= 1), "{v}");
+    // The slowest foreground prompt, split with the daemon's own figures: its queue wait is
+    // part of its time to first token, which the client sees no sooner than the daemon.
+    for key in ["fg_alone_slowest_ms", "fg_slowest_ms"] {
+        let s = &v[key];
+        let (client, wait, ttft) =
+            (s["client_ttft"].as_f64(), s["server_queue_wait"].as_i64(), s["server_ttft"].as_i64());
+        let (Some(client), Some(wait), Some(ttft)) = (client, wait, ttft) else { panic!("{key} in {v}") };
+        assert!(0 <= wait && wait <= ttft && ttft as f64 <= client + 1.0, "{key}: {s}");
+    }
 }
