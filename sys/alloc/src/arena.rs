@@ -55,10 +55,9 @@ impl HugeArena {
     /// Fails only if the address space cannot be reserved; whether huge pages back it is up
     /// to the kernel ([`Self::huge_pages_advised`] says whether it accepted the advice).
     pub fn new(capacity: usize) -> std::io::Result<Self> {
-        let capacity = capacity.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE;
-        let len = capacity
-            .checked_add(HUGE_PAGE)
-            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "arena size overflows"))?;
+        let too_big = || std::io::Error::new(std::io::ErrorKind::InvalidInput, "arena size overflows");
+        let capacity = capacity.max(1).div_ceil(HUGE_PAGE).checked_mul(HUGE_PAGE).ok_or_else(too_big)?;
+        let len = capacity.checked_add(HUGE_PAGE).ok_or_else(too_big)?;
         let mut map = memmap2::MmapOptions::new().len(len).map_anon()?;
         let start = map.as_ptr() as usize;
         let skip = start.next_multiple_of(HUGE_PAGE) - start;
@@ -165,6 +164,13 @@ mod tests {
         // then MADV_HUGEPAGE succeeds whatever the mode (`never` included).
         let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists();
         assert_eq!(arena.huge_pages_advised(), thp && cfg!(any(target_os = "linux", target_os = "android")));
+    }
+
+    #[test]
+    fn an_impossible_size_is_an_error() {
+        for n in [usize::MAX, usize::MAX - HUGE_PAGE, usize::MAX / 2 + 1] {
+            assert!(HugeArena::new(n).is_err(), "{n}");
+        }
     }
 
     #[test]
