@@ -24,7 +24,7 @@
 //!    printed too.
 //!
 //! TTFT is measured by the client: from the `generate` call to the first streamed tokens. The
-//! slowest foreground prompt of 1b and of 4 (the p99 at ~50 prompts) is also split with the
+//! slowest foreground prompt of 1b and of 4 is also split with the
 //! daemon's own `onCompleted` figures into queue wait, prefill (the rest of the daemon's TTFT)
 //! and delivery, so a high p99 says where it came from (a prompt whose prefill shares its
 //! passes with another's shows a long prefill and no queue wait).
@@ -371,7 +371,7 @@ pub fn run(
     let fg_ratio = percentile(&fg_t, 99.0) / percentile(&alone_t, 99.0);
     let fg_vs_one = percentile(&fg_t, 99.0) / percentile(&idle_t, 99.0);
     let class_rate = |v: &[Outcome]| v.iter().map(|o| o.tokens).sum::<usize>() as f64 / mixed_s;
-    // The slowest foreground prompt of a phase (its p99 at these counts), split into the
+    // The slowest foreground prompt of a phase, split into the
     // daemon's queue wait, the rest of the daemon's time to first token, and delivery (the
     // client's time to first token beyond the daemon's).
     let slowest = |v: &[Outcome]| -> Option<(f64, i64, i64)> {

@@ -1,13 +1,15 @@
 //! A huge-page arena for a model's weights.
 //!
 //! The CPU kernels stream every weight once per forward pass: ~100 MB for a 135M-parameter
-//! model, in matrices of 70 KB–2 MB, each its own heap allocation in 4 KiB pages. Those are
-//! ~25,000 pages per pass, more than the data TLB holds, so the kernels wait on page walks as
-//! well as on memory. One mapping for all of a model's matrices, advised `MADV_HUGEPAGE` and
+//! model, in matrices of 70 KB–30 MB, each its own heap allocation in 4 KiB pages. Those are
+//! ~25,000 pages per pass, more than the data TLB holds (our reading of the gain below: this
+//! machine has no hardware counters to show the page walks). One mapping for all of a model's matrices, advised `MADV_HUGEPAGE` and
 //! aligned to 2 MiB, lets the kernel back it with 2 MiB pages where transparent huge pages are
 //! enabled (`always`, or `madvise` as on most Linux distributions; Android kernels mostly
 //! disable them, and then this is an ordinary anonymous mapping). Measured on the host
-//! (SmolLM2-135M Q4_1, 2 threads): a batch of 8 decode steps 7–13% faster, the same peak RSS.
+//! (SmolLM2-135M Q4_1, 2 threads, six alternated pairs of processes): a batch of 8 decode
+//! steps 3–16% faster, one sequence 0–6%; the same peak RSS once the loader trims the heap it
+//! freed while parsing the file (`Model::load`).
 //!
 //! The arena is a bump allocator: [`HugeArena::alloc`] hands out disjoint buffers, each
 //! holding the mapping alive; it is unmapped when the arena and every buffer are dropped (a
@@ -29,6 +31,8 @@ struct Region {
     base: *mut u8,
     capacity: usize,
     next: AtomicUsize,
+    /// Whether the kernel accepted `MADV_HUGEPAGE` for the range.
+    advised: bool,
 }
 
 // SAFETY: `base` points into `_map`, which the region owns and which is itself Send and Sync;
@@ -65,9 +69,8 @@ impl HugeArena {
         // `base .. base + capacity` lies inside it. The mapping does not move when `map`
         // moves into the region below (only the handle does).
         let base = unsafe { map.as_mut_ptr().add(skip) };
-        let region = Region { _map: map, base, capacity, next: AtomicUsize::new(0) };
-        advise_huge(base, capacity);
-        Ok(Self { region: Arc::new(region) })
+        let advised = advise_huge(base, capacity);
+        Ok(Self { region: Arc::new(Region { _map: map, base, capacity, next: AtomicUsize::new(0), advised }) })
     }
 
     /// A buffer of `len` bytes, or None when the arena has too little left.
@@ -97,7 +100,7 @@ impl HugeArena {
     /// Whether the kernel accepted `MADV_HUGEPAGE` for the arena (false where it has no
     /// transparent huge pages, or off Linux and Android).
     pub fn huge_pages_advised(&self) -> bool {
-        advise_huge(self.region.base, self.region.capacity)
+        self.region.advised
     }
 }
 
