@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite (what CI runs): unit and integration tests with the real default model
 # (engine against llama.cpp's golden outputs, the daemon over Binder-over-socket), the Android
-# cross-check of every crate, the ARM kernels under qemu-user, the SELinux policy, the Kotlin client on the JVM, and real
+# cross-check of every crate, the ARM kernels under qemu-user, the SELinux policy, the Kotlin client on the JVM, the demo script, and real
 # kernel Binder in a QEMU VM.
 # LLMD_SKIP_VM=1 skips the VM test (for quick local runs; CI always runs it).
 set -euo pipefail
@@ -17,6 +17,8 @@ echo "== sepolicy (tests/sepolicy/check.sh)" >&2
 tests/sepolicy/check.sh
 echo "== Kotlin client on the JVM (client-kotlin/build.sh)" >&2
 client-kotlin/build.sh
+echo "== the demo command end to end: exit status, reply, clean-up (tests/scripts/demo_script.py)" >&2
+python3 tests/scripts/demo_script.py
 if [ "${LLMD_SKIP_VM:-0}" != 1 ]; then
   echo "== kernel Binder in a VM (tests/kernel-binder/run.sh)" >&2
   tests/kernel-binder/run.sh
