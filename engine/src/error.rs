@@ -123,6 +123,9 @@ pub enum BackendError {
     NoBackend(String),
     #[error("shape mismatch in {op}: {detail}")]
     Shape { op: &'static str, detail: String },
+    /// A device of the contract (`llmd_device`) failed or refused a call.
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// Any engine error, for callers that do not care which part failed.

@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod chat;
+pub mod config;
 pub mod convert;
 pub mod error;
 pub mod format;
@@ -13,6 +14,7 @@ pub mod generate;
 pub mod model;
 pub mod quant;
 pub mod sampling;
+pub mod sched;
 pub mod smooth;
 pub mod tokenizer;
 

@@ -21,8 +21,8 @@
 //! quantized linear's output on the calibration activations (the paper's "quantization error";
 //! its step and granularity are not given: we use steps of 0.1, per group).
 
-use crate::convert::encode_edgeflow;
 use crate::error::EngineError;
+use crate::format::llmd::encode_edgeflow;
 use crate::model::CaptureSite;
 use crate::quant::edgeflow;
 use crate::Model;

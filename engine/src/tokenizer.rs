@@ -26,18 +26,7 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 const TOKEN_TYPE_BYTE: i64 = 6;
 
-/// A tokenizer as stored in an llmd model file: the `tokenizer.json` document plus what llmd
-/// derives from the source format (token bytes in hex, BOS/EOS, end-of-generation tokens).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct TokenizerSnapshot {
-    pub hf_json: String,
-    pub pieces: Vec<String>,
-    pub texts: Vec<String>,
-    pub bos: Option<u32>,
-    pub eos: Option<u32>,
-    pub add_bos: bool,
-    pub eog: Vec<u32>,
-}
+pub use crate::format::llmd::TokenizerSnapshot;
 
 pub struct Tokenizer {
     /// Splits special (control) tokens out of the text.

@@ -8,11 +8,11 @@
 
 use super::attn_kernels::{prefetch, AttnKernels};
 use super::pool::Pool;
-use super::{check_append, AttentionItem, AttentionShape, Backend, BackendDescriptor, OpKind, Processor, RopeParams};
+use super::{check_append, AttentionItem, AttentionShape, Backend, DeviceDesc, OpKind, Processor, RopeParams};
+use crate::backend::kv::{append_head, KvInput, KvLayer};
+use crate::backend::weight::WeightMatrix;
+use crate::config::RopeStyle;
 use crate::error::BackendError;
-use crate::model::config::RopeStyle;
-use crate::model::kv::{append_head, KvInput, KvLayer};
-use crate::model::weights::WeightMatrix;
 use crate::quant::packed::{self, Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use crate::quant::{self, GgmlType};
 use std::sync::Mutex;
@@ -24,7 +24,7 @@ const ATTN_PREFETCH_ROWS: usize = 32;
 const ROWS_PER_TASK: usize = 32;
 
 pub struct CpuBackend {
-    desc: BackendDescriptor,
+    desc: DeviceDesc,
     pool: Pool,
 }
 
@@ -43,8 +43,8 @@ impl CpuBackend {
         let threads =
             if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
         let pool = Pool::new(threads);
-        let desc = BackendDescriptor {
-            name: "cpu",
+        let desc = DeviceDesc {
+            name: "cpu".into(),
             processor: Processor::Cpu,
             available: true,
             ops: vec![
@@ -56,7 +56,8 @@ impl CpuBackend {
                 OpKind::SwiGlu,
             ],
             weight_types: GgmlType::ALL.to_vec(),
-            static_shapes: false,
+            static_shapes: llmd_device::StaticShapes::Any,
+            memory: llmd_device::MemoryDesc { kind: llmd_device::MemoryKind::Host, capacity: None },
             max_tokens: None,
             threads,
         };
@@ -449,7 +450,7 @@ fn shape_err(op: &'static str, detail: String) -> BackendError {
 }
 
 impl Backend for CpuBackend {
-    fn descriptor(&self) -> &BackendDescriptor {
+    fn descriptor(&self) -> &DeviceDesc {
         &self.desc
     }
 
@@ -908,8 +909,8 @@ mod tests {
             let mut ready = caches.clone();
             for ((k, v), ((kn, vn), &st)) in ready.iter_mut().zip(news.iter().zip(&starts)) {
                 for h in 0..n_kv {
-                    crate::model::kv::append_head(&mut k[h], st, h, hd, kn, kv_dim, to_f16);
-                    crate::model::kv::append_head(&mut v[h], st, h, hd, vn, kv_dim, to_f16);
+                    crate::backend::kv::append_head(&mut k[h], st, h, hd, kn, kv_dim, to_f16);
+                    crate::backend::kv::append_head(&mut v[h], st, h, hd, vn, kv_dim, to_f16);
                 }
             }
             let mut want = vec![vec![0f32; n_heads * hd]; seqs];

@@ -3,39 +3,21 @@
 //! NPU backends slot in beside the CPU without reshaping the model code.
 
 pub mod attn_kernels;
+pub mod blocks;
 pub mod cpu;
+pub mod kv;
 pub mod pool;
+pub mod weight;
 
+use crate::backend::kv::{KvInput, KvLayer};
+use crate::backend::weight::WeightMatrix;
 use crate::error::BackendError;
-use crate::model::kv::{KvInput, KvLayer};
-use crate::model::weights::WeightMatrix;
 use crate::quant::GgmlType;
 use std::sync::Arc;
 
-/// The kind of processor behind a backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Processor {
-    Cpu,
-    Gpu,
-    Npu,
-}
+pub use llmd_device::{DeviceDesc, OpKind, Processor};
 
-/// Operations the forward pass places on a backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OpKind {
-    /// Embedding lookup: rows of a (possibly quantized) matrix to f32.
-    GetRows,
-    /// Weight matrix times a batch of activation rows.
-    MatMul,
-    RmsNorm,
-    Rope,
-    /// Causal attention of new queries over a sequence's KV cache.
-    Attention,
-    /// `silu(gate) * up`.
-    SwiGlu,
-}
-
-/// One unit of work as the planner sees it.
+/// One op as the planner sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct OpDesc {
     pub kind: OpKind,
@@ -43,31 +25,6 @@ pub struct OpDesc {
     pub weight_type: Option<GgmlType>,
     /// Tokens in the batch.
     pub n_tokens: usize,
-}
-
-/// What a backend can do, as data.
-#[derive(Clone, Debug)]
-pub struct BackendDescriptor {
-    pub name: &'static str,
-    pub processor: Processor,
-    /// False for a backend compiled out or with no device: it accepts no work.
-    pub available: bool,
-    pub ops: Vec<OpKind>,
-    pub weight_types: Vec<GgmlType>,
-    /// Needs graphs of fixed shape compiled ahead (NPUs); dynamic-shape backends say false.
-    pub static_shapes: bool,
-    /// Largest batch of tokens one op may carry, if limited.
-    pub max_tokens: Option<usize>,
-    pub threads: usize,
-}
-
-impl BackendDescriptor {
-    pub fn supports(&self, op: &OpDesc) -> bool {
-        self.available
-            && self.ops.contains(&op.kind)
-            && op.weight_type.is_none_or(|t| self.weight_types.contains(&t))
-            && self.max_tokens.is_none_or(|m| op.n_tokens <= m)
-    }
 }
 
 /// Shapes for attention over a KV cache.
@@ -103,7 +60,7 @@ impl<'a> AttentionItem<'a> {
                 let kv_dim = s.n_kv_heads * s.head_dim;
                 for (store, new) in [(&mut *k, k_new), (&mut *v, v_new)] {
                     for (h, x) in store.iter_mut().enumerate() {
-                        crate::model::kv::append_head(x, s.start, h, s.head_dim, new, kv_dim, to_f16);
+                        crate::backend::kv::append_head(x, s.start, h, s.head_dim, new, kv_dim, to_f16);
                     }
                 }
                 KvLayer::F16 { k, v }
@@ -151,21 +108,13 @@ pub fn check_append(
     Ok(())
 }
 
-/// Rotary embedding parameters.
-#[derive(Clone, Copy, Debug)]
-pub struct RopeParams {
-    pub n_heads: usize,
-    pub head_dim: usize,
-    pub rope_dims: usize,
-    pub theta: f32,
-    pub freq_scale: f32,
-    pub style: crate::model::config::RopeStyle,
-}
+pub use llmd_device::RopeParams;
 
-/// A processor that runs forward-pass ops. Buffers are plain host slices for now: the CPU
-/// works on them directly; device backends own their copies and say so in their descriptor.
+/// The op-level kernels of a processor that computes in host memory (the CPU): what the host
+/// blocks ([`blocks`]) call, op by op. Devices with memory or graphs of their own implement
+/// [`llmd_device::Device`] instead, at the level of subgraphs.
 pub trait Backend: Send + Sync {
-    fn descriptor(&self) -> &BackendDescriptor;
+    fn descriptor(&self) -> &DeviceDesc;
 
     /// How many parts [`Self::split`] would run at once now: 1 where the backend cannot split
     /// (the default), or while it is already running a part.
@@ -181,7 +130,7 @@ pub trait Backend: Send + Sync {
     }
 
     fn supports(&self, op: &OpDesc) -> bool {
-        self.descriptor().supports(op)
+        self.descriptor().supports_op(op.kind, op.weight_type, op.n_tokens)
     }
 
     /// `out[t][r] = dot(w.row(r), x[t])` for `n_tokens` rows of `x` (each `w.cols` long); every
@@ -300,7 +249,7 @@ impl Planner {
         }
     }
 
-    pub fn backends(&self) -> impl Iterator<Item = &BackendDescriptor> {
+    pub fn backends(&self) -> impl Iterator<Item = &DeviceDesc> {
         self.backends.iter().map(|b| b.descriptor())
     }
 }

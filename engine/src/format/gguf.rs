@@ -450,3 +450,79 @@ impl GgufFile {
         }
     }
 }
+
+use crate::config::{Arch, ModelConfig, RopeStyle};
+
+impl ModelConfig {
+    /// Reads `general.architecture` and the `<arch>.*` keys of a GGUF file.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, FormatError> {
+        let arch_name = g.get_str("general.architecture")?;
+        let (arch, rope_style) = match arch_name {
+            "llama" | "mistral" => (Arch::Llama, RopeStyle::Interleaved),
+            "qwen2" => (Arch::Qwen2, RopeStyle::Neox),
+            other => return Err(FormatError::UnsupportedArchitecture(other.to_owned())),
+        };
+        let k = |s: &str| format!("{arch_name}.{s}");
+        let usize_key = |s: &str| -> Result<usize, FormatError> {
+            let v = g.get_u64(&k(s))?;
+            usize::try_from(v)
+                .map_err(|_| FormatError::BadHyperParameter { what: "size", detail: format!("{} = {v}", k(s)) })
+        };
+        let n_layers = usize_key("block_count")?;
+        let d_model = usize_key("embedding_length")?;
+        let n_heads = usize_key("attention.head_count")?;
+        let n_kv_heads = match g.get_u64_opt(&k("attention.head_count_kv"))? {
+            Some(v) => v as usize,
+            None => n_heads,
+        };
+        let ffn_dim = usize_key("feed_forward_length")?;
+        let context_length = usize_key("context_length")?;
+        let head_dim = match g.get_u64_opt(&k("attention.key_length"))? {
+            Some(v) => v as usize,
+            None if n_heads > 0 => d_model / n_heads,
+            None => 0,
+        };
+        let rope_dims = match g.get_u64_opt(&k("rope.dimension_count"))? {
+            Some(v) => v as usize,
+            None => head_dim,
+        };
+        let rope_theta = g.get_f64_opt(&k("rope.freq_base"))?.unwrap_or(10000.0) as f32;
+        let rope_freq_scale = match (
+            g.get(&k("rope.scaling.type")).and_then(|v| v.as_str()),
+            g.get_f64_opt(&k("rope.scaling.factor"))?,
+        ) {
+            (Some("linear"), Some(f)) if f > 0.0 => (1.0 / f) as f32,
+            (None | Some("none"), _) => 1.0,
+            (Some("linear"), _) => 1.0,
+            (Some(other), _) => {
+                return Err(FormatError::BadHyperParameter {
+                    what: "rope scaling",
+                    detail: format!("unsupported type {other:?}"),
+                })
+            }
+        };
+        let norm_eps = g.get_f64_opt(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5) as f32;
+        let vocab_size = match g.get_u64_opt(&k("vocab_size"))? {
+            Some(v) => v as usize,
+            None => g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()).unwrap_or(0),
+        };
+        let c = Self {
+            arch,
+            n_layers,
+            d_model,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_dim,
+            vocab_size,
+            context_length,
+            rope_theta,
+            rope_dims,
+            rope_freq_scale,
+            rope_style,
+            norm_eps,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}

@@ -4,8 +4,8 @@
 //! keep Q/K in rotate-half order, so they run with [`RopeStyle::Neox`].
 
 use super::{ModelBytes, TensorMap, TensorRef};
+use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::error::FormatError;
-use crate::model::config::{Arch, ModelConfig, RopeStyle};
 use crate::quant::GgmlType;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};

@@ -27,11 +27,10 @@
 //! `[bit-widths: ⌈3C/8⌉ bytes, INT3 codes b−1][pad to 64][scales: C × f16][pad to 64][channels]`,
 //! channel `i` taking `B_i · ⌈D/128⌉ · 16` bytes (see [`crate::quant::edgeflow`]).
 
+use crate::config::ModelConfig;
 use crate::error::FormatError;
-use crate::model::config::ModelConfig;
 use crate::quant::edgeflow;
 use crate::quant::GgmlType;
-use crate::tokenizer::TokenizerSnapshot;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::Path;
@@ -444,4 +443,62 @@ impl Drop for Writer {
         // A conversion that failed part-way leaves nothing behind.
         let _ = std::fs::remove_file(&self.data_path);
     }
+}
+
+/// A tokenizer as stored in an llmd model file: the `tokenizer.json` document plus what llmd
+/// derives from the source format (token bytes in hex, BOS/EOS, end-of-generation tokens).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct TokenizerSnapshot {
+    pub hf_json: String,
+    pub pieces: Vec<String>,
+    pub texts: Vec<String>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+    pub eog: Vec<u32>,
+}
+
+/// EdgeFlow-encodes an f32 matrix: bit-width array, scales, then the channels.
+pub fn encode_edgeflow(w: &[f32], rows: usize, cols: usize, bits: f64, threads: usize) -> (Vec<u8>, Vec<u8>) {
+    let crest: Vec<f64> = w.chunks_exact(cols).map(edgeflow::crest2).collect();
+    let widths = edgeflow::allocate(&crest, bits);
+    let (bits_len, scales_len) = edgeflow_prefix(rows);
+    let mut offsets = Vec::with_capacity(rows);
+    let mut at = bits_len + scales_len;
+    for &b in &widths {
+        offsets.push(at);
+        at += edgeflow::channel_bytes(b, cols);
+    }
+    let mut out = vec![0u8; at];
+    let packed_bits = edgeflow::pack_bit_widths(&widths);
+    out[..packed_bits.len()].copy_from_slice(&packed_bits);
+    let (head, body) = out.split_at_mut(bits_len + scales_len);
+    let scales = &mut head[bits_len..bits_len + 2 * rows];
+    // Rows are independent: split them across threads, each writing its own channels.
+    let threads =
+        if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+    let per = rows.div_ceil(threads.max(1)).max(1);
+    let mut scale_chunks = scales.chunks_mut(2 * per);
+    let mut body_rest = body;
+    std::thread::scope(|s| {
+        for r0 in (0..rows).step_by(per) {
+            let r1 = (r0 + per).min(rows);
+            let end = if r1 < rows { offsets[r1] } else { at };
+            let (mine, rest) = std::mem::take(&mut body_rest).split_at_mut(end - offsets[r0]);
+            body_rest = rest;
+            let sc = scale_chunks.next().unwrap_or_default();
+            let (widths, offsets) = (&widths, &offsets);
+            s.spawn(move || {
+                for r in r0..r1 {
+                    let row = &w[r * cols..(r + 1) * cols];
+                    let (d, codes) = edgeflow::quantize_channel(row, widths[r]);
+                    sc[2 * (r - r0)..2 * (r - r0) + 2].copy_from_slice(&d.to_le_bytes());
+                    let o = offsets[r] - offsets[r0];
+                    let n = edgeflow::channel_bytes(widths[r], cols);
+                    edgeflow::pack_channel(&codes, widths[r], &mut mine[o..o + n]);
+                }
+            });
+        }
+    });
+    (out, widths)
 }

@@ -20,7 +20,8 @@
 use super::config::ModelConfig;
 use super::kv::KvCache;
 use super::weights::{LayerWeights, ModelWeights, WeightMatrix};
-use super::{Logits, Pass};
+use super::Logits;
+use crate::backend::blocks::Pass;
 use crate::backend::Planner;
 use crate::error::{EngineError, FormatError};
 use crate::format::llmd::{self, Metadata, TensorEntry, TensorKind};
@@ -302,7 +303,8 @@ pub(crate) fn load<T: Send + 'static>(
         .iter()
         .map(|r| RegionTiming { name: r.name.clone(), bytes: r.len, ..Default::default() })
         .collect();
-    let pass = Pass { c: &c, planner };
+    let shape = c.block_shape(false, false);
+    let pass = Pass { c: &shape, planner };
     let mut kv = prompt.map(|_| KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, kv_type));
     let mut state = None;
     let mut parts: HashMap<String, Part> = HashMap::new();
@@ -336,7 +338,7 @@ pub(crate) fn load<T: Send + 'static>(
                 let li = layers.len();
                 let l = take_layer(&mut parts, &c, li)?;
                 if let (Some(st), Some(p), Some(kv)) = (state.as_mut(), prompt, kv.as_mut()) {
-                    pass.layer(st, &mut [(kv, p)], li, &l, rope_freqs.as_deref(), None)?;
+                    pass.layer(st, &mut [(kv, p)], li, l.blocks(rope_freqs.as_deref()), None)?;
                 }
                 layers.push(l);
             }

@@ -112,6 +112,10 @@ pub struct KvCache {
     head_dim: usize,
     len: usize,
     store: Store,
+    /// Per layer, the cache a device holds for this sequence when that layer's attention runs
+    /// there (memory of the device's; it writes positions `start..` at each pass, so a
+    /// truncation here needs nothing of it). Empty while every layer is on the host.
+    device: Vec<Option<llmd_device::Buffer>>,
 }
 
 /// Quantizes one head's values to int8, returning the scale.
@@ -154,7 +158,7 @@ impl KvCache {
                 vs: vec![Vec::new(); n_layers],
             },
         };
-        Self { kv_dim, head_dim: head_dim.max(1), len: 0, store }
+        Self { kv_dim, head_dim: head_dim.max(1), len: 0, store, device: Vec::new() }
     }
 
     fn kv_heads(&self) -> usize {
@@ -177,8 +181,26 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Bytes allocated for keys and values.
+    /// The buffer a device holds for layer `layer` of this sequence, if any.
+    pub fn device_layer(&self, layer: usize) -> Option<&llmd_device::Buffer> {
+        self.device.get(layer).and_then(Option::as_ref)
+    }
+
+    /// Sets (or, with `None`, drops) the device buffer of layer `layer`.
+    pub fn set_device_layer(&mut self, layer: usize, buf: Option<llmd_device::Buffer>) {
+        if self.device.len() <= layer {
+            self.device.resize(layer + 1, None);
+        }
+        self.device[layer] = buf;
+    }
+
+    /// Bytes allocated for keys and values (on the host and on devices).
     pub fn size_bytes(&self) -> usize {
+        let on_devices: usize = self.device.iter().flatten().map(|b| b.len).sum();
+        on_devices + self.host_bytes()
+    }
+
+    fn host_bytes(&self) -> usize {
         match &self.store {
             Store::F16 { k, v } => k.iter().chain(v).map(|x| x.capacity() * 2).sum(),
             Store::Q8 { k, ks, v, vs } => {
@@ -245,7 +267,9 @@ impl KvCache {
         }
     }
 
-    pub(crate) fn advance(&mut self, n: usize) {
+    /// Counts `n` more positions as held (after a pass appended them to every layer; a device
+    /// keeping one layer per cache calls it after its own append).
+    pub fn advance(&mut self, n: usize) {
         self.len += n;
     }
 
@@ -284,7 +308,13 @@ impl KvCache {
     /// [`Self::read_from`] restores it exactly — the daemon spills idle sessions' caches to
     /// flash under memory pressure.
     pub fn write_to(&self, w: &mut impl std::io::Write) -> std::io::Result<()> {
-        let mut body = Vec::with_capacity(self.size_bytes() + 64);
+        if self.device.iter().any(Option::is_some) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "part of this KV cache is held on a device; spilling it is not supported yet",
+            ));
+        }
+        let mut body = Vec::with_capacity(self.host_bytes() + 64);
         let (ty, layers) = match &self.store {
             Store::F16 { k, .. } => (0u32, k.len() / self.kv_heads()),
             Store::Q8 { k, .. } => (1u32, k.len()),

@@ -1,0 +1,129 @@
+//! A weight matrix as the CPU keeps it: the file's bytes (mapped) and, for the types the
+//! packed kernels take, a copy in their tile layout.
+
+use crate::format::TensorRef;
+use crate::quant::packed::{PackKind, PackedMatrix};
+use crate::quant::GgmlType;
+use llmd_alloc_sys::HugeArena;
+use std::sync::Arc;
+
+/// A 2-D weight: `rows` rows of `cols` elements, each row a whole number of blocks.
+#[derive(Clone)]
+pub struct WeightMatrix {
+    pub name: String,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub(crate) tensor: TensorRef,
+    /// The same weights in the CPU kernels' tile layout, when the type has one (read from the
+    /// file without touching the map, so the map's pages do not count against resident memory).
+    pub packed: Option<Arc<PackedMatrix>>,
+    /// Rows stay on storage and are read with `pread` when used (embeddings on flash).
+    pub on_flash: bool,
+}
+
+impl WeightMatrix {
+    /// Wraps a tensor already checked to hold `rows` × `cols` elements of its type.
+    pub fn from_tensor(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
+        let packed = pack(None, &tensor, rows, cols).ok().flatten();
+        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed, on_flash: false }
+    }
+
+    /// Weights a device handed over as bytes of a GGML type (`rows` × `cols`, row-major), in
+    /// memory of their own, packed for the CPU kernels where the type has a packed layout.
+    pub fn from_host_bytes(name: &str, ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Option<Self> {
+        if ty.row_bytes(cols)?.checked_mul(rows)? != data.len() {
+            return None;
+        }
+        let len = data.len();
+        let tensor = TensorRef {
+            ty,
+            dims: vec![cols as u64, rows as u64],
+            file: Arc::new(crate::format::ModelBytes::Owned(data)),
+            range: 0..len,
+        };
+        Some(Self::from_tensor(name, rows, cols, tensor))
+    }
+
+    /// The file's bytes of this matrix, if they are rows of its type (a GGUF or HF tensor; not
+    /// weights unpacked from an llmd file, whose bytes are EdgeFlow's).
+    pub fn source_bytes(&self) -> Option<&[u8]> {
+        let expected = self.ty.row_bytes(self.cols)?.checked_mul(self.rows)?;
+        (self.tensor.ty == self.ty && self.tensor.range.len() == expected && !self.on_flash).then(|| self.bytes())
+    }
+
+    /// Reads row `r`'s bytes from storage into `buf` (no page of the map is touched).
+    pub fn read_row(&self, r: usize, buf: &mut Vec<u8>) -> std::io::Result<()> {
+        let rb = self.row_bytes();
+        if r >= self.rows {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("row {r} of {}", self.rows)));
+        }
+        buf.resize(rb, 0);
+        self.tensor.file.read_at(self.tensor.range.start + r * rb, buf)
+    }
+
+    /// Wraps weights already in the packed layout (e.g. unpacked from an llmd file); `tensor`
+    /// names where they live in the file, for accounting only.
+    pub fn with_packed(name: &str, tensor: TensorRef, packed: PackedMatrix) -> Self {
+        let ty = match packed.kind {
+            PackKind::Q4_0 => GgmlType::Q4_0,
+            PackKind::Q4_1 => GgmlType::Q4_1,
+            PackKind::Q8_0 => GgmlType::Q8_0,
+        };
+        Self {
+            name: name.to_owned(),
+            ty,
+            rows: packed.rows,
+            cols: packed.cols,
+            tensor,
+            packed: Some(Arc::new(packed)),
+            on_flash: false,
+        }
+    }
+
+    /// The same weights under another name (a tied output head).
+    pub fn renamed(&self, name: &str) -> Self {
+        Self { name: name.to_owned(), ..self.clone() }
+    }
+
+    /// Whether two matrices are the same weights (a tied output head).
+    pub fn same_weights(&self, o: &Self) -> bool {
+        match (&self.packed, &o.packed) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => Arc::ptr_eq(&self.tensor.file, &o.tensor.file) && self.tensor.range == o.tensor.range,
+        }
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.tensor.range.len() / self.rows.max(1)
+    }
+    pub fn bytes(&self) -> &[u8] {
+        self.tensor.bytes()
+    }
+    pub fn row(&self, r: usize) -> Option<&[u8]> {
+        let rb = self.row_bytes();
+        (r < self.rows).then(|| &self.bytes()[r * rb..(r + 1) * rb])
+    }
+    /// Bytes of weights this matrix holds in memory (its packed copy, if it has one; none when
+    /// its rows stay on storage).
+    pub fn size_bytes(&self) -> usize {
+        if self.on_flash {
+            return 0;
+        }
+        self.packed.as_ref().map(|p| p.size_bytes()).unwrap_or(self.tensor.range.len())
+    }
+}
+
+/// The tile-layout copy of a tensor whose type has one, in `arena` while it has room.
+pub(crate) fn pack(
+    arena: Option<&HugeArena>,
+    t: &TensorRef,
+    rows: usize,
+    cols: usize,
+) -> std::io::Result<Option<Arc<PackedMatrix>>> {
+    let Some(kind) = PackKind::of(t.ty) else { return Ok(None) };
+    let row_bytes = t.range.len() / rows.max(1);
+    let p =
+        PackedMatrix::pack_in(arena, kind, rows, cols, |r0, buf| t.file.read_at(t.range.start + r0 * row_bytes, buf))?;
+    Ok(Some(Arc::new(p)))
+}

@@ -1,0 +1,301 @@
+//! A pass whose subgraphs run on several devices: placed by [`crate::sched::place`], run in
+//! [`crate::sched::JobQueue`] order, the residual stream moved between host memory and a
+//! device's buffers with events ordering each step. Subgraphs placed on the host run the host
+//! blocks ([`crate::backend::blocks`]) in place; the others go through the device contract:
+//! their weights loaded once per device ([`Device::load_weight`]), an executable prepared once
+//! per device, subgraph and token count, each layer's KV cache in the memory of the device its
+//! attention runs on (`KvCache::device_layer`).
+
+use super::kv::KvCache;
+use super::weights::WeightMatrix;
+use super::{Logits, Transformer};
+use crate::backend::blocks::{Pass, PassState};
+use crate::error::BackendError;
+use crate::sched::{self, CostModel, JobQueue};
+use llmd_device::{
+    Bindings, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, Event, Executable, GgmlType, HostWeight,
+    SeqBinding, Subgraph, SubgraphKind, Weight, WeightRole,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The devices a model runs on besides the host, and what they hold of it.
+pub(crate) struct Devices {
+    pub list: Vec<Arc<dyn Device>>,
+    pub cost: Arc<dyn CostModel>,
+    state: Mutex<DevState>,
+}
+
+#[derive(Default)]
+struct DevState {
+    /// Per (device index, subgraph): its weights on that device.
+    weights: HashMap<(usize, Subgraph), Arc<Vec<Weight>>>,
+    /// Per (device index, subgraph, tokens).
+    exes: HashMap<(usize, Subgraph, usize), Executable>,
+    /// Per layer: the device (0 = host) holding its KV caches, once a pass has placed it.
+    kv_home: Vec<Option<usize>>,
+}
+
+fn dev_err(e: DeviceError) -> BackendError {
+    BackendError::Device(e.to_string())
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+impl Devices {
+    pub fn new(list: Vec<Arc<dyn Device>>, cost: Arc<dyn CostModel>) -> Self {
+        Self { list, cost, state: Mutex::new(DevState::default()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, DevState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Where the residual stream is between two subgraphs.
+enum Loc {
+    Host,
+    /// On device `i` (index into the placement's list, ≥ 1) in `buf`, ready when `ev` signals.
+    Dev(usize, Buffer, Event),
+}
+
+impl Transformer {
+    /// The weight types subgraph `sg` reads.
+    fn weight_types(&self, sg: Subgraph) -> Vec<GgmlType> {
+        self.subgraph_matrices(sg).iter().map(|(_, m)| m.ty).collect()
+    }
+
+    fn subgraph_matrices(&self, sg: Subgraph) -> Vec<(WeightRole, &WeightMatrix)> {
+        let w = &self.weights;
+        match sg.kind {
+            SubgraphKind::Embed => vec![(WeightRole::TokenEmbd, &w.token_embd)],
+            SubgraphKind::Head => vec![(WeightRole::Output, &w.output)],
+            SubgraphKind::Attention => w.layers.get(sg.layer).map_or_else(Vec::new, |l| {
+                vec![(WeightRole::Wq, &l.wq), (WeightRole::Wk, &l.wk), (WeightRole::Wv, &l.wv), (WeightRole::Wo, &l.wo)]
+            }),
+            SubgraphKind::Ffn => w.layers.get(sg.layer).map_or_else(Vec::new, |l| {
+                vec![(WeightRole::Gate, &l.w_gate), (WeightRole::Up, &l.w_up), (WeightRole::Down, &l.w_down)]
+            }),
+        }
+    }
+
+    /// The f32 vectors subgraph `sg` reads, by role.
+    fn subgraph_vectors(&self, sg: Subgraph) -> Vec<(WeightRole, &[f32])> {
+        let w = &self.weights;
+        let mut v: Vec<(WeightRole, &[f32])> = Vec::new();
+        match sg.kind {
+            SubgraphKind::Embed => {}
+            SubgraphKind::Head => v.push((WeightRole::OutputNorm, &w.output_norm)),
+            SubgraphKind::Attention => {
+                if let Some(l) = w.layers.get(sg.layer) {
+                    v.push((WeightRole::AttnNorm, &l.attn_norm));
+                    for (r, b) in [(WeightRole::Bq, &l.bq), (WeightRole::Bk, &l.bk), (WeightRole::Bv, &l.bv)] {
+                        if let Some(b) = b {
+                            v.push((r, b));
+                        }
+                    }
+                }
+                if let Some(f) = &w.rope_freqs {
+                    v.push((WeightRole::RopeFreqs, f));
+                }
+            }
+            SubgraphKind::Ffn => {
+                if let Some(l) = w.layers.get(sg.layer) {
+                    v.push((WeightRole::FfnNorm, &l.ffn_norm));
+                }
+            }
+        }
+        v
+    }
+
+    /// `sg`'s weights on device `d` (index ≥ 1), loaded at first use, in the order of
+    /// [`Subgraph::weight_roles`].
+    fn device_weights(&self, devs: &Devices, d: usize, sg: Subgraph) -> Result<Arc<Vec<Weight>>, BackendError> {
+        if let Some(w) = devs.lock().weights.get(&(d, sg)) {
+            return Ok(w.clone());
+        }
+        let dev = &devs.list[d - 1];
+        let mats = self.subgraph_matrices(sg);
+        let vecs = self.subgraph_vectors(sg);
+        let mut out = Vec::new();
+        for role in sg.weight_roles(&self.shape) {
+            let w = if let Some((_, m)) = mats.iter().find(|(r, _)| *r == role) {
+                let data = m.source_bytes().ok_or_else(|| {
+                    BackendError::Device(format!(
+                        "{}: {} has no bytes of its type to load ({} weights unpacked from an llmd file, or on flash)",
+                        dev.desc().name,
+                        m.name,
+                        m.ty
+                    ))
+                })?;
+                let hw = HostWeight { role, ty: m.ty, rows: m.rows, cols: m.cols, data };
+                dev.load_weight(&hw, 0..m.rows).map_err(dev_err)?
+            } else if let Some((_, v)) = vecs.iter().find(|(r, _)| *r == role) {
+                let data = f32_bytes(v);
+                let hw = HostWeight { role, ty: GgmlType::F32, rows: 1, cols: v.len(), data: &data };
+                dev.load_weight(&hw, 0..1).map_err(dev_err)?
+            } else {
+                return Err(BackendError::Device(format!("{sg:?} has no weight {role:?}")));
+            };
+            out.push(w);
+        }
+        let out = Arc::new(out);
+        devs.lock().weights.insert((d, sg), out.clone());
+        Ok(out)
+    }
+
+    fn executable(&self, devs: &Devices, d: usize, sg: Subgraph, n: usize) -> Result<Executable, BackendError> {
+        if let Some(e) = devs.lock().exes.get(&(d, sg, n)) {
+            return Ok(e.clone());
+        }
+        let weights = self.device_weights(devs, d, sg)?;
+        let exe = devs.list[d - 1].prepare(sg, &self.shape, n, &weights).map_err(dev_err)?;
+        devs.lock().exes.insert((d, sg, n), exe.clone());
+        Ok(exe)
+    }
+
+    /// One pass over `batch` with its subgraphs placed across the host and the attached devices.
+    pub(crate) fn forward_placed(
+        &self,
+        devs: &Devices,
+        batch: &mut [(&mut KvCache, &[u32])],
+        which: Logits,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let p = Pass { c: &self.shape, planner: &self.planner };
+        let w = &self.weights;
+        let Some(mut st) = p.state(batch)? else {
+            return Ok(vec![Vec::new(); batch.len()]);
+        };
+        let pass = Subgraph::pass(self.config.n_layers);
+        let host = self
+            .planner
+            .backends()
+            .next()
+            .ok_or_else(|| BackendError::NoBackend("the planner has no host backend".into()))?;
+        let descs: Vec<&DeviceDesc> = std::iter::once(host).chain(devs.list.iter().map(|d| d.desc())).collect();
+        let kv_home = devs.lock().kv_home.clone();
+        let placement =
+            sched::place(&descs, &pass, &|sg| self.weight_types(sg), &self.shape, st.n, &kv_home, &*devs.cost)
+                .map_err(|e| BackendError::NoBackend(e.to_string()))?;
+        {
+            let mut s = devs.lock();
+            s.kv_home.resize(self.config.n_layers, None);
+            for (sg, &d) in pass.iter().zip(&placement) {
+                if sg.uses_kv() {
+                    s.kv_home[sg.layer].get_or_insert(d);
+                }
+            }
+        }
+        let d_bytes = st.n * self.shape.d_model * 4;
+        let tokens: Arc<[u32]> = st.tokens.clone().into();
+        let positions: Arc<[u32]> = st.positions.iter().map(|&p| p as u32).collect();
+        let (rows, counts) = Pass::logit_rows(&st.spans, which);
+        let mut loc = Loc::Host;
+        let mut logits: Option<Vec<Vec<f32>>> = None;
+        for job in JobQueue::new(pass.clone(), 1).in_order() {
+            let sg = pass[job.step];
+            let d = placement[job.step];
+            if d == 0 {
+                to_host(devs, &mut loc, &mut st)?;
+                match sg.kind {
+                    SubgraphKind::Embed => p.embed(&mut st, &w.token_embd)?,
+                    SubgraphKind::Attention => {
+                        let (a, _) = w.layers[sg.layer].blocks(w.rope_freqs.as_deref());
+                        p.attention(&mut st, batch, sg.layer, sg.layer, a, None)?
+                    }
+                    SubgraphKind::Ffn => {
+                        let (_, f) = w.layers[sg.layer].blocks(w.rope_freqs.as_deref());
+                        p.ffn(&mut st, sg.layer, f, None)?
+                    }
+                    SubgraphKind::Head => logits = Some(p.head(&st, &w.output_norm, &w.output, which)?),
+                }
+                continue;
+            }
+            let dev = &devs.list[d - 1];
+            let exe = self.executable(devs, d, sg, st.n)?;
+            // The residual stream onto device d (the embedding writes it there: no upload).
+            let (x, after) = match std::mem::replace(&mut loc, Loc::Host) {
+                Loc::Dev(i, buf, ev) if i == d => (buf, vec![ev]),
+                other => {
+                    loc = other;
+                    to_host(devs, &mut loc, &mut st)?;
+                    let buf = dev.alloc(BufferUsage::Activations, d_bytes).map_err(dev_err)?;
+                    let ev = if sg.kind == SubgraphKind::Embed {
+                        Event::ready(Ok(()))
+                    } else {
+                        dev.write(&buf, 0, &f32_bytes(&st.x), &[]).map_err(dev_err)?
+                    };
+                    (buf, vec![ev])
+                }
+            };
+            let mut seqs = Vec::with_capacity(st.spans.len());
+            for ((kv, _), &(offset, len, start)) in batch.iter_mut().zip(&st.spans) {
+                let kv_buf = if sg.uses_kv() {
+                    if kv.device_layer(sg.layer).is_none() {
+                        let bytes = 2 * self.shape.context_length * self.shape.kv_dim() * 2;
+                        let b = dev.alloc(BufferUsage::Kv, bytes).map_err(dev_err)?;
+                        kv.set_device_layer(sg.layer, Some(b));
+                    }
+                    kv.device_layer(sg.layer).cloned()
+                } else {
+                    None
+                };
+                seqs.push(SeqBinding { offset, len, start, kv: kv_buf });
+            }
+            let logit_buf = if sg.kind == SubgraphKind::Head {
+                Some(dev.alloc(BufferUsage::Activations, rows.len() * self.shape.vocab * 4).map_err(dev_err)?)
+            } else {
+                None
+            };
+            let bind = Bindings {
+                x: x.clone(),
+                tokens: tokens.clone(),
+                positions: positions.clone(),
+                seqs: seqs.into(),
+                logit_rows: rows.iter().map(|&r| r as u32).collect(),
+                logits: logit_buf.clone(),
+            };
+            let ev = dev.submit(&exe, &bind, &after).map_err(dev_err)?;
+            if let Some(lb) = logit_buf {
+                let mut raw = vec![0u8; rows.len() * self.shape.vocab * 4];
+                dev.read(&lb, 0, &mut raw, std::slice::from_ref(&ev)).map_err(dev_err)?;
+                let all = bytes_f32(&raw);
+                let mut at = 0;
+                logits = Some(
+                    counts
+                        .iter()
+                        .map(|&c| {
+                            let v = all[at * self.shape.vocab..(at + c) * self.shape.vocab].to_vec();
+                            at += c;
+                            v
+                        })
+                        .collect(),
+                );
+            }
+            loc = Loc::Dev(d, x, ev);
+        }
+        if let Loc::Dev(_, _, ev) = &loc {
+            ev.wait().map_err(dev_err)?;
+        }
+        for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&st.spans) {
+            kv.advance(len);
+        }
+        logits.ok_or_else(|| BackendError::NoBackend("the pass had no head".into()))
+    }
+}
+
+/// Brings the residual stream back to host memory if a device has it.
+fn to_host(devs: &Devices, loc: &mut Loc, st: &mut PassState) -> Result<(), BackendError> {
+    if let Loc::Dev(i, buf, ev) = std::mem::replace(loc, Loc::Host) {
+        let mut raw = vec![0u8; st.x.len() * 4];
+        devs.list[i - 1].read(&buf, 0, &mut raw, std::slice::from_ref(&ev)).map_err(dev_err)?;
+        st.x = bytes_f32(&raw);
+    }
+    Ok(())
+}

@@ -1,0 +1,394 @@
+//! The device contract, proven with a device of memory its own: `DiscreteTestDevice` keeps
+//! weights, KV caches and activations in a store only it can read (the engine reaches it through
+//! `write`/`read`, ordered by events), runs each submission on a thread of its own, and computes
+//! with the host blocks over its own copies (weights re-packed from the bytes `load_weight`
+//! hands it). A pass with some subgraphs on it and the rest on the CPU must give the CPU-alone
+//! logits bit for bit, and every byte it used must have crossed the contract.
+//!
+//! It is a test device, not product code: a GPU or NPU backend implements the same trait with
+//! kernels of its own.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use llmd_device::{
+    Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable, GgmlType,
+    HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight,
+};
+use llmd_engine::backend::blocks::{AttnWeights, FfnWeights, Logits, Pass, PassState};
+use llmd_engine::backend::weight::WeightMatrix;
+use llmd_engine::backend::Planner;
+use llmd_engine::model::kv::{KvCache, KvType};
+use llmd_engine::sched::Pinned;
+use llmd_engine::{LoadOptions, Model};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+enum DevWeight {
+    Matrix(WeightMatrix),
+    Vector(Vec<f32>),
+}
+
+#[derive(Default)]
+struct Mem {
+    next: u64,
+    bufs: HashMap<u64, Vec<u8>>,
+    /// A KV buffer's cache: one layer of one sequence, made at its first attention.
+    kv: HashMap<u64, KvCache>,
+    kv_ids: Vec<u64>,
+    weights: HashMap<u64, DevWeight>,
+}
+
+struct Prepared {
+    sg: Subgraph,
+    shape: BlockShape,
+    n: usize,
+    weights: Vec<u64>,
+}
+
+#[derive(Default)]
+struct Counts {
+    submits: AtomicUsize,
+    uploads: AtomicUsize,
+    downloads: AtomicUsize,
+    weights: AtomicUsize,
+    kv_buffers: AtomicUsize,
+}
+
+struct DiscreteTestDevice {
+    id: DeviceId,
+    desc: DeviceDesc,
+    mem: Arc<Mutex<Mem>>,
+    planner: Planner,
+    counts: Arc<Counts>,
+}
+
+fn err(detail: impl Into<String>) -> DeviceError {
+    DeviceError::Invalid { device: "discrete-test".into(), detail: detail.into() }
+}
+
+impl DiscreteTestDevice {
+    fn new() -> Self {
+        Self {
+            id: DeviceId::fresh(),
+            desc: DeviceDesc {
+                name: "discrete-test".into(),
+                processor: Processor::Gpu,
+                available: true,
+                ops: vec![
+                    OpKind::GetRows,
+                    OpKind::MatMul,
+                    OpKind::RmsNorm,
+                    OpKind::Rope,
+                    OpKind::Attention,
+                    OpKind::SwiGlu,
+                ],
+                weight_types: GgmlType::ALL.to_vec(),
+                static_shapes: StaticShapes::Any,
+                memory: MemoryDesc { kind: MemoryKind::Dedicated, capacity: None },
+                max_tokens: None,
+                threads: 1,
+            },
+            mem: Arc::default(),
+            planner: Planner::cpu(1),
+            counts: Arc::default(),
+        }
+    }
+
+    fn slot<T: Copy + 'static>(&self, h: Option<&T>) -> Result<T, DeviceError> {
+        h.copied().ok_or_else(|| err("a handle of another device"))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Mem> {
+        self.mem.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// One submission, on the device's thread, with its memory locked.
+fn run(mem: &mut Mem, planner: &Planner, p: &Prepared, b: &Bindings, id: DeviceId) -> Result<(), String> {
+    let Mem { bufs, kv, weights, .. } = mem;
+    let pass = Pass { c: &p.shape, planner };
+    let spans: Vec<_> = b.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
+    let positions: Vec<usize> = b.positions.iter().map(|&x| x as usize).collect();
+    let mut st = PassState::new(&p.shape, b.tokens.to_vec(), positions, spans);
+    if st.n != p.n {
+        return Err(format!("prepared for {} tokens, bound {}", p.n, st.n));
+    }
+    let x_id = *b.x.get::<u64>(id).ok_or("x is not this device's")?;
+    if p.sg.kind != SubgraphKind::Embed {
+        st.x = bytes_f32(bufs.get(&x_id).ok_or("x was freed")?);
+    }
+    let m = |i: usize| match weights.get(&p.weights[i]) {
+        Some(DevWeight::Matrix(m)) => Ok(m),
+        _ => Err(format!("weight {i} is not a matrix")),
+    };
+    let v = |i: usize| match weights.get(&p.weights[i]) {
+        Some(DevWeight::Vector(v)) => Ok(&v[..]),
+        _ => Err(format!("weight {i} is not a vector")),
+    };
+    let e = |e: llmd_engine::error::BackendError| e.to_string();
+    match p.sg.kind {
+        SubgraphKind::Embed => pass.embed(&mut st, m(0)?).map_err(e)?,
+        SubgraphKind::Attention => {
+            let mut i = 5;
+            let mut next = || {
+                i += 1;
+                i - 1
+            };
+            let (bq, bk, bv) = if p.shape.qkv_bias {
+                (Some(v(next())?), Some(v(next())?), Some(v(next())?))
+            } else {
+                (None, None, None)
+            };
+            let rope_freqs = if p.shape.rope_freqs { Some(v(next())?) } else { None };
+            let w = AttnWeights { norm: v(0)?, wq: m(1)?, wk: m(2)?, wv: m(3)?, wo: m(4)?, bq, bk, bv, rope_freqs };
+            // Each sequence's cache of this layer, with exactly its first `start` positions.
+            let mut caches = Vec::new();
+            for s in b.seqs.iter() {
+                let kid = *s.kv.as_ref().and_then(|k| k.get::<u64>(id)).ok_or("no KV buffer of this device")?;
+                let mut c = kv
+                    .remove(&kid)
+                    .unwrap_or_else(|| KvCache::with_type(1, p.shape.kv_dim(), p.shape.head_dim, KvType::F16));
+                if c.len() < s.start {
+                    return Err(format!("the KV cache holds {} positions, the pass starts at {}", c.len(), s.start));
+                }
+                c.truncate(s.start);
+                caches.push((kid, c));
+            }
+            let empty: &[u32] = &[];
+            let mut batch: Vec<(&mut KvCache, &[u32])> = caches.iter_mut().map(|(_, c)| (c, empty)).collect();
+            pass.attention(&mut st, &mut batch, p.sg.layer, 0, w, None).map_err(e)?;
+            drop(batch);
+            for ((kid, mut c), s) in caches.into_iter().zip(b.seqs.iter()) {
+                c.advance(s.len);
+                kv.insert(kid, c);
+            }
+        }
+        SubgraphKind::Ffn => {
+            let w = FfnWeights { norm: v(0)?, gate: m(1)?, up: m(2)?, down: m(3)? };
+            pass.ffn(&mut st, p.sg.layer, w, None).map_err(e)?
+        }
+        SubgraphKind::Head => {
+            let d = p.shape.d_model;
+            let rows: Vec<u32> = b.logit_rows.to_vec();
+            let mut only = PassState::new(&p.shape, vec![0; rows.len()], vec![0; rows.len()], vec![(0, rows.len(), 0)]);
+            for (i, &r) in rows.iter().enumerate() {
+                only.x[i * d..(i + 1) * d].copy_from_slice(&st.x[r as usize * d..(r as usize + 1) * d]);
+            }
+            let out = if rows.is_empty() {
+                vec![Vec::new()]
+            } else {
+                pass.head(&only, v(0)?, m(1)?, Logits::All).map_err(e)?
+            };
+            let lid = *b.logits.as_ref().and_then(|l| l.get::<u64>(id)).ok_or("no logits buffer")?;
+            let dst = bufs.get_mut(&lid).ok_or("logits buffer freed")?;
+            let flat: Vec<u8> = out.concat().iter().flat_map(|x| x.to_le_bytes()).collect();
+            if flat.len() != dst.len() {
+                return Err(format!("{} logits bytes for a buffer of {}", flat.len(), dst.len()));
+            }
+            dst.copy_from_slice(&flat);
+            return Ok(());
+        }
+    }
+    let xb: Vec<u8> = st.x.iter().flat_map(|x| x.to_le_bytes()).collect();
+    bufs.insert(x_id, xb);
+    Ok(())
+}
+
+impl Device for DiscreteTestDevice {
+    fn id(&self) -> DeviceId {
+        self.id
+    }
+
+    fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    fn alloc(&self, usage: BufferUsage, bytes: usize) -> Result<Buffer, DeviceError> {
+        let mut m = self.lock();
+        m.next += 1;
+        let id = m.next;
+        if usage == BufferUsage::Kv {
+            m.kv_ids.push(id);
+            self.counts.kv_buffers.fetch_add(1, Ordering::Relaxed);
+        } else {
+            m.bufs.insert(id, vec![0; bytes]);
+        }
+        Ok(Buffer::new(self.id, usage, bytes, Arc::new(id)))
+    }
+
+    fn write(&self, dst: &Buffer, offset: usize, src: &[u8], after: &[Event]) -> Result<Event, DeviceError> {
+        Event::wait_all(after)?;
+        let id = self.slot(dst.get::<u64>(self.id))?;
+        let mut m = self.lock();
+        let b = m.bufs.get_mut(&id).ok_or_else(|| err("no such buffer"))?;
+        let end = offset.checked_add(src.len()).filter(|&e| e <= b.len()).ok_or_else(|| err("write past the end"))?;
+        b[offset..end].copy_from_slice(src);
+        self.counts.uploads.fetch_add(1, Ordering::Relaxed);
+        Ok(Event::ready(Ok(())))
+    }
+
+    fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
+        Event::wait_all(after)?;
+        let id = self.slot(src.get::<u64>(self.id))?;
+        let m = self.lock();
+        let b = m.bufs.get(&id).ok_or_else(|| err("no such buffer"))?;
+        let end = offset.checked_add(dst.len()).filter(|&e| e <= b.len()).ok_or_else(|| err("read past the end"))?;
+        dst.copy_from_slice(&b[offset..end]);
+        self.counts.downloads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn load_weight(&self, w: &HostWeight<'_>, rows: std::ops::Range<usize>) -> Result<Weight, DeviceError> {
+        let bytes = w.rows_bytes(rows.clone()).ok_or_else(|| err(format!("{:?}: bad rows {rows:?}", w.role)))?;
+        let dw = if w.ty == GgmlType::F32 && w.rows == 1 {
+            DevWeight::Vector(bytes_f32(bytes))
+        } else {
+            let m = WeightMatrix::from_host_bytes(&format!("{:?}", w.role), w.ty, rows.len(), w.cols, bytes.to_vec())
+                .ok_or_else(|| err("weight bytes do not match the shape"))?;
+            DevWeight::Matrix(m)
+        };
+        let mut m = self.lock();
+        m.next += 1;
+        let id = m.next;
+        m.weights.insert(id, dw);
+        self.counts.weights.fetch_add(1, Ordering::Relaxed);
+        Ok(Weight::new(self.id, w.role, rows, w.cols, bytes.len(), Arc::new(id)))
+    }
+
+    fn prepare(
+        &self,
+        sg: Subgraph,
+        shape: &BlockShape,
+        n: usize,
+        weights: &[Weight],
+    ) -> Result<Executable, DeviceError> {
+        if weights.len() != sg.weight_roles(shape).len()
+            || weights.iter().zip(sg.weight_roles(shape)).any(|(w, r)| w.role != r)
+        {
+            return Err(err(format!("{sg:?} was given the wrong weights")));
+        }
+        let ids = weights.iter().map(|w| self.slot(w.get::<u64>(self.id))).collect::<Result<Vec<_>, _>>()?;
+        let p = Prepared { sg, shape: *shape, n, weights: ids };
+        Ok(Executable::new(self.id, sg, n, Arc::new(p)))
+    }
+
+    fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
+        if exe.get::<Prepared>(self.id).is_none() {
+            return Err(err("an executable of another device"));
+        }
+        self.counts.submits.fetch_add(1, Ordering::Relaxed);
+        let (exe, bind, after) = (exe.clone(), bind.clone(), after.to_vec());
+        let (mem, planner, id) = (self.mem.clone(), self.planner.clone(), self.id);
+        let done = Event::new();
+        let signal = done.clone();
+        // The device's own queue: the work runs later, on another thread, once `after` signal.
+        std::thread::spawn(move || {
+            let r = Event::wait_all(&after).and_then(|()| {
+                let p = exe.get::<Prepared>(id).ok_or_else(|| err("lost its plan"))?;
+                let mut m = mem.lock().unwrap_or_else(|e| e.into_inner());
+                run(&mut m, &planner, p, &bind, id)
+                    .map_err(|detail| DeviceError::Execution { device: "discrete-test".into(), detail })
+            });
+            signal.signal(r);
+        });
+        Ok(done)
+    }
+}
+
+fn load() -> Model {
+    Model::load(&common::default_model_path(), &LoadOptions { threads: 2, ..Default::default() })
+        .expect("the default model loads")
+}
+
+/// Logits of a prompt chunk, then of `steps` greedy decode steps, for each of `prompts` in one
+/// batch per pass.
+fn run_batch(m: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<Vec<f32>>> {
+    let t = &m.transformer;
+    let mut caches: Vec<KvCache> = prompts.iter().map(|_| t.new_kv()).collect();
+    let mut feed: Vec<Vec<u32>> = prompts.to_vec();
+    let mut out = vec![Vec::new(); prompts.len()];
+    for _ in 0..=steps {
+        let mut batch: Vec<(&mut KvCache, &[u32])> = caches.iter_mut().zip(&feed).map(|(c, f)| (c, &f[..])).collect();
+        let logits = t.forward_batch(&mut batch, Logits::Last).expect("the pass runs");
+        for (i, l) in logits.into_iter().enumerate() {
+            let next = llmd_engine::sampling::argmax(&l);
+            out[i].push(l);
+            feed[i] = vec![next];
+        }
+    }
+    out
+}
+
+#[test]
+fn subgraphs_on_a_device_with_its_own_memory_give_the_cpu_alone_logits() {
+    let mut m = load();
+    let enc = |s: &str| m.tokenizer.encode(s, false, false).expect("encodes");
+    let prompts = vec![enc("The capital of France is"), enc("Write a haiku about the sea, please.")];
+    let steps = 4;
+    let cpu = run_batch(&m, &prompts, steps);
+    let cpu_one = run_batch(&m, &prompts[..1], steps);
+
+    let dev = Arc::new(DiscreteTestDevice::new());
+    let counts = dev.counts.clone();
+    let mem = dev.mem.clone();
+    let on_device = |sg: Subgraph| match sg.kind {
+        SubgraphKind::Embed | SubgraphKind::Head => true,
+        SubgraphKind::Attention => sg.layer == 1 || sg.layer == 4,
+        SubgraphKind::Ffn => sg.layer == 1 || sg.layer == 7,
+    };
+    let pick = move |sg: Subgraph| usize::from(on_device(sg));
+    let names = vec!["cpu".to_string(), "discrete-test".to_string()];
+    m.transformer.attach_devices(vec![dev], Arc::new(Pinned { names, pick }));
+    let mixed = run_batch(&m, &prompts, steps);
+    let mixed_one = run_batch(&m, &prompts[..1], steps);
+
+    for (a, b) in [(&cpu, &mixed), (&cpu_one, &mixed_one)] {
+        for (seq, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+            for (step, (u, v)) in x.iter().zip(y.iter()).enumerate() {
+                assert_eq!(u.len(), v.len());
+                let same = u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "sequence {seq}, step {step}: logits differ from the CPU alone");
+            }
+        }
+    }
+    // Everything the device used crossed the contract.
+    let passes = 2 * (steps + 1);
+    assert_eq!(counts.submits.load(Ordering::Relaxed), passes * 6, "embed, head, 2 attention, 2 FFN per pass");
+    // Weights loaded once: embed 1, head 2 (norm, output), attention 5 each, FFN 4 each.
+    assert_eq!(counts.weights.load(Ordering::Relaxed), 1 + 2 + 2 * 5 + 2 * 4);
+    // KV of layers 1 and 4 on the device: one buffer per sequence and layer (3 caches made).
+    assert_eq!(counts.kv_buffers.load(Ordering::Relaxed), 3 * 2);
+    assert!(
+        counts.uploads.load(Ordering::Relaxed) >= passes * 3,
+        "the stream goes up before attention 1, FFN 7, the head"
+    );
+    assert!(counts.downloads.load(Ordering::Relaxed) >= passes * 3);
+    let held = mem.lock().unwrap().kv.len();
+    assert_eq!(held, 6, "the device holds those caches");
+}
+
+#[test]
+fn a_device_without_a_graph_for_the_shape_leaves_the_subgraph_to_the_cpu() {
+    let mut m = load();
+    let mut dev = DiscreteTestDevice::new();
+    dev.desc.static_shapes = StaticShapes::Only(vec![32]);
+    // Pin the FFN of layer 0 to a device that has no graph for this shape.
+    let pick = |sg: Subgraph| usize::from(sg == Subgraph::ffn(0));
+    let names = vec!["cpu".to_string(), "discrete-test".to_string()];
+    m.transformer.attach_devices(vec![Arc::new(dev)], Arc::new(Pinned { names, pick }));
+    let mut kv = m.transformer.new_kv();
+    // The CPU has no price under the pin, the device has no graph for 3 tokens: the CPU runs it.
+    let r = m.transformer.forward(&mut kv, &[1, 2, 3], Logits::Last);
+    assert!(r.is_ok(), "{r:?}");
+    m.transformer.attach_devices(Vec::new(), Arc::new(llmd_engine::sched::Roofline::default()));
+    let mut kv2 = m.transformer.new_kv();
+    let cpu = m.transformer.forward(&mut kv2, &[1, 2, 3], Logits::Last).unwrap();
+    assert_eq!(r.unwrap(), cpu, "an unpriced host run equals the host alone");
+}
