@@ -14,7 +14,7 @@ cache="${XDG_CACHE_HOME:-$HOME/.cache}/llmd/bench"
 mkdir -p "$cache"
 untied="$cache/SmolLM2-135M-Instruct.Q4_1.untied.gguf"
 [ -f "$untied" ] || python3 tools/bench/untie_head.py models/SmolLM2-135M-Instruct.Q4_1.gguf "$untied"
-cargo build --release --quiet -p llmd-daemon --bin llmctl
+cargo build --release --quiet -p llmctl --bin llmctl
 run() { target/release/llmctl bench --local --model "$untied" --threads 2 --reps "$REPS" --prefill 128 --json "$@"; }
 dram=$(run)
 flash=$(run --embeddings-on-flash)

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --release --quiet -p llmd-daemon --bins
+cargo build --release --quiet -p llmd-daemon -p llmctl --bins
 . scripts/serve-llmd.sh
 serve_llmd "${LLMD_BENCH_LOG:-}" --config daemon/config/bench-load.toml --model models/SmolLM2-135M-Instruct.Q4_1.gguf
 target/release/llmctl --socket "$sock" bench --load "$@"

@@ -18,7 +18,7 @@ BITS=${BITS:-"4 5 6 7 8"}
 ABLATION_BITS=${ABLATION_BITS:-"4 5"}
 scripts/fetch-model.sh
 scripts/fetch-text.sh
-cargo build --release --quiet -p llmd-daemon --bin llmctl
+cargo build --release --quiet -p llmctl --bin llmctl
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 ppl() { target/release/llmctl perplexity --model "$1" --text "$TEXT" --offset "$EVAL_OFFSET" --tokens "$EVAL_TOKENS" --json | python3 -c 'import json,sys; print("%.4f" % json.load(sys.stdin)["perplexity"])'; }

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPS=${REPS:-3}
 scripts/fetch-model.sh
-cargo build --release --quiet -p llmd-daemon --bin llmd --bin llmctl
+cargo build --release --quiet -p llmd-daemon -p llmctl --bin llmd --bin llmctl
 work=$(mktemp -d)
 pid=
 cleanup() { [ -n "$pid" ] && kill "$pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$work"; }

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --release --quiet -p llmd-daemon --bins
+cargo build --release --quiet -p llmd-daemon -p llmctl --bins
 prompt=${1:-"Give me three tips for writing clear code."}
 . scripts/serve-llmd.sh
 serve_llmd "" --model models/SmolLM2-135M-Instruct.Q4_1.gguf --kernel-binder off

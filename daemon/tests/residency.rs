@@ -7,11 +7,11 @@
 
 mod common;
 
+use common::client::{self, Connection, Event};
 use common::{chat, greedy};
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::ILlmSession::ILlmSession;
 use llmd_aidl::SessionOptions::SessionOptions;
-use llmd_daemon::client::{self, Connection, Event};
 use rsbinder::Strong;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -86,7 +86,7 @@ impl Daemon {
         Self { child, socket }
     }
     fn connect(&self) -> Connection {
-        client::connect(Some(&self.socket), "llmd").expect("client connects")
+        client::connect(&self.socket, "llmd").expect("client connects")
     }
     fn dump(&self) -> String {
         self.connect().admin().expect("admin").dumpState().expect("dump")

@@ -59,7 +59,7 @@ fi
 # 4. llmd and llmctl, statically linked.
 scripts/fetch-model.sh
 log "building static llmd and llmctl"
-RUSTFLAGS='-C target-feature=+crt-static' cargo build --quiet --release --target x86_64-unknown-linux-gnu -p llmd-daemon --bins
+RUSTFLAGS='-C target-feature=+crt-static' cargo build --quiet --release --target x86_64-unknown-linux-gnu -p llmd-daemon -p llmctl --bins
 BIN="$ROOT/target/x86_64-unknown-linux-gnu/release"
 
 # 5. The initramfs.

@@ -117,7 +117,7 @@ fn run(args: Args) -> Result<(), String> {
         if path.exists() {
             std::fs::remove_file(path).map_err(|e| format!("removing stale socket {}: {e}", path.display()))?;
         }
-        let server = rsbinder::serve(llmd_daemon::client::socket_uri(path))
+        let server = rsbinder::serve(llmd_daemon::socket_uri(path))
             .map(|s| s.with(|o| o.threads = Some(SOCKET_THREADS)))
             .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
             .and_then(|s| s.add(&admin_name, service::LlmAdmin::new_binder(shared.clone()).as_binder()))

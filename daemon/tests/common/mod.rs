@@ -1,9 +1,10 @@
 //! Helpers shared by the daemon's integration tests (each test file uses some of them).
 #![allow(dead_code)]
 
+pub mod client;
+
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
 
 /// The repository's root.
 pub fn root() -> PathBuf {
@@ -17,11 +18,6 @@ pub fn model() -> PathBuf {
         .unwrap_or_else(|| root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
     assert!(p.is_file(), "the default model is missing at {}: run scripts/fetch-model.sh", p.display());
     p
-}
-
-/// Runs the `llmctl` binary built with these tests, with no standard input.
-pub fn llmctl(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_llmctl")).args(args).stdin(Stdio::null()).output().expect("llmctl runs")
 }
 
 /// A greedy raw-text request.

@@ -1,8 +1,8 @@
 //! `llmctl`: the engineer's command line for llmd.
 
 use clap::{Parser, Subcommand};
-use llmd_daemon::cli::{self, ChatArgs, RunArgs};
-use llmd_daemon::client;
+use llmctl::cli::{self, ChatArgs, RunArgs};
+use llmctl::{bench, client, modeltools};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -38,12 +38,12 @@ enum Command {
     Dump,
     /// Measure prefill and decode speed and peak memory (`--local`), optionally side by side
     /// with llama.cpp (`--compare-llamacpp`).
-    Bench(llmd_daemon::bench::BenchArgs),
+    Bench(bench::BenchArgs),
     /// Convert a GGUF file or HF directory to an llmd file with EdgeFlow mixed-precision
     /// weights (`--bits`, optionally smoothed with `--calibrate TEXT`).
-    Convert(llmd_daemon::modeltools::ConvertArgs),
+    Convert(modeltools::ConvertArgs),
     /// Perplexity of a model on a text file (windows of `--ctx` tokens).
-    Perplexity(llmd_daemon::modeltools::PerplexityArgs),
+    Perplexity(modeltools::PerplexityArgs),
 }
 
 fn main() -> ExitCode {
@@ -61,16 +61,12 @@ fn main() -> ExitCode {
         Command::Bench(args) if args.load && args.batch > 0 => {
             Err("--batch measures the engine inside llmctl: use it with --local (--load has --clients)".into())
         }
-        Command::Bench(args) if args.load => llmd_daemon::loadbench::run(
-            cli.socket.as_deref(),
-            &cli.service,
-            &args.load_args,
-            args.decode_tokens,
-            args.json,
-        ),
-        Command::Bench(args) => llmd_daemon::bench::bench(args),
-        Command::Convert(args) => llmd_daemon::modeltools::convert(args),
-        Command::Perplexity(args) => llmd_daemon::modeltools::perplexity(args),
+        Command::Bench(args) if args.load => {
+            bench::load::run(cli.socket.as_deref(), &cli.service, &args.load_args, args.decode_tokens, args.json)
+        }
+        Command::Bench(args) => bench::local::bench(args),
+        Command::Convert(args) => modeltools::convert(args),
+        Command::Perplexity(args) => modeltools::perplexity(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
             Command::Run(args) => cli::run_remote(&conn, args),
             Command::Chat(args) => cli::chat(&conn, args),

@@ -49,6 +49,32 @@ impl SamplingArgs {
     }
 }
 
+/// Builds the wire request for a prompt or a chat turn.
+pub fn request(
+    prompt: Option<&str>,
+    messages: Vec<(String, String)>,
+    p: &SamplingArgs,
+    max_tokens: u64,
+    stop: &[String],
+) -> llmd_aidl::GenerateRequest::GenerateRequest {
+    // The wire types (the engine's `ChatMessage` and `GenerateRequest` are imported above).
+    use llmd_aidl::ChatMessage::ChatMessage;
+    use llmd_aidl::GenerateRequest::GenerateRequest;
+    GenerateRequest {
+        prompt: prompt.unwrap_or_default().to_owned(),
+        messages: messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect(),
+        temperature: p.temperature,
+        topK: p.top_k.min(i32::MAX as usize) as i32,
+        topP: p.top_p,
+        minP: p.min_p,
+        repetitionPenalty: p.repetition_penalty,
+        seed: p.seed as i64,
+        maxTokens: max_tokens.min(i32::MAX as u64) as i32,
+        stop: stop.to_vec(),
+        ..GenerateRequest::default()
+    }
+}
+
 /// Options of `llmctl run`.
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -221,9 +247,9 @@ pub fn run_remote(conn: &Connection, args: &RunArgs) -> Result<(), String> {
             msgs.push(("system".to_owned(), s.clone()));
         }
         msgs.push(("user".to_owned(), prompt_text));
-        client::request(None, msgs, &args.sampling, args.max_tokens, &args.stop)
+        request(None, msgs, &args.sampling, args.max_tokens, &args.stop)
     } else {
-        client::request(Some(&prompt_text), vec![], &args.sampling, args.max_tokens, &args.stop)
+        request(Some(&prompt_text), vec![], &args.sampling, args.max_tokens, &args.stop)
     };
     let mut out = std::io::stdout().lock();
     let stats = client::stream(&session, &req, &mut out)?;
@@ -267,7 +293,7 @@ pub fn chat(conn: &Connection, args: &ChatArgs) -> Result<(), String> {
             }
         }
         msgs.push(("user".to_owned(), line.to_owned()));
-        let req = client::request(None, msgs, &args.sampling, args.max_tokens, &[]);
+        let req = request(None, msgs, &args.sampling, args.max_tokens, &[]);
         let mut out = std::io::stdout().lock();
         match client::stream(&session, &req, &mut out) {
             Ok(stats) => {

@@ -116,7 +116,7 @@ fn llmd_path_for(gguf: &Path, bits: f64) -> PathBuf {
     dir.join(format!("{stem}-{len}-ef{bits}.llmd"))
 }
 
-pub fn run(args: &crate::bench::BenchArgs) -> Result<(), String> {
+pub fn run(args: &super::BenchArgs) -> Result<(), String> {
     let gguf = args.model.clone().ok_or("bench --cold needs --model PATH (a GGUF file)")?;
     if llmd_engine::format::llmd::path_is_llmd(&gguf) || gguf.is_dir() {
         return Err("bench --cold needs the GGUF as --model (it converts it itself, or takes --llmd PATH)".into());
@@ -149,13 +149,13 @@ pub fn run(args: &crate::bench::BenchArgs) -> Result<(), String> {
     let mut text = String::new();
     let mut prompt = Vec::new();
     while prompt.len() < args.cold_prompt {
-        text.push_str(crate::bench::BENCH_TEXT);
+        text.push_str(super::BENCH_TEXT);
         prompt = tok_model.tokenizer.encode(&text, false, tok_model.tokenizer.add_bos).map_err(|e| e.to_string())?;
     }
     prompt.truncate(args.cold_prompt);
     let n_ctx = args.cold_prompt.div_ceil(256) * 256;
     drop(tok_model);
-    let mut peer = if args.compare_llamacpp { Some(crate::bench::Peer::start(&args.python)?) } else { None };
+    let mut peer = if args.compare_llamacpp { Some(super::Peer::start(&args.python)?) } else { None };
     let reps = args.reps as usize;
     let engines: Vec<&str> = if peer.is_some() {
         vec!["llmd-edgeflow", "llmd-gguf", "llama.cpp"]

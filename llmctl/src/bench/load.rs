@@ -31,6 +31,7 @@
 //! A request is lost if no terminal callback (completed or error) arrives, duplicated if a
 //! second one does (checked by draining every request's callback channel at the end).
 
+use super::LoadArgs;
 use crate::client::{self, Connection, Event};
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::Priority::Priority;
@@ -41,35 +42,6 @@ use std::time::{Duration, Instant};
 
 /// How long a request may take before it counts as lost.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct LoadArgs {
-    /// Concurrent clients in the batched and mixed phases.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(2..=64))]
-    pub clients: u64,
-    /// Of those, how many send foreground requests in the mixed phase.
-    #[arg(long, default_value_t = 2)]
-    pub foreground: u64,
-    /// Length of the mixed phase (and of the foreground clients' phase alone), in seconds. At
-    /// 70 s two foreground clients send ~115 prompts a phase, so the nearest-rank p99 is the
-    /// second slowest or later; at 30 s (~49 prompts) it was the slowest prompt itself, and one
-    /// collision or hiccup decided the ratio.
-    #[arg(long, default_value_t = 70, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    pub duration_s: u64,
-    /// Requests in the idle phase (about as many as the mixed phase's foreground requests, so
-    /// both p99s come from samples of similar size).
-    #[arg(long, default_value_t = 110, value_parser = clap::value_parser!(u64).range(2..=1000))]
-    pub idle_requests: u64,
-    /// Rounds of the decode phases (one sequence, then all clients), alternated; the gain is
-    /// the median of the rounds' gains. Five by default: on a shared machine one round's
-    /// gain can swing by ±30% with a change of spell between its two phases (observed
-    /// 2.0–3.8× within one run), and the median of five is steadier than that of three.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=20))]
-    pub decode_rounds: u64,
-    /// Model id (default: the first installed).
-    #[arg(long = "load-model")]
-    pub model: Option<String>,
-}
 
 /// One request's outcome as the client saw it.
 #[derive(Clone, Debug)]
@@ -98,7 +70,7 @@ fn percentile(v: &[f64], p: f64) -> f64 {
 }
 
 fn prompt(foreground: bool, i: u64) -> String {
-    let base = crate::bench::BENCH_TEXT;
+    let base = super::BENCH_TEXT;
     if foreground {
         // ~45 tokens: a short interactive prompt.
         format!("Question {i}: {}", &base[..220])

@@ -147,7 +147,7 @@ fn the_daemon_serves_a_converted_model() {
     let l = models.join("smol-8.llmd");
     json(&llmctl(&["convert", "--bits", "8", "--json", s(&model()), s(&l)]));
     let socket = dir.0.join("llmd.sock");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_llmd"))
+    let mut child = Command::new(common::llmd())
         .args(["--models-dir", s(&models), "--socket", s(&socket), "--kernel-binder", "off", "--threads", "2"])
         .env("LLMD_LOG", "warn")
         .stdin(Stdio::null())

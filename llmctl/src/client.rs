@@ -1,8 +1,7 @@
 //! `llmctl`'s side of the service: connecting (Unix socket or kernel Binder), streaming a
 //! request's callbacks, and the commands that talk to the daemon.
 
-use crate::error::{code_name, error_code_of};
-use llmd_aidl::ChatMessage::ChatMessage;
+use llmd_aidl::ErrorCode::ErrorCode;
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::GenerationStats::GenerationStats;
 use llmd_aidl::IGenerationCallback::{BnGenerationCallback, IGenerationCallback};
@@ -17,7 +16,8 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Mutex;
 
 /// The Binder-over-socket endpoint at `path`, with the android-13+ wire (needed for callbacks
-/// on their own connections). Server and clients use the same.
+/// on their own connections). Server and clients use the same: the daemon serves on
+/// `llmd_daemon::socket_uri`, which must stay equal to this one.
 pub fn socket_uri(path: &Path) -> rsbinder::Uri {
     rsbinder::Uri::from(rsbinder::Endpoint::unix(path))
         .with_wire(rsbinder::entry::WireProfile::Android13Plus(rsbinder::entry::WireVersion::MAX))
@@ -47,6 +47,32 @@ impl Drop for Connection {
         if let Some(session) = self.rpc.as_ref().and_then(|c| c.session()) {
             session.close_session();
         }
+    }
+}
+
+/// Reads an `ErrorCode` back out of a Binder status (client side). The same as
+/// `llmd_daemon::error::error_code_of`, kept here so that llmctl does not link the service.
+pub fn error_code_of(status: &rsbinder::Status) -> Option<ErrorCode> {
+    (status.exception_code() == rsbinder::ExceptionCode::ServiceSpecific)
+        .then(|| ErrorCode(status.service_specific_error()))
+}
+
+/// The name of an `ErrorCode` value, for messages (as `llmd_daemon::error::code_name`).
+pub fn code_name(code: ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::OK => "OK",
+        ErrorCode::INVALID_ARGUMENT => "INVALID_ARGUMENT",
+        ErrorCode::MODEL_NOT_FOUND => "MODEL_NOT_FOUND",
+        ErrorCode::PERMISSION_DENIED => "PERMISSION_DENIED",
+        ErrorCode::QUOTA_EXCEEDED => "QUOTA_EXCEEDED",
+        ErrorCode::REQUEST_TOO_LARGE => "REQUEST_TOO_LARGE",
+        ErrorCode::BUSY => "BUSY",
+        ErrorCode::CANCELLED => "CANCELLED",
+        ErrorCode::SESSION_CLOSED => "SESSION_CLOSED",
+        ErrorCode::MODEL_LOAD_FAILED => "MODEL_LOAD_FAILED",
+        ErrorCode::INTERNAL => "INTERNAL",
+        ErrorCode::DEADLINE_EXCEEDED => "DEADLINE_EXCEEDED",
+        _ => "UNKNOWN",
     }
 }
 
@@ -183,29 +209,6 @@ fn ctrlc_sender() -> &'static Mutex<Option<Sender<Event>>> {
         });
         Mutex::new(None)
     })
-}
-
-/// Builds the wire request for a prompt or a chat turn.
-pub fn request(
-    prompt: Option<&str>,
-    messages: Vec<(String, String)>,
-    p: &crate::cli::SamplingArgs,
-    max_tokens: u64,
-    stop: &[String],
-) -> GenerateRequest {
-    GenerateRequest {
-        prompt: prompt.unwrap_or_default().to_owned(),
-        messages: messages.into_iter().map(|(role, content)| ChatMessage { role, content }).collect(),
-        temperature: p.temperature,
-        topK: p.top_k.min(i32::MAX as usize) as i32,
-        topP: p.top_p,
-        minP: p.min_p,
-        repetitionPenalty: p.repetition_penalty,
-        seed: p.seed as i64,
-        maxTokens: max_tokens.min(i32::MAX as u64) as i32,
-        stop: stop.to_vec(),
-        ..GenerateRequest::default()
-    }
 }
 
 /// The stats line printed on stderr after a request.

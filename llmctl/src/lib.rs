@@ -1,0 +1,10 @@
+//! `llmctl`, the command line for llmd: the client side of the service (connecting over a
+//! Unix socket or kernel Binder, streaming a request's callbacks, Ctrl-C), the subcommands,
+//! model tools (`convert`, `perplexity`) and the benchmarks.
+
+#![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod cli;
+pub mod client;
+pub mod modeltools;

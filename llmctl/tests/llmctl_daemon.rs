@@ -1,0 +1,227 @@
+//! llmctl as a client of a running llmd over Binder-over-Unix-socket, with the real model: a
+//! killed client's session is freed, a stopped (frozen) client holds up only its own request,
+//! and a short `bench --load` run accounts for every request. Each test starts its own daemon
+//! (`common::llmd()`: build it first) and stops it at the end.
+
+mod common;
+
+use common::{greedy, model};
+use llmctl::client::{self, Connection, Event};
+use llmd_aidl::GenerateRequest::GenerateRequest;
+use llmd_aidl::ILlmSession::ILlmSession;
+use llmd_aidl::SessionOptions::SessionOptions;
+use rsbinder::Strong;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const MODEL_ID: &str = "SmolLM2-135M-Instruct.Q4_1";
+/// Longest a daemon may take to start (load the model, bind the socket).
+const STARTUP: Duration = Duration::from_secs(60);
+
+/// Tests share the machine's two cores: one daemon at a time keeps their timing meaningful.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+struct Daemon {
+    _turn: std::sync::MutexGuard<'static, ()>,
+    child: Child,
+    socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Daemon {
+    /// Starts llmd on the default model with extra TOML `config` lines.
+    fn start(config: &str) -> Self {
+        let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir =
+            std::env::temp_dir().join(format!("llmd-e2e-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let socket = dir.join("llmd.sock");
+        let cfg = dir.join("llmd.toml");
+        std::fs::write(&cfg, config).expect("config written");
+        let child = Command::new(common::llmd())
+            .args([
+                "--config",
+                cfg.to_str().expect("path"),
+                "--model",
+                model().to_str().expect("path"),
+                "--socket",
+                socket.to_str().expect("path"),
+            ])
+            .args(["--kernel-binder", "off", "--threads", "2"])
+            .env("LLMD_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("llmd starts");
+        let d = Daemon { _turn: turn, child, socket, dir };
+        let t = Instant::now();
+        while !d.socket.exists() {
+            assert!(t.elapsed() < STARTUP, "llmd did not create its socket");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    fn connect(&self) -> Connection {
+        client::connect(Some(&self.socket), "llmd").expect("client connects")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Sends a request and returns the token ids it streamed until it completed.
+fn run_ids(session: &Strong<dyn ILlmSession>, req: &GenerateRequest) -> Vec<i32> {
+    let (cb, _tx, rx) = client::callback();
+    session.generate(req, &cb).unwrap_or_else(|s| panic!("generate: {}", client::describe(&s)));
+    let mut ids = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("the request ends") {
+            Event::Tokens(_, i) => ids.extend(i),
+            Event::Completed(_) => return ids,
+            Event::Error(code, m) => panic!("request failed: {code} {m}"),
+            _ => {}
+        }
+    }
+}
+
+fn session(conn: &Connection) -> Strong<dyn ILlmSession> {
+    conn.service.openSession(MODEL_ID, &SessionOptions::default()).expect("session opens")
+}
+
+fn golden_capital_ids(n: usize) -> Vec<i32> {
+    let g: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/golden/smollm2.json")).expect("golden"),
+    )
+    .expect("JSON");
+    let p = g["prompts"].as_array().expect("prompts").iter().find(|p| p["name"] == "capital").expect("capital");
+    p["greedy_ids"].as_array().expect("ids").iter().take(n).map(|x| x.as_i64().expect("id") as i32).collect()
+}
+
+/// `llmctl run --max-tokens N PROMPT` against `d`, once its request is running.
+fn llmctl_run_started(d: &Daemon, conn: &Connection, max_tokens: &str, prompt: &str, stdout: Stdio) -> Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["--socket", d.socket.to_str().expect("path"), "run", "--max-tokens", max_tokens, prompt])
+        .stdout(stdout)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("llmctl starts");
+    let t = Instant::now();
+    while conn.service.getStatus().expect("status").requestsRunning == 0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the client's request never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child
+}
+
+#[test]
+fn a_killed_client_is_detected_and_its_session_freed() {
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let mut child = llmctl_run_started(&d, &conn, "1000", "Write a long essay about rivers.", Stdio::null());
+    child.kill().expect("kill");
+    let _ = child.wait();
+    let t = Instant::now();
+    loop {
+        let s = conn.service.getStatus().expect("status");
+        if s.sessionsOpen == 0 && s.requestsRunning == 0 && s.kvCacheBytes == 0 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "the dead client's session is still there: {s:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The daemon keeps serving.
+    assert_eq!(run_ids(&session(&conn), &greedy("The capital of France is", 4)), golden_capital_ids(4));
+}
+
+/// A client that stops reading its callbacks (here a stopped `llmctl`, as the system freezes a
+/// cached app) holds up only its own request: other clients keep being served, the frozen
+/// request waits without spinning, and it finishes once its client reads again. Before, its
+/// full socket blocked the worker thread and every other request queued behind it.
+#[test]
+fn a_frozen_client_holds_up_only_its_own_request() {
+    // One `onTokens` per token, so the stopped client's socket fills as fast as it can.
+    let d = Daemon::start("[scheduler]\nstream_interval_ms = 0\n");
+    let conn = d.connect();
+    // A long generation that does not stop early (greedy counting), streamed to a client.
+    let frozen = llmctl_run_started(&d, &conn, "3000", "1, 2, 3, 4, 5, 6, 7, 8,", Stdio::piped());
+    let pid = frozen.id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill").args([sig, &pid]).status().expect("kill runs").success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    // Long enough for the stopped client's socket to fill at full decoding speed (~200
+    // tokens/s here; it had blocked the worker within ~3 s).
+    std::thread::sleep(Duration::from_secs(8));
+    // Another client is served, within a bound far below the 120 s `run` would wait.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let socket = d.socket.clone();
+    std::thread::spawn(move || {
+        let conn = client::connect(Some(&socket), "llmd").expect("client connects");
+        let _ = tx.send(run_ids(&session(&conn), &greedy("The capital of France is", 4)));
+    });
+    let served = rx.recv_timeout(Duration::from_secs(20));
+    signal("-CONT");
+    assert_eq!(served.expect("served while another client is frozen"), golden_capital_ids(4));
+    // The frozen request is still there, and completes once its client reads again.
+    let out = frozen.wait_with_output().expect("llmctl ends");
+    assert!(out.status.success(), "the thawed client's request failed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(", 300,"),
+        "the thawed client got its whole reply: {}",
+        &text[text.len().saturating_sub(200)..]
+    );
+}
+
+#[test]
+fn the_load_benchmark_accounts_for_every_request() {
+    let d = Daemon::start("[limits]\nmax_requests_per_uid = 8\nmax_sessions_per_uid = 8\n");
+    let o = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["--socket", d.socket.to_str().expect("path"), "bench", "--load", "--json"])
+        .args([
+            "--clients",
+            "3",
+            "--foreground",
+            "1",
+            "--duration-s",
+            "2",
+            "--idle-requests",
+            "2",
+            "--decode-tokens",
+            "8",
+            "--decode-rounds",
+            "2",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("llmctl runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    for key in ["fg_p99_ttft_ratio", "batch_decode_gain", "idle_ttft_ms_p99", "single_decode_tok_s"] {
+        assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {v}");
+    }
+    assert_eq!(
+        (v["lost"].as_u64(), v["duplicated"].as_u64(), v["bg_failed"].as_u64()),
+        (Some(0), Some(0), Some(0)),
+        "{v}"
+    );
+    assert!(v["bg_requests"].as_u64().is_some_and(|n| n >= 1), "{v}");
+    // The slowest foreground prompt, split with the daemon's own figures: its queue wait is
+    // part of its time to first token, which the client sees no sooner than the daemon.
+    for key in ["fg_alone_slowest_ms", "fg_slowest_ms"] {
+        let s = &v[key];
+        let (client, wait, ttft) =
+            (s["client_ttft"].as_f64(), s["server_queue_wait"].as_i64(), s["server_ttft"].as_i64());
+        let (Some(client), Some(wait), Some(ttft)) = (client, wait, ttft) else { panic!("{key} in {v}") };
+        assert!(0 <= wait && wait <= ttft && ttft as f64 <= client + 1.0, "{key}: {s}");
+    }
+}
