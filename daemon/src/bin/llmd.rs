@@ -117,12 +117,20 @@ fn run(args: Args) -> Result<(), String> {
         if path.exists() {
             std::fs::remove_file(path).map_err(|e| format!("removing stale socket {}: {e}", path.display()))?;
         }
-        let server = rsbinder::serve(llmd_daemon::socket_uri(path))
+        // Bound and listening under a temporary name in the same directory, then renamed into
+        // place: a client that sees the socket's path can connect at once (a connect between
+        // the bind and the listen would be refused; seen on a loaded machine).
+        let tmp = path.with_file_name(format!(".llmd-{}", std::process::id()));
+        if tmp.exists() {
+            std::fs::remove_file(&tmp).map_err(|e| format!("removing stale socket {}: {e}", tmp.display()))?;
+        }
+        let server = rsbinder::serve(llmd_daemon::socket_uri(&tmp))
             .map(|s| s.with(|o| o.threads = Some(SOCKET_THREADS)))
             .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
             .and_then(|s| s.add(&admin_name, service::LlmAdmin::new_binder(shared.clone()).as_binder()))
             .and_then(|s| s.spawn())
             .map_err(|e| format!("serving on {}: {e:?}", path.display()))?;
+        std::fs::rename(&tmp, path).map_err(|e| format!("moving the socket into place at {}: {e}", path.display()))?;
         tracing::info!(socket = %path.display(), "serving Binder over a Unix socket");
         eprintln!("llmd: serving {} model(s) on {}", n_models, path.display());
         guards.push(server);
