@@ -1,7 +1,7 @@
 //! Attention dot products over a strided f16 cache: ns per position, in cache and streaming
 //! from memory. `cargo run --release -p llmd-engine --example attnbench`.
 use half::f16;
-use llmd_engine::backend::attn_kernels::AttnKernels;
+use llmd_engine::backend::cpu::attn_kernels::AttnKernels;
 fn main() {
     let k = AttnKernels::best();
     let (pos, hd) = (104usize, 64usize);

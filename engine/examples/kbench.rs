@@ -1,4 +1,4 @@
-use llmd_engine::quant::packed::*;
+use llmd_engine::backend::cpu::packed::*;
 fn main() {
     if let Ok(nt) = std::env::var("KBENCH_SCOPED_ONLY") {
         // Scaling check: `KBENCH_SCOPED_ONLY=8` in two processes at once vs two threads.
@@ -50,7 +50,7 @@ fn main() {
         return;
     }
     {
-        let pool = llmd_engine::backend::pool::Pool::new(2);
+        let pool = llmd_engine::backend::cpu::pool::Pool::new(2);
         let hits = std::sync::atomic::AtomicUsize::new(0);
         let t0 = std::time::Instant::now();
         for _ in 0..100000 {
@@ -61,10 +61,10 @@ fn main() {
         println!("pool.run(8 empty tasks): {:.2} us", t0.elapsed().as_secs_f64() / 100000.0 * 1e6);
     }
     for th in [1usize, 2] {
-        println!("peak {th} threads: {:.0} GMAC/s", llmd_engine::quant::int8_peak_macs_per_s(th) / 1e9);
+        println!("peak {th} threads: {:.0} GMAC/s", llmd_engine::backend::cpu::int8_peak_macs_per_s(th) / 1e9);
         println!(
             "  in the kernels' rounding order (vpdpbusd + cvt + FMA per 64 MACs): {:.0} GMAC/s",
-            llmd_engine::quant::packed::order_peak_macs_per_s(th) / 1e9
+            llmd_engine::backend::cpu::packed::order_peak_macs_per_s(th) / 1e9
         );
     }
     let (rows, cols, n) = (1536usize, 576usize, 256usize);

@@ -258,7 +258,7 @@ fn output_error(w: &[f32], rows: usize, cols: usize, s: &[f32], x: &[f32], n: us
     for (r, row) in q.chunks_exact_mut(cols).enumerate() {
         let d = half::f16::from_le_bytes([bytes[bits_len + 2 * r], bytes[bits_len + 2 * r + 1]]).to_f32();
         let nb = edgeflow::channel_bytes(widths[r], cols);
-        edgeflow::unpack_channel(widths[r], &bytes[at..at + nb], &mut buf);
+        crate::backend::cpu::unpack::unpack_channel(widths[r], &bytes[at..at + nb], &mut buf);
         at += nb;
         // Undo the column scale here, so the product below uses the unscaled input.
         for ((o, &v), &sj) in row.iter_mut().zip(&buf).zip(s) {

@@ -217,7 +217,7 @@ impl KvCache {
     /// rows are written in order, which the hardware prefetcher follows; prefetching them all
     /// would only flush L1.
     pub(crate) fn prepare_append(&mut self, layer: usize, rows: usize) {
-        use crate::backend::attn_kernels::prefetch;
+        use crate::backend::cpu::attn_kernels::prefetch;
         let pf = rows.min(PREFETCH_ROWS);
         let keep = self.len * self.kv_dim;
         let heads_keep = keep / self.head_dim;

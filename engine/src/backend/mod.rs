@@ -2,11 +2,9 @@
 //! types, static shapes or not, memory); the [`Planner`] asks before placing any work, so GPU and
 //! NPU backends slot in beside the CPU without reshaping the model code.
 
-pub mod attn_kernels;
 pub mod blocks;
 pub mod cpu;
 pub mod kv;
-pub mod pool;
 pub mod weight;
 
 use crate::backend::kv::{KvInput, KvLayer};
@@ -56,7 +54,7 @@ impl<'a> AttentionItem<'a> {
             KvInput::Ready(kv) => kv,
             KvInput::AppendF16 { k, v, k_new, v_new } => {
                 check_append(&s, (self.q, self.out), (k, v), (k_new, v_new))?;
-                let to_f16 = attn_kernels::AttnKernels::best().to_f16;
+                let to_f16 = cpu::attn_kernels::AttnKernels::best().to_f16;
                 let kv_dim = s.n_kv_heads * s.head_dim;
                 for (store, new) in [(&mut *k, k_new), (&mut *v, v_new)] {
                     for (h, x) in store.iter_mut().enumerate() {

@@ -1,8 +1,8 @@
 //! A weight matrix as the CPU keeps it: the file's bytes (mapped) and, for the types the
 //! packed kernels take, a copy in their tile layout.
 
+use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::format::TensorRef;
-use crate::quant::packed::{PackKind, PackedMatrix};
 use crate::quant::GgmlType;
 use llmd_alloc_sys::HugeArena;
 use std::sync::Arc;

@@ -25,11 +25,7 @@ impl ModelBytes {
     pub fn map(path: &Path) -> Result<Self, FormatError> {
         let io = |source| FormatError::Io { path: path.display().to_string(), source };
         let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only and private to this process. Model files are installed
-        // by the system and are not modified while in use; if one were truncated underneath
-        // us, reads would fault (SIGBUS) rather than return wrong data — the same contract as
-        // llama.cpp's mmap loader. No reference into the map outlives this `ModelBytes`.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let map = llmd_alloc_sys::map_readonly(&file).map_err(io)?;
         Ok(Self::Mapped(map, file))
     }
 

@@ -22,12 +22,12 @@ use super::kv::KvCache;
 use super::weights::{LayerWeights, ModelWeights, WeightMatrix};
 use super::Logits;
 use crate::backend::blocks::Pass;
+use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::backend::Planner;
 use crate::error::{EngineError, FormatError};
 use crate::format::llmd::{self, Metadata, TensorEntry, TensorKind};
 use crate::format::{ModelBytes, TensorRef};
 use crate::quant::edgeflow;
-use crate::quant::packed::{PackKind, PackedMatrix};
 use crate::quant::{self, GgmlType};
 use half::f16;
 use llmd_alloc_sys::HugeArena;
@@ -171,7 +171,7 @@ pub(crate) fn load<T: Send + 'static>(
     let total = header.data_len;
     let readers = opts.readers.clamp(1, 8);
 
-    let arena = crate::quant::packed::weight_arena(packed_bytes(&meta.tensors));
+    let arena = crate::backend::cpu::packed::weight_arena(packed_bytes(&meta.tensors));
     let meta = Arc::new(meta);
     let next = Arc::new(AtomicUsize::new(0));
     let read_so_far = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -452,7 +452,7 @@ fn build_part(
             Ok(Part::Matrix(WeightMatrix::with_packed(&t.name, tref(ty), p)))
         }
         TensorKind::Edgeflow => {
-            if cols % crate::quant::packed::BLOCK != 0 {
+            if cols % crate::backend::cpu::packed::BLOCK != 0 {
                 return Err(bad(format!("{cols} columns are not a multiple of 32")));
             }
             let (bits_len, scales_len) = llmd::edgeflow_prefix(rows);
@@ -475,7 +475,11 @@ fn build_part(
                     return Err(bad(format!("channel {r} has scale {d}")));
                 }
                 let b = bits[r];
-                edgeflow::unpack_channel(b, &bytes[offsets[r]..offsets[r] + edgeflow::channel_bytes(b, cols)], out);
+                crate::backend::cpu::unpack::unpack_channel(
+                    b,
+                    &bytes[offsets[r]..offsets[r] + edgeflow::channel_bytes(b, cols)],
+                    out,
+                );
                 Ok(d)
             })?;
             Ok(Part::Matrix(WeightMatrix::with_packed(&t.name, tref(GgmlType::Q8_0), p)))

@@ -1,10 +1,10 @@
 //! Weights of a llama-family model, checked against the configuration before first use.
 
 use super::config::{Arch, ModelConfig};
+use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::error::FormatError;
 use crate::format::{TensorMap, TensorRef};
 use crate::quant;
-use crate::quant::packed::{PackKind, PackedMatrix};
 use llmd_alloc_sys::HugeArena;
 
 use crate::backend::blocks::{AttnWeights, FfnWeights};
@@ -73,7 +73,7 @@ fn packed_bytes(tensors: &TensorMap) -> usize {
 
 struct Loader<'a> {
     t: &'a TensorMap,
-    /// Where the packed matrices go (see [`crate::quant::packed::weight_arena`]).
+    /// Where the packed matrices go (see [`crate::backend::cpu::packed::weight_arena`]).
     arena: Option<HugeArena>,
     /// Bytes of matrices bound so far and in all, reported after each.
     done: std::cell::Cell<u64>,
@@ -160,7 +160,7 @@ impl ModelWeights {
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self, FormatError> {
         let total = tensors.values().map(|t| t.range.len() as u64).sum();
-        let arena = crate::quant::packed::weight_arena(packed_bytes(tensors));
+        let arena = crate::backend::cpu::packed::weight_arena(packed_bytes(tensors));
         let l = Loader { t: tensors, arena, done: std::cell::Cell::new(0), total, progress };
         let (d, q, kv, f) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let untied = tensors.contains_key("output.weight");

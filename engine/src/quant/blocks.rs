@@ -218,52 +218,12 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], dst: &mut [u8]) -> Result<(), Backe
 }
 
 /// Dot product of a weight row of type `wty` with an activation row already quantized to
-/// `wty.vec_dot_type()`, both `n` elements long.
+/// `wty.vec_dot_type()`, both `n` elements long: the portable reference (the CPU backend's
+/// row kernels, `backend::cpu::rows`, equal it bit for bit).
 pub fn vec_dot(wty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> Result<f32, BackendError> {
     check_row("vec_dot weights", wty, n, w.len())?;
     check_row("vec_dot activations", wty.vec_dot_type(), n, a.len())?;
-    Ok(vec_dot_unchecked(wty, w, a))
-}
-
-/// [`vec_dot`] without the length checks; the caller guarantees both rows match.
-///
-/// On x86-64 with AVX2 and FMA the same code is compiled for those features and chosen at run
-/// time, so `mul_add` is one instruction and the integer loops use 256-bit registers.
-#[inline]
-pub(crate) fn vec_dot_unchecked(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2_fma_f16c() {
-            // SAFETY: the CPU supports AVX2, FMA and F16C, checked just above; the kernels
-            // read only within the whole blocks of `w` and `a`.
-            return unsafe {
-                match wty {
-                    GgmlType::Q4_1 => super::x86::dot_q4_1_q8_1(w, a),
-                    GgmlType::Q4_0 => super::x86::dot_q4_0_q8_0(w, a),
-                    GgmlType::Q8_0 => super::x86::dot_q8_0_q8_0(w, a),
-                    _ => vec_dot_avx2_fma(wty, w, a),
-                }
-            };
-        }
-    }
-    vec_dot_portable(wty, w, a)
-}
-
-/// Whether the x86 kernels can run (checked once).
-#[cfg(target_arch = "x86_64")]
-fn has_avx2_fma_f16c() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-    })
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn vec_dot_avx2_fma(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
-    vec_dot_portable(wty, w, a)
+    Ok(vec_dot_portable(wty, w, a))
 }
 
 /// Eight float lanes as one 256-bit register holds them. For 32-element blocks, lane `k`
@@ -291,7 +251,7 @@ impl Lanes {
 }
 
 #[inline(always)]
-pub(super) fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+pub(crate) fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     let at = wty.vec_dot_type();
     let wb = w.chunks_exact(wty.type_size());
     let ab = a.chunks_exact(at.type_size());

@@ -8,22 +8,8 @@
 
 mod blocks;
 pub mod edgeflow;
-pub mod packed;
-#[cfg(target_arch = "aarch64")]
-mod packed_arm;
-#[cfg(target_arch = "x86_64")]
-mod packed_x86;
-#[cfg(target_arch = "x86_64")]
-mod x86;
 
-pub use packed::int8_peak_macs_per_s;
-
-/// The name of the packed-weight kernel this process uses.
-pub fn kernel_name() -> &'static str {
-    packed::Kernel::best().name()
-}
-
-pub(crate) use blocks::vec_dot_unchecked as blocks_dot;
+pub(crate) use blocks::vec_dot_portable;
 pub use blocks::{dequantize_row, quantize_row, vec_dot};
 
 pub use llmd_device::GgmlType;

@@ -299,7 +299,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     }
     let bw = read_bandwidth(weight_bytes_per_token, threads);
     let decode_ceiling = bw / weight_bytes_per_token as f64;
-    let int8_peak = llmd_engine::quant::int8_peak_macs_per_s(threads);
+    let int8_peak = llmd_engine::backend::cpu::int8_peak_macs_per_s(threads);
     let prefill_ceiling = int8_peak / macs_per_token as f64;
 
     if args.json {
@@ -310,7 +310,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         o.insert("macs_per_token".into(), json!(macs_per_token));
         o.insert("read_bandwidth_gb_s".into(), json!(bw / 1e9));
         o.insert("int8_peak_gmac_s".into(), json!(int8_peak / 1e9));
-        o.insert("kernel".into(), json!(llmd_engine::quant::kernel_name()));
+        o.insert("kernel".into(), json!(llmd_engine::backend::cpu::kernel_name()));
         if let Some((f, ver)) = &peer_fig {
             let mut l = figures_json(f);
             l.insert("version".into(), json!(ver));
@@ -373,7 +373,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         weight_bytes_per_token as f64 / 1e6,
         prefill_ceiling,
         int8_peak / 1e9,
-        llmd_engine::quant::kernel_name(),
+        llmd_engine::backend::cpu::kernel_name(),
         macs_per_token as f64 / 1e6,
     );
     Ok(())

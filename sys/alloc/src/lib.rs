@@ -8,6 +8,8 @@
 //!
 //! [`HugeArena`] is one anonymous mapping for a model's repacked weights, advised for
 //! transparent huge pages, from which each matrix takes its own disjoint buffer.
+//!
+//! [`map_readonly`] maps a model file (the one `unsafe` call the engine needs for it).
 
 mod arena;
 pub use arena::{ArenaBuf, HugeArena};
@@ -47,6 +49,15 @@ mod imp {
     pub fn release() -> bool {
         false
     }
+}
+
+/// Maps a model file read-only into this process.
+pub fn map_readonly(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the map is read-only and private to this process. Model files are installed by
+    // the system and are not modified while in use; if one were truncated underneath us, reads
+    // would fault (SIGBUS) rather than return wrong data — the same contract as llama.cpp's
+    // mmap loader. The caller keeps the map no longer than it keeps `file` open.
+    unsafe { memmap2::Mmap::map(file) }
 }
 
 #[cfg(test)]

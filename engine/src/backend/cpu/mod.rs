@@ -6,15 +6,34 @@
 //! f16, queries are rounded to f16 before `K·q` and softmax weights before `V·p`, and sums of
 //! squares and softmax denominators accumulate in f64.
 
-use super::attn_kernels::{prefetch, AttnKernels};
-use super::pool::Pool;
-use super::{check_append, AttentionItem, AttentionShape, Backend, DeviceDesc, OpKind, Processor, RopeParams};
+pub mod attn_kernels;
+pub mod packed;
+#[cfg(target_arch = "aarch64")]
+mod packed_arm;
+#[cfg(target_arch = "x86_64")]
+mod packed_x86;
+pub mod pool;
+pub mod rows;
+#[cfg(target_arch = "x86_64")]
+mod rows_x86;
+pub mod unpack;
+
+pub use packed::int8_peak_macs_per_s;
+
+/// The name of the packed-weight kernel this process uses.
+pub fn kernel_name() -> &'static str {
+    packed::Kernel::best().name()
+}
+
 use crate::backend::kv::{append_head, KvInput, KvLayer};
 use crate::backend::weight::WeightMatrix;
+use crate::backend::{check_append, AttentionItem, AttentionShape, Backend, DeviceDesc, OpKind, Processor, RopeParams};
 use crate::config::RopeStyle;
 use crate::error::BackendError;
-use crate::quant::packed::{self, Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use crate::quant::{self, GgmlType};
+use attn_kernels::{prefetch, AttnKernels};
+use packed::{Kernel, PackedMatrix, QuantActs, TILE_ROWS};
+use pool::Pool;
 use std::sync::Mutex;
 
 /// Rows at the start of a key or value stream prefetched ahead of the attention kernels.
@@ -496,7 +515,7 @@ impl Backend for CpuBackend {
                 par_chunks(&self.pool, out, ROWS_PER_TASK, |ci, o| {
                     for (i, v) in o.iter_mut().enumerate() {
                         let r = ci * ROWS_PER_TASK + i;
-                        *v = quant::blocks_dot(ty, &wb[r * wrow..(r + 1) * wrow], &xq);
+                        *v = rows::dot(ty, &wb[r * wrow..(r + 1) * wrow], &xq);
                     }
                 });
             } else {
@@ -508,7 +527,7 @@ impl Backend for CpuBackend {
                         let r = ci * ROWS_PER_TASK + rr;
                         let wr = &wb[r * wrow..(r + 1) * wrow];
                         for (t, v) in orow.iter_mut().enumerate() {
-                            *v = quant::blocks_dot(ty, wr, &xq[t * arow..(t + 1) * arow]);
+                            *v = rows::dot(ty, wr, &xq[t * arow..(t + 1) * arow]);
                         }
                     }
                 });
