@@ -1,5 +1,29 @@
 //! llmd's service side: configuration, permissions, sessions, the work queue and engine
 //! worker, the `ILlmService` Binder object, and the `llmctl` command line.
+//!
+//! # The daemon's core, top to bottom
+//!
+//! A module uses only modules below it (`python3 ../shared/tools/module_cycles.py` finds no
+//! circle among them):
+//!
+//! 1. `service` — the `ILlmService`/`ILlmAdmin` Binder objects and `Daemon` (start-up); status
+//!    and dump.
+//! 2. `session` — the `ILlmSession` Binder object: request validation, submitting a turn
+//!    (admission, a death recipient, the job queued).
+//! 3. `pressure` — the memory-pressure response (shed idle KV, evict, reload, prefetch).
+//! 4. `shared` — `Shared`, the state the above share: config, residency, open sessions, the
+//!    scheduler handle; opening, closing and model acquisition. It knows nothing of Binder
+//!    objects or pressure.
+//! 5. `conversation` — a session's context (its KV cache, tokens, messages: the only place the
+//!    engine's `KvCache` is used) and `ModelEngine`, the scheduler's `Engine` over models.
+//! 6. `scheduler` — `admission` (books, quota), `worker` (engine passes, every request's end)
+//!    and `outbox` (each request's callbacks); it reaches models and sessions only through its
+//!    `Engine` trait, and Binder clients through the outbox's `Sink`.
+//! 7. `policy` (pure rules, clock injected), then the leaves: `error` (the one error → code
+//!    map), `config`, `permission`, `residency`, `models`.
+//!
+//! Every Binder method guards (caller identity, permission or ownership), calls a private
+//! method, and maps its error in one place (`ServiceError::into_status`).
 
 #![forbid(unsafe_code)]
 
@@ -8,13 +32,16 @@ pub mod cli;
 pub mod client;
 pub mod coldbench;
 pub mod config;
+pub mod conversation;
 pub mod error;
 pub mod loadbench;
 pub mod models;
 pub mod modeltools;
 pub mod permission;
 pub mod policy;
+pub mod pressure;
 pub mod residency;
 pub mod scheduler;
 pub mod service;
 pub mod session;
+pub mod shared;
