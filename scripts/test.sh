@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 echo "== no import circles between top-level modules (tools/module_cycles.py)" >&2
-for crate in device engine llmctl; do python3 tools/module_cycles.py "$crate"; done
+for crate in device engine daemon llmctl; do python3 tools/module_cycles.py "$crate"; done
 echo "== cargo test (release; the real model runs in these tests)" >&2
 cargo test --release --workspace
 echo "== cargo check --target aarch64-linux-android" >&2

@@ -1,7 +1,7 @@
 //! The arbitration policy: which units of engine work run in the next pass. Pure and
 //! deterministic — it sees requests as [`Entry`] values and time as milliseconds passed in — so
-//! every rule is tested with a fake clock; the worker (`scheduler.rs`) feeds it and carries out
-//! its [`Plan`] for whichever processor queue it serves.
+//! every rule is tested with a fake clock; the worker (`scheduler/worker.rs`) feeds it and
+//! carries out its [`Plan`] for whichever processor queue it serves.
 //!
 //! Rules, in order:
 //! 1. **Classes**: foreground > background > batch. A request's class is its hint capped by

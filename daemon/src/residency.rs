@@ -14,8 +14,8 @@
 //!
 //! Memory is accounted as measured: the process's RSS growth during each load (serialized by a
 //! load lock, so loads do not overlap) is that model's cost; an estimate from the file's header
-//! stands in before the first load. Pressure handling, prefetch and the usage history live in
-//! `Shared` (`service.rs`) and use these primitives.
+//! stands in before the first load. Pressure handling and prefetch (`pressure.rs`) and the usage
+//! history (kept in `Shared`, `shared.rs`) use these primitives.
 
 use crate::error::ServiceError;
 use llmd_engine::{LoadOptions, Model, ModelProbe};

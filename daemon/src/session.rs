@@ -1,106 +1,28 @@
-//! Sessions: one caller's conversation with one model — its KV cache, the tokens in it and
-//! the messages so far — and the Binder object (`ILlmSession`) the caller holds.
+//! The Binder object a client holds for a session (`ILlmSession`), and what a call on it does:
+//! request validation, and submitting a turn (admission, the session marked busy, a death
+//! recipient on the callback, the job queued for the worker). The conversation itself — KV
+//! cache, tokens, messages — is `conversation::SessionCore`.
 //!
-//! Locking: `SessionCore::inner` is held by the scheduler for one unit of work at a time and
-//! briefly by Binder threads (reset, dump). A session runs at most one request at a time
-//! (`inner.active_request`). States: open → (closed: by close(), the client's death, or the
-//! last reference dropped). A closed session's KV is freed by whoever closes it, or by the
-//! scheduler when its running request ends.
+//! Each Binder method guards (the caller must own the open session), calls a private method,
+//! and maps its `ServiceError` to a Binder status in one place (`ServiceError::into_status`).
 
+use crate::config::Limits;
+use crate::conversation::engine::Turn;
+use crate::conversation::{SessionCore, TurnInput};
 use crate::error::ServiceError;
 use crate::permission::Caller;
-use crate::scheduler::{Job, TurnInput};
-use crate::service::Shared;
+use crate::policy::Class;
+use crate::scheduler::{CallbackSink, Job, Ticket};
+use crate::shared::Shared;
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::IGenerationCallback::IGenerationCallback;
-use llmd_aidl::ILlmSession::ILlmSession;
+use llmd_aidl::ILlmSession::{BnLlmSession, ILlmSession};
 use llmd_engine::chat::ChatMessage;
 use llmd_engine::generate::GenerateRequest as EngineRequest;
-use llmd_engine::model::kv::KvCache;
 use llmd_engine::sampling::SamplingParams;
-use llmd_engine::Model;
+use rsbinder::Strong;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
-
-pub struct SessionCore {
-    pub id: u64,
-    pub owner: Caller,
-    pub model_id: String,
-    /// Most positions this session's context may hold.
-    pub context_limit: usize,
-    pub inner: Mutex<SessionInner>,
-    pub closed: AtomicBool,
-}
-
-pub struct SessionInner {
-    pub kv: KvCache,
-    /// The tokens whose keys and values `kv` holds, in order.
-    pub tokens: Vec<u32>,
-    pub messages: Vec<ChatMessage>,
-    /// Tokens generated at the end of the last turn but not yet fed to the model; a raw-text
-    /// turn feeds them first (a chat turn re-renders the reply instead).
-    pub pending: Vec<u32>,
-    pub active_request: Option<u64>,
-    /// Where the KV cache was spilled under memory pressure (restored at the next turn).
-    pub spilled: Option<std::path::PathBuf>,
-}
-
-/// Brings back a KV cache that memory pressure spilled to flash or dropped: read back from its
-/// spill file if it has one (and the file is intact), else recomputed from the session's tokens.
-/// Either way the conversation continues where it was.
-pub fn restore_kv(model: &Model, inner: &mut SessionInner) {
-    if let Some(path) = inner.spilled.take() {
-        let c = model.config();
-        let restored = std::fs::File::open(&path)
-            .and_then(|f| KvCache::read_from(&mut std::io::BufReader::new(f), c.n_layers, c.kv_dim()));
-        let _ = std::fs::remove_file(&path);
-        match restored {
-            Ok(kv) if kv.len() <= inner.tokens.len() => {
-                inner.kv = kv;
-                return;
-            }
-            Ok(_) => tracing::warn!("spilled KV cache longer than its tokens; recomputing"),
-            Err(e) => tracing::warn!("spilled KV cache unusable ({e}); recomputing"),
-        }
-    }
-    if inner.kv.len() < inner.tokens.len() {
-        let mut kv = model.transformer.new_kv();
-        let mut ok = true;
-        for chunk in inner.tokens.chunks(llmd_engine::generate::DEFAULT_PREFILL_CHUNK) {
-            if model.transformer.forward(&mut kv, chunk, llmd_engine::model::Logits::Last).is_err() {
-                ok = false;
-                break;
-            }
-        }
-        if ok {
-            inner.kv = kv;
-        } else {
-            // The context cannot be rebuilt: start over (chat turns re-render from messages).
-            inner.tokens.clear();
-            inner.pending.clear();
-            inner.kv.clear();
-        }
-    }
-}
-
-impl SessionCore {
-    pub fn lock(&self) -> MutexGuard<'_, SessionInner> {
-        // A panic while holding the lock cannot leave the cache half-written in a way later
-        // steps rely on (KvCache::append rewrites from `len`), so a poisoned lock is usable.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Frees the KV cache and forgets the conversation.
-    pub fn clear(inner: &mut SessionInner) {
-        if let Some(p) = inner.spilled.take() {
-            let _ = std::fs::remove_file(p);
-        }
-        inner.kv.clear();
-        inner.tokens.clear();
-        inner.messages.clear();
-        inner.pending.clear();
-    }
-}
+use std::sync::{Arc, Weak};
 
 /// The Binder object a client holds for a session.
 pub struct SessionBinder {
@@ -109,33 +31,32 @@ pub struct SessionBinder {
 }
 
 impl SessionBinder {
-    pub fn new(core: Arc<SessionCore>, shared: Weak<Shared>) -> Self {
-        Self { core, shared }
+    pub fn new_binder(core: Arc<SessionCore>, shared: Weak<Shared>) -> Strong<dyn ILlmSession> {
+        BnLlmSession::new_binder(Self { core, shared })
+    }
+
+    /// Who is calling; they must own the session and it must be open.
+    fn guard(&self, method: &'static str) -> Result<Caller, ServiceError> {
+        let caller = Caller::current();
+        tracing::debug!(session = self.core.id, uid = caller.uid, method, "session call");
+        if self.core.is_closed() || caller.uid != self.core.owner.uid {
+            return Err(ServiceError::SessionClosed);
+        }
+        Ok(caller)
     }
 
     fn shared(&self) -> Result<Arc<Shared>, ServiceError> {
         self.shared.upgrade().ok_or_else(|| ServiceError::Internal("the service is shutting down".into()))
     }
 
-    /// The caller must own the session and it must be open.
-    fn check_owner(&self, caller: Caller) -> Result<(), ServiceError> {
-        if self.core.closed.load(Ordering::Acquire) || caller.uid != self.core.owner.uid {
-            return Err(ServiceError::SessionClosed);
-        }
-        Ok(())
-    }
-
-    fn generate_impl(
+    fn generate(
         &self,
         caller: Caller,
         req: &GenerateRequest,
-        callback: &rsbinder::Strong<dyn IGenerationCallback>,
+        callback: &Strong<dyn IGenerationCallback>,
     ) -> Result<i64, ServiceError> {
-        self.check_owner(caller)?;
         let shared = self.shared()?;
-        let limits = &shared.config.limits;
-        let input = validate_request(req, limits)?;
-        let max_tokens = req.maxTokens as usize;
+        let input = validate_request(req, &shared.config.limits)?;
         let sampling = SamplingParams {
             temperature: req.temperature,
             top_k: req.topK.max(0) as usize,
@@ -146,27 +67,115 @@ impl SessionBinder {
             ..SamplingParams::default()
         };
         sampling.validate().map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
-        let engine = EngineRequest {
+        let request = EngineRequest {
             prompt: llmd_engine::generate::Prompt::Text(String::new()),
             sampling,
-            max_tokens,
+            max_tokens: req.maxTokens as usize,
             stop: req.stop.clone(),
         };
         let hint = match req.priority {
-            llmd_aidl::Priority::Priority::BACKGROUND => crate::policy::Class::Background,
-            llmd_aidl::Priority::Priority::BATCH => crate::policy::Class::Batch,
-            _ => crate::policy::Class::Foreground,
+            llmd_aidl::Priority::Priority::BACKGROUND => Class::Background,
+            llmd_aidl::Priority::Priority::BATCH => Class::Batch,
+            _ => Class::Foreground,
         };
-        let class = crate::policy::Class::capped(hint, shared.config.scheduler.class_cap(caller.uid));
+        let class = Class::capped(hint, shared.config.scheduler.class_cap(caller.uid));
         let model = shared.acquire_model(&self.core.model_id, caller.uid)?;
-        let job = Job::new(self.core.clone(), model, caller.uid, input, engine, callback.clone())
-            .with_class(class, req.deadlineMs as u64);
-        shared.scheduler.submit(job, &self.shared)
+        let ticket = Ticket { uid: caller.uid, session: self.core.id, class, deadline_ms: req.deadlineMs as u64 };
+        let turn = Turn { session: self.core.clone(), model, input, request, death_link: None };
+        submit(&shared, &self.shared, ticket, turn, callback)
+    }
+
+    fn cancel(&self, request_id: i64) -> Result<(), ServiceError> {
+        tracing::debug!(session = self.core.id, request = request_id, "cancel");
+        self.shared()?.scheduler.admission.cancel(self.core.id, request_id as u64);
+        Ok(())
+    }
+
+    fn count_tokens(&self, caller: Caller, text: &str) -> Result<i32, ServiceError> {
+        let shared = self.shared()?;
+        let limits = &shared.config.limits;
+        if text.len() > limits.max_prompt_bytes {
+            return Err(ServiceError::RequestTooLarge(format!(
+                "text of {} bytes exceeds the limit of {}",
+                text.len(),
+                limits.max_prompt_bytes
+            )));
+        }
+        let model = shared.acquire_model(&self.core.model_id, caller.uid)?;
+        let ids =
+            model.tokenizer.encode(text, false, false).map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
+        Ok(ids.len() as i32)
+    }
+
+    fn reset(&self) -> Result<(), ServiceError> {
+        let mut inner = self.core.lock();
+        if inner.active_request.is_some() {
+            return Err(ServiceError::Busy("a request is running in this session; cancel it first".into()));
+        }
+        inner.clear();
+        Ok(())
+    }
+
+    fn close(&self) -> Result<(), ServiceError> {
+        self.shared()?.close_session(self.core.id, "closed by its owner");
+        Ok(())
+    }
+}
+
+/// Admits a turn and queues it (Binder thread): checks the limits, gives it an id, marks the
+/// session busy, links a death recipient to the callback, and hands it to the worker.
+fn submit(
+    shared: &Shared,
+    weak: &Weak<Shared>,
+    ticket: Ticket,
+    mut turn: Turn,
+    callback: &Strong<dyn IGenerationCallback>,
+) -> Result<i64, ServiceError> {
+    let admission = &shared.scheduler.admission;
+    let core = turn.session.clone();
+    // Admitted and marked busy at once (lock order: the session, then the books), so a reset
+    // or the pressure response never sees an admitted request's session idle.
+    let admitted = {
+        let mut inner = core.lock();
+        let a = admission.admit(ticket)?;
+        inner.active_request = Some(a.id);
+        a
+    };
+    let id = admitted.id;
+    let death = Arc::new(CallbackDeath { cancel: admitted.cancel.clone(), session: core.id, shared: weak.clone() });
+    // A failure to link means the client is already gone.
+    if callback.link_to_death_arc(&death).is_err() {
+        admitted.cancel.store(true, Ordering::Release);
+    }
+    turn.death_link = Some(death);
+    let job = Job::new(admitted, core.closed.clone(), Arc::new(CallbackSink(callback.clone())), turn);
+    if shared.scheduler.queue(job).is_err() {
+        admission.finish(id);
+        core.lock().active_request = None;
+        return Err(ServiceError::Internal("the engine worker has stopped".into()));
+    }
+    Ok(id as i64)
+}
+
+/// Cancels a request and closes its session when the client that will receive its output
+/// dies. Kept alive by the request's turn while it runs.
+struct CallbackDeath {
+    cancel: Arc<AtomicBool>,
+    session: u64,
+    shared: Weak<Shared>,
+}
+
+impl rsbinder::DeathRecipient for CallbackDeath {
+    fn binder_died(&self, _who: &rsbinder::WIBinder) {
+        self.cancel.store(true, Ordering::Release);
+        if let Some(shared) = self.shared.upgrade() {
+            shared.close_session(self.session, "its client died");
+        }
     }
 }
 
 /// Checks a request's shape and bounds before it is queued.
-fn validate_request(req: &GenerateRequest, limits: &crate::config::Limits) -> Result<TurnInput, ServiceError> {
+fn validate_request(req: &GenerateRequest, limits: &Limits) -> Result<TurnInput, ServiceError> {
     let bad = |m: &str| Err(ServiceError::InvalidArgument(m.to_owned()));
     if req.maxTokens <= 0 {
         return bad("maxTokens must be at least 1");
@@ -223,66 +232,25 @@ impl ILlmSession for SessionBinder {
     fn generate(
         &self,
         request: &GenerateRequest,
-        callback: &rsbinder::Strong<dyn IGenerationCallback>,
+        callback: &Strong<dyn IGenerationCallback>,
     ) -> rsbinder::BinderResult<i64> {
-        let caller = Caller::current();
-        tracing::debug!(session = self.core.id, uid = caller.uid, "generate");
-        self.generate_impl(caller, request, callback).map_err(ServiceError::into_status)
+        self.guard("generate").and_then(|c| self.generate(c, request, callback)).map_err(ServiceError::into_status)
     }
 
     fn cancel(&self, request_id: i64) -> rsbinder::BinderResult<()> {
-        let caller = Caller::current();
-        tracing::debug!(session = self.core.id, request = request_id, "cancel");
-        (|| {
-            self.check_owner(caller)?;
-            self.shared()?.scheduler.cancel(self.core.id, request_id as u64);
-            Ok(())
-        })()
-        .map_err(ServiceError::into_status)
+        self.guard("cancel").and_then(|_| self.cancel(request_id)).map_err(ServiceError::into_status)
     }
 
     fn countTokens(&self, text: &str) -> rsbinder::BinderResult<i32> {
-        let caller = Caller::current();
-        (|| {
-            self.check_owner(caller)?;
-            let limits = &self.shared()?.config.limits;
-            if text.len() > limits.max_prompt_bytes {
-                return Err(ServiceError::RequestTooLarge(format!(
-                    "text of {} bytes exceeds the limit of {}",
-                    text.len(),
-                    limits.max_prompt_bytes
-                )));
-            }
-            let model = self.shared()?.acquire_model(&self.core.model_id, caller.uid)?;
-            let ids =
-                model.tokenizer.encode(text, false, false).map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
-            Ok(ids.len() as i32)
-        })()
-        .map_err(ServiceError::into_status)
+        self.guard("countTokens").and_then(|c| self.count_tokens(c, text)).map_err(ServiceError::into_status)
     }
 
     fn reset(&self) -> rsbinder::BinderResult<()> {
-        let caller = Caller::current();
-        (|| {
-            self.check_owner(caller)?;
-            let mut inner = self.core.lock();
-            if inner.active_request.is_some() {
-                return Err(ServiceError::Busy("a request is running in this session; cancel it first".into()));
-            }
-            SessionCore::clear(&mut inner);
-            Ok(())
-        })()
-        .map_err(ServiceError::into_status)
+        self.guard("reset").and_then(|_| self.reset()).map_err(ServiceError::into_status)
     }
 
     fn close(&self) -> rsbinder::BinderResult<()> {
-        let caller = Caller::current();
-        (|| {
-            self.check_owner(caller)?;
-            self.shared()?.close_session(self.core.id, "closed by its owner");
-            Ok(())
-        })()
-        .map_err(ServiceError::into_status)
+        self.guard("close").and_then(|_| self.close()).map_err(ServiceError::into_status)
     }
 }
 
@@ -292,5 +260,40 @@ impl Drop for SessionBinder {
         if let Some(shared) = self.shared.upgrade() {
             shared.close_session(self.core.id, "released by its client");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> GenerateRequest {
+        GenerateRequest { prompt: "hi".into(), maxTokens: 4, ..GenerateRequest::default() }
+    }
+
+    #[test]
+    fn requests_are_validated_before_they_are_queued() {
+        let limits = Limits { max_new_tokens: 8, max_prompt_bytes: 16, ..Limits::default() };
+        assert!(matches!(validate_request(&req(), &limits), Ok(TurnInput::Text(t)) if t == "hi"));
+        let code = |r: GenerateRequest| validate_request(&r, &limits).expect_err("refused").code();
+        use llmd_aidl::ErrorCode::ErrorCode as C;
+        assert_eq!(code(GenerateRequest { maxTokens: 0, ..req() }), C::INVALID_ARGUMENT);
+        assert_eq!(code(GenerateRequest { maxTokens: 9, ..req() }), C::REQUEST_TOO_LARGE);
+        assert_eq!(code(GenerateRequest { prompt: "x".repeat(17), ..req() }), C::REQUEST_TOO_LARGE);
+        assert_eq!(code(GenerateRequest { prompt: String::new(), ..req() }), C::INVALID_ARGUMENT);
+        assert_eq!(code(GenerateRequest { deadlineMs: -1, ..req() }), C::INVALID_ARGUMENT);
+        assert_eq!(code(GenerateRequest { stop: vec![String::new()], ..req() }), C::INVALID_ARGUMENT);
+        let msg = |role: &str, content: &str| llmd_aidl::ChatMessage::ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        let chat = GenerateRequest { prompt: String::new(), messages: vec![msg("user", "hello")], ..req() };
+        assert!(matches!(validate_request(&chat, &limits), Ok(TurnInput::Chat(m)) if m.len() == 1));
+        assert_eq!(code(GenerateRequest { messages: vec![msg("user", "hello")], ..req() }), C::INVALID_ARGUMENT);
+        assert_eq!(
+            code(GenerateRequest { messages: vec![msg("robot", "hello")], ..chat.clone() }),
+            C::INVALID_ARGUMENT
+        );
+        assert_eq!(code(GenerateRequest { messages: vec![msg("user", "")], ..chat }), C::INVALID_ARGUMENT);
     }
 }

@@ -246,6 +246,16 @@ pub struct Generation {
 
 impl Generation {
     /// Validates the request against the model and the cache's free context.
+    /// [`Self::new`] for a [`crate::sequence::Sequence`].
+    pub fn for_sequence(
+        model: &Model,
+        seq: &crate::sequence::Sequence,
+        prompt: Vec<u32>,
+        req: &GenerateRequest,
+    ) -> Result<Self, GenerateError> {
+        Self::new(model, seq.kv(), prompt, req)
+    }
+
     pub fn new(model: &Model, kv: &KvCache, prompt: Vec<u32>, req: &GenerateRequest) -> Result<Self, GenerateError> {
         if prompt.is_empty() {
             return Err(GenerateError::EmptyPrompt);

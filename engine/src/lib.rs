@@ -15,6 +15,7 @@ pub mod model;
 pub mod quant;
 pub mod sampling;
 pub mod sched;
+pub mod sequence;
 pub mod smooth;
 pub mod tokenizer;
 

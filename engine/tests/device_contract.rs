@@ -3,7 +3,8 @@
 //! `write`/`read`, ordered by events), runs each submission on a thread of its own, and computes
 //! with the host blocks over its own copies (weights re-packed from the bytes `load_weight`
 //! hands it). A pass with some subgraphs on it and the rest on the CPU must give the CPU-alone
-//! logits bit for bit, and every byte it used must have crossed the contract.
+//! logits bit for bit, and every byte it used must have crossed the contract. The CPU device
+//! (`backend::cpu::device::CpuDevice`, product code: host memory) is checked the same way.
 //!
 //! It is a test device, not product code: a GPU or NPU backend implements the same trait with
 //! kernels of its own.
@@ -16,8 +17,9 @@ use llmd_device::{
     Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable, GgmlType,
     HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight,
 };
-use llmd_engine::backend::blocks::{AttnWeights, FfnWeights, Logits, Pass, PassState};
-use llmd_engine::backend::weight::WeightMatrix;
+use llmd_engine::backend::blocks::Logits;
+use llmd_engine::backend::cpu::device::CpuDevice;
+use llmd_engine::backend::device_run::{run_subgraph, HostCopy, HostIo};
 use llmd_engine::backend::Planner;
 use llmd_engine::model::kv::{KvCache, KvType};
 use llmd_engine::sched::Pinned;
@@ -26,11 +28,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-enum DevWeight {
-    Matrix(WeightMatrix),
-    Vector(Vec<f32>),
-}
-
 #[derive(Default)]
 struct Mem {
     next: u64,
@@ -38,7 +35,7 @@ struct Mem {
     /// A KV buffer's cache: one layer of one sequence, made at its first attention.
     kv: HashMap<u64, KvCache>,
     kv_ids: Vec<u64>,
-    weights: HashMap<u64, DevWeight>,
+    weights: HashMap<u64, HostCopy>,
 }
 
 struct Prepared {
@@ -110,94 +107,50 @@ fn bytes_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
-/// One submission, on the device's thread, with its memory locked.
+/// One submission, on the device's thread, with its memory locked: the engine's host blocks
+/// (`run_subgraph`) over this device's own copies.
 fn run(mem: &mut Mem, planner: &Planner, p: &Prepared, b: &Bindings, id: DeviceId) -> Result<(), String> {
     let Mem { bufs, kv, weights, .. } = mem;
-    let pass = Pass { c: &p.shape, planner };
-    let spans: Vec<_> = b.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
-    let positions: Vec<usize> = b.positions.iter().map(|&x| x as usize).collect();
-    let mut st = PassState::new(&p.shape, b.tokens.to_vec(), positions, spans);
-    if st.n != p.n {
-        return Err(format!("prepared for {} tokens, bound {}", p.n, st.n));
+    if b.positions.len() != p.n {
+        return Err(format!("prepared for {} tokens, bound {}", p.n, b.positions.len()));
     }
     let x_id = *b.x.get::<u64>(id).ok_or("x is not this device's")?;
-    if p.sg.kind != SubgraphKind::Embed {
-        st.x = bytes_f32(bufs.get(&x_id).ok_or("x was freed")?);
-    }
-    let m = |i: usize| match weights.get(&p.weights[i]) {
-        Some(DevWeight::Matrix(m)) => Ok(m),
-        _ => Err(format!("weight {i} is not a matrix")),
-    };
-    let v = |i: usize| match weights.get(&p.weights[i]) {
-        Some(DevWeight::Vector(v)) => Ok(&v[..]),
-        _ => Err(format!("weight {i} is not a vector")),
-    };
-    let e = |e: llmd_engine::error::BackendError| e.to_string();
-    match p.sg.kind {
-        SubgraphKind::Embed => pass.embed(&mut st, m(0)?).map_err(e)?,
-        SubgraphKind::Attention => {
-            let mut i = 5;
-            let mut next = || {
-                i += 1;
-                i - 1
-            };
-            let (bq, bk, bv) = if p.shape.qkv_bias {
-                (Some(v(next())?), Some(v(next())?), Some(v(next())?))
-            } else {
-                (None, None, None)
-            };
-            let rope_freqs = if p.shape.rope_freqs { Some(v(next())?) } else { None };
-            let w = AttnWeights { norm: v(0)?, wq: m(1)?, wk: m(2)?, wv: m(3)?, wo: m(4)?, bq, bk, bv, rope_freqs };
-            // Each sequence's cache of this layer, with exactly its first `start` positions.
-            let mut caches = Vec::new();
-            for s in b.seqs.iter() {
-                let kid = *s.kv.as_ref().and_then(|k| k.get::<u64>(id)).ok_or("no KV buffer of this device")?;
-                let mut c = kv
-                    .remove(&kid)
-                    .unwrap_or_else(|| KvCache::with_type(1, p.shape.kv_dim(), p.shape.head_dim, KvType::F16));
-                if c.len() < s.start {
-                    return Err(format!("the KV cache holds {} positions, the pass starts at {}", c.len(), s.start));
-                }
-                c.truncate(s.start);
-                caches.push((kid, c));
-            }
-            let empty: &[u32] = &[];
-            let mut batch: Vec<(&mut KvCache, &[u32])> = caches.iter_mut().map(|(_, c)| (c, empty)).collect();
-            pass.attention(&mut st, &mut batch, p.sg.layer, 0, w, None).map_err(e)?;
-            drop(batch);
-            for ((kid, mut c), s) in caches.into_iter().zip(b.seqs.iter()) {
-                c.advance(s.len);
-                kv.insert(kid, c);
-            }
-        }
-        SubgraphKind::Ffn => {
-            let w = FfnWeights { norm: v(0)?, gate: m(1)?, up: m(2)?, down: m(3)? };
-            pass.ffn(&mut st, p.sg.layer, w, None).map_err(e)?
-        }
-        SubgraphKind::Head => {
-            let d = p.shape.d_model;
-            let rows: Vec<u32> = b.logit_rows.to_vec();
-            let mut only = PassState::new(&p.shape, vec![0; rows.len()], vec![0; rows.len()], vec![(0, rows.len(), 0)]);
-            for (i, &r) in rows.iter().enumerate() {
-                only.x[i * d..(i + 1) * d].copy_from_slice(&st.x[r as usize * d..(r as usize + 1) * d]);
-            }
-            let out = if rows.is_empty() {
-                vec![Vec::new()]
-            } else {
-                pass.head(&only, v(0)?, m(1)?, Logits::All).map_err(e)?
-            };
-            let lid = *b.logits.as_ref().and_then(|l| l.get::<u64>(id)).ok_or("no logits buffer")?;
-            let dst = bufs.get_mut(&lid).ok_or("logits buffer freed")?;
-            let flat: Vec<u8> = out.concat().iter().flat_map(|x| x.to_le_bytes()).collect();
-            if flat.len() != dst.len() {
-                return Err(format!("{} logits bytes for a buffer of {}", flat.len(), dst.len()));
-            }
-            dst.copy_from_slice(&flat);
-            return Ok(());
+    let mut x = bytes_f32(bufs.get(&x_id).ok_or("x was freed")?);
+    let ws = p.weights.iter().map(|w| weights.get(w).ok_or("a weight was freed")).collect::<Result<Vec<_>, _>>()?;
+    // Each sequence's cache of this layer, taken out of the device's memory for the run.
+    let mut caches = Vec::new();
+    if p.sg.uses_kv() {
+        for s in b.seqs.iter() {
+            let kid = *s.kv.as_ref().and_then(|k| k.get::<u64>(id)).ok_or("no KV buffer of this device")?;
+            let c = kv
+                .remove(&kid)
+                .unwrap_or_else(|| KvCache::with_type(1, p.shape.kv_dim(), p.shape.head_dim, KvType::F16));
+            caches.push((kid, c));
         }
     }
-    let xb: Vec<u8> = st.x.iter().flat_map(|x| x.to_le_bytes()).collect();
-    bufs.insert(x_id, xb);
+    let mut logits = vec![0f32; if b.logits.is_some() { b.logit_rows.len() * p.shape.vocab } else { 0 }];
+    let r = {
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().map(|(_, c)| c).collect();
+        let io = HostIo {
+            tokens: &b.tokens,
+            positions: &b.positions,
+            seqs: &b.seqs,
+            x: &mut x,
+            kv: &mut refs,
+            logit_rows: &b.logit_rows,
+            logits: &mut logits,
+        };
+        run_subgraph(planner, &p.shape, p.sg, &ws, io)
+    };
+    for (kid, c) in caches {
+        kv.insert(kid, c);
+    }
+    r?;
+    bufs.insert(x_id, x.iter().flat_map(|v| v.to_le_bytes()).collect());
+    if let Some(l) = &b.logits {
+        let lid = *l.get::<u64>(id).ok_or("logits of another device")?;
+        bufs.insert(lid, logits.iter().flat_map(|v| v.to_le_bytes()).collect());
+    }
     Ok(())
 }
 
@@ -246,20 +199,14 @@ impl Device for DiscreteTestDevice {
     }
 
     fn load_weight(&self, w: &HostWeight<'_>, rows: std::ops::Range<usize>) -> Result<Weight, DeviceError> {
-        let bytes = w.rows_bytes(rows.clone()).ok_or_else(|| err(format!("{:?}: bad rows {rows:?}", w.role)))?;
-        let dw = if w.ty == GgmlType::F32 && w.rows == 1 {
-            DevWeight::Vector(bytes_f32(bytes))
-        } else {
-            let m = WeightMatrix::from_host_bytes(&format!("{:?}", w.role), w.ty, rows.len(), w.cols, bytes.to_vec())
-                .ok_or_else(|| err("weight bytes do not match the shape"))?;
-            DevWeight::Matrix(m)
-        };
+        let copy = HostCopy::load(w, rows.clone()).ok_or_else(|| err(format!("{:?}: bad rows {rows:?}", w.role)))?;
+        let bytes = copy.size_bytes();
         let mut m = self.lock();
         m.next += 1;
         let id = m.next;
-        m.weights.insert(id, dw);
+        m.weights.insert(id, copy);
         self.counts.weights.fetch_add(1, Ordering::Relaxed);
-        Ok(Weight::new(self.id, w.role, rows, w.cols, bytes.len(), Arc::new(id)))
+        Ok(Weight::new(self.id, w.role, rows, w.cols, bytes, Arc::new(id)))
     }
 
     fn prepare(
@@ -391,4 +338,22 @@ fn a_device_without_a_graph_for_the_shape_leaves_the_subgraph_to_the_cpu() {
     let mut kv2 = m.transformer.new_kv();
     let cpu = m.transformer.forward(&mut kv2, &[1, 2, 3], Logits::Last).unwrap();
     assert_eq!(r.unwrap(), cpu, "an unpriced host run equals the host alone");
+}
+
+#[test]
+fn the_cpu_device_behind_the_contract_gives_the_host_logits() {
+    let mut m = load();
+    let enc = |s: &str| m.tokenizer.encode(s, false, false).expect("encodes");
+    let prompts = vec![enc("Once upon a time"), enc("1, 2, 3, 4,")];
+    let host = run_batch(&m, &prompts, 3);
+    // Every subgraph but the odd layers' FFNs on the CPU device (the embedding and head too).
+    let pick = |sg: Subgraph| usize::from(sg.kind != SubgraphKind::Ffn || sg.layer.is_multiple_of(2));
+    let names = vec!["cpu".to_string(), "cpu-device".to_string()];
+    m.transformer.attach_devices(vec![Arc::new(CpuDevice::new(2))], Arc::new(Pinned { names, pick }));
+    let placed = run_batch(&m, &prompts, 3);
+    for (x, y) in host.iter().zip(&placed) {
+        for (step, (u, v)) in x.iter().zip(y).enumerate() {
+            assert!(u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits()), "step {step} differs");
+        }
+    }
 }

@@ -109,9 +109,9 @@ fn run(args: Args) -> Result<(), String> {
     let name = config.service_name.clone();
     let admin_name = format!("{name}.admin");
     let socket = config.socket.clone();
-    let shared =
-        service::Shared::start(config, residency, pressure).map_err(|e| format!("starting the engine worker: {e}"))?;
-    shared.load_at_start();
+    let daemon =
+        service::Daemon::start(config, residency, pressure).map_err(|e| format!("starting the engine worker: {e}"))?;
+    daemon.load_at_start();
     let mut guards = Vec::new();
     if let Some(path) = &socket {
         if path.exists() {
@@ -126,8 +126,8 @@ fn run(args: Args) -> Result<(), String> {
         }
         let server = rsbinder::serve(llmd_daemon::socket_uri(&tmp))
             .map(|s| s.with(|o| o.threads = Some(SOCKET_THREADS)))
-            .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
-            .and_then(|s| s.add(&admin_name, service::LlmAdmin::new_binder(shared.clone()).as_binder()))
+            .and_then(|s| s.add(&name, daemon.service().as_binder()))
+            .and_then(|s| s.add(&admin_name, daemon.admin().as_binder()))
             .and_then(|s| s.spawn())
             .map_err(|e| format!("serving on {}: {e:?}", path.display()))?;
         std::fs::rename(&tmp, path).map_err(|e| format!("moving the socket into place at {}: {e}", path.display()))?;
@@ -137,8 +137,8 @@ fn run(args: Args) -> Result<(), String> {
     }
     if kernel {
         let server = rsbinder::serve(rsbinder::Endpoint::kernel())
-            .and_then(|s| s.add(&name, service::LlmService::new_binder(shared.clone()).as_binder()))
-            .and_then(|s| s.add(&admin_name, service::LlmAdmin::new_binder(shared.clone()).as_binder()))
+            .and_then(|s| s.add(&name, daemon.service().as_binder()))
+            .and_then(|s| s.add(&admin_name, daemon.admin().as_binder()))
             .and_then(|s| s.spawn())
             .map_err(|e| format!("registering {name:?} with the service manager: {e:?}"))?;
         tracing::info!(service = %name, "registered with the kernel Binder service manager");

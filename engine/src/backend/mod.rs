@@ -4,6 +4,7 @@
 
 pub mod blocks;
 pub mod cpu;
+pub mod device_run;
 pub mod kv;
 pub mod weight;
 

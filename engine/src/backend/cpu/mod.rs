@@ -7,6 +7,7 @@
 //! squares and softmax denominators accumulate in f64.
 
 pub mod attn_kernels;
+pub mod device;
 pub mod packed;
 #[cfg(target_arch = "aarch64")]
 mod packed_arm;

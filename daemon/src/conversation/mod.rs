@@ -1,0 +1,289 @@
+//! Sessions' conversations: one caller's context with one model — its KV cache, the tokens in
+//! it and the messages so far — and, in [`engine`], the scheduler's `Engine` that runs turns of
+//! them on `llmd_engine` models. The `ILlmSession` Binder object a client holds is
+//! `session::SessionBinder`, above this.
+//!
+//! A session holds the engine's `Sequence` handle (`SessionInner::kv`, private), never the KV
+//! cache itself: its layout and any device memory stay the engine's. Every use of the handle is
+//! in this file: making one, restoring a spilled one, a turn's set-up, rewind and commit, the
+//! batched forward, spill and accounting.
+//!
+//! Locking: `SessionCore::inner` is held by the worker for one unit of work at a time and
+//! briefly by Binder threads (submit, reset, dump) and the pressure response (`try_lock`). A
+//! session runs at most one request at a time (`active_request`). States: open → closed (by
+//! close(), the client's death, or the last reference dropped). A closed session's KV is freed
+//! by whoever closes it, or by the engine when its running request ends.
+
+pub mod engine;
+
+use crate::error::ServiceError;
+use crate::permission::Caller;
+use llmd_engine::chat::ChatMessage;
+use llmd_engine::generate::{GenerateRequest, Generation};
+use llmd_engine::sequence::Sequence;
+use llmd_engine::Model;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What a turn adds to the conversation.
+#[derive(Clone, Debug)]
+pub enum TurnInput {
+    /// Raw text appended to the context.
+    Text(String),
+    /// Messages appended to the conversation, which is re-rendered with the chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+pub struct SessionCore {
+    pub id: u64,
+    pub owner: Caller,
+    pub model_id: String,
+    /// Most positions this session's context may hold.
+    pub context_limit: usize,
+    inner: Mutex<SessionInner>,
+    /// Set once the session is closed (shared with its requests' jobs).
+    pub closed: Arc<AtomicBool>,
+}
+
+pub struct SessionInner {
+    /// The engine's handle of this conversation (its KV cache, wherever the engine keeps it).
+    kv: Sequence,
+    /// The tokens whose keys and values `kv` holds, in order.
+    tokens: Vec<u32>,
+    pub messages: Vec<ChatMessage>,
+    /// Tokens generated at the end of the last turn but not yet fed to the model; a raw-text
+    /// turn feeds them first (a chat turn re-renders the reply instead).
+    pending: Vec<u32>,
+    pub active_request: Option<u64>,
+    /// Where the KV cache was spilled under memory pressure (restored at the next turn).
+    spilled: Option<PathBuf>,
+}
+
+impl SessionCore {
+    /// A new, empty conversation of `owner` with `model`.
+    pub fn new(id: u64, owner: Caller, model_id: &str, context_limit: usize, model: &Model) -> Self {
+        Self {
+            id,
+            owner,
+            model_id: model_id.to_owned(),
+            context_limit,
+            inner: Mutex::new(SessionInner {
+                kv: model.transformer.new_sequence(),
+                tokens: Vec::new(),
+                messages: Vec::new(),
+                pending: Vec::new(),
+                active_request: None,
+                spilled: None,
+            }),
+            closed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, SessionInner> {
+        // A panic while holding the lock cannot leave the cache half-written in a way later
+        // steps rely on (a pass rewrites the cache from its length), so a poisoned lock is usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Frees a closed session's memory now if no request is running (else the request's end
+    /// does).
+    pub fn free_if_idle(&self) {
+        if let Ok(mut inner) = self.inner.try_lock() {
+            if inner.active_request.is_none() {
+                inner.clear();
+            }
+        }
+    }
+
+    /// Frees the KV cache of an idle session holding more than `over` positions: spilled to
+    /// `state_dir` (restored at its next turn) or dropped (recomputed then). Returns the bytes
+    /// freed, or `None` if it is busy, running a request, or holds no more than `over`.
+    pub fn shed_kv(&self, over: usize, state_dir: Option<&Path>) -> Option<u64> {
+        let Ok(mut inner) = self.inner.try_lock() else { return None };
+        if inner.active_request.is_some() || inner.kv.is_empty() || inner.kv.len() <= over {
+            return None;
+        }
+        let size = inner.kv.size_bytes() as u64;
+        if let Some(dir) = state_dir {
+            let path = dir.join("kv").join(format!("session-{}.kv", self.id));
+            let written = std::fs::create_dir_all(dir.join("kv")).and_then(|_| {
+                let mut f = std::io::BufWriter::new(std::fs::File::create(&path)?);
+                inner.kv.spill(&mut f)?;
+                std::io::Write::flush(&mut f)
+            });
+            match written {
+                Ok(()) => inner.spilled = Some(path),
+                Err(e) => tracing::warn!(session = self.id, "KV spill failed ({e}); dropping it instead"),
+            }
+        }
+        inner.kv.clear();
+        Some(size)
+    }
+}
+
+impl SessionInner {
+    /// Positions the KV cache holds.
+    pub fn kv_len(&self) -> usize {
+        self.kv.len()
+    }
+
+    /// Bytes the KV cache holds.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.size_bytes()
+    }
+
+    /// Frees the KV cache and forgets the conversation.
+    pub fn clear(&mut self) {
+        if let Some(p) = self.spilled.take() {
+            let _ = std::fs::remove_file(p);
+        }
+        self.kv.clear();
+        self.tokens.clear();
+        self.messages.clear();
+        self.pending.clear();
+    }
+
+    /// Brings back a KV cache that memory pressure spilled to flash or dropped: read back from
+    /// its spill file if it has one (and the file is intact), else recomputed from the
+    /// session's tokens. Either way the conversation continues where it was.
+    pub fn restore(&mut self, model: &Model) {
+        if let Some(path) = self.spilled.take() {
+            let restored = std::fs::File::open(&path)
+                .and_then(|f| Sequence::restore(&mut std::io::BufReader::new(f), &model.transformer));
+            let _ = std::fs::remove_file(&path);
+            match restored {
+                Ok(kv) if kv.len() <= self.tokens.len() => {
+                    self.kv = kv;
+                    return;
+                }
+                Ok(_) => tracing::warn!("spilled KV cache longer than its tokens; recomputing"),
+                Err(e) => tracing::warn!("spilled KV cache unusable ({e}); recomputing"),
+            }
+        }
+        if self.kv.len() < self.tokens.len() {
+            let mut kv = model.transformer.new_sequence();
+            let mut ok = true;
+            for chunk in self.tokens.chunks(llmd_engine::generate::DEFAULT_PREFILL_CHUNK) {
+                let step =
+                    model.transformer.forward_sequences(&mut [(&mut kv, chunk)], llmd_engine::model::Logits::Last);
+                if step.is_err() {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok {
+                self.kv = kv;
+            } else {
+                // The context cannot be rebuilt: start over (chat turns re-render from messages).
+                self.tokens.clear();
+                self.pending.clear();
+                self.kv.clear();
+            }
+        }
+    }
+
+    /// Sets a turn up against the context: the whole context it makes, with the longest common
+    /// prefix of what the cache holds kept (the rest is cut off the cache). Returns the prompt
+    /// tokens to feed, the context they complete, and the KV length to rewind to.
+    pub fn begin_turn(
+        &mut self,
+        model: &Model,
+        input: &TurnInput,
+        max_tokens: usize,
+        context_limit: usize,
+        max_prompt_tokens: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>, usize), ServiceError> {
+        let tk = &model.tokenizer;
+        let full: Vec<u32> = match input {
+            TurnInput::Text(t) => {
+                let add_bos = self.tokens.is_empty() && tk.add_bos;
+                let mut full = self.tokens.clone();
+                full.extend_from_slice(&self.pending);
+                full.extend(tk.encode(t, false, add_bos).map_err(|e| ServiceError::InvalidArgument(e.to_string()))?);
+                full
+            }
+            TurnInput::Chat(new) => {
+                let mut messages = self.messages.clone();
+                messages.extend(new.iter().cloned());
+                model.prompt_tokens(&llmd_engine::generate::Prompt::Chat(messages))?
+            }
+        };
+        if full.len() + max_tokens > context_limit {
+            return Err(ServiceError::RequestTooLarge(format!(
+                "the context would hold {} prompt tokens plus up to {} new ones; this session holds {context_limit}",
+                full.len(),
+                max_tokens
+            )));
+        }
+        // Reuse the longest common prefix of what the cache holds; feed the rest (at least one
+        // token, so there are logits to sample from).
+        let mut common = self.tokens.iter().zip(&full).take_while(|(a, b)| a == b).count();
+        if common == full.len() {
+            common = common.saturating_sub(1);
+        }
+        let new_tokens = full.len() - common;
+        if new_tokens > max_prompt_tokens {
+            return Err(ServiceError::RequestTooLarge(format!(
+                "prompt of {new_tokens} tokens exceeds the limit of {max_prompt_tokens}"
+            )));
+        }
+        self.kv.truncate(common);
+        self.tokens.truncate(common);
+        self.pending.clear();
+        Ok((full[common..].to_vec(), full, common))
+    }
+
+    /// The engine's generation of `prompt` after what the cache holds.
+    pub fn generation(
+        &self,
+        model: &Model,
+        prompt: Vec<u32>,
+        request: &GenerateRequest,
+        prefill_chunk: usize,
+    ) -> Result<Generation, ServiceError> {
+        Ok(Generation::for_sequence(model, &self.kv, prompt, request)?.with_prefill_chunk(prefill_chunk))
+    }
+
+    /// A turn that could not start: the cache keeps only the session's tokens.
+    pub fn abandon_turn(&mut self) {
+        let len = self.tokens.len();
+        self.kv.truncate(len);
+    }
+
+    /// Rolls a turn back to the context it began with (`rewind_to` positions).
+    pub fn rewind(&mut self, rewind_to: usize) {
+        self.kv.truncate(rewind_to);
+        self.tokens.truncate(rewind_to);
+        self.pending.clear();
+    }
+
+    /// Makes a completed turn part of the conversation: `context` (the context after the
+    /// turn's prompt) and `generated` become its tokens — those the cache does not hold yet are
+    /// pending — and a chat turn's messages and reply its messages.
+    pub fn commit_turn(&mut self, model: &Model, input: &TurnInput, context: &[u32], generated: &[u32]) {
+        let mut tokens = context.to_vec();
+        tokens.extend_from_slice(generated);
+        self.pending = tokens.split_off(self.kv.len().min(tokens.len()));
+        self.tokens = tokens;
+        if let TurnInput::Chat(new) = input {
+            self.messages.extend(new.iter().cloned());
+            let reply = model.tokenizer.decode(generated).unwrap_or_default();
+            self.messages.push(ChatMessage::new("assistant", &reply));
+        }
+    }
+}
+
+/// One batched forward of `model` over several sessions' caches: each gets its tokens appended
+/// and the logits after its last token.
+pub fn forward_batch(model: &Model, batch: &mut [(&mut SessionInner, &[u32])]) -> Result<Vec<Vec<f32>>, ServiceError> {
+    let mut seqs: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
+    model
+        .transformer
+        .forward_sequences(&mut seqs, llmd_engine::model::Logits::Last)
+        .map_err(|e| ServiceError::Internal(e.to_string()))
+}

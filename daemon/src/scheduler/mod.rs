@@ -1,0 +1,106 @@
+//! The scheduler: which request runs when, and how its output gets back to its client.
+//!
+//! - [`admission`]: the books of requests in flight, the token quota and the calls into
+//!   [`crate::policy::admit`] (a Binder thread admits a request before it is queued).
+//! - [`worker`]: the engine thread — starts admitted requests, runs passes planned by
+//!   [`crate::policy::Policy`] (batched forward per model), ends every request exactly once.
+//!   It reaches models and sessions only through its [`Engine`] trait.
+//! - [`outbox`]: each request's callbacks, sent in order by a thread of its own, through a
+//!   [`Sink`] (the client's `IGenerationCallback`).
+//!
+//! Inside: `admission` and `outbox` know nothing of each other or of the worker; the worker
+//! uses both; this file holds what they share ([`Job`]) and the handle Binder threads use
+//! ([`Scheduler`]). Outside: the scheduler depends only on `policy` and `error` (and the
+//! engine's data types), never on sessions, the service or the shared state — those are
+//! above it (see the crate's doc comment).
+
+pub mod admission;
+pub mod outbox;
+pub mod worker;
+
+pub use admission::{Admission, Admitted, JobInfo, QueueReport, Ticket};
+pub use outbox::{CallbackSink, Delivery, Outbox, Sink, MAX_UNSENT};
+pub use worker::{Engine, Fed, Worker};
+
+use crate::policy::{Class, PolicyConfig};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// An admitted request on its way to (and in) the worker.
+pub struct Job<T> {
+    pub id: u64,
+    pub uid: u32,
+    pub session: u64,
+    /// The scheduling class (the request's hint capped by its uid's).
+    pub class: Class,
+    /// Milliseconds from admission by which it must finish (0 = none).
+    pub deadline_ms: u64,
+    /// When it was admitted, on the admission clock.
+    pub admitted_ms: u64,
+    pub enqueued: Instant,
+    /// Set to stop it (see [`Admitted::cancel`]).
+    pub cancel: Arc<AtomicBool>,
+    /// Its session's closed flag: a closed session's request ends as cancelled.
+    pub closed: Arc<AtomicBool>,
+    /// Where the worker puts the request's callbacks.
+    pub outbox: Outbox,
+    /// What the engine needs to run it.
+    pub turn: T,
+}
+
+impl<T> Job<T> {
+    /// The job of an admitted request whose callbacks go to `sink`.
+    pub fn new(a: Admitted, closed: Arc<AtomicBool>, sink: Arc<dyn Sink>, turn: T) -> Self {
+        Self {
+            id: a.id,
+            uid: a.ticket.uid,
+            session: a.ticket.session,
+            class: a.ticket.class,
+            deadline_ms: a.ticket.deadline_ms,
+            admitted_ms: a.admitted_ms,
+            enqueued: a.enqueued,
+            outbox: Outbox::new(sink, a.cancel.clone()),
+            cancel: a.cancel,
+            closed,
+            turn,
+        }
+    }
+
+    /// Whether it was cancelled or its session closed.
+    pub fn stopped(&self) -> bool {
+        self.cancel.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// What Binder threads hold of the scheduler: the admission books and the worker's queue.
+pub struct Scheduler<T> {
+    pub admission: Arc<Admission>,
+    queue: Mutex<Sender<Job<T>>>,
+}
+
+impl<T: Send + 'static> Scheduler<T> {
+    /// Starts the engine worker thread (`llmd-engine`) over `engine`; it runs until the
+    /// scheduler is dropped.
+    pub fn start<E>(
+        admission: Arc<Admission>,
+        engine: E,
+        policy: PolicyConfig,
+        stream_interval: Duration,
+    ) -> std::io::Result<Self>
+    where
+        E: Engine<Turn = T> + Send + 'static,
+        E::Seq: Send,
+    {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = Worker::new(rx, admission.clone(), engine, policy).with_stream_interval(stream_interval);
+        std::thread::Builder::new().name("llmd-engine".into()).spawn(move || worker.run())?;
+        Ok(Self { admission, queue: Mutex::new(tx) })
+    }
+
+    /// Hands an admitted job to the worker; gives it back if the worker has stopped.
+    pub fn queue(&self, job: Job<T>) -> Result<(), Box<Job<T>>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).send(job).map_err(|e| Box::new(e.0))
+    }
+}

@@ -1,0 +1,153 @@
+//! The state the daemon's Binder objects, death recipients and the pressure response share:
+//! built once by `service::Daemon::start` and passed down as `Arc<Shared>`; there are no
+//! globals. `sessions` maps ids to open sessions; its lock is held only to add, remove or list.
+//! What reacts to memory pressure is `pressure.rs`, outside this state.
+
+use crate::config::Config;
+use crate::conversation::engine::{ModelEngine, Turn};
+use crate::conversation::SessionCore;
+use crate::error::ServiceError;
+use crate::residency::{hour_now, Residency, UsageHistory};
+use crate::scheduler::{Admission, Scheduler};
+use llmd_engine::Model;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub struct Shared {
+    pub config: Config,
+    /// Which models are in memory; every model use goes through it.
+    pub residency: Residency,
+    /// Which app used which model at which hour (the prefetch predictor).
+    pub history: Mutex<UsageHistory>,
+    sessions: Mutex<BTreeMap<u64, Arc<SessionCore>>>,
+    next_session: AtomicU64,
+    /// Admission and the engine worker's queue.
+    pub scheduler: Scheduler<Turn>,
+}
+
+impl Shared {
+    /// Builds the shared state and starts the engine worker thread.
+    pub fn start(config: Config, residency: Residency) -> std::io::Result<Arc<Self>> {
+        let sc = &config.scheduler;
+        let admission = Arc::new(Admission::new(crate::policy::Limits {
+            max_requests: config.limits.max_requests,
+            max_requests_per_uid: config.limits.max_requests_per_uid,
+            quota_tokens: sc.quota_tokens_per_uid,
+            quota_window_ms: sc.quota_window_s * 1000,
+        }));
+        let engine =
+            ModelEngine { prefill_chunk: config.prefill_chunk, max_prompt_tokens: config.limits.max_prompt_tokens };
+        let scheduler = Scheduler::start(
+            admission,
+            engine,
+            sc.policy(config.prefill_chunk),
+            std::time::Duration::from_millis(sc.stream_interval_ms),
+        )?;
+        let history =
+            config.residency.state_dir.as_ref().map(|d| UsageHistory::load(&d.join("usage.json"))).unwrap_or_default();
+        Ok(Arc::new(Self {
+            config,
+            residency,
+            history: Mutex::new(history),
+            sessions: Mutex::new(BTreeMap::new()),
+            next_session: AtomicU64::new(1),
+            scheduler,
+        }))
+    }
+
+    /// Loads pinned models, then (with `load_at_start`) every other model the budget has room
+    /// for. Failures are logged; the daemon still serves the rest.
+    pub fn load_at_start(&self) {
+        let r = &self.config.residency;
+        let mut ids = r.pinned.clone();
+        if r.load_at_start {
+            ids.extend(self.residency.ids().into_iter().filter(|i| !r.pinned.contains(i)));
+        }
+        for id in ids {
+            if !self.residency.contains(&id) {
+                tracing::error!(model = %id, "pinned model is not installed");
+                continue;
+            }
+            let pinned = r.pinned.contains(&id);
+            let fits = pinned
+                || r.memory_budget_mb == 0
+                || self.residency.model_bytes() + self.residency.probe(&id).map_or(0, |p| p.weight_bytes)
+                    <= r.memory_budget_mb << 20;
+            if !fits {
+                continue;
+            }
+            if let Err(e) =
+                self.residency.acquire(&id, if pinned { "pinned" } else { "loaded at start" }, self.kv_bytes())
+            {
+                tracing::error!(model = %id, "model not loaded: {e}");
+            }
+        }
+    }
+
+    /// The open sessions (the map's lock: hold it only to add, remove or list).
+    pub fn sessions(&self) -> MutexGuard<'_, BTreeMap<u64, Arc<SessionCore>>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The open sessions, listed (no lock held after).
+    pub fn session_list(&self) -> Vec<Arc<SessionCore>> {
+        self.sessions().values().cloned().collect()
+    }
+
+    /// A new session id.
+    pub fn next_session_id(&self) -> u64 {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Bytes every session's KV cache holds now.
+    pub fn kv_bytes(&self) -> u64 {
+        self.session_list().iter().map(|s| s.lock().kv_bytes() as u64).sum()
+    }
+
+    /// The model `id`, loaded if it is not resident (waiting for a load under way), for a
+    /// request of `uid`; the use is recorded in the usage history.
+    pub fn acquire_model(&self, id: &str, uid: u32) -> Result<Arc<Model>, ServiceError> {
+        self.acquire_model_for(id, uid, true)
+    }
+
+    /// [`Self::acquire_model`]; `record`: whether this counts as a use (a token count does not).
+    pub fn acquire_model_for(&self, id: &str, uid: u32, record: bool) -> Result<Arc<Model>, ServiceError> {
+        if id.is_empty() || id.len() > 256 {
+            return Err(ServiceError::InvalidArgument("model id must be 1..=256 bytes".into()));
+        }
+        let m = match self.residency.get_resident(id) {
+            Some(m) => m,
+            None => self.residency.acquire(id, &format!("request (uid {uid})"), self.kv_bytes())?,
+        };
+        if !record {
+            return Ok(m);
+        }
+        let mut h = self.history.lock().unwrap_or_else(|p| p.into_inner());
+        h.record(uid, hour_now(), id);
+        if let Some(d) = &self.config.residency.state_dir {
+            if let Err(e) = h.save(&d.join("usage.json")) {
+                tracing::warn!("usage history not saved: {e}");
+            }
+        }
+        Ok(m)
+    }
+
+    /// A model's header (no weights), by id.
+    pub fn probe(&self, id: &str) -> Result<llmd_engine::ModelProbe, ServiceError> {
+        if id.is_empty() || id.len() > 256 {
+            return Err(ServiceError::InvalidArgument("model id must be 1..=256 bytes".into()));
+        }
+        self.residency.probe(id).ok_or_else(|| ServiceError::ModelNotFound(id.to_owned()))
+    }
+
+    /// Closes a session: no new work, running work cancelled, memory freed (now if idle, else
+    /// when its request ends). Idempotent.
+    pub fn close_session(&self, id: u64, why: &str) {
+        let Some(core) = self.sessions().remove(&id) else { return };
+        core.closed.store(true, Ordering::Release);
+        self.scheduler.admission.cancel_session(id);
+        core.free_if_idle();
+        tracing::info!(session = id, uid = core.owner.uid, "session closed: {why}");
+    }
+}

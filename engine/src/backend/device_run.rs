@@ -1,0 +1,149 @@
+//! One subgraph run by the host blocks over memory a device keeps in host layout: its own copies
+//! of the weights ([`HostCopy`], made from the bytes [`llmd_device::Device::load_weight`] is
+//! handed), the residual stream, each sequence's one-layer KV cache, the logits. The CPU device
+//! ([`super::cpu::device::CpuDevice`]) runs every subgraph so, and a device of any memory whose
+//! arithmetic is the CPU's can too; the results equal the engine's own host pass bit for bit
+//! (the same blocks, the same kernels).
+
+use super::blocks::{AttnWeights, FfnWeights, Logits, Pass, PassState};
+use super::kv::KvCache;
+use super::weight::WeightMatrix;
+use super::Planner;
+use llmd_device::{BlockShape, GgmlType, HostWeight, SeqBinding, Subgraph, SubgraphKind};
+use std::ops::Range;
+
+/// A weight in a device's memory as the host blocks read it.
+pub enum HostCopy {
+    /// Packed for the CPU kernels where the type has a packed layout.
+    Matrix(WeightMatrix),
+    /// A norm, a bias, RoPE frequencies.
+    Vector(Vec<f32>),
+}
+
+impl HostCopy {
+    /// Rows `rows` of `w` (an f32 row of one is a vector); None if the bytes do not fit the shape.
+    pub fn load(w: &HostWeight<'_>, rows: Range<usize>) -> Option<Self> {
+        let bytes = w.rows_bytes(rows.clone())?;
+        if w.ty == GgmlType::F32 && w.rows == 1 {
+            return Some(Self::Vector(
+                bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            ));
+        }
+        WeightMatrix::from_host_bytes(&format!("{:?}", w.role), w.ty, rows.len(), w.cols, bytes.to_vec())
+            .map(Self::Matrix)
+    }
+
+    /// Bytes it holds.
+    pub fn size_bytes(&self) -> usize {
+        match self {
+            Self::Matrix(m) => m.size_bytes(),
+            Self::Vector(v) => v.len() * 4,
+        }
+    }
+}
+
+/// What one submission binds, in host memory.
+pub struct HostIo<'a, 'k> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    pub seqs: &'a [SeqBinding],
+    /// The residual stream, `n_tokens × d_model` (read and written in place).
+    pub x: &'a mut Vec<f32>,
+    /// Attention: each sequence's cache of this layer (one layer per cache), holding at least
+    /// its `start` positions; the pass's are written at `start..` and counted.
+    pub kv: &'a mut [&'k mut KvCache],
+    /// The head: `logit_rows` of `x` get logits, `vocab` each, into `logits`.
+    pub logit_rows: &'a [u32],
+    pub logits: &'a mut [f32],
+}
+
+/// Runs `sg` of a model of `shape` with `weights` (in [`Subgraph::weight_roles`] order).
+pub fn run_subgraph(
+    planner: &Planner,
+    shape: &BlockShape,
+    sg: Subgraph,
+    weights: &[&HostCopy],
+    io: HostIo<'_, '_>,
+) -> Result<(), String> {
+    let pass = Pass { c: shape, planner };
+    let spans: Vec<_> = io.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
+    let positions: Vec<usize> = io.positions.iter().map(|&p| p as usize).collect();
+    let mut st = PassState::new(shape, io.tokens.to_vec(), positions, spans);
+    if io.x.len() != st.x.len() {
+        return Err(format!("the residual stream holds {} values, the pass needs {}", io.x.len(), st.x.len()));
+    }
+    if weights.len() != sg.weight_roles(shape).len() {
+        return Err(format!("{sg:?} needs {} weights, {} were bound", sg.weight_roles(shape).len(), weights.len()));
+    }
+    std::mem::swap(&mut st.x, io.x);
+    let m = |i: usize| match weights.get(i) {
+        Some(HostCopy::Matrix(m)) => Ok(m),
+        _ => Err(format!("{sg:?}: weight {i} is not a matrix")),
+    };
+    let v = |i: usize| match weights.get(i) {
+        Some(HostCopy::Vector(v)) => Ok(&v[..]),
+        _ => Err(format!("{sg:?}: weight {i} is not a vector")),
+    };
+    let e = |e: crate::error::BackendError| e.to_string();
+    let r = (|| -> Result<(), String> {
+        match sg.kind {
+            SubgraphKind::Embed => pass.embed(&mut st, m(0)?).map_err(e),
+            SubgraphKind::Attention => {
+                let mut i = 5;
+                let mut next = || {
+                    i += 1;
+                    i - 1
+                };
+                let (bq, bk, bv) = if shape.qkv_bias {
+                    (Some(v(next())?), Some(v(next())?), Some(v(next())?))
+                } else {
+                    (None, None, None)
+                };
+                let rope_freqs = if shape.rope_freqs { Some(v(next())?) } else { None };
+                let w = AttnWeights { norm: v(0)?, wq: m(1)?, wk: m(2)?, wv: m(3)?, wo: m(4)?, bq, bk, bv, rope_freqs };
+                if io.kv.len() != io.seqs.len() {
+                    return Err(format!("{} KV caches for {} sequences", io.kv.len(), io.seqs.len()));
+                }
+                for (c, s) in io.kv.iter_mut().zip(io.seqs) {
+                    if c.len() < s.start {
+                        return Err(format!("a KV cache holds {} positions, its pass starts at {}", c.len(), s.start));
+                    }
+                    c.truncate(s.start);
+                }
+                let empty: &[u32] = &[];
+                let mut batch: Vec<(&mut KvCache, &[u32])> = io.kv.iter_mut().map(|c| (&mut **c, empty)).collect();
+                pass.attention(&mut st, &mut batch, sg.layer, 0, w, None).map_err(e)?;
+                for ((c, _), s) in batch.iter_mut().zip(io.seqs) {
+                    c.advance(s.len);
+                }
+                Ok(())
+            }
+            SubgraphKind::Ffn => {
+                let w = FfnWeights { norm: v(0)?, gate: m(1)?, up: m(2)?, down: m(3)? };
+                pass.ffn(&mut st, sg.layer, w, None).map_err(e)
+            }
+            SubgraphKind::Head => {
+                let d = shape.d_model;
+                let rows = io.logit_rows;
+                if io.logits.len() != rows.len() * shape.vocab {
+                    return Err(format!("{} logits for {} rows of {}", io.logits.len(), rows.len(), shape.vocab));
+                }
+                if rows.is_empty() {
+                    return Ok(());
+                }
+                let mut only =
+                    PassState::new(shape, vec![0; rows.len()], vec![0; rows.len()], vec![(0, rows.len(), 0)]);
+                for (i, &r) in rows.iter().enumerate() {
+                    let r = r as usize;
+                    let src = st.x.get(r * d..(r + 1) * d).ok_or_else(|| format!("logit row {r} past the pass"))?;
+                    only.x[i * d..(i + 1) * d].copy_from_slice(src);
+                }
+                let out = pass.head(&only, v(0)?, m(1)?, Logits::All).map_err(e)?;
+                io.logits.copy_from_slice(&out.concat());
+                Ok(())
+            }
+        }
+    })();
+    std::mem::swap(&mut st.x, io.x);
+    r
+}
