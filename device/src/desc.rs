@@ -77,7 +77,8 @@ pub struct DeviceDesc {
 }
 
 impl DeviceDesc {
-    /// Whether it can run `sg` at `n_tokens` with weights of `types`; the reason if not.
+    /// Whether it can run `sg` at `n_tokens` with weight matrices of `types` (norms and biases,
+    /// f32 vectors, every device takes); the reason if not.
     pub fn check(&self, sg: Subgraph, types: &[GgmlType], n_tokens: usize) -> Result<(), String> {
         if !self.available {
             return Err(format!("{} is not available", self.name));
@@ -85,7 +86,7 @@ impl DeviceDesc {
         if let Some(op) = sg.ops().iter().find(|op| !self.ops.contains(op)) {
             return Err(format!("{} has no {op:?}", self.name));
         }
-        if let Some(t) = types.iter().find(|t| **t != GgmlType::F32 && !self.weight_types.contains(t)) {
+        if let Some(t) = types.iter().find(|t| !self.weight_types.contains(t)) {
             return Err(format!("{} takes no {t} weights", self.name));
         }
         if !self.static_shapes.allows(n_tokens) || self.max_tokens.is_some_and(|m| n_tokens > m) {
@@ -128,7 +129,8 @@ mod tests {
         let d = npu();
         let ffn = Subgraph { kind: SubgraphKind::Ffn, layer: 3 };
         let attn = Subgraph { kind: SubgraphKind::Attention, layer: 3 };
-        assert_eq!(d.check(ffn, &[GgmlType::Q8_0, GgmlType::F32], 32), Ok(()));
+        assert_eq!(d.check(ffn, &[GgmlType::Q8_0], 32), Ok(()));
+        assert!(d.check(ffn, &[GgmlType::F32], 32).is_err(), "an f32 matrix is a weight type too");
         assert!(d.check(ffn, &[GgmlType::Q8_0], 33).unwrap_err().contains("no graph for 33"));
         assert!(d.check(ffn, &[GgmlType::Q4_0], 32).unwrap_err().contains("no Q4_0"));
         assert!(d.check(attn, &[GgmlType::Q8_0], 32).unwrap_err().contains("no Rope"));

@@ -3,10 +3,11 @@
 //!
 //! - **Placement** ([`place`]): for each subgraph of a pass in order, the devices that can take
 //!   it ([`DeviceDesc::check`]: ops, weight types, static shapes) are priced by a
-//!   [`CostModel`] — the subgraph's own time plus moving the residual stream in when the
-//!   previous subgraph ran elsewhere and either side has memory of its own — and the cheapest
-//!   wins (ties: the earlier device). A layer's attention stays on the device that holds its
-//!   KV cache (`kv_home`).
+//!   [`CostModel`] — each subgraph's own time plus moving the residual stream between
+//!   neighbours on different devices (a copy for dedicated memory; for unified memory, the
+//!   mapping and cache maintenance the model's figure stands for) — and the cheapest chain over
+//!   the pass wins (ties: the earlier device). A layer's attention stays on the device that
+//!   holds its KV cache (`kv_home`), and is first placed only where one-token steps can follow.
 //! - **Jobs** ([`JobQueue`]): chunk × subgraph, each job waiting for the previous subgraph of
 //!   its chunk and, for attention, the same layer's attention of the previous chunk (its keys
 //!   and values); everything else may run out of order — llm.npu's out-of-order subgraph
@@ -120,9 +121,19 @@ pub struct PlaceError {
     pub reasons: String,
 }
 
+/// What an unpriced choice costs in [`place`]'s sums: more than any real pass, so a priced
+/// device always wins and, among unpriced ones, fewer is better.
+const UNPRICED_S: f64 = 1e12;
+
 /// Places every subgraph of `pass` on one of `devices` (see the module doc). `types(sg)`: the
 /// weight types the subgraph reads; `kv_home[l]`: the device holding layer `l`'s KV cache, if
 /// any. Returns a device index per subgraph.
+///
+/// The cheapest chain over the whole pass (dynamic programming over subgraph × device, so a
+/// hop onto a device is charged with the hop back off it): each subgraph's price plus moving
+/// the residual stream wherever two neighbours differ. Ties go to the earlier device. A layer's
+/// attention with no home yet goes only to a device that can also run it one token at a time:
+/// its KV cache will live there, and every decode step's attention with it.
 pub fn place(
     devices: &[&DeviceDesc],
     pass: &[Subgraph],
@@ -133,39 +144,72 @@ pub fn place(
     cost: &dyn CostModel,
 ) -> Result<Vec<usize>, PlaceError> {
     let x_bytes = n_tokens * shape.d_model * 4;
-    let mut out = Vec::with_capacity(pass.len());
-    let mut prev: Option<usize> = None;
-    for &sg in pass {
+    let nd = devices.len();
+    // best[i][d]: the least cost of subgraphs 0..=i with i on d; from[i][d]: i-1's device then.
+    let mut best: Vec<Vec<Option<f64>>> = Vec::with_capacity(pass.len());
+    let mut from: Vec<Vec<usize>> = Vec::with_capacity(pass.len());
+    for (i, &sg) in pass.iter().enumerate() {
         let tys = types(sg);
-        let mut reasons = Vec::new();
-        let mut best: Option<(bool, f64, usize)> = None; // (unpriced, seconds, index)
         let home = if sg.uses_kv() { kv_home.get(sg.layer).copied().flatten() } else { None };
-        for (i, d) in devices.iter().enumerate() {
-            if home.is_some_and(|h| h != i) {
-                reasons.push(format!("{} does not hold layer {}'s KV cache", d.name, sg.layer));
+        let mut reasons = Vec::new();
+        let mut row = vec![None; nd];
+        let mut back = vec![0; nd];
+        for (d, desc) in devices.iter().enumerate() {
+            if home.is_some_and(|h| h != d) {
+                reasons.push(format!("{} does not hold layer {}'s KV cache", desc.name, sg.layer));
                 continue;
             }
-            if let Err(r) = d.check(sg, &tys, n_tokens) {
+            if let Err(r) = desc.check(sg, &tys, n_tokens) {
                 reasons.push(r);
                 continue;
             }
-            let moved = match prev {
-                Some(p) if p != i => cost.transfer_s(d, x_bytes) + cost.transfer_s(devices[p], x_bytes),
-                _ => 0.0,
+            if sg.uses_kv() && home.is_none() && desc.check(sg, &tys, 1).is_err() {
+                reasons.push(format!("{} cannot run layer {}'s attention one token at a time", desc.name, sg.layer));
+                continue;
+            }
+            let own = cost.cost(desc, sg, shape, n_tokens).map_or(UNPRICED_S, |c| c.total());
+            let Some(prev) = best.last() else {
+                row[d] = Some(own);
+                continue;
             };
-            let key = match cost.cost(d, sg, shape, n_tokens) {
-                Some(c) => (false, c.total() + moved),
-                None => (true, moved),
-            };
-            if best.is_none_or(|(u, s, _)| (key.0, key.1) < (u, s)) {
-                best = Some((key.0, key.1, i));
+            let mut pick: Option<(f64, usize)> = None;
+            for (p, c) in prev.iter().enumerate() {
+                let Some(c) = c else { continue };
+                let moved =
+                    if p == d { 0.0 } else { cost.transfer_s(desc, x_bytes) + cost.transfer_s(devices[p], x_bytes) };
+                if pick.is_none_or(|(b, _)| c + moved < b) {
+                    pick = Some((c + moved, p));
+                }
+            }
+            if let Some((c, p)) = pick {
+                row[d] = Some(c + own);
+                back[d] = p;
             }
         }
-        let Some((_, _, i)) = best else {
-            return Err(PlaceError { subgraph: sg, n_tokens, reasons: reasons.join("; ") });
-        };
-        out.push(i);
-        prev = Some(i);
+        if row.iter().all(Option::is_none) {
+            if reasons.is_empty() {
+                reasons.push("no device can take the subgraph before it".into());
+            }
+            return Err(PlaceError { subgraph: pass[i], n_tokens, reasons: reasons.join("; ") });
+        }
+        best.push(row);
+        from.push(back);
+    }
+    let Some(last) = best.last() else { return Ok(Vec::new()) };
+    let mut d = 0;
+    let mut least = f64::INFINITY;
+    for (i, c) in last.iter().enumerate() {
+        if let Some(c) = c {
+            if *c < least {
+                least = *c;
+                d = i;
+            }
+        }
+    }
+    let mut out = vec![0; pass.len()];
+    for i in (0..pass.len()).rev() {
+        out[i] = d;
+        d = from[i][d];
     }
     Ok(out)
 }
@@ -275,19 +319,23 @@ impl Splitter for NoSplit {
     }
 }
 
-/// Cuts `0..n` into contiguous ranges in proportion to `shares` (each a non-negative weight),
-/// every range a multiple of `align` except the last; ranges may be empty.
+/// Cuts `0..n` into contiguous ranges in proportion to `shares` (each a non-negative weight;
+/// others count as 0), every range a multiple of `align` rows except the one that takes the
+/// remainder: the last with a positive share (all of `0..n` if none is positive, the last
+/// range). Ranges may be empty; no `shares`, no ranges.
 pub fn proportional(n: usize, shares: &[f64], align: usize) -> Vec<Range<usize>> {
-    let total: f64 = shares.iter().filter(|s| s.is_finite() && **s > 0.0).sum();
+    let share = |s: f64| if s.is_finite() && s > 0.0 { s } else { 0.0 };
+    let total: f64 = shares.iter().map(|&s| share(s)).sum();
+    let last = shares.iter().rposition(|&s| share(s) > 0.0).unwrap_or(shares.len().saturating_sub(1));
     let align = align.max(1);
     let mut out = Vec::with_capacity(shares.len());
     let mut at = 0usize;
     let mut acc = 0.0;
-    for (i, s) in shares.iter().enumerate() {
-        let end = if i + 1 == shares.len() {
+    for (i, &s) in shares.iter().enumerate() {
+        let end = if i >= last {
             n
         } else {
-            acc += if s.is_finite() && *s > 0.0 { *s } else { 0.0 };
+            acc += share(s);
             let raw = if total > 0.0 { (n as f64 * acc / total).round() as usize } else { 0 };
             (raw / align * align).clamp(at, n)
         };
@@ -380,8 +428,10 @@ mod tests {
     #[test]
     fn moving_the_residual_stream_is_priced_and_kv_pins_attention() {
         let cpu = dev("cpu", Processor::Cpu, MemoryKind::Host, &all_ops(), StaticShapes::Any);
-        let gpu = dev("gpu", Processor::Gpu, MemoryKind::Dedicated, &all_ops(), StaticShapes::Any);
-        // The GPU is barely faster, and a copy over its bus costs more than it saves: all CPU.
+        // A GPU without the embedding: the stream must cross to it after the first subgraph.
+        let gpu_ops = [OpKind::MatMul, OpKind::RmsNorm, OpKind::Rope, OpKind::Attention, OpKind::SwiGlu];
+        let gpu = dev("gpu", Processor::Gpu, MemoryKind::Dedicated, &gpu_ops, StaticShapes::Any);
+        // Barely faster, and a copy over its bus costs more than it saves: all on the CPU.
         let mut slow_bus = figures(1.05e9, 0.0);
         slow_bus.transfer_bytes_per_s = 1e3;
         let cost = Roofline { figures: vec![("cpu".into(), figures(1e9, 0.0)), ("gpu".into(), slow_bus)] };
@@ -389,13 +439,18 @@ mod tests {
         let pass = Subgraph::pass(2);
         let q8 = |_| vec![GgmlType::Q8_0];
         assert_eq!(place(&[&cpu, &gpu], &pass, &q8, &s, 4, &[], &cost).unwrap(), vec![0; 6]);
-        // A fast bus: all GPU except the embedding (both unpriced-equal there: the first).
+        // A fast bus: everything after the embedding on the GPU, one crossing.
         let cost = Roofline { figures: vec![("cpu".into(), figures(1e9, 0.0)), ("gpu".into(), figures(1e10, 0.0))] };
-        let p = place(&[&cpu, &gpu], &pass, &q8, &s, 4, &[], &cost).unwrap();
-        assert!(p[1..].iter().all(|&d| d == 1), "{p:?}");
-        // Layer 1's KV cache lives on the CPU: its attention stays there.
+        assert_eq!(place(&[&cpu, &gpu], &pass, &q8, &s, 4, &[], &cost).unwrap(), vec![0, 1, 1, 1, 1, 1]);
+        // Layer 1's KV cache lives on the CPU: its attention stays there, and the chain with it
+        // is priced as a whole (the FFN of layer 1 follows it rather than cross twice more).
         let p = place(&[&cpu, &gpu], &pass, &q8, &s, 4, &[None, Some(0)], &cost).unwrap();
         assert_eq!(p[3], 0, "{p:?}");
+        // A device that cannot run one-token steps gets no attention without a home.
+        let chunky = DeviceDesc { static_shapes: StaticShapes::Only(vec![4]), ..gpu.clone() };
+        let p = place(&[&cpu, &chunky], &pass, &q8, &s, 4, &[], &cost).unwrap();
+        assert_eq!((p[1], p[3]), (0, 0), "{p:?}");
+        assert_eq!((p[2], p[4]), (1, 1), "the FFNs still go to it: {p:?}");
         // Nothing can run it: the error names each device's reason.
         let none = DeviceDesc { available: false, ..cpu.clone() };
         let e = place(&[&none], &pass, &q8, &s, 4, &[], &cost).unwrap_err();
@@ -435,6 +490,8 @@ mod tests {
         assert_eq!(proportional(100, &[3.0, 1.0], 16), vec![0..64, 64..100]);
         assert_eq!(proportional(10, &[0.0, 1.0], 1), vec![0..0, 0..10]);
         assert_eq!(proportional(10, &[f64::NAN, 0.0], 1), vec![0..0, 0..10]);
+        assert_eq!(proportional(10, &[1.0, 0.0], 1), vec![0..10, 10..10], "the remainder to a positive share");
+        assert_eq!(proportional(10, &[], 1), Vec::<Range<usize>>::new());
         assert_eq!(NoSplit.split(Subgraph::ffn(0), WeightRole::Up, 10, 1, &[]), Split::Whole);
     }
 }

@@ -357,3 +357,44 @@ fn the_cpu_device_behind_the_contract_gives_the_host_logits() {
         }
     }
 }
+
+#[test]
+fn caches_never_move_between_the_host_and_a_device_silently() {
+    let mut m = load();
+    let toks = m.tokenizer.encode("Hello there, how are you?", false, false).expect("encodes");
+    let mut host = m.transformer.new_kv();
+    let all_host = m.transformer.forward(&mut host, &toks, Logits::All).expect("host pass");
+    let mut before = m.transformer.new_kv();
+    m.transformer.forward(&mut before, &toks, Logits::Last).expect("host pass");
+    // Layer 2's attention on the CPU device.
+    let pick = |sg: Subgraph| usize::from(sg == Subgraph::attention(2));
+    let names = vec!["cpu".to_string(), "cpu-device".to_string()];
+    m.transformer.attach_devices(vec![Arc::new(CpuDevice::new(1))], Arc::new(Pinned { names, pick }));
+    // A cache whose layer 2 is in host memory cannot continue there.
+    let e = m.transformer.forward(&mut before, &[1], Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("cannot move"), "{e}");
+    // A new one runs, every row's logits equal to the host's.
+    let mut fresh = m.transformer.new_kv();
+    let all_dev = m.transformer.forward(&mut fresh, &toks, Logits::All).expect("placed pass");
+    assert_eq!(all_dev.len(), all_host.len());
+    assert!(all_dev.iter().zip(&all_host).all(|(a, b)| a.to_bits() == b.to_bits()), "Logits::All differ");
+    // Detached, the cache whose layer 2 is on the device is refused; cleared, it runs again.
+    m.transformer.attach_devices(Vec::new(), Arc::new(llmd_engine::sched::Roofline::default()));
+    let e = m.transformer.forward(&mut fresh, &[1], Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("no longer attached"), "{e}");
+    fresh.clear();
+    assert!(m.transformer.forward(&mut fresh, &toks, Logits::Last).is_ok());
+}
+
+#[test]
+fn inconsistent_bindings_are_refused_not_run() {
+    use llmd_device::SeqBinding;
+    use llmd_engine::backend::device_run::check_bindings;
+    let seq = |offset, len, start| SeqBinding { offset, len, start, kv: None };
+    assert!(check_bindings(&[1, 2, 3], &[5, 6, 0], &[seq(0, 2, 5), seq(2, 1, 0)]).is_ok());
+    assert!(check_bindings(&[1, 2, 3], &[5, 6, 0], &[seq(0, 2, 5)]).is_err(), "a token no sequence has");
+    assert!(check_bindings(&[1, 2, 3], &[5, 6, 0], &[seq(1, 2, 5), seq(0, 1, 0)]).is_err(), "out of order");
+    assert!(check_bindings(&[1, 2, 3], &[5, 7, 0], &[seq(0, 2, 5), seq(2, 1, 0)]).is_err(), "a position skipped");
+    assert!(check_bindings(&[1, 2], &[5, 6, 0], &[seq(0, 3, 5)]).is_err(), "tokens and positions differ");
+    assert!(check_bindings(&[1], &[0], &[seq(0, usize::MAX, 0)]).is_err(), "a length past the pass");
+}

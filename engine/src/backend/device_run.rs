@@ -57,6 +57,33 @@ pub struct HostIo<'a, 'k> {
     pub logits: &'a mut [f32],
 }
 
+/// Checks a pass's bindings: the sequences' spans back to back from row 0 and covering every
+/// token, and each token's position its sequence's start plus its index.
+pub fn check_bindings(tokens: &[u32], positions: &[u32], seqs: &[SeqBinding]) -> Result<(), String> {
+    if tokens.len() != positions.len() {
+        return Err(format!("{} tokens with {} positions", tokens.len(), positions.len()));
+    }
+    let mut at = 0usize;
+    for (i, s) in seqs.iter().enumerate() {
+        if s.offset != at {
+            return Err(format!("sequence {i} starts at row {}, not {at}", s.offset));
+        }
+        at = at
+            .checked_add(s.len)
+            .filter(|&e| e <= positions.len())
+            .ok_or_else(|| format!("sequence {i} runs past the pass"))?;
+        for (j, &p) in positions[s.offset..at].iter().enumerate() {
+            if p as usize != s.start + j {
+                return Err(format!("sequence {i}, token {j}: position {p}, not {}", s.start + j));
+            }
+        }
+    }
+    if at != positions.len() {
+        return Err(format!("the sequences cover {at} of {} tokens", positions.len()));
+    }
+    Ok(())
+}
+
 /// Runs `sg` of a model of `shape` with `weights` (in [`Subgraph::weight_roles`] order).
 pub fn run_subgraph(
     planner: &Planner,
@@ -66,6 +93,7 @@ pub fn run_subgraph(
     io: HostIo<'_, '_>,
 ) -> Result<(), String> {
     let pass = Pass { c: shape, planner };
+    check_bindings(io.tokens, io.positions, io.seqs)?;
     let spans: Vec<_> = io.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
     let positions: Vec<usize> = io.positions.iter().map(|&p| p as usize).collect();
     let mut st = PassState::new(shape, io.tokens.to_vec(), positions, spans);
@@ -108,7 +136,11 @@ pub fn run_subgraph(
                     if c.len() < s.start {
                         return Err(format!("a KV cache holds {} positions, its pass starts at {}", c.len(), s.start));
                     }
-                    c.truncate(s.start);
+                    // Positions a rolled-back turn left are overwritten (a truncation frees
+                    // memory, so only when there is something to cut).
+                    if c.len() > s.start {
+                        c.truncate(s.start);
+                    }
                 }
                 let empty: &[u32] = &[];
                 let mut batch: Vec<(&mut KvCache, &[u32])> = io.kv.iter_mut().map(|c| (&mut **c, empty)).collect();
@@ -138,8 +170,11 @@ pub fn run_subgraph(
                     let src = st.x.get(r * d..(r + 1) * d).ok_or_else(|| format!("logit row {r} past the pass"))?;
                     only.x[i * d..(i + 1) * d].copy_from_slice(src);
                 }
-                let out = pass.head(&only, v(0)?, m(1)?, Logits::All).map_err(e)?;
-                io.logits.copy_from_slice(&out.concat());
+                let out = pass.head(&only, v(0)?, m(1)?, Logits::All).map_err(e)?.concat();
+                if out.len() != io.logits.len() {
+                    return Err(format!("the head gave {} logits for {} wanted", out.len(), io.logits.len()));
+                }
+                io.logits.copy_from_slice(&out);
                 Ok(())
             }
         }

@@ -182,12 +182,12 @@ impl KvCache {
     }
 
     /// The buffer a device holds for layer `layer` of this sequence, if any.
-    pub fn device_layer(&self, layer: usize) -> Option<&llmd_device::Buffer> {
+    pub(crate) fn device_layer(&self, layer: usize) -> Option<&llmd_device::Buffer> {
         self.device.get(layer).and_then(Option::as_ref)
     }
 
     /// Sets (or, with `None`, drops) the device buffer of layer `layer`.
-    pub fn set_device_layer(&mut self, layer: usize, buf: Option<llmd_device::Buffer>) {
+    pub(crate) fn set_device_layer(&mut self, layer: usize, buf: Option<llmd_device::Buffer>) {
         if self.device.len() <= layer {
             self.device.resize(layer + 1, None);
         }
@@ -268,8 +268,8 @@ impl KvCache {
     }
 
     /// Counts `n` more positions as held (after a pass appended them to every layer; a device
-    /// keeping one layer per cache calls it after its own append).
-    pub fn advance(&mut self, n: usize) {
+    /// keeping one layer per cache, after its own append).
+    pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
     }
 
@@ -300,15 +300,22 @@ impl KvCache {
     }
 
     /// Drops all positions and frees the memory.
+    /// Drops every position and frees the memory, on the host and on devices.
     pub fn clear(&mut self) {
         self.truncate(0);
+        self.device.clear();
+    }
+
+    /// Whether some layer's keys and values are held on a device.
+    pub fn has_device_layers(&self) -> bool {
+        self.device.iter().any(Option::is_some)
     }
 
     /// Writes the cache (type, shape, positions, every layer's bytes, a CRC-32) so that
     /// [`Self::read_from`] restores it exactly — the daemon spills idle sessions' caches to
     /// flash under memory pressure.
     pub fn write_to(&self, w: &mut impl std::io::Write) -> std::io::Result<()> {
-        if self.device.iter().any(Option::is_some) {
+        if self.has_device_layers() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::Unsupported,
                 "part of this KV cache is held on a device; spilling it is not supported yet",

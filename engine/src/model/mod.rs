@@ -106,6 +106,11 @@ impl Transformer {
         if let Some(devs) = &self.devices {
             return self.forward_placed(devs, batch, which);
         }
+        if batch.iter().any(|(kv, _)| kv.has_device_layers()) {
+            return Err(BackendError::Device(
+                "a sequence's KV cache is partly on a device that is no longer attached".into(),
+            ));
+        }
         let tokens: Vec<usize> = batch.iter().map(|b| b.1.len()).collect();
         if let Some(parts) = split_plan(&tokens, self.planner.split_parts()) {
             if let Some(out) = self.forward_split(batch, which, parts) {

@@ -179,19 +179,21 @@ impl Transformer {
             .next()
             .ok_or_else(|| BackendError::NoBackend("the planner has no host backend".into()))?;
         let descs: Vec<&DeviceDesc> = std::iter::once(host).chain(devs.list.iter().map(|d| d.desc())).collect();
-        let kv_home = devs.lock().kv_home.clone();
-        let placement =
-            sched::place(&descs, &pass, &|sg| self.weight_types(sg), &self.shape, st.n, &kv_home, &*devs.cost)
-                .map_err(|e| BackendError::NoBackend(e.to_string()))?;
-        {
+        // Placed and pinned under one lock, so that two passes at once agree on where each
+        // layer's KV cache lives.
+        let placement = {
             let mut s = devs.lock();
             s.kv_home.resize(self.config.n_layers, None);
+            let placement =
+                sched::place(&descs, &pass, &|sg| self.weight_types(sg), &self.shape, st.n, &s.kv_home, &*devs.cost)
+                    .map_err(|e| BackendError::NoBackend(e.to_string()))?;
             for (sg, &d) in pass.iter().zip(&placement) {
                 if sg.uses_kv() {
                     s.kv_home[sg.layer].get_or_insert(d);
                 }
             }
-        }
+            placement
+        };
         let d_bytes = st.n * self.shape.d_model * 4;
         let tokens: Arc<[u32]> = st.tokens.clone().into();
         let positions: Arc<[u32]> = st.positions.iter().map(|&p| p as u32).collect();
@@ -206,6 +208,12 @@ impl Transformer {
                 match sg.kind {
                     SubgraphKind::Embed => p.embed(&mut st, &w.token_embd)?,
                     SubgraphKind::Attention => {
+                        if batch.iter().any(|(kv, _)| kv.device_layer(sg.layer).is_some()) {
+                            return Err(BackendError::Device(format!(
+                                "layer {}'s KV cache of a sequence is on a device, its attention on the host",
+                                sg.layer
+                            )));
+                        }
                         let (a, _) = w.layers[sg.layer].blocks(w.rope_freqs.as_deref());
                         p.attention(&mut st, batch, sg.layer, sg.layer, a, None)?
                     }
@@ -237,6 +245,16 @@ impl Transformer {
             let mut seqs = Vec::with_capacity(st.spans.len());
             for ((kv, _), &(offset, len, start)) in batch.iter_mut().zip(&st.spans) {
                 let kv_buf = if sg.uses_kv() {
+                    if kv.device_layer(sg.layer).is_none() && start > 0 {
+                        // Its first positions are in host memory (a cache made or restored
+                        // before the device was attached): they do not move (yet).
+                        return Err(BackendError::Device(format!(
+                            "layer {} of a sequence holding {start} positions on the host is placed on {}; \
+                             a cache cannot move to a device yet: start a new sequence",
+                            sg.layer,
+                            dev.desc().name
+                        )));
+                    }
                     if kv.device_layer(sg.layer).is_none() {
                         let bytes = 2 * self.shape.context_length * self.shape.kv_dim() * 2;
                         let b = dev.alloc(BufferUsage::Kv, bytes).map_err(dev_err)?;

@@ -3,7 +3,8 @@
 //! event it returns has signalled). The engine's own passes run the same blocks on their own
 //! buffers with no copy (the host needs none); this is the CPU seen through the contract — for a
 //! placement that puts work on a CPU beside other devices, and the reference a new backend's
-//! results are checked against.
+//! results are checked against. Its KV caches are f16 whatever the engine's `kv_type` (the
+//! contract leaves a device's KV layout to it).
 
 use super::CpuBackend;
 use crate::backend::device_run::{run_subgraph, HostCopy, HostIo};
@@ -129,6 +130,10 @@ impl Device for CpuDevice {
         if weights.len() != roles.len() || weights.iter().zip(&roles).any(|(w, r)| w.role != *r) {
             return Err(self.err(format!("{sg:?} takes the weights {roles:?}")));
         }
+        // A subgraph runs on whole weights; a row range is for a split matmul's own executable.
+        if let Some(w) = weights.iter().find(|w| w.rows.start != 0) {
+            return Err(self.err(format!("{sg:?}: {:?} holds rows {:?}, not all of them", w.role, w.rows)));
+        }
         let copies = weights
             .iter()
             .map(|w| w.get::<Arc<HostCopy>>(self.id).cloned().ok_or_else(|| self.err("a weight of another device")))
@@ -152,9 +157,15 @@ impl Device for CpuDevice {
         // The sequences' caches of this layer.
         let mut guards = Vec::new();
         if exe.subgraph.uses_kv() {
+            let mut seen: Vec<*const Cell> = Vec::new();
             for s in bind.seqs.iter() {
                 let b = s.kv.as_ref().ok_or_else(|| self.err("attention without a KV buffer"))?;
-                guards.push(lock(self.cell(b)?));
+                let cell = self.cell(b)?;
+                if seen.contains(&(cell as *const Cell)) {
+                    return Err(self.err("one KV buffer bound to two sequences"));
+                }
+                seen.push(cell);
+                guards.push(lock(cell));
             }
         }
         let mut caches: Vec<&mut KvCache> = Vec::with_capacity(guards.len());
