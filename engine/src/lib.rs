@@ -42,6 +42,13 @@ pub struct LoadOptions {
     pub embeddings_on_flash: bool,
 }
 
+impl LoadOptions {
+    /// The op planner of the host (the CPU backend with `threads` workers) a loaded model runs on.
+    pub fn host_planner(&self) -> Planner {
+        Planner::cpu(self.threads)
+    }
+}
+
 /// A loaded model: network, tokenizer and chat template.
 pub struct Model {
     /// The file's base name without extension (the model's id).
@@ -85,7 +92,7 @@ impl Model {
             return r;
         }
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        let planner = Planner::cpu(opts.threads);
+        let planner = opts.host_planner();
         let src = Source::open(path)?;
         // Parsing the file and building the tokenizer leave freed heap behind; with the packed
         // weights in their own mapping (`quant::packed::weight_arena`) nothing would reuse it,
@@ -111,7 +118,7 @@ impl Model {
         prompt: Option<&[u32]>,
     ) -> Result<(Self, Option<model::stream::Prefilled>, model::stream::LoadReport), EngineError> {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        let planner = Planner::cpu(opts.threads);
+        let planner = opts.host_planner();
         let (meta, (tokenizer, chat_template), weights, prefilled, report) =
             model::stream::load(path, &planner, opts.kv_type, stream, prompt, |meta| {
                 let tokenizer = Tokenizer::from_snapshot(meta.tokenizer.clone())?;

@@ -398,3 +398,16 @@ fn inconsistent_bindings_are_refused_not_run() {
     assert!(check_bindings(&[1, 2], &[5, 6, 0], &[seq(0, 3, 5)]).is_err(), "tokens and positions differ");
     assert!(check_bindings(&[1], &[0], &[seq(0, usize::MAX, 0)]).is_err(), "a length past the pass");
 }
+
+#[test]
+fn the_prefill_chunk_is_agreed_with_the_devices_static_shapes() {
+    let mut m = load();
+    assert_eq!(m.transformer.prefill_chunk(256), 256, "the CPU alone takes any chunk");
+    let mut npu = DiscreteTestDevice::new();
+    npu.desc.static_shapes = StaticShapes::Only(vec![32, 128]);
+    let names = vec!["cpu".to_string(), "discrete-test".to_string()];
+    m.transformer.attach_devices(vec![Arc::new(npu)], Arc::new(Pinned { names, pick: |_| 0 }));
+    assert_eq!(m.transformer.prefill_chunk(256), 128);
+    assert_eq!(m.transformer.prefill_chunk(100), 32);
+    assert_eq!(m.transformer.prefill_chunk(16), 16, "no graph that small: the CPU's chunk");
+}

@@ -246,7 +246,9 @@ impl SessionInner {
         request: &GenerateRequest,
         prefill_chunk: usize,
     ) -> Result<Generation, ServiceError> {
-        Ok(Generation::for_sequence(model, &self.kv, prompt, request)?.with_prefill_chunk(prefill_chunk))
+        // The chunk agreed with the devices' static shapes (unchanged with the CPU alone).
+        let chunk = model.transformer.prefill_chunk(prefill_chunk);
+        Ok(Generation::for_sequence(model, &self.kv, prompt, request)?.with_prefill_chunk(chunk))
     }
 
     /// A turn that could not start: the cache keeps only the session's tokens.

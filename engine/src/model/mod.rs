@@ -69,6 +69,21 @@ impl Transformer {
         &self.planner
     }
 
+    /// The prefill chunk to use when `wanted` tokens would do: the largest token count up to
+    /// `wanted` that an attached device with static shapes has a graph for (so a chunk can be
+    /// placed on it), else `wanted` (every device takes any count).
+    pub fn prefill_chunk(&self, wanted: usize) -> usize {
+        let Some(devs) = &self.devices else { return wanted };
+        devs.list
+            .iter()
+            .filter_map(|d| match &d.desc().static_shapes {
+                llmd_device::StaticShapes::Only(s) => s.iter().copied().filter(|&n| n > 0 && n <= wanted).max(),
+                llmd_device::StaticShapes::Any => None,
+            })
+            .max()
+            .unwrap_or(wanted)
+    }
+
     /// An empty KV cache of this model's [`kv::KvType`].
     pub fn new_kv(&self) -> KvCache {
         KvCache::with_type(self.config.n_layers, self.config.kv_dim(), self.config.head_dim, self.kv_type)
