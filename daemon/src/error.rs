@@ -67,27 +67,4 @@ impl From<GenerateError> for ServiceError {
     }
 }
 
-/// Reads an `ErrorCode` back out of a Binder status (client side).
-pub fn error_code_of(status: &rsbinder::Status) -> Option<ErrorCode> {
-    (status.exception_code() == rsbinder::ExceptionCode::ServiceSpecific)
-        .then(|| ErrorCode(status.service_specific_error()))
-}
-
-/// The name of an `ErrorCode` value, for messages.
-pub fn code_name(code: ErrorCode) -> &'static str {
-    match code {
-        ErrorCode::OK => "OK",
-        ErrorCode::INVALID_ARGUMENT => "INVALID_ARGUMENT",
-        ErrorCode::MODEL_NOT_FOUND => "MODEL_NOT_FOUND",
-        ErrorCode::PERMISSION_DENIED => "PERMISSION_DENIED",
-        ErrorCode::QUOTA_EXCEEDED => "QUOTA_EXCEEDED",
-        ErrorCode::REQUEST_TOO_LARGE => "REQUEST_TOO_LARGE",
-        ErrorCode::BUSY => "BUSY",
-        ErrorCode::CANCELLED => "CANCELLED",
-        ErrorCode::SESSION_CLOSED => "SESSION_CLOSED",
-        ErrorCode::MODEL_LOAD_FAILED => "MODEL_LOAD_FAILED",
-        ErrorCode::INTERNAL => "INTERNAL",
-        ErrorCode::DEADLINE_EXCEEDED => "DEADLINE_EXCEEDED",
-        _ => "UNKNOWN",
-    }
-}
+pub use llmd_aidl::{code_name, error_code_of};

@@ -41,10 +41,4 @@ pub mod service;
 pub mod session;
 pub mod shared;
 
-/// The Binder-over-socket endpoint at `path`, with the android-13+ wire (needed for callbacks
-/// on their own connections). Server and clients use the same: `llmctl::client::socket_uri`
-/// must stay equal to this one.
-pub fn socket_uri(path: &std::path::Path) -> rsbinder::Uri {
-    rsbinder::Uri::from(rsbinder::Endpoint::unix(path))
-        .with_wire(rsbinder::entry::WireProfile::Android13Plus(rsbinder::entry::WireVersion::MAX))
-}
+pub use llmd_aidl::socket_uri;

@@ -187,7 +187,9 @@ impl Cost {
 
 /// A processor the engine runs subgraphs on. Every call may fail with a [`DeviceError`]; none
 /// may panic on the engine's input. Work is ordered by [`Event`]s: a call given `after` starts
-/// once they have all signalled; the returned event signals when its own work is done.
+/// once they have all signalled; the returned event signals when its own work is done. Memory
+/// is owned by handles: a [`Buffer`], [`Weight`] or [`Executable`] is freed when its last clone
+/// is dropped (a device keeps its state behind the handle's `Arc`).
 pub trait Device: Send + Sync {
     fn id(&self) -> DeviceId;
 
@@ -220,8 +222,9 @@ pub trait Device: Send + Sync {
         weights: &[Weight],
     ) -> Result<Executable, DeviceError>;
 
-    /// The device's own estimate of `subgraph` at `n_tokens` (None: it has no figures; the
-    /// engine's cost model decides).
+    /// The device's own estimate of `subgraph` at `n_tokens` (None: it has no figures). The
+    /// engine's placement prices subgraphs with its `CostModel` (figures per device); this is
+    /// for a model that asks the devices themselves (HeteroLLM's solver, measured costs).
     fn estimate(&self, _subgraph: Subgraph, _shape: &BlockShape, _n_tokens: usize) -> Option<Cost> {
         None
     }

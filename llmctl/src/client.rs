@@ -1,7 +1,6 @@
 //! `llmctl`'s side of the service: connecting (Unix socket or kernel Binder), streaming a
 //! request's callbacks, and the commands that talk to the daemon.
 
-use llmd_aidl::ErrorCode::ErrorCode;
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::GenerationStats::GenerationStats;
 use llmd_aidl::IGenerationCallback::{BnGenerationCallback, IGenerationCallback};
@@ -15,13 +14,7 @@ use std::path::Path;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Mutex;
 
-/// The Binder-over-socket endpoint at `path`, with the android-13+ wire (needed for callbacks
-/// on their own connections). Server and clients use the same: the daemon serves on
-/// `llmd_daemon::socket_uri`, which must stay equal to this one.
-pub fn socket_uri(path: &Path) -> rsbinder::Uri {
-    rsbinder::Uri::from(rsbinder::Endpoint::unix(path))
-        .with_wire(rsbinder::entry::WireProfile::Android13Plus(rsbinder::entry::WireVersion::MAX))
-}
+pub use llmd_aidl::socket_uri;
 
 /// A connection to the daemon.
 pub struct Connection {
@@ -50,31 +43,7 @@ impl Drop for Connection {
     }
 }
 
-/// Reads an `ErrorCode` back out of a Binder status (client side). The same as
-/// `llmd_daemon::error::error_code_of`, kept here so that llmctl does not link the service.
-pub fn error_code_of(status: &rsbinder::Status) -> Option<ErrorCode> {
-    (status.exception_code() == rsbinder::ExceptionCode::ServiceSpecific)
-        .then(|| ErrorCode(status.service_specific_error()))
-}
-
-/// The name of an `ErrorCode` value, for messages (as `llmd_daemon::error::code_name`).
-pub fn code_name(code: ErrorCode) -> &'static str {
-    match code {
-        ErrorCode::OK => "OK",
-        ErrorCode::INVALID_ARGUMENT => "INVALID_ARGUMENT",
-        ErrorCode::MODEL_NOT_FOUND => "MODEL_NOT_FOUND",
-        ErrorCode::PERMISSION_DENIED => "PERMISSION_DENIED",
-        ErrorCode::QUOTA_EXCEEDED => "QUOTA_EXCEEDED",
-        ErrorCode::REQUEST_TOO_LARGE => "REQUEST_TOO_LARGE",
-        ErrorCode::BUSY => "BUSY",
-        ErrorCode::CANCELLED => "CANCELLED",
-        ErrorCode::SESSION_CLOSED => "SESSION_CLOSED",
-        ErrorCode::MODEL_LOAD_FAILED => "MODEL_LOAD_FAILED",
-        ErrorCode::INTERNAL => "INTERNAL",
-        ErrorCode::DEADLINE_EXCEEDED => "DEADLINE_EXCEEDED",
-        _ => "UNKNOWN",
-    }
-}
+pub use llmd_aidl::{code_name, error_code_of};
 
 /// Describes a failed Binder call, with the llmd error code when there is one.
 pub fn describe(status: &rsbinder::Status) -> String {
