@@ -216,9 +216,7 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
         })
         .map_err(|e| e.to_string())?;
     if let Some(e) = write_err {
-        if e.kind() != std::io::ErrorKind::BrokenPipe {
-            return Err(format!("writing to standard output: {e}"));
-        }
+        crate::output::write_failed(&e);
     }
     end_line(&mut out);
     eprintln!(
@@ -313,9 +311,9 @@ pub fn chat(conn: &Connection, args: &ChatArgs) -> Result<(), String> {
 
 pub fn models(conn: &Connection) -> Result<(), String> {
     let models = conn.service.listModels().map_err(|e| client::describe(&e))?;
-    println!("{:<40} {:<8} {:>6} {:>8} {:>10} {:>5}", "ID", "ARCH", "LAYERS", "CONTEXT", "WEIGHTS_MB", "CHAT");
+    crate::out!("{:<40} {:<8} {:>6} {:>8} {:>10} {:>5}", "ID", "ARCH", "LAYERS", "CONTEXT", "WEIGHTS_MB", "CHAT");
     for m in models {
-        println!(
+        crate::out!(
             "{:<40} {:<8} {:>6} {:>8} {:>10.1} {:>5}",
             m.id,
             m.architecture,
@@ -330,13 +328,13 @@ pub fn models(conn: &Connection) -> Result<(), String> {
 
 pub fn status(conn: &Connection) -> Result<(), String> {
     let s = conn.service.getStatus().map_err(|e| client::describe(&e))?;
-    println!("interface_version {}", s.interfaceVersion);
-    println!("models_installed {}", s.modelsInstalled);
-    println!("sessions_open {}", s.sessionsOpen);
-    println!("requests_queued {}", s.requestsQueued);
-    println!("requests_running {}", s.requestsRunning);
-    println!("kv_cache_bytes {}", s.kvCacheBytes);
-    println!("weight_bytes {}", s.weightBytes);
+    crate::out!("interface_version {}", s.interfaceVersion);
+    crate::out!("models_installed {}", s.modelsInstalled);
+    crate::out!("sessions_open {}", s.sessionsOpen);
+    crate::out!("requests_queued {}", s.requestsQueued);
+    crate::out!("requests_running {}", s.requestsRunning);
+    crate::out!("kv_cache_bytes {}", s.kvCacheBytes);
+    crate::out!("weight_bytes {}", s.weightBytes);
     // Residency (each model's state, bytes, why it is there; memory pressure and its events)
     // comes from the admin service, when the caller may use it.
     match conn.admin().and_then(|a| a.dumpState().map_err(|e| client::describe(&e))) {
@@ -353,11 +351,11 @@ pub fn status(conn: &Connection) -> Result<(), String> {
                     keep = false;
                 }
                 if keep {
-                    println!("{line}");
+                    crate::out!("{line}");
                 }
             }
         }
-        Err(_) => println!("(model residency: needs an admin uid; see `llmctl dump`)"),
+        Err(_) => crate::out!("(model residency: needs an admin uid; see `llmctl dump`)"),
     }
     Ok(())
 }
@@ -365,11 +363,11 @@ pub fn status(conn: &Connection) -> Result<(), String> {
 pub fn prefetch(conn: &Connection, model: &str) -> Result<(), String> {
     let t = std::time::Instant::now();
     conn.admin()?.prefetch(model).map_err(|e| client::describe(&e))?;
-    println!("{model} resident ({:.2} s)", t.elapsed().as_secs_f64());
+    crate::out!("{model} resident ({:.2} s)", t.elapsed().as_secs_f64());
     Ok(())
 }
 
 pub fn dump(conn: &Connection) -> Result<(), String> {
-    print!("{}", conn.admin()?.dumpState().map_err(|e| client::describe(&e))?);
+    crate::out_nonl!("{}", conn.admin()?.dumpState().map_err(|e| client::describe(&e))?);
     Ok(())
 }

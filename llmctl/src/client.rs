@@ -28,9 +28,11 @@ impl Connection {
     pub fn admin(&self) -> Result<Strong<dyn ILlmAdmin>, String> {
         let admin = format!("{}.admin", self.name);
         match &self.rpc {
-            Some(c) => c.get::<dyn ILlmAdmin>(&admin).map_err(|e| format!("no service {admin:?}: {e:?}")),
+            Some(c) => c
+                .get::<dyn ILlmAdmin>(&admin)
+                .map_err(|e| format!("no service {admin:?}: {}", crate::output::status_words(&e))),
             None => rsbinder::connect::<dyn ILlmAdmin>(rsbinder::Endpoint::kernel().with_service(&admin))
-                .map_err(|e| format!("service {admin:?} not found: {e:?}")),
+                .map_err(|e| format!("service {admin:?} not found: {}", crate::output::status_words(&e))),
         }
     }
 }
@@ -58,11 +60,19 @@ pub fn connect(socket: Option<&Path>, name: &str) -> Result<Connection, String> 
     match socket {
         Some(path) => {
             let abs = std::path::absolute(path).map_err(|e| format!("socket path {}: {e}", path.display()))?;
+            if !abs.exists() {
+                return Err(format!(
+                    "no socket at {} (is llmd running? the path comes from --socket or LLMD_SOCKET)",
+                    abs.display()
+                ));
+            }
             let client = rsbinder::Client::open_with(socket_uri(&abs), |o, _| o.incoming_connections = Some(2))
-                .map_err(|e| format!("cannot connect to llmd at {}: {e:?}", abs.display()))?;
-            let service = client
-                .get::<dyn ILlmService>(name)
-                .map_err(|e| format!("llmd at {} has no service {name:?}: {e:?}", abs.display()))?;
+                .map_err(|e| {
+                    format!("cannot connect to llmd at {}: {}", abs.display(), crate::output::status_words(&e))
+                })?;
+            let service = client.get::<dyn ILlmService>(name).map_err(|e| {
+                format!("llmd at {} has no service {name:?}: {}", abs.display(), crate::output::status_words(&e))
+            })?;
             Ok(Connection { service, rpc: Some(client), name: name.to_owned() })
         }
         None => {
@@ -70,7 +80,7 @@ pub fn connect(socket: Option<&Path>, name: &str) -> Result<Connection, String> 
                 .map_err(|e| format!("kernel Binder is not available ({e}); pass --socket PATH or set LLMD_SOCKET"))?;
             rsbinder::ProcessState::start_thread_pool();
             let service = rsbinder::connect::<dyn ILlmService>(rsbinder::Endpoint::kernel().with_service(name))
-                .map_err(|e| format!("service {name:?} not found: {e:?}"))?;
+                .map_err(|e| format!("service {name:?} not found: {}", crate::output::status_words(&e)))?;
             Ok(Connection { service, rpc: None, name: name.to_owned() })
         }
     }
@@ -153,11 +163,15 @@ pub fn stream(
         match rx.recv() {
             Ok(Event::Started(_)) => {}
             Ok(Event::Tokens(text, _)) => {
-                let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+                if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+                    // The reader is gone (`llmctl run ... | head -c 10`): the rest is not wanted.
+                    let _ = session.cancel(id);
+                    crate::output::write_failed(&e);
+                }
             }
             Ok(Event::Completed(stats)) => return Ok(stats),
             Ok(Event::Error(code, message)) => {
-                return Err(format!("{message} ({:?})", llmd_aidl::ErrorCode::ErrorCode(code)))
+                return Err(format!("{message} ({})", code_name(llmd_aidl::ErrorCode::ErrorCode(code))))
             }
             Ok(Event::Interrupt) => {
                 session.cancel(id).map_err(|e| describe(&e))?;

@@ -8,3 +8,4 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod modeltools;
+pub mod output;

@@ -88,9 +88,9 @@ pub fn convert(a: &ConvertArgs) -> Result<(), String> {
         let mut v = serde_json::to_value(&report).map_err(|e| e.to_string())?;
         v["average_bits"] = report.average_bits().into();
         v["seconds"] = secs.into();
-        println!("{v}");
+        crate::out!("{v}");
     } else {
-        println!(
+        crate::out!(
             "wrote {} ({:.1} MB) in {:.1} s: {} tensors, {:.1} M linear weights at {:.3} average bits ({:.1} MB)",
             a.output.display(),
             report.output_bytes as f64 / 1e6,
@@ -104,9 +104,9 @@ pub fn convert(a: &ConvertArgs) -> Result<(), String> {
             .filter(|&b| report.channels_by_bits[b] > 0)
             .map(|b| format!("{b} bits: {}", report.channels_by_bits[b]))
             .collect();
-        println!("channels by bit-width: {}", hist.join(", "));
+        crate::out!("channels by bit-width: {}", hist.join(", "));
         if !report.skipped.is_empty() {
-            println!("not converted (unused by the architecture): {}", report.skipped.join(", "));
+            crate::out!("not converted (unused by the architecture): {}", report.skipped.join(", "));
         }
     }
     Ok(())
@@ -187,7 +187,7 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
     let ppl = (total / count.max(1) as f64).exp();
     let secs = start.elapsed().as_secs_f64();
     if a.json {
-        println!(
+        crate::out!(
             "{}",
             serde_json::json!({
                 "model": a.model.display().to_string(),
@@ -201,7 +201,7 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
             })
         );
     } else {
-        println!(
+        crate::out!(
             "perplexity {ppl:.4} over {count} tokens ({windows} windows of {}) of {} in {secs:.1} s",
             a.ctx,
             a.text.display()

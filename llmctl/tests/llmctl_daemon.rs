@@ -225,3 +225,24 @@ fn the_load_benchmark_accounts_for_every_request() {
         assert!(0 <= wait && wait <= ttft && ttft as f64 <= client + 1.0, "{key}: {s}");
     }
 }
+
+#[test]
+fn status_models_and_run_into_a_closed_pipe_end_quietly_as_sigpipe_would() {
+    // `llmctl status | head -1`: the reader goes away before llmctl writes.
+    let d = Daemon::start("");
+    let sock = d.socket.to_str().expect("path").to_owned();
+    for args in [vec!["status"], vec!["models"], vec!["dump"], vec!["run", "--max-tokens", "32", "Count to ten."]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+            .args(["--socket", &sock])
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("llmctl starts");
+        drop(child.stdout.take());
+        let o = child.wait_with_output().expect("llmctl ends");
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!e.contains("panicked"), "{args:?}: llmctl panicked on a broken pipe: {e}");
+        assert_eq!(o.status.code(), Some(llmctl::output::BROKEN_PIPE_STATUS), "{args:?}: {:?} {e}", o.status);
+    }
+}

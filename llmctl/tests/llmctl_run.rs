@@ -78,13 +78,18 @@ fn bad_input_exits_non_zero_with_a_one_line_reason() {
     let m = m.to_str().expect("utf-8 path");
     let garbage = std::env::temp_dir().join(format!("llmd-garbage-{}.gguf", std::process::id()));
     std::fs::write(&garbage, b"GGUF\x03\x00\x00\x00 not really a model").expect("write");
+    // A socket file nothing listens on (a daemon that died): connecting is refused.
+    let stale = std::env::temp_dir().join(format!("llmd-stale-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&stale);
+    drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["run", "--local", "--model", "/nonexistent/model.gguf", "hi"], "cannot open"),
         (vec!["run", "--local", "--model", garbage.to_str().expect("path"), "hi"], "tensor count"),
         (vec!["run", "--local", "--model", m, "--temperature", "-1", "hi"], "temperature"),
         (vec!["run", "--local", "--model", m, "--top-p", "0", "hi"], "top_p"),
         (vec!["run", "--local", "--model", m, ""], "empty"),
-        (vec!["--socket", "/nonexistent/llmd.sock", "run", "--model", m, "hi"], "cannot connect"),
+        (vec!["--socket", "/nonexistent/llmd.sock", "run", "--model", m, "hi"], "no socket at /nonexistent/llmd.sock"),
+        (vec!["--socket", stale.to_str().expect("path"), "status"], "Connection refused"),
     ];
     for (args, needle) in cases {
         let o = llmctl(&args);
@@ -93,10 +98,12 @@ fn bad_input_exits_non_zero_with_a_one_line_reason() {
         assert!(o.stdout.is_empty(), "{args:?} wrote to stdout");
         assert!(e.contains(needle), "{args:?}: {e:?} does not mention {needle:?}");
         assert_eq!(e.trim_end().lines().count(), 1, "{args:?}: reason is not one line: {e:?}");
+        assert!(!e.contains("Errno(") && !e.contains("ErrorCode("), "{args:?}: a raw code, not words: {e:?}");
     }
     let o = llmctl(&["run", "--local", "--model", m, "--max-tokens", "0", "hi"]);
     assert!(!o.status.success(), "max-tokens 0 accepted");
     let _ = std::fs::remove_file(garbage);
+    let _ = std::fs::remove_file(stale);
 }
 
 #[test]
@@ -143,4 +150,22 @@ fn bench_local_prints_the_documented_json_and_refuses_bad_arguments() {
     assert!(!batch_load.status.success() && stderr(&batch_load).contains("--local"), "{}", stderr(&batch_load));
     let neither = llmctl(&["bench", "--model", m.to_str().expect("utf-8 path")]);
     assert!(!neither.status.success() && stderr(&neither).contains("--local"), "{}", stderr(&neither));
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_llmctl_quietly_as_sigpipe_would() {
+    // `llmctl run ... | head -c 1` and `llmctl status | head -1`: the read end closes early.
+    let m = model();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["run", "--local", "--model", m.to_str().expect("utf-8 path"), "--max-tokens", "64"])
+        .arg("Count from one to a hundred.")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("llmctl starts");
+    drop(child.stdout.take()); // the reader is gone before the first token
+    let o = child.wait_with_output().expect("llmctl ends");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!e.contains("panicked"), "llmctl panicked on a broken pipe: {e}");
+    assert_eq!(o.status.code(), Some(llmctl::output::BROKEN_PIPE_STATUS), "status {:?}: {e}", o.status);
 }

@@ -256,17 +256,25 @@ pub fn run(args: &super::BenchArgs) -> Result<(), String> {
                 "regions": rep.regions,
             }),
         );
-        println!("{}", Value::Object(o));
+        crate::out!("{}", Value::Object(o));
         return Ok(());
     }
-    println!(
+    crate::out!(
         "cold start: {} prompt tokens, {threads} threads, median of {reps} runs, page cache dropped before each ({how}{})",
         prompt.len(),
         max_resident.map(|b| format!("; at most {} bytes of the file resident at the start", b)).unwrap_or_default()
     );
-    println!("{:<16} {:>12} {:>12} {:>12} {:>10} {:>8}", "engine", "file MB", "read MB", "TTFT s", "vs ours", "token");
+    crate::out!(
+        "{:<16} {:>12} {:>12} {:>12} {:>10} {:>8}",
+        "engine",
+        "file MB",
+        "read MB",
+        "TTFT s",
+        "vs ours",
+        "token"
+    );
     for (e, name) in engines.iter().enumerate() {
-        println!(
+        crate::out!(
             "{:<16} {:>12.1} {:>12.1} {:>12.3} {:>10} {:>8}",
             name,
             file_sizes[e] as f64 / 1e6,
@@ -276,7 +284,7 @@ pub fn run(args: &super::BenchArgs) -> Result<(), String> {
             firsts[e].map(|t| t.to_string()).unwrap_or_default(),
         );
     }
-    println!(
+    crate::out!(
         "pipeline (median llmd run): setup {:.3} s; busy read {:.3} s, unpack {:.3} s, compute {:.3} s; compute waited {:.3} s; \
          overlap {:.3} s; layer 0 computed from {:.3} s, last region read by {:.3} s; wall {:.3} s",
         rep.setup_s,
@@ -289,6 +297,6 @@ pub fn run(args: &super::BenchArgs) -> Result<(), String> {
         last_read_end,
         rep.wall_s
     );
-    println!("'vs ours' is llmd-edgeflow's TTFT divided by that engine's (below 1: ours is faster).");
+    crate::out!("'vs ours' is llmd-edgeflow's TTFT divided by that engine's (below 1: ours is faster).");
     Ok(())
 }

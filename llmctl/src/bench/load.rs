@@ -353,7 +353,7 @@ pub fn run(
     };
     let slow = [("foreground clients alone", slowest(&fg_alone)), ("loaded foreground", slowest(&fg))];
     if json_out {
-        println!(
+        crate::out!(
             "{}",
             json!({
                 "clients": args.clients, "foreground_clients": args.foreground, "duration_s": args.duration_s,
@@ -373,18 +373,18 @@ pub fn run(
             })
         );
     } else {
-        println!("{:<34} {:>10} {:>10} {:>9}", "figure", "p50", "p99", "requests");
+        crate::out!("{:<34} {:>10} {:>10} {:>9}", "figure", "p50", "p99", "requests");
         for (name, t, n) in [
             ("idle, one client TTFT ms", &idle_t, idle.len()),
             ("idle, foreground clients TTFT ms", &alone_t, fg_alone.len()),
             ("loaded foreground TTFT ms", &fg_t, fg.len()),
             ("loaded background TTFT ms", &bg_t, bg.len()),
         ] {
-            println!("{name:<34} {:>10.0} {:>10.0} {n:>9}", percentile(t, 50.0), percentile(t, 99.0));
+            crate::out!("{name:<34} {:>10.0} {:>10.0} {n:>9}", percentile(t, 50.0), percentile(t, 99.0));
         }
-        println!("tokens/s under load: foreground {:.1}, background {:.1}", class_rate(&fg), class_rate(&bg));
+        crate::out!("tokens/s under load: foreground {:.1}, background {:.1}", class_rate(&fg), class_rate(&bg));
         for (i, r) in rounds.iter().enumerate() {
-            println!(
+            crate::out!(
                 "decode round {}: one sequence {:.1} tok/s, {} at once {:.1} tok/s in all (gain {:.2}x)",
                 i + 1,
                 r.0,
@@ -393,25 +393,25 @@ pub fn run(
                 r.1 / r.0
             );
         }
-        println!(
+        crate::out!(
             "decode (medians of {} rounds): one sequence {single_rate:.1} tok/s, {} at once {batched_rate:.1} tok/s, batch_decode_gain {gain:.2}x",
             rounds.len(),
             args.clients
         );
-        println!("fg_p99_ttft_ratio {fg_ratio:.2} (loaded p99 / p99 of the foreground clients alone)");
-        println!("fg_p99_vs_one_client {fg_vs_one:.2} (loaded p99 / one idle client's p99)");
+        crate::out!("fg_p99_ttft_ratio {fg_ratio:.2} (loaded p99 / p99 of the foreground clients alone)");
+        crate::out!("fg_p99_vs_one_client {fg_vs_one:.2} (loaded p99 / one idle client's p99)");
         for (name, s) in &slow {
             if let Some((client, wait, ttft)) = s {
-                println!(
+                crate::out!(
                     "slowest {name}: TTFT {client:.0} ms = daemon queue wait {wait} + daemon prefill {} + delivery {:.0}",
                     ttft - wait,
                     client - *ttft as f64
                 );
             }
         }
-        println!("requests: {} errors, {lost} lost, {dup} duplicated, {bg_failed} background failed", errors.len());
+        crate::out!("requests: {} errors, {lost} lost, {dup} duplicated, {bg_failed} background failed", errors.len());
         for e in errors.iter().take(5) {
-            println!("  error: {e}");
+            crate::out!("  error: {e}");
         }
     }
     if lost > 0 || dup > 0 || bg_failed > 0 {

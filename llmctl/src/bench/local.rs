@@ -324,12 +324,12 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
             }
             o.insert("ratio_peak_rss".into(), json!(mine.peak_rss_mb / f.peak_rss_mb));
         }
-        println!("{}", Value::Object(o));
+        crate::out!("{}", Value::Object(o));
         return Ok(());
     }
     let peer_ver = peer_fig.as_ref().map(|(_, v)| v.clone());
     let pf = peer_fig.map(|(f, _)| f);
-    println!(
+    crate::out!(
         "{:<22} {:>10} {:>12} {:>8} {:>11}",
         "figure",
         "llmd",
@@ -339,7 +339,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     );
     // `digits` after the point: 1 for rates and sizes, 2 for the batch gain.
     let row_digits = |name: String, a: f64, b: Option<f64>, ceil: Option<f64>, digits: usize| {
-        println!(
+        crate::out!(
             "{:<22} {:>10.digits$} {:>12} {:>8} {:>11}",
             name,
             a,
@@ -365,7 +365,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     }
     row("peak RSS MB (model)".into(), mine.peak_rss_mb, pf.as_ref().map(|f| f.peak_rss_mb), None);
     row("VmHWM MB (process)".into(), mine.hwm_mb, pf.as_ref().map(|f| f.hwm_mb), None);
-    println!(
+    crate::out!(
         "ceilings: decode {:.0} tok/s = {:.1} GB/s (read bandwidth over a buffer that size) / {:.1} MB of weights per token; \
          prefill {:.0} tok/s = {:.0} G int8 MAC/s ({}) / {:.1} M MAC per token",
         decode_ceiling,
