@@ -27,6 +27,9 @@ pub struct PressureState {
     last_hour: Option<u32>,
     /// The pressure file was unreadable and that was logged.
     warned: bool,
+    /// "Nothing left to shed" was said in this episode of pressure (once an episode: the
+    /// response polls every `pressure_poll_ms`, and the bounded event list would fill with it).
+    exhausted_said: bool,
 }
 
 impl Pressure {
@@ -83,11 +86,18 @@ impl Pressure {
                 st.step = 2;
                 match shared.residency.evict_one(&format!("under memory pressure ({v:.1})")) {
                     Some(id) => st.evicted.push(id),
-                    None => shared.residency.event(format!("memory pressure {v:.1}: nothing left to shed")),
+                    None if !st.exhausted_said => {
+                        st.exhausted_said = true;
+                        shared.residency.event(format!(
+                            "memory pressure {v:.1}: nothing left to shed (said once until the pressure ends)"
+                        ));
+                    }
+                    None => {}
                 }
             }
             Some(v) if v <= r.pressure_low && st.step > 0 => {
                 st.step = 0;
+                st.exhausted_said = false;
                 let back = std::mem::take(&mut st.evicted);
                 shared.residency.event(format!("memory pressure ended ({v:.1}); reloading {back:?}"));
                 drop(st);

@@ -325,3 +325,24 @@ fn a_corrupt_model_fails_to_load_with_its_own_error_and_the_rest_is_served() {
     assert!(d.model_line("bad").contains(": unloaded"));
     assert!(!run(&session(&conn, "a"), &greedy("The capital of France is", 3)).is_empty());
 }
+
+/// Sustained pressure with nothing left to shed is said once per episode, not at every poll.
+#[test]
+fn nothing_left_to_shed_is_said_once_an_episode() {
+    let _one = lock();
+    let dir = Dir::new("exhausted");
+    let d = Daemon::start(&dir, "prefetch_predicted = false\npinned = [\"a\", \"b\"]");
+    let said = |dump: &str| dump.matches("nothing left to shed").count();
+    dir.pressure(60.0);
+    d.wait_for("the first word", |s| said(s) >= 1);
+    // Twenty more polls (100 ms each) of the same pressure.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(said(&d.dump()), 1, "{}", d.dump());
+    // A new episode says it again, once.
+    dir.pressure(0.0);
+    d.wait_for("the end of the episode", |s| s.contains("memory pressure ended"));
+    dir.pressure(60.0);
+    d.wait_for("the second episode", |s| said(s) >= 2);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(said(&d.dump()), 2, "{}", d.dump());
+}
