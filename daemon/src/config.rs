@@ -44,6 +44,9 @@ pub struct Config {
     pub models: Vec<PathBuf>,
     /// Serve Binder over this Unix socket (for hosts without kernel Binder, and tests).
     pub socket: Option<PathBuf>,
+    /// The socket's file mode (octal), set whatever the umask; its owner is llmd's uid and gid.
+    /// Who may use the service is decided per call from the peer's uid (`[permissions]`).
+    pub socket_mode: String,
     pub kernel_binder: KernelBinder,
     /// Name registered with the service manager and on the socket.
     pub service_name: String,
@@ -226,6 +229,7 @@ impl Default for Config {
             models_dir: None,
             models: Vec::new(),
             socket: None,
+            socket_mode: "0660".into(),
             kernel_binder: KernelBinder::Auto,
             service_name: "llmd".into(),
             threads: 0,
@@ -258,9 +262,19 @@ impl Config {
             .map_err(|e| ConfigError::Parse { path: path.display().to_string(), message: e.to_string() })
     }
 
+    /// `socket_mode` as permission bits.
+    pub fn socket_mode_bits(&self) -> Result<u32, ConfigError> {
+        let s = self.socket_mode.trim();
+        u32::from_str_radix(s.strip_prefix("0o").unwrap_or(s), 8)
+            .ok()
+            .filter(|&m| m <= 0o777)
+            .ok_or_else(|| ConfigError::Invalid(format!("socket_mode {s:?} is not an octal mode from 0 to 0777")))
+    }
+
     /// Checks what start-up relies on.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        self.socket_mode_bits()?;
         if self.models_dir.is_none() && self.models.is_empty() {
             return bad("no models: set models_dir or models (or pass --models-dir / --model)".into());
         }
@@ -316,5 +330,21 @@ impl Config {
     /// The effective configuration as TOML (for logs and dump).
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# config not printable: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_mode_is_an_octal_mode() {
+        let with = |m: &str| Config { socket_mode: m.into(), ..Config::default() }.socket_mode_bits().ok();
+        assert_eq!(with("0660"), Some(0o660));
+        assert_eq!(with("0o600"), Some(0o600));
+        assert_eq!(with("666"), Some(0o666));
+        for bad in ["1777", "999", "rw-rw----", "", "-1"] {
+            assert_eq!(with(bad), None, "{bad:?}");
+        }
     }
 }

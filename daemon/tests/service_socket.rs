@@ -33,6 +33,11 @@ struct Daemon {
 impl Daemon {
     /// Starts llmd on the default model with extra TOML `config` lines.
     fn start(config: &str) -> Self {
+        Self::start_with_umask(config, None)
+    }
+
+    /// [`Self::start`], with the process's umask set first (`Some("000")`).
+    fn start_with_umask(config: &str, umask: Option<&str>) -> Self {
         let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         static N: AtomicUsize = AtomicUsize::new(0);
         let dir =
@@ -41,7 +46,15 @@ impl Daemon {
         let socket = dir.join("llmd.sock");
         let cfg = dir.join("llmd.toml");
         std::fs::write(&cfg, config).expect("config written");
-        let child = Command::new(env!("CARGO_BIN_EXE_llmd"))
+        let mut cmd = match umask {
+            Some(m) => {
+                let mut c = Command::new("sh");
+                c.args(["-c", "umask \"$0\" && exec \"$@\"", m, env!("CARGO_BIN_EXE_llmd")]);
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_llmd")),
+        };
+        let child = cmd
             .args([
                 "--config",
                 cfg.to_str().expect("path"),
@@ -550,4 +563,17 @@ fn priorities_are_validated_and_capped_and_dump_shows_the_queue() {
     let dump = seen.expect("the dump never showed the request as background while it ran");
     assert!(dump.contains("SCHEDULER") && dump.contains("vtime"), "{dump}");
     assert!(stats.queueWaitMs >= 0 && stats.timeToFirstTokenMs >= stats.queueWaitMs, "{stats:?}");
+}
+
+#[test]
+fn the_socket_has_its_configured_mode_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |d: &Daemon| std::fs::metadata(&d.socket).expect("socket").permissions().mode() & 0o777;
+    {
+        let d = Daemon::start_with_umask("", Some("000"));
+        assert_eq!(mode(&d), 0o660, "default socket_mode under umask 000");
+        drop(d.connect());
+    }
+    let d = Daemon::start_with_umask("socket_mode = \"0600\"\n", Some("077"));
+    assert_eq!(mode(&d), 0o600);
 }

@@ -109,6 +109,7 @@ fn run(args: Args) -> Result<(), String> {
     let name = config.service_name.clone();
     let admin_name = format!("{name}.admin");
     let socket = config.socket.clone();
+    let socket_mode = config.socket_mode_bits().map_err(|e| e.to_string())?;
     let daemon =
         service::Daemon::start(config, residency, pressure).map_err(|e| format!("starting the engine worker: {e}"))?;
     daemon.load_at_start();
@@ -130,6 +131,9 @@ fn run(args: Args) -> Result<(), String> {
             .and_then(|s| s.add(&admin_name, daemon.admin().as_binder()))
             .and_then(|s| s.spawn())
             .map_err(|e| format!("serving on {}: {e:?}", path.display()))?;
+        // The mode is set before the path exists, whatever the umask.
+        let mode = std::os::unix::fs::PermissionsExt::from_mode(socket_mode);
+        std::fs::set_permissions(&tmp, mode).map_err(|e| format!("setting the socket's mode: {e}"))?;
         std::fs::rename(&tmp, path).map_err(|e| format!("moving the socket into place at {}: {e}", path.display()))?;
         tracing::info!(socket = %path.display(), "serving Binder over a Unix socket");
         eprintln!("llmd: serving {} model(s) on {}", n_models, path.display());
