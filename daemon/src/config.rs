@@ -52,6 +52,9 @@ pub struct Config {
     pub service_name: String,
     /// CPU threads for inference (0 = one per core).
     pub threads: usize,
+    /// On SIGTERM or SIGINT, how long requests in flight may take to finish before they are
+    /// cancelled (their clients get `CANCELLED`); then llmd exits 0.
+    pub shutdown_grace_ms: u64,
     /// Tokens per prefill step (a unit of scheduled work).
     pub prefill_chunk: usize,
     /// KV cache storage: "f16" or "q8".
@@ -233,6 +236,7 @@ impl Default for Config {
             kernel_binder: KernelBinder::Auto,
             service_name: "llmd".into(),
             threads: 0,
+            shutdown_grace_ms: 3000,
             prefill_chunk: llmd_engine::generate::DEFAULT_PREFILL_CHUNK,
             kv_cache_type: KvCacheType::F16,
             limits: Limits::default(),

@@ -11,6 +11,7 @@ use crate::error::ServiceError;
 use crate::permission::{self, Access, Caller};
 use crate::pressure::Pressure;
 use crate::residency::{PressureSource, Residency};
+use crate::scheduler::outbox::undelivered;
 use crate::session::SessionBinder;
 use crate::shared::Shared;
 use llmd_aidl::ILlmAdmin::{BnLlmAdmin, ILlmAdmin};
@@ -22,6 +23,27 @@ use llmd_aidl::SessionOptions::SessionOptions;
 use rsbinder::Strong;
 use std::fmt::Write as _;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a stopping daemon waits for cancelled requests to end.
+const DRAIN_CANCEL_WAIT: Duration = Duration::from_secs(5);
+/// How long it then waits for their last callbacks to reach their clients (a frozen client
+/// is not waited for longer).
+const DRAIN_DELIVERY_WAIT: Duration = Duration::from_secs(2);
+
+/// What [`Daemon::drain`] did.
+#[derive(Debug, Clone, Copy)]
+pub struct DrainReport {
+    /// Requests queued or running when the daemon began to stop.
+    pub in_flight: usize,
+    /// Of those, cancelled when the grace ran out.
+    pub cancelled: usize,
+    /// Still booked when the drain gave up waiting (0 normally).
+    pub left: usize,
+    /// Some callbacks were still undelivered (a client that does not read).
+    pub undelivered: bool,
+    pub took: Duration,
+}
 
 /// The running daemon: its shared state and its memory-pressure response.
 pub struct Daemon {
@@ -46,6 +68,32 @@ impl Daemon {
     /// Loads pinned models, then the others the budget has room for (see the config).
     pub fn load_at_start(&self) {
         self.shared.load_at_start();
+    }
+
+    /// Stops taking requests and lets those in flight end: each has `grace` to finish, then
+    /// is cancelled (its client gets `onError(CANCELLED)`, its turn rolled back); returns once
+    /// every request has ended and its callbacks are delivered, or a bound has passed.
+    /// The usage history and spilled KV caches are already on storage.
+    pub fn drain(&self, grace: Duration) -> DrainReport {
+        let a = &self.shared.scheduler.admission;
+        a.close();
+        let started = Instant::now();
+        let in_flight = a.in_flight();
+        let wait = |until: Instant, done: &dyn Fn() -> bool| {
+            while !done() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            done()
+        };
+        let finished = wait(started + grace, &|| a.in_flight() == 0);
+        let cancelled = if finished { 0 } else { a.in_flight() };
+        if !finished {
+            a.cancel_all();
+            // A cancel lands at the worker's next pass boundary: well under a second.
+            wait(Instant::now() + DRAIN_CANCEL_WAIT, &|| a.in_flight() == 0);
+        }
+        let delivered = wait(Instant::now() + DRAIN_DELIVERY_WAIT, &|| undelivered() == 0);
+        DrainReport { in_flight, cancelled, left: a.in_flight(), undelivered: !delivered, took: started.elapsed() }
     }
 
     /// A new `ILlmService` Binder object over this daemon.

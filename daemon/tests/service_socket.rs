@@ -577,3 +577,36 @@ fn the_socket_has_its_configured_mode_whatever_the_umask() {
     let d = Daemon::start_with_umask("socket_mode = \"0600\"\n", Some("077"));
     assert_eq!(mode(&d), 0o600);
 }
+
+#[test]
+fn sigterm_drains_live_requests_with_a_final_error_and_exits_zero() {
+    let mut d = Daemon::start("shutdown_grace_ms = 300\n");
+    let conn = d.connect();
+    let s = session(&conn);
+    let (cb, _tx, rx) = client::callback();
+    // Long enough not to end within the grace (greedy counting does not stop early).
+    let req = greedy("1, 2, 3, 4, 5, 6, 7, 8,", 3000);
+    s.generate(&req, &cb).expect("generate");
+    // Running: its first tokens arrived.
+    loop {
+        if let Event::Tokens(..) = rx.recv_timeout(Duration::from_secs(30)).expect("tokens") {
+            break;
+        }
+    }
+    let ok = Command::new("kill").args(["-TERM", &d.child.id().to_string()]).status().expect("kill").success();
+    assert!(ok);
+    // The client gets its one final callback: CANCELLED after the grace.
+    let (code, _) = until_the_end(&rx);
+    assert_eq!(code, ErrorCode::CANCELLED);
+    // The daemon exits 0 and removes its socket.
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = d.child.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "llmd did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "llmd exited with {status:?}");
+    assert!(!d.socket.exists(), "the socket was left behind");
+}

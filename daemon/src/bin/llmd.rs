@@ -5,6 +5,9 @@ use llmd_daemon::config::{Config, KernelBinder};
 use llmd_daemon::{models, service};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Parser, Debug)]
 #[command(name = "llmd", version, about = "On-device LLM system service")]
@@ -110,6 +113,7 @@ fn run(args: Args) -> Result<(), String> {
     let admin_name = format!("{name}.admin");
     let socket = config.socket.clone();
     let socket_mode = config.socket_mode_bits().map_err(|e| e.to_string())?;
+    let grace_ms = config.shutdown_grace_ms;
     let daemon =
         service::Daemon::start(config, residency, pressure).map_err(|e| format!("starting the engine worker: {e}"))?;
     daemon.load_at_start();
@@ -149,9 +153,30 @@ fn run(args: Args) -> Result<(), String> {
         eprintln!("llmd: registered {name:?} with the service manager");
         guards.push(server);
     }
-    loop {
-        std::thread::park();
+    // Until SIGTERM (init's stop, `kill`) or SIGINT (Ctrl-C): then drain and exit 0.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone()).map_err(|e| format!("handling signal {sig}: {e}"))?;
     }
+    while !stop.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let grace = Duration::from_millis(grace_ms);
+    eprintln!("llmd: stopping: no new requests; those in flight have {} ms to finish", grace.as_millis());
+    let r = daemon.drain(grace);
+    eprintln!(
+        "llmd: stopped in {} ms: {} requests were in flight, {} cancelled{}{}",
+        r.took.as_millis(),
+        r.in_flight,
+        r.cancelled,
+        if r.left > 0 { format!(", {} still booked", r.left) } else { String::new() },
+        if r.undelivered { ", some callbacks undelivered (a client not reading)" } else { "" }
+    );
+    if let Some(path) = &socket {
+        let _ = std::fs::remove_file(path);
+    }
+    drop(guards);
+    Ok(())
 }
 
 fn main() -> ExitCode {

@@ -80,6 +80,8 @@ pub struct Admission {
     quota: Mutex<Quota>,
     report: Mutex<QueueReport>,
     clock: Clock,
+    /// The daemon is stopping: no request is admitted any more.
+    closing: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -100,6 +102,7 @@ impl Admission {
             quota: Mutex::new(Quota::default()),
             report: Mutex::new(QueueReport::default()),
             clock,
+            closing: AtomicBool::new(false),
         }
     }
 
@@ -113,6 +116,9 @@ impl Admission {
     /// quota, one request per session, the uid's requests in flight, the daemon's): gives it
     /// an id and books it as queued.
     pub fn admit(&self, t: Ticket) -> Result<Admitted, ServiceError> {
+        if self.closing.load(Ordering::Acquire) {
+            return Err(ServiceError::Busy("llmd is shutting down".into()));
+        }
         let now = self.now_ms();
         let pass_ms = lock(&self.report).avg_pass_us / 1000;
         let mut books = lock(&self.books);
@@ -163,6 +169,23 @@ impl Admission {
             Refusal::Full { in_flight, retry_ms } => {
                 ServiceError::Busy(format!("{in_flight} requests in flight; retry in ~{retry_ms} ms"))
             }
+        }
+    }
+
+    /// Admits nothing from now on (the daemon is stopping).
+    pub fn close(&self) {
+        self.closing.store(true, Ordering::Release);
+    }
+
+    /// Requests queued or running.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.books).jobs.len()
+    }
+
+    /// Asks every request to stop.
+    pub fn cancel_all(&self) {
+        for j in lock(&self.books).jobs.values() {
+            j.cancel.store(true, Ordering::Release);
         }
     }
 
@@ -325,6 +348,24 @@ pub(crate) mod tests {
         a.admit(ticket(5, 43)).expect("another session of the uid");
         a.finish(r.id);
         a.admit(ticket(5, 42)).expect("free again once its request ended");
+    }
+
+    #[test]
+    fn a_closing_daemon_admits_nothing_and_can_cancel_everything() {
+        let (clock, _) = manual_clock();
+        let a = Admission::with_clock(limits(8, 8), clock);
+        let r1 = a.admit(ticket(1, 1)).expect("1");
+        let r2 = a.admit(ticket(2, 2)).expect("2");
+        a.close();
+        let (c, m) = code(a.admit(ticket(3, 3)));
+        assert_eq!(c, llmd_aidl::ErrorCode::ErrorCode::BUSY);
+        assert!(m.contains("shutting down"), "{m}");
+        assert_eq!(a.in_flight(), 2);
+        a.cancel_all();
+        assert!(r1.cancel.load(Ordering::Acquire) && r2.cancel.load(Ordering::Acquire));
+        a.finish(r1.id);
+        a.finish(r2.id);
+        assert_eq!(a.in_flight(), 0);
     }
 
     #[test]

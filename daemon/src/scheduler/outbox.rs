@@ -26,6 +26,15 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Callbacks queued by every outbox of the process and not yet delivered (a stopping daemon
+/// waits for them: [`undelivered`]).
+static UNDELIVERED: AtomicUsize = AtomicUsize::new(0);
+
+/// Callbacks queued for clients and not yet handed to them, process-wide.
+pub fn undelivered() -> usize {
+    UNDELIVERED.load(Ordering::Acquire)
+}
+
 /// Undelivered callbacks at which a request stops being decoded until its client takes them.
 pub const MAX_UNSENT: usize = 64;
 
@@ -136,6 +145,7 @@ impl Outbox {
                         cancel.store(true, Ordering::Release);
                     }
                     left.fetch_sub(1, Ordering::AcqRel);
+                    UNDELIVERED.fetch_sub(1, Ordering::AcqRel);
                 }
             });
             if spawned.is_err() {
@@ -149,8 +159,10 @@ impl Outbox {
         }
         if let Some((tx, unsent)) = &self.line {
             unsent.fetch_add(1, Ordering::AcqRel);
+            UNDELIVERED.fetch_add(1, Ordering::AcqRel);
             if tx.send(d).is_err() {
                 unsent.fetch_sub(1, Ordering::AcqRel);
+                UNDELIVERED.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }
