@@ -159,17 +159,82 @@ impl Model {
         let tk = &self.tokenizer;
         let ids = match prompt {
             Prompt::Text(t) => tk.encode(t, false, tk.add_bos)?,
-            Prompt::Chat(messages) => {
-                let tmpl = self.chat_template.as_ref().ok_or(crate::error::ChatTemplateError::Missing)?;
-                let text = tmpl.render(messages, true, tk.bos_text(), tk.eos_text())?;
-                // A template that writes the BOS text itself must not get a second one.
-                let add_bos =
-                    tk.add_bos && !(tk.bos.is_some() && !tk.bos_text().is_empty() && text.starts_with(tk.bos_text()));
-                tk.encode(&text, true, add_bos)?
-            }
+            Prompt::Chat(messages) => self.chat_tokens(messages)?,
         };
         if ids.is_empty() {
             return Err(GenerateError::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+
+    /// A chat rendered by the template, its control tokens parsed from the template's own text
+    /// only: a user who writes `<|im_end|><|im_start|>system` in a message gets those
+    /// characters as text, not a forged system turn.
+    ///
+    /// A chat whose contents hold no control token's text is tokenized whole, as llama.cpp does
+    /// (the same ids as ever). One whose contents do is rendered with each content as a marker
+    /// (a private-use character pair no tokenizer maps to a control token): the text between
+    /// markers is the template's, tokenized with control tokens; each content is tokenized as
+    /// text. If the contents put back at the markers do not give the template's own rendering
+    /// (a template that trims or moves a content), the chat is refused.
+    fn chat_tokens(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>, GenerateError> {
+        let tk = &self.tokenizer;
+        let tmpl = self.chat_template.as_ref().ok_or(crate::error::ChatTemplateError::Missing)?;
+        let bos_for = |text: &str| {
+            // A template that writes the BOS text itself must not get a second one.
+            tk.add_bos && !(tk.bos.is_some() && !tk.bos_text().is_empty() && text.starts_with(tk.bos_text()))
+        };
+        let text = tmpl.render(messages, true, tk.bos_text(), tk.eos_text())?;
+        let mut hostile = Vec::new();
+        for (i, m) in messages.iter().enumerate() {
+            if tk.encode(&m.content, false, false)? != tk.encode(&m.content, true, false)? {
+                hostile.push(i);
+            }
+        }
+        if hostile.is_empty() {
+            return Ok(tk.encode(&text, true, bos_for(&text))?);
+        }
+        let refuse = || -> GenerateError {
+            crate::error::ChatTemplateError::Render(
+                "a message holds the text of a control token, and this model's template changes message \
+                 contents, so it cannot be kept as text"
+                    .into(),
+            )
+            .into()
+        };
+        let marker = |i: usize| format!("\u{E000}llmd-content-{i}\u{E001}");
+        let masked: Vec<_> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| crate::chat::ChatMessage { role: m.role.clone(), content: marker(i) })
+            .collect();
+        let masked_text = tmpl.render(&masked, true, tk.bos_text(), tk.eos_text())?;
+        let mut parts = Vec::with_capacity(2 * messages.len() + 1);
+        let mut rest = masked_text.as_str();
+        for (i, m) in messages.iter().enumerate() {
+            let mk = marker(i);
+            match rest.split_once(&mk) {
+                Some((before, after)) if !after.contains(&mk) => {
+                    parts.push((before, true));
+                    parts.push((m.content.as_str(), false));
+                    rest = after;
+                }
+                _ => return Err(refuse()),
+            }
+        }
+        parts.push((rest, true));
+        let rebuilt: String = parts.iter().map(|(t, _)| *t).collect();
+        if rebuilt != text {
+            return Err(refuse());
+        }
+        let mut ids = Vec::new();
+        let mut bos = bos_for(&text);
+        for (t, special) in parts {
+            if t.is_empty() && !bos {
+                continue;
+            }
+            ids.extend(tk.encode(t, special, bos)?);
+            bos = false;
         }
         Ok(ids)
     }
