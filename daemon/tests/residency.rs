@@ -346,3 +346,27 @@ fn nothing_left_to_shed_is_said_once_an_episode() {
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(said(&d.dump()), 2, "{}", d.dump());
 }
+
+/// A budget smaller than what the models need is refused at start, with the numbers.
+#[test]
+fn a_budget_below_the_models_needs_is_refused_at_start() {
+    let dir = Dir::new("budget");
+    for (extra, needle) in [
+        ("memory_budget_mb = 10", "below every model's weights"),
+        ("memory_budget_mb = 10\npinned = [\"a\"]", "the pinned model a needs"),
+    ] {
+        let cfg = dir.0.join("small.toml");
+        std::fs::write(&cfg, format!("models_dir = {:?}\nthreads = 1\n\n[residency]\n{extra}\n", dir.0.join("models")))
+            .expect("config");
+        let o = Command::new(env!("CARGO_BIN_EXE_llmd"))
+            .args(["--config", cfg.to_str().expect("path"), "--socket", dir.0.join("x.sock").to_str().expect("path")])
+            .args(["--kernel-binder", "off"])
+            .env("LLMD_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .expect("llmd runs");
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{extra}: started anyway");
+        assert!(e.contains(needle) && e.contains("10 MB") && e.contains("93 MB"), "{extra}: {e}");
+    }
+}

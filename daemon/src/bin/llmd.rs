@@ -95,6 +95,7 @@ fn run(args: Args) -> Result<(), String> {
     if probed.is_empty() {
         return Err("no usable model".into());
     }
+    check_budget(&config, &probed)?;
     let n_models = probed.len();
     let r = &config.residency;
     let residency = llmd_daemon::residency::Residency::new(
@@ -176,6 +177,42 @@ fn run(args: Args) -> Result<(), String> {
         let _ = std::fs::remove_file(path);
     }
     drop(guards);
+    Ok(())
+}
+
+/// A memory budget below what a model's weights need is refused at start, with the numbers:
+/// for a pinned model, or when no model fits at all. A model that alone does not fit is logged
+/// (it would fail to load when asked for).
+fn check_budget(
+    config: &Config,
+    probed: &std::collections::BTreeMap<String, (PathBuf, llmd_engine::ModelProbe)>,
+) -> Result<(), String> {
+    let budget_mb = config.residency.memory_budget_mb;
+    if budget_mb == 0 {
+        return Ok(());
+    }
+    let mb = |b: u64| b.div_ceil(1 << 20);
+    let over: Vec<(&String, u64)> = probed
+        .iter()
+        .filter(|(_, (_, p))| mb(p.weight_bytes) > budget_mb)
+        .map(|(id, (_, p))| (id, mb(p.weight_bytes)))
+        .collect();
+    if let Some((id, need)) = over.iter().find(|(id, _)| config.residency.pinned.contains(id)) {
+        return Err(format!(
+            "the pinned model {id} needs {need} MB for its weights alone, more than the memory budget of {budget_mb} MB \
+             (memory_budget_mb / --memory-budget-mb): raise the budget or unpin it"
+        ));
+    }
+    if over.len() == probed.len() {
+        let (id, need) = over.iter().min_by_key(|(_, n)| *n).map(|(i, n)| (i.as_str(), *n)).unwrap_or(("?", 0));
+        return Err(format!(
+            "the memory budget of {budget_mb} MB is below every model's weights (the smallest, {id}, needs {need} MB): \
+             raise memory_budget_mb / --memory-budget-mb"
+        ));
+    }
+    for (id, need) in over {
+        tracing::warn!("model {id} needs {need} MB for its weights, more than the memory budget of {budget_mb} MB: it cannot be loaded");
+    }
     Ok(())
 }
 
