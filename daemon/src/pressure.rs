@@ -73,13 +73,12 @@ impl Pressure {
             Some(v) if v >= r.pressure_high => {
                 if st.step == 0 {
                     st.step = 1;
-                    let (n, bytes) = shed_idle_kv(shared, 0);
+                    let (spilled, dropped, bytes) = shed_idle_kv(shared, 0);
                     shared.residency.event(format!(
-                        "memory pressure {v:.1} (some avg10): {} KV caches of idle sessions ({} KB)",
-                        if r.state_dir.is_some() { format!("spilled {n}") } else { format!("dropped {n}") },
+                        "memory pressure {v:.1} (some avg10): spilled {spilled}, dropped {dropped} KV caches of idle sessions ({} KB)",
                         bytes >> 10
                     ));
-                    if n > 0 {
+                    if spilled + dropped > 0 {
                         return;
                     }
                 }
@@ -112,10 +111,10 @@ impl Pressure {
             _ => {}
         }
         if r.kv_spill_tokens > 0 && r.state_dir.is_some() && st.step == 0 {
-            let (n, bytes) = shed_idle_kv(shared, r.kv_spill_tokens);
-            if n > 0 {
+            let (spilled, dropped, bytes) = shed_idle_kv(shared, r.kv_spill_tokens);
+            if spilled + dropped > 0 {
                 shared.residency.event(format!(
-                    "spilled {n} long idle KV caches over {} positions ({} KB)",
+                    "spilled {spilled}, dropped {dropped} long idle KV caches over {} positions ({} KB)",
                     r.kv_spill_tokens,
                     bytes >> 10
                 ));
@@ -143,15 +142,19 @@ impl Pressure {
 
 /// Frees the KV caches of sessions with no running request holding more than `over`
 /// positions: spilled to the state directory (restored at their next turn) or dropped
-/// (recomputed then). Returns (sessions, bytes).
-fn shed_idle_kv(shared: &Shared, over: usize) -> (usize, u64) {
+/// (recomputed then). Returns (spilled, dropped, bytes).
+fn shed_idle_kv(shared: &Shared, over: usize) -> (usize, usize, u64) {
     let dir = shared.config.residency.state_dir.as_deref();
-    let (mut n, mut bytes) = (0, 0u64);
+    let (mut spilled, mut dropped, mut bytes) = (0, 0, 0u64);
     for s in shared.session_list() {
-        if let Some(b) = s.shed_kv(over, dir) {
-            n += 1;
-            bytes += b;
+        if let Some(shed) = s.shed_kv(over, dir) {
+            if shed.spilled {
+                spilled += 1;
+            } else {
+                dropped += 1;
+            }
+            bytes += shed.bytes;
         }
     }
-    (n, bytes)
+    (spilled, dropped, bytes)
 }

@@ -46,6 +46,12 @@ impl Shared {
         )?;
         let history =
             config.residency.state_dir.as_ref().map(|d| UsageHistory::load(&d.join("usage.json"))).unwrap_or_default();
+        if let Some(d) = &config.residency.state_dir {
+            let n = crate::conversation::remove_stale_spills(d);
+            if n > 0 {
+                residency.event(format!("removed {n} KV spill files a previous run left"));
+            }
+        }
         Ok(Arc::new(Self {
             config,
             residency,

@@ -212,7 +212,17 @@ fn pressure_spills_idle_kv_then_evicts_and_the_conversation_continues() {
     assert_eq!(run(&kept, &chat("My name is Ada and I live in Paris.", 16)), first);
     // Pressure rises: spill the idle caches (both sessions are idle now)...
     dir.pressure(60.0);
-    let dump = d.wait_for("the KV spill", |s| s.contains("spilled 2 KV caches"));
+    let dump = d.wait_for("the KV spill", |s| s.contains("spilled 2, dropped 0 KV caches"));
+    // Spill files are the owner's alone.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &std::path::Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode(&dir.0.join("state/kv")), 0o700);
+        for f in std::fs::read_dir(dir.0.join("state/kv")).expect("kv dir").flatten() {
+            assert_eq!(mode(&f.path()), 0o600, "{}", f.path().display());
+            assert!(f.file_name().to_string_lossy().ends_with(".kv"), "a temporary file left: {:?}", f.file_name());
+        }
+    }
     assert!(dump.contains("kv_tokens 0"), "{dump}");
     // ...then evict the idle model.
     let dump = d.wait_for("the eviction", |s| s.contains("evicted a under memory pressure"));
@@ -284,7 +294,8 @@ fn long_idle_contexts_spill_past_the_threshold_and_continue() {
     let story = "Once upon a time, in a village by the sea, there lived an old fisherman and his wife.";
     let first = run(&long, &greedy(story, 16));
     run(&short, &greedy("Hi", 2));
-    let dump = d.wait_for("the threshold spill", |s| s.contains("spilled 1 long idle KV caches over 32 positions"));
+    let dump =
+        d.wait_for("the threshold spill", |s| s.contains("spilled 1, dropped 0 long idle KV caches over 32 positions"));
     let sessions: Vec<&str> = dump.lines().filter(|l| l.trim_start().starts_with("session ")).collect();
     assert_eq!(sessions.len(), 2, "{dump}");
     assert_eq!(
@@ -350,7 +361,8 @@ fn nothing_left_to_shed_is_said_once_an_episode() {
 /// A budget smaller than what the models need is refused at start, with the numbers.
 #[test]
 fn a_budget_below_the_models_needs_is_refused_at_start() {
-    let dir = Dir::new("budget");
+    let _one = lock();
+    let dir = Dir::new("underbudget");
     for (extra, needle) in [
         ("memory_budget_mb = 10", "below every model's weights"),
         ("memory_budget_mb = 10\npinned = [\"a\"]", "the pinned model a needs"),
@@ -369,4 +381,33 @@ fn a_budget_below_the_models_needs_is_refused_at_start() {
         assert!(!o.status.success(), "{extra}: started anyway");
         assert!(e.contains(needle) && e.contains("10 MB") && e.contains("93 MB"), "{extra}: {e}");
     }
+}
+
+/// A spill that cannot be written (here the spill folder's place is taken by a file, as a full
+/// or read-only disk would fail it) is reported as dropped, leaves no partial file, and the
+/// conversation still continues (recomputed). Spill files of a previous run are removed at start.
+#[test]
+fn a_failed_spill_is_a_drop_and_stale_spills_are_removed_at_start() {
+    let _one = lock();
+    let dir = Dir::new("spillfail");
+    std::fs::create_dir_all(dir.0.join("state/kv")).expect("kv dir");
+    std::fs::write(dir.0.join("state/kv/session-7.kv"), b"an old run's spill").expect("stale");
+    std::fs::write(dir.0.join("state/kv/session-8.kv.tmp"), b"a half-written one").expect("stale");
+    let d = Daemon::start(&dir, "prefetch_predicted = false");
+    assert_eq!(std::fs::read_dir(dir.0.join("state/kv")).map(|r| r.count()).unwrap_or(0), 0, "stale spills left");
+    d.wait_for("the clean-up event", |s| s.contains("removed 2 KV spill files"));
+    // Now make spilling fail: a file where the spill folder goes.
+    std::fs::remove_dir_all(dir.0.join("state/kv")).expect("rm");
+    std::fs::write(dir.0.join("state/kv"), b"not a folder").expect("blocker");
+    let conn = d.connect();
+    let s = session(&conn, "a");
+    let first = run(&s, &chat("My name is Ada.", 8));
+    assert!(!first.is_empty());
+    dir.pressure(60.0);
+    d.wait_for("the drop", |s| s.contains("spilled 0, dropped 1 KV caches"));
+    dir.pressure(0.0);
+    d.wait_for("the end of pressure", |s| s.contains("memory pressure ended"));
+    let second = run(&s, &chat("What is my name?", 8));
+    assert!(!second.is_empty(), "the conversation continues after a drop");
+    let _ = std::fs::remove_file(dir.0.join("state/kv"));
 }

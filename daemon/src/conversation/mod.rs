@@ -101,29 +101,82 @@ impl SessionCore {
     }
 
     /// Frees the KV cache of an idle session holding more than `over` positions: spilled to
-    /// `state_dir` (restored at its next turn) or dropped (recomputed then). Returns the bytes
-    /// freed, or `None` if it is busy, running a request, or holds no more than `over`.
-    pub fn shed_kv(&self, over: usize, state_dir: Option<&Path>) -> Option<u64> {
+    /// `state_dir` (restored at its next turn) or, without one or when the spill fails,
+    /// dropped (recomputed then). `None` if it is busy, running a request, or holds no more
+    /// than `over`.
+    pub fn shed_kv(&self, over: usize, state_dir: Option<&Path>) -> Option<Shed> {
         let Ok(mut inner) = self.inner.try_lock() else { return None };
         if inner.active_request.is_some() || inner.kv.is_empty() || inner.kv.len() <= over {
             return None;
         }
-        let size = inner.kv.size_bytes() as u64;
+        let bytes = inner.kv.size_bytes() as u64;
+        let mut spilled = false;
         if let Some(dir) = state_dir {
-            let path = dir.join("kv").join(format!("session-{}.kv", self.id));
-            let written = std::fs::create_dir_all(dir.join("kv")).and_then(|_| {
-                let mut f = std::io::BufWriter::new(std::fs::File::create(&path)?);
-                inner.kv.spill(&mut f)?;
-                std::io::Write::flush(&mut f)
-            });
-            match written {
-                Ok(()) => inner.spilled = Some(path),
+            let path = spill_dir(dir).join(format!("session-{}.kv", self.id));
+            match write_spill(dir, &path, &inner.kv) {
+                Ok(()) => {
+                    inner.spilled = Some(path);
+                    spilled = true;
+                }
                 Err(e) => tracing::warn!(session = self.id, "KV spill failed ({e}); dropping it instead"),
             }
         }
         inner.kv.clear();
-        Some(size)
+        Some(Shed { bytes, spilled })
     }
+}
+
+/// What [`SessionCore::shed_kv`] freed.
+#[derive(Clone, Copy, Debug)]
+pub struct Shed {
+    pub bytes: u64,
+    /// Written to storage (else dropped).
+    pub spilled: bool,
+}
+
+/// Where spilled KV caches live: `state_dir/kv`, mode 0700 (they hold what prompts computed).
+pub fn spill_dir(state_dir: &Path) -> std::path::PathBuf {
+    state_dir.join("kv")
+}
+
+/// Writes a spill file whole or not at all: to a temporary name (mode 0600, in the 0700
+/// directory), synced, then renamed into place; on any failure the temporary file is removed.
+fn write_spill(state_dir: &Path, path: &Path, kv: &Sequence) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    let dir = spill_dir(state_dir);
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+    let tmp = path.with_extension("kv.tmp");
+    let r = (|| {
+        let f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        let mut w = std::io::BufWriter::new(f);
+        kv.spill(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}
+
+/// Removes the spill files a previous run left (its sessions are gone with it; nothing can
+/// restore them). Returns how many.
+pub fn remove_stale_spills(state_dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(spill_dir(state_dir)) else { return 0 };
+    let mut n = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("session-")
+            && (name.ends_with(".kv") || name.ends_with(".kv.tmp"))
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            n += 1;
+        }
+    }
+    n
 }
 
 impl SessionInner {
