@@ -27,9 +27,13 @@ impl Caller {
     }
 }
 
+/// Whether `caller` is an admin (an admin uid, or llmd's own).
+pub fn is_admin(p: &Permissions, caller: Caller) -> bool {
+    caller.uid == own_uid() || p.admin_uids.contains(&caller.uid)
+}
+
 pub fn check(p: &Permissions, caller: Caller, access: Access, method: &'static str) -> Result<(), ServiceError> {
-    let own_uid = own_uid();
-    let admin = caller.uid == own_uid || p.admin_uids.contains(&caller.uid);
+    let admin = is_admin(p, caller);
     let allowed = match access {
         Access::Admin => admin,
         Access::Use => admin || p.allowed_uids.is_empty() || p.allowed_uids.contains(&caller.uid),

@@ -209,7 +209,13 @@ impl ILlmService for LlmService {
     }
 
     fn getStatus(&self) -> rsbinder::BinderResult<ServiceStatus> {
-        guard(&self.shared, Access::Use, "getStatus").map(|_| status(&self.shared)).map_err(ServiceError::into_status)
+        guard(&self.shared, Access::Use, "getStatus")
+            .map(|caller| {
+                // An app sees its own sessions and requests; an admin sees everyone's.
+                let only = (!permission::is_admin(&self.shared.config.permissions, caller)).then_some(caller.uid);
+                status(&self.shared, only)
+            })
+            .map_err(ServiceError::into_status)
     }
 }
 
@@ -243,16 +249,19 @@ impl ILlmAdmin for LlmAdmin {
     }
 }
 
-fn status(shared: &Shared) -> ServiceStatus {
-    let sessions = shared.sessions();
-    let jobs = shared.scheduler.admission.snapshot();
+/// The service's status; with `only`, the sessions, requests and KV memory of that uid alone
+/// (what a caller that is not an admin may see of the daemon's other users: nothing).
+fn status(shared: &Shared, only: Option<u32>) -> ServiceStatus {
+    let mine = |uid: u32| only.is_none_or(|u| u == uid);
+    let sessions: Vec<_> = shared.sessions().values().filter(|s| mine(s.owner.uid)).cloned().collect();
+    let jobs: Vec<_> = shared.scheduler.admission.snapshot().into_iter().filter(|(_, j)| mine(j.uid)).collect();
     ServiceStatus {
         interfaceVersion: llmd_aidl::ILlmService::VERSION,
         modelsInstalled: shared.residency.ids().len() as i32,
         sessionsOpen: sessions.len() as i32,
         requestsQueued: jobs.iter().filter(|(_, j)| !j.running).count() as i32,
         requestsRunning: jobs.iter().filter(|(_, j)| j.running).count() as i32,
-        kvCacheBytes: sessions.values().map(|s| s.lock().kv_bytes() as i64).sum(),
+        kvCacheBytes: sessions.iter().map(|s| s.lock().kv_bytes() as i64).sum(),
         weightBytes: shared.residency.model_bytes() as i64,
     }
 }
@@ -260,7 +269,7 @@ fn status(shared: &Shared) -> ServiceStatus {
 /// What `dump` prints: never prompt or output text.
 fn dump(shared: &Shared, pressure: &Pressure) -> String {
     let mut out = String::new();
-    let st = status(shared);
+    let st = status(shared, None);
     let _ = writeln!(out, "llmd (interface version {})", st.interfaceVersion);
     let snap = shared.residency.snapshot();
     let budget = shared.residency.budget();

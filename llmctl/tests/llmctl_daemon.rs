@@ -246,3 +246,31 @@ fn status_models_and_run_into_a_closed_pipe_end_quietly_as_sigpipe_would() {
         assert_eq!(o.status.code(), Some(llmctl::output::BROKEN_PIPE_STATUS), "{args:?}: {:?} {e}", o.status);
     }
 }
+
+#[test]
+fn an_app_sees_only_its_own_sessions_in_status() {
+    // The socket open to every uid (the daemon decides per call); root's two sessions.
+    let d = Daemon::start("socket_mode = \"0666\"\n");
+    let conn = d.connect();
+    let (_a, _b) = (session(&conn), session(&conn));
+    let status_as = |who: Option<&str>| {
+        let mut c = match who {
+            Some(uid) => {
+                let mut c = Command::new("setpriv");
+                c.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups"]);
+                c.arg(env!("CARGO_BIN_EXE_llmctl"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_llmctl")),
+        };
+        let o = c.args(["--socket", d.socket.to_str().expect("path"), "status"]).output().expect("llmctl runs");
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{who:?}: {out} {}", String::from_utf8_lossy(&o.stderr));
+        out
+    };
+    // root is llmd's own uid (an admin): it sees both.
+    assert!(status_as(None).contains("sessions_open 2"), "{}", status_as(None));
+    // Another app (uid 65534) sees none of them, nor their memory.
+    let other = status_as(Some("65534"));
+    assert!(other.contains("sessions_open 0") && other.contains("kv_cache_bytes 0"), "{other}");
+}
