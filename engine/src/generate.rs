@@ -185,13 +185,7 @@ impl Model {
             tk.add_bos && !(tk.bos.is_some() && !tk.bos_text().is_empty() && text.starts_with(tk.bos_text()))
         };
         let text = tmpl.render(messages, true, tk.bos_text(), tk.eos_text())?;
-        let mut hostile = Vec::new();
-        for (i, m) in messages.iter().enumerate() {
-            if tk.encode(&m.content, false, false)? != tk.encode(&m.content, true, false)? {
-                hostile.push(i);
-            }
-        }
-        if hostile.is_empty() {
+        if !messages.iter().any(|m| tk.has_control_text(&m.content)) {
             return Ok(tk.encode(&text, true, bos_for(&text))?);
         }
         let refuse = || -> GenerateError {

@@ -282,15 +282,12 @@ impl JobQueue {
         self.state.iter().all(|&s| s == 2)
     }
 
-    /// Every job in an order that respects the dependencies: always the first ready job.
-    pub fn in_order(mut self) -> Vec<Job> {
-        let mut v = Vec::with_capacity(self.state.len());
-        while let Some(&j) = self.ready().first() {
-            self.issue(j);
-            self.complete(j);
-            v.push(j);
-        }
-        v
+    /// Every job in an order that respects the dependencies, for one executor running them
+    /// one at a time: chunk by chunk, each chunk's subgraphs in pass order (every dependency
+    /// is an earlier step of the same chunk or the same step of an earlier chunk). What
+    /// [`Self::ready`] would give, taking its first job each time, without its scans.
+    pub fn in_order(self) -> Vec<Job> {
+        (0..self.chunks).flat_map(|chunk| (0..self.pass.len()).map(move |step| Job { chunk, step })).collect()
     }
 }
 
@@ -481,7 +478,17 @@ mod tests {
                 assert!(pos(d) < pos(j), "{d:?} before {j:?}");
             }
         }
-        assert_eq!(JobQueue::new(pass, 1).in_order().len(), 6);
+        assert_eq!(JobQueue::new(pass.clone(), 1).in_order().len(), 6);
+        // The same order as always taking the first ready job.
+        let mut q = JobQueue::new(pass.clone(), 3);
+        let mut walk = Vec::new();
+        while let Some(&j) = q.ready().first() {
+            q.issue(j);
+            q.complete(j);
+            walk.push(j);
+        }
+        assert!(q.is_done());
+        assert_eq!(walk, JobQueue::new(pass, 3).in_order());
     }
 
     #[test]

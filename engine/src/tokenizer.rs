@@ -43,6 +43,9 @@ pub struct Tokenizer {
     /// Whether prompts get a BOS token prepended.
     pub add_bos: bool,
     eog: Vec<u32>,
+    /// The texts of the special (control) tokens that [`Self::encode`] with `parse_special`
+    /// turns into those tokens.
+    control_texts: Vec<String>,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
@@ -284,7 +287,13 @@ impl Tokenizer {
         full.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
         let mut plain = full.clone();
         plain.set_encode_special_tokens(true);
-        Ok(Self { full, hf_json, plain, pieces, texts, bos, eos, add_bos, eog })
+        let control_texts = full
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        Ok(Self { full, hf_json, plain, pieces, texts, bos, eos, add_bos, eog, control_texts })
     }
 
     /// Everything this tokenizer was built from, to store it in another file (`llmctl convert`).
@@ -337,6 +346,12 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.pieces.len()
+    }
+
+    /// Whether `text` holds the text of a control token (which `encode` with `parse_special`
+    /// would turn into that token).
+    pub fn has_control_text(&self, text: &str) -> bool {
+        self.control_texts.iter().any(|c| text.contains(c.as_str()))
     }
 
     /// Token ids for `text`. With `parse_special`, control-token text such as `<|im_start|>`

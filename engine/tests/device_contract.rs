@@ -326,6 +326,7 @@ fn a_device_without_a_graph_for_the_shape_leaves_the_subgraph_to_the_cpu() {
     let mut m = load();
     let mut dev = DiscreteTestDevice::new();
     dev.desc.static_shapes = StaticShapes::Only(vec![32]);
+    let counts = dev.counts.clone();
     // Pin the FFN of layer 0 to a device that has no graph for this shape.
     let pick = |sg: Subgraph| usize::from(sg == Subgraph::ffn(0));
     let names = vec!["cpu".to_string(), "discrete-test".to_string()];
@@ -334,6 +335,8 @@ fn a_device_without_a_graph_for_the_shape_leaves_the_subgraph_to_the_cpu() {
     // The CPU has no price under the pin, the device has no graph for 3 tokens: the CPU runs it.
     let r = m.transformer.forward(&mut kv, &[1, 2, 3], Logits::Last);
     assert!(r.is_ok(), "{r:?}");
+    assert_eq!(counts.submits.load(Ordering::Relaxed), 0, "the device ran a shape it has no graph for");
+    assert_eq!(counts.weights.load(Ordering::Relaxed), 0, "weights loaded for a subgraph it never runs");
     m.transformer.attach_devices(Vec::new(), Arc::new(llmd_engine::sched::Roofline::default()));
     let mut kv2 = m.transformer.new_kv();
     let cpu = m.transformer.forward(&mut kv2, &[1, 2, 3], Logits::Last).unwrap();
