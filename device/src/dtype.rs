@@ -15,6 +15,8 @@ pub enum GgmlType {
     Q5_1,
     Q8_0,
     Q8_1,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
@@ -23,7 +25,7 @@ pub enum GgmlType {
 
 impl GgmlType {
     /// All types, for tests and listings.
-    pub const ALL: [GgmlType; 13] = [
+    pub const ALL: [GgmlType; 15] = [
         Self::F32,
         Self::F16,
         Self::BF16,
@@ -33,6 +35,8 @@ impl GgmlType {
         Self::Q5_1,
         Self::Q8_0,
         Self::Q8_1,
+        Self::Q2_K,
+        Self::Q3_K,
         Self::Q4_K,
         Self::Q5_K,
         Self::Q6_K,
@@ -50,6 +54,8 @@ impl GgmlType {
             7 => Self::Q5_1,
             8 => Self::Q8_0,
             9 => Self::Q8_1,
+            10 => Self::Q2_K,
+            11 => Self::Q3_K,
             12 => Self::Q4_K,
             13 => Self::Q5_K,
             14 => Self::Q6_K,
@@ -69,6 +75,8 @@ impl GgmlType {
             Self::Q5_1 => 7,
             Self::Q8_0 => 8,
             Self::Q8_1 => 9,
+            Self::Q2_K => 10,
+            Self::Q3_K => 11,
             Self::Q4_K => 12,
             Self::Q5_K => 13,
             Self::Q6_K => 14,
@@ -82,7 +90,7 @@ impl GgmlType {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 => 32,
-            Self::Q4_K | Self::Q5_K | Self::Q6_K | Self::Q8_K => 256,
+            Self::Q2_K | Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K | Self::Q8_K => 256,
         }
     }
 
@@ -97,6 +105,8 @@ impl GgmlType {
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
             Self::Q8_1 => 36,
+            Self::Q2_K => 84,
+            Self::Q3_K => 110,
             Self::Q4_K => 144,
             Self::Q5_K => 176,
             Self::Q6_K => 210,
@@ -115,6 +125,8 @@ impl GgmlType {
             Self::Q5_1 => "Q5_1",
             Self::Q8_0 => "Q8_0",
             Self::Q8_1 => "Q8_1",
+            Self::Q2_K => "Q2_K",
+            Self::Q3_K => "Q3_K",
             Self::Q4_K => "Q4_K",
             Self::Q5_K => "Q5_K",
             Self::Q6_K => "Q6_K",
@@ -130,7 +142,7 @@ impl GgmlType {
             Self::BF16 => Self::BF16,
             Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => Self::Q8_0,
             Self::Q4_1 | Self::Q5_1 | Self::Q8_1 => Self::Q8_1,
-            Self::Q4_K | Self::Q5_K | Self::Q6_K | Self::Q8_K => Self::Q8_K,
+            Self::Q2_K | Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K | Self::Q8_K => Self::Q8_K,
         }
     }
 

@@ -37,7 +37,7 @@ fn every_required_type_is_covered() {
     let f = fixtures();
     let names: Vec<&str> =
         f["cases"].as_array().expect("cases").iter().map(|c| c["type"].as_str().expect("type")).collect();
-    for t in ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"] {
+    for t in ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"] {
         assert!(names.contains(&t), "no reference case for {t}");
     }
 }

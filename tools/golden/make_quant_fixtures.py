@@ -36,14 +36,20 @@ def kquant_blocks(t, rows, cols):
                 raw[r, b, 2:4] = f16(0.001, 0.05, 1)[0]   # dmin
             elif t == T.Q6_K:
                 raw[r, b, 208:210] = f16(0.001, 0.05, 1)[0]  # d
+            elif t == T.Q2_K:
+                raw[r, b, 80:82] = f16(0.001, 0.05, 1)[0]   # d
+                raw[r, b, 82:84] = f16(0.001, 0.05, 1)[0]   # dmin
+            elif t == T.Q3_K:
+                raw[r, b, 108:110] = f16(0.001, 0.05, 1)[0]  # d
     return raw.reshape(rows, -1)
 
 
 def main(out):
     cases = []
     x = rng.standard_normal(COLS).astype(np.float32)
-    for t in [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]:
-        if t in (T.Q4_K, T.Q5_K, T.Q6_K):
+    for t in [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
+              T.Q2_K, T.Q3_K]:
+        if t in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K):
             raw = kquant_blocks(t, ROWS, COLS)
         elif t == T.F32:
             raw = rng.standard_normal((ROWS, COLS)).astype(np.float32).view(np.uint8)

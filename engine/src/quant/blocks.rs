@@ -38,6 +38,18 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// The 16 six-bit scales of a Q3_K super-block, unsigned (subtract 32 for the signed scale);
+/// ggml's bit shuffle of its 12 scale bytes.
+pub(crate) fn q3k_scales(s: &[u8]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (j, o) in out.iter_mut().enumerate() {
+        let low = if j < 8 { s[j] & 0xF } else { s[j - 8] >> 4 };
+        let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        *o = low | (high << 4);
+    }
+    out
+}
+
 /// Dequantizes one row of `dst.len()` elements stored as `ty` in `src`.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), BackendError> {
     check_row("dequantize", ty, dst.len(), src.len())?;
@@ -85,6 +97,45 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), B
                 let d = f16_at(b, 0);
                 for j in 0..32 {
                     y[j] = b[4 + j] as i8 as f32 * d;
+                }
+            }
+            GgmlType::Q2_K => {
+                // ggml's dequantize_row_q2_K: scales[16] (scale | min << 4), qs[64], d, dmin.
+                let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+                let mut e = 0;
+                for n in 0..2 {
+                    let q = &b[16 + 32 * n..16 + 32 * n + 32];
+                    for j in 0..4 {
+                        for half in 0..2 {
+                            let sc = b[8 * n + 2 * j + half];
+                            let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+                            for l in 0..16 {
+                                y[e] = dl * ((q[16 * half + l] >> (2 * j)) & 3) as f32 - ml;
+                                e += 1;
+                            }
+                        }
+                    }
+                }
+            }
+            GgmlType::Q3_K => {
+                // ggml's dequantize_row_q3_K: hmask[32], qs[64], scales[12] (6-bit, offset 32), d.
+                let d = f16_at(b, 108);
+                let sc = q3k_scales(&b[96..108]);
+                let mut e = 0;
+                for n in 0..2 {
+                    let q = &b[32 + 32 * n..32 + 32 * n + 32];
+                    for j in 0..4 {
+                        let m = 1u8 << (4 * n + j);
+                        for half in 0..2 {
+                            let dl = d * (sc[8 * n + 2 * j + half] as i32 - 32) as f32;
+                            for l in 16 * half..16 * half + 16 {
+                                let low = ((q[l] >> (2 * j)) & 3) as i32;
+                                let sub = if b[l] & m != 0 { 0 } else { 4 };
+                                y[e] = dl * (low - sub) as f32;
+                                e += 1;
+                            }
+                        }
+                    }
                 }
             }
             GgmlType::Q4_K => {
@@ -335,6 +386,46 @@ pub(crate) fn vec_dot_portable(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
             }
             lanes.sum() + summs
         }
+        GgmlType::Q2_K | GgmlType::Q3_K => wb
+            .zip(ab)
+            .map(|(w, a)| {
+                // The weights as ggml defines them (via dequantization's integer parts):
+                // Σ_groups d·s·Σ q·a − dmin·m·Σ a, per 16-element group.
+                let aq = &a[4..260];
+                let bsum = |k: usize| i16::from_le_bytes([a[260 + 2 * k], a[261 + 2 * k]]) as i32;
+                let (mut sumi, mut summ) = (0i32, 0i32);
+                let sc3 = if wty == GgmlType::Q3_K { q3k_scales(&w[96..108]) } else { [0; 16] };
+                for n in 0..2 {
+                    for j in 0..4 {
+                        for half in 0..2 {
+                            let g = 8 * n + 2 * j + half;
+                            let mut s = 0i32;
+                            for l in 16 * half..16 * half + 16 {
+                                let e = 128 * n + 32 * j + l;
+                                let q = if wty == GgmlType::Q2_K {
+                                    ((w[16 + 32 * n + l] >> (2 * j)) & 3) as i32
+                                } else {
+                                    let low = ((w[32 + 32 * n + l] >> (2 * j)) & 3) as i32;
+                                    low - if w[l] & (1 << (4 * n + j)) != 0 { 0 } else { 4 }
+                                };
+                                s += q * aq[e] as i8 as i32;
+                            }
+                            if wty == GgmlType::Q2_K {
+                                sumi += (w[g] & 0xF) as i32 * s;
+                                summ += (w[g] >> 4) as i32 * bsum(g);
+                            } else {
+                                sumi += (sc3[g] as i32 - 32) * s;
+                            }
+                        }
+                    }
+                }
+                if wty == GgmlType::Q2_K {
+                    f32_at(a, 0) * (f16_at(w, 80) * sumi as f32 - f16_at(w, 82) * summ as f32)
+                } else {
+                    f16_at(w, 108) * f32_at(a, 0) * sumi as f32
+                }
+            })
+            .sum(),
         GgmlType::Q4_K | GgmlType::Q5_K => wb.zip(ab).map(|(w, a)| dot_q45k_q8k(wty, w, a)).sum(),
         GgmlType::Q6_K => wb
             .zip(ab)

@@ -9,8 +9,8 @@
 mod blocks;
 pub mod edgeflow;
 
-pub(crate) use blocks::vec_dot_portable;
 pub use blocks::{dequantize_row, quantize_row, vec_dot};
+pub(crate) use blocks::{q3k_scales, vec_dot_portable};
 
 pub use llmd_device::GgmlType;
 

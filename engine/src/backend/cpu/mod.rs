@@ -8,6 +8,9 @@
 
 pub mod attn_kernels;
 pub mod device;
+pub mod kpacked;
+#[cfg(target_arch = "x86_64")]
+mod kpacked_x86;
 pub mod packed;
 #[cfg(target_arch = "aarch64")]
 mod packed_arm;
