@@ -1,6 +1,7 @@
 //! A weight matrix as the CPU keeps it: the file's bytes (mapped) and, for the types the
 //! packed kernels take, a copy in their tile layout.
 
+use crate::backend::cpu::kpacked::{KKind, KPackedMatrix};
 use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::format::TensorRef;
 use crate::quant::GgmlType;
@@ -18,6 +19,8 @@ pub struct WeightMatrix {
     /// The same weights in the CPU kernels' tile layout, when the type has one (read from the
     /// file without touching the map, so the map's pages do not count against resident memory).
     pub packed: Option<Arc<PackedMatrix>>,
+    /// The same weights in the K-quant kernels' tile layout (Q2_K … Q6_K; see `kpacked`).
+    pub kpacked: Option<Arc<KPackedMatrix>>,
     /// Rows stay on storage and are read with `pread` when used (embeddings on flash).
     pub on_flash: bool,
 }
@@ -25,8 +28,36 @@ pub struct WeightMatrix {
 impl WeightMatrix {
     /// Wraps a tensor already checked to hold `rows` × `cols` elements of its type.
     pub fn from_tensor(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
-        let packed = pack(None, &tensor, rows, cols).ok().flatten();
-        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed, on_flash: false }
+        Self::from_tensor_in(None, name, rows, cols, tensor).unwrap_or_else(|(_, m)| m)
+    }
+
+    /// [`Self::from_tensor`], packing into `arena` while it has room. A packing that fails (the
+    /// file could not be read) gives the unpacked matrix back with the error.
+    pub(crate) fn from_tensor_in(
+        arena: Option<&HugeArena>,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        tensor: TensorRef,
+    ) -> Result<Self, (std::io::Error, Self)> {
+        let mut m = Self {
+            name: name.to_owned(),
+            ty: tensor.ty,
+            rows,
+            cols,
+            tensor,
+            packed: None,
+            kpacked: None,
+            on_flash: false,
+        };
+        match pack(arena, &m.tensor, rows, cols) {
+            Ok(p) => {
+                m.packed = p.int8;
+                m.kpacked = p.k;
+                Ok(m)
+            }
+            Err(e) => Err((e, m)),
+        }
     }
 
     /// Weights a device handed over as bytes of a GGML type (`rows` × `cols`, row-major), in
@@ -77,6 +108,7 @@ impl WeightMatrix {
             cols: packed.cols,
             tensor,
             packed: Some(Arc::new(packed)),
+            kpacked: None,
             on_flash: false,
         }
     }
@@ -88,8 +120,9 @@ impl WeightMatrix {
 
     /// Whether two matrices are the same weights (a tied output head).
     pub fn same_weights(&self, o: &Self) -> bool {
-        match (&self.packed, &o.packed) {
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        match (&self.packed, &o.packed, &self.kpacked, &o.kpacked) {
+            (Some(a), Some(b), _, _) => Arc::ptr_eq(a, b),
+            (_, _, Some(a), Some(b)) => Arc::ptr_eq(a, b),
             _ => Arc::ptr_eq(&self.tensor.file, &o.tensor.file) && self.tensor.range == o.tensor.range,
         }
     }
@@ -110,20 +143,42 @@ impl WeightMatrix {
         if self.on_flash {
             return 0;
         }
-        self.packed.as_ref().map(|p| p.size_bytes()).unwrap_or(self.tensor.range.len())
+        match (&self.packed, &self.kpacked) {
+            (Some(p), _) => p.size_bytes(),
+            (_, Some(k)) => k.size_bytes(),
+            _ => self.tensor.range.len(),
+        }
     }
 }
 
-/// The tile-layout copy of a tensor whose type has one, in `arena` while it has room.
-pub(crate) fn pack(
-    arena: Option<&HugeArena>,
-    t: &TensorRef,
-    rows: usize,
-    cols: usize,
-) -> std::io::Result<Option<Arc<PackedMatrix>>> {
-    let Some(kind) = PackKind::of(t.ty) else { return Ok(None) };
+/// The tile-layout copies of a matrix (at most one of them).
+#[derive(Default)]
+pub(crate) struct Packed {
+    pub int8: Option<Arc<PackedMatrix>>,
+    pub k: Option<Arc<KPackedMatrix>>,
+}
+
+/// Bytes of the tile-layout copy of a `rows` × `cols` matrix of `ty`, if it has one.
+pub(crate) fn packed_len(ty: GgmlType, rows: usize, cols: usize) -> Option<usize> {
+    match (PackKind::of(ty), KKind::of(ty)) {
+        (Some(kind), _) => PackedMatrix::packed_len(kind, rows, cols),
+        (_, Some(kind)) => KPackedMatrix::packed_len(kind, rows, cols),
+        _ => None,
+    }
+}
+
+/// The tile-layout copy of a tensor whose type has one, in `arena` while it has room (read
+/// from the file without touching its map).
+pub(crate) fn pack(arena: Option<&HugeArena>, t: &TensorRef, rows: usize, cols: usize) -> std::io::Result<Packed> {
     let row_bytes = t.range.len() / rows.max(1);
-    let p =
-        PackedMatrix::pack_in(arena, kind, rows, cols, |r0, buf| t.file.read_at(t.range.start + r0 * row_bytes, buf))?;
-    Ok(Some(Arc::new(p)))
+    let read = |r0: usize, buf: &mut [u8]| t.file.read_at(t.range.start + r0 * row_bytes, buf);
+    if let Some(kind) = PackKind::of(t.ty) {
+        let p = PackedMatrix::pack_in(arena, kind, rows, cols, read)?;
+        return Ok(Packed { int8: Some(Arc::new(p)), k: None });
+    }
+    if let Some(kind) = KKind::of(t.ty) {
+        let p = KPackedMatrix::pack_in(arena, kind, rows, cols, read)?;
+        return Ok(Packed { int8: None, k: Some(Arc::new(p)) });
+    }
+    Ok(Packed::default())
 }

@@ -405,11 +405,11 @@ fn packed_bytes(tensors: &[TensorEntry]) -> usize {
         .iter()
         .filter(|t| t.rows > 1)
         .filter_map(|t| {
-            let kind = match t.kind {
-                TensorKind::Ggml { type_id } => PackKind::of(GgmlType::from_id(type_id)?)?,
-                TensorKind::Edgeflow => PackKind::Q8_0,
+            let ty = match t.kind {
+                TensorKind::Ggml { type_id } => GgmlType::from_id(type_id)?,
+                TensorKind::Edgeflow => GgmlType::Q8_0,
             };
-            PackedMatrix::packed_len(kind, usize::try_from(t.rows).ok()?, usize::try_from(t.cols).ok()?)
+            crate::backend::weight::packed_len(ty, usize::try_from(t.rows).ok()?, usize::try_from(t.cols).ok()?)
         })
         .fold(0usize, |a, b| a.saturating_add(b))
 }
@@ -441,7 +441,10 @@ fn build_part(
                 return Ok(Part::Vector(v));
             }
             let Some(kind) = PackKind::of(ty) else {
-                return Ok(Part::Matrix(WeightMatrix::from_tensor(&t.name, rows, cols, tref(ty))));
+                // K-quants pack from the file (the map is not touched); other types stay as rows.
+                return WeightMatrix::from_tensor_in(arena, &t.name, rows, cols, tref(ty))
+                    .map(Part::Matrix)
+                    .map_err(|(e, _)| bad(e.to_string()));
             };
             let row_bytes = bytes.len() / rows;
             let p = PackedMatrix::pack_in(arena, kind, rows, cols, |r0, buf| {

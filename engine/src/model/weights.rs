@@ -1,15 +1,14 @@
 //! Weights of a llama-family model, checked against the configuration before first use.
 
 use super::config::{Arch, ModelConfig};
-use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::error::FormatError;
 use crate::format::{TensorMap, TensorRef};
 use crate::quant;
 use llmd_alloc_sys::HugeArena;
 
 use crate::backend::blocks::{AttnWeights, FfnWeights};
-use crate::backend::weight::pack;
 pub use crate::backend::weight::WeightMatrix;
+use crate::backend::weight::{pack, packed_len, Packed};
 
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
@@ -63,10 +62,9 @@ fn packed_bytes(tensors: &TensorMap) -> usize {
     tensors
         .values()
         .filter_map(|t| {
-            let kind = PackKind::of(t.ty)?;
             let (&cols, rest) = t.dims.split_first()?;
             let rows = rest.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
-            PackedMatrix::packed_len(kind, usize::try_from(rows).ok()?, usize::try_from(cols).ok()?)
+            packed_len(t.ty, usize::try_from(rows).ok()?, usize::try_from(cols).ok()?)
         })
         .fold(0usize, |a, b| a.saturating_add(b))
 }
@@ -106,14 +104,23 @@ impl Loader<'_> {
             });
         }
         let packed = if on_flash {
-            None
+            Packed::default()
         } else {
             pack(self.arena.as_ref(), t, rows, cols)
                 .map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?
         };
         self.done.set(self.done.get() + t.range.len() as u64);
         (self.progress)(self.done.get(), self.total);
-        Ok(WeightMatrix { name: name.into(), ty: t.ty, rows, cols, tensor: t.clone(), packed, on_flash })
+        Ok(WeightMatrix {
+            name: name.into(),
+            ty: t.ty,
+            rows,
+            cols,
+            tensor: t.clone(),
+            packed: packed.int8,
+            kpacked: packed.k,
+            on_flash,
+        })
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, FormatError> {

@@ -417,17 +417,35 @@ fn write_lane(kind: KKind, s: &Decoded, lane: usize, d: &mut [u8]) {
             d[mo + 32 * (g / 2) + 2 * lane + g % 2] = s.m[g];
         }
     }
-    let (bb, hb) = (kind.base_bits(), kind.high_bits());
     let (bo, ho) = (kind.base_off(), kind.high_off());
-    let per_base = 8 / bb; // chunks per base block
-    for (e, &u) in s.u.iter().enumerate() {
-        let (k, j) = (e / 4, e % 4);
-        let at = 4 * lane + j;
-        let base = u & ((1 << bb) - 1);
-        d[bo + 64 * (k / per_base) + at] |= base << (bb * (k % per_base));
-        if hb > 0 {
-            let per_high = 8 / hb;
-            d[ho + 64 * (k / per_high) + at] |= (u >> bb) << (hb * (k % per_high));
+    match (kind.base_bits(), kind.high_bits()) {
+        (4, 0) => write_bits::<4, 0>(&s.u, lane, d, bo, ho),
+        (4, 1) => write_bits::<4, 1>(&s.u, lane, d, bo, ho),
+        (4, 2) => write_bits::<4, 2>(&s.u, lane, d, bo, ho),
+        (2, 0) => write_bits::<2, 0>(&s.u, lane, d, bo, ho),
+        _ => write_bits::<2, 1>(&s.u, lane, d, bo, ho),
+    }
+}
+
+/// The bit planes of one row's unsigned weights `u` into lane `lane` (the layout in the module
+/// docs: `BB` base bits, `HB` high bits; constants, so the loop has no divisions).
+#[inline(always)]
+fn write_bits<const BB: usize, const HB: usize>(u: &[u8; SB], lane: usize, d: &mut [u8], bo: usize, ho: usize) {
+    let per_base = 8 / BB;
+    for (k, quad) in u.chunks_exact(4).enumerate() {
+        let at = 4 * lane;
+        let bs = BB * (k % per_base);
+        let base = &mut d[bo + 64 * (k / per_base) + at..][..4];
+        for (o, &v) in base.iter_mut().zip(quad) {
+            *o |= (v & ((1 << BB) - 1)) << bs;
+        }
+        if HB > 0 {
+            let per_high = 8 / HB;
+            let hs = HB * (k % per_high);
+            let high = &mut d[ho + 64 * (k / per_high) + at..][..4];
+            for (o, &v) in high.iter_mut().zip(quad) {
+                *o |= (v >> BB) << hs;
+            }
         }
     }
 }

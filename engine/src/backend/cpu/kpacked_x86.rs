@@ -124,8 +124,12 @@ unsafe fn tile_k<const KIND: u8, const NT: usize>(
             let mut si = [_mm512_setzero_si512(); NT];
             let mut sm = [_mm512_setzero_si512(); NT];
             for g in 0..kind.groups() {
-                let mut dot = [_mm512_setzero_si512(); NT];
+                // Two accumulators per token (even and odd chunks): `vpdpbusd` has a latency of
+                // several cycles, and one chain per token would leave the units idle.
+                let mut even = [_mm512_setzero_si512(); NT];
+                let mut odd = [_mm512_setzero_si512(); NT];
                 let mut feed = |k: usize, wv: __m512i| {
+                    let dot = if k % 2 == 0 { &mut even } else { &mut odd };
                     for j in 0..NT {
                         dot[j] = _mm512_dpbusd_epi32(dot[j], wv, word(j, k));
                     }
@@ -214,7 +218,7 @@ unsafe fn tile_k<const KIND: u8, const NT: usize>(
                     _ => _mm512_cvtepu8_epi32(sc_bytes),
                 };
                 for j in 0..NT {
-                    let mut dj = dot[j];
+                    let mut dj = _mm512_add_epi32(even[j], odd[j]);
                     if kind.offset() != 0 {
                         let s = *a.bs16.get_unchecked(16 * ab[j] + g) as i32;
                         dj = _mm512_sub_epi32(dj, _mm512_set1_epi32(kind.offset() * s));

@@ -36,6 +36,7 @@ use crate::config::RopeStyle;
 use crate::error::BackendError;
 use crate::quant::{self, GgmlType};
 use attn_kernels::{prefetch, AttnKernels};
+use kpacked::{KActs, KPackedMatrix};
 use packed::{Kernel, PackedMatrix, QuantActs, TILE_ROWS};
 use pool::Pool;
 use std::sync::Mutex;
@@ -438,6 +439,86 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// Quantizes `n` rows of `x` to Q8_K into `acts`, in parallel over tokens for prompt chunks.
+    fn quantize_k(&self, acts: &mut KActs, x: &[f32], n: usize, cols: usize) {
+        acts.resize(n, cols);
+        let rows_per_task = if n >= 16 { n.div_ceil(self.desc.threads * TASKS_PER_THREAD) } else { n };
+        let sbs = cols / kpacked::SB;
+        let KActs { qs, d, bs16, bs32, .. } = acts;
+        let parts: Vec<Mutex<_>> = qs
+            .chunks_mut(rows_per_task * cols)
+            .zip(d.chunks_mut(rows_per_task * sbs))
+            .zip(bs16.chunks_mut(rows_per_task * sbs * 16))
+            .zip(bs32.chunks_mut(rows_per_task * sbs * 8))
+            .map(Mutex::new)
+            .collect();
+        let run = |i: usize| {
+            let mut g = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            let (((qs, d), bs16), bs32) = &mut *g;
+            let x = &x[i * rows_per_task * cols..(i * rows_per_task * cols + qs.len()).min(n * cols)];
+            kpacked::quantize_rows(x, kpacked::KActsOut { qs, d, bs16, bs32 });
+        };
+        if parts.len() == 1 {
+            run(0);
+        } else {
+            self.pool.run(parts.len(), &run);
+        }
+    }
+
+    /// [`Self::matmul_packed`] for K-quant matrices sharing `cols` (Q8_K activations, one
+    /// quantization of `x`, one parallel step over all their tiles).
+    fn matmul_kpacked(&self, ws: &[&KPackedMatrix], x: &[f32], n: usize, outs: &mut [Vec<&mut [f32]>]) {
+        let kernel = Kernel::best();
+        let cols = ws[0].cols;
+        KACTS.with(|acts| {
+            let mut acts = acts.borrow_mut();
+            self.quantize_k(&mut acts, x, n, cols);
+            let acts = &*acts;
+            let total_tiles: usize = ws.iter().map(|w| w.tiles()).sum();
+            let tpt = if n <= 16 { MATMUL_TASKS_PER_THREAD } else { MATMUL_TASKS_PER_THREAD_PREFILL };
+            let tasks_wanted = self.desc.threads * tpt;
+            type TaskOut<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
+            let mut tasks: Vec<Mutex<TaskOut<'_>>> = Vec::new();
+            for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+                let rows = w.rows;
+                let pieces = match w.tiles() {
+                    0 => 0,
+                    t => ((t * tasks_wanted + total_tiles / 2) / total_tiles).clamp(1, t),
+                };
+                let starts: Vec<usize> = (0..pieces).map(|p| p * w.tiles() / pieces).collect();
+                let mut per_token: Vec<Vec<&mut [f32]>> = (0..starts.len()).map(|_| Vec::with_capacity(n)).collect();
+                for row in out.iter_mut().take(n) {
+                    let mut rest: &mut [f32] = std::mem::take(row);
+                    for (k, &t0) in starts.iter().enumerate() {
+                        let end = starts.get(k + 1).map_or(rows, |&t1| t1 * TILE_ROWS);
+                        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(end - t0 * TILE_ROWS);
+                        per_token[k].push(mine);
+                        rest = tail;
+                    }
+                }
+                for (k, dst) in per_token.into_iter().enumerate() {
+                    let t0 = starts[k];
+                    let nt = starts.get(k + 1).copied().unwrap_or(w.tiles()) - t0;
+                    tasks.push(Mutex::new((m, t0, nt, dst)));
+                }
+            }
+            self.pool.run(tasks.len(), &|i| {
+                let mut g = tasks[i].lock().unwrap_or_else(|e| e.into_inner());
+                let (m, t0, nt, ref mut dst) = *g;
+                let w = ws[m];
+                SCRATCH.with(|buf| {
+                    let mut buf = buf.borrow_mut();
+                    for tile in t0..t0 + nt {
+                        let r0 = (tile - t0) * TILE_ROWS;
+                        kpacked::run_rows(kernel, w, tile, acts, 0, dst, r0, &mut buf);
+                    }
+                });
+            });
+        });
+    }
+}
+
 /// Numbers every packed matmul, so a thread knows whether its [`OWN_ACTS`] are this step's.
 static MATMUL_STEP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -448,6 +529,8 @@ thread_local! {
     static ROPE_TABLE: std::cell::RefCell<RopeTable> = std::cell::RefCell::new(RopeTable::default());
     /// The current (token, head)'s rounded query and attention scores, reused on this thread.
     static SCORES: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// Q8_K activations of the current K-quant matmul, reused between calls on this thread.
+    static KACTS: std::cell::RefCell<KActs> = std::cell::RefCell::new(KActs::default());
     /// Quantized activations of the current matmul, reused between calls on this thread.
     static ACTS: std::cell::RefCell<QuantActs> = std::cell::RefCell::new(QuantActs::default());
     /// This thread's own quantization of a decode batch's activations, and the matmul step
@@ -505,6 +588,10 @@ impl Backend for CpuBackend {
             self.matmul_packed(&[p], x, n, &mut [out.chunks_exact_mut(rows).collect()], packed::Order::Lanes);
             return Ok(());
         }
+        if let Some(k) = &w.kpacked {
+            self.matmul_kpacked(&[k], x, n, &mut [out.chunks_exact_mut(rows).collect()]);
+            return Ok(());
+        }
         let at = w.ty.vec_dot_type();
         let arow = at.row_bytes(cols).ok_or_else(|| shape_err("matmul", format!("{cols} columns for {at}")))?;
         let mut xq = vec![0u8; n * arow];
@@ -553,6 +640,7 @@ impl Backend for CpuBackend {
         outs: &mut [&mut [f32]],
     ) -> Result<(), BackendError> {
         let packed: Option<Vec<&PackedMatrix>> = ws.iter().map(|w| w.packed.as_deref()).collect();
+        let kpacked: Option<Vec<&KPackedMatrix>> = ws.iter().map(|w| w.kpacked.as_deref()).collect();
         let fits = ws.len() == outs.len()
             && !ws.is_empty()
             && ws.iter().all(|w| w.cols == ws[0].cols && x.len() == n * w.cols)
@@ -562,6 +650,12 @@ impl Backend for CpuBackend {
                 let mut rows: Vec<Vec<&mut [f32]>> =
                     ws.iter().zip(outs.iter_mut()).map(|(w, o)| o.chunks_exact_mut(w.rows).collect()).collect();
                 self.matmul_packed(&p, x, n, &mut rows, packed::Order::Lanes);
+                Ok(())
+            }
+            _ if fits && kpacked.is_some() => {
+                let mut rows: Vec<Vec<&mut [f32]>> =
+                    ws.iter().zip(outs.iter_mut()).map(|(w, o)| o.chunks_exact_mut(w.rows).collect()).collect();
+                self.matmul_kpacked(&kpacked.unwrap_or_default(), x, n, &mut rows);
                 Ok(())
             }
             _ => {
@@ -589,6 +683,12 @@ impl Backend for CpuBackend {
                 self.matmul_packed(&[p], x, n, &mut outs, packed::Order::BlockSum);
                 Ok(())
             }
+            None if w.kpacked.is_some() => {
+                let k = w.kpacked.as_deref().into_iter().collect::<Vec<_>>();
+                let mut outs = vec![rows.iter_mut().map(|r| &mut **r).collect::<Vec<&mut [f32]>>()];
+                self.matmul_kpacked(&k, x, n, &mut outs);
+                Ok(())
+            }
             _ => {
                 let mut out = vec![0f32; n * w.rows];
                 self.matmul(w, x, n, &mut out)?;
@@ -606,6 +706,12 @@ impl Backend for CpuBackend {
         }
         for (&id, o) in ids.iter().zip(out.chunks_exact_mut(w.cols)) {
             if let Some(p) = &w.packed {
+                if (id as usize) < p.rows {
+                    p.dequantize_row(id as usize, o);
+                    continue;
+                }
+            }
+            if let Some(p) = &w.kpacked {
                 if (id as usize) < p.rows {
                     p.dequantize_row(id as usize, o);
                     continue;
