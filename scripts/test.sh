@@ -4,6 +4,8 @@
 # cross-check of every crate, the ARM kernels under qemu-user, the SELinux policy, the Kotlin client on the JVM, the demo script, and real
 # kernel Binder in a QEMU VM.
 # LLMD_SKIP_VM=1 skips the VM test (for quick local runs; CI always runs it).
+# LLMD_LARGE_MODEL_TESTS=1 also fetches the 1.5B K-quant model (1.1 GB, scripts/fetch-model-1.5b.sh)
+# and runs the tests that need it (its golden test against llama.cpp); CI's quick path does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -11,6 +13,11 @@ echo "== no import circles between top-level modules (tools/module_cycles.py)" >
 for crate in device engine daemon llmctl; do python3 tools/module_cycles.py "$crate"; done
 echo "== cargo test (release; the real model runs in these tests)" >&2
 cargo test --release --workspace
+if [ "${LLMD_LARGE_MODEL_TESTS:-0}" = 1 ]; then
+  echo "== the 1.5B K-quant model against llama.cpp (LLMD_LARGE_MODEL_TESTS=1)" >&2
+  scripts/fetch-model-1.5b.sh
+  cargo test --release -p llmd-engine --test golden -- --ignored
+fi
 echo "== cargo check --target aarch64-linux-android" >&2
 cargo check --release --target aarch64-linux-android --workspace
 echo "== ARM kernels under qemu-user (scripts/test-arm.sh)" >&2

@@ -29,6 +29,21 @@ const CENTRED_LOGIT_TOL: f64 = 1.0;
 /// 0.039 and 0.072 on these prompts). At a near tie our token must be one llama.cpp scores
 /// within this margin of its best; after it the two continuations differ and are not compared.
 const NEAR_TIE_MARGIN: f64 = 0.25;
+/// The 1.5B Q4_K_M against llama.cpp: llama.cpp against itself on this model
+/// (tools/golden/noise_floor.py, one batch vs one token at a time) measured KL up to 7.8e-3,
+/// max |Δp| up to 0.051 ("capital") and centred |Δlogit| up to 0.68 ("story"). Our engine
+/// measured KL ≤ 5.9e-3, |Δp| ≤ 0.042 ("long"), centred ≤ 0.56: inside that floor. The bounds
+/// are the floor plus a small margin, as for the default model.
+const LARGE: Tolerances = Tolerances { kl: 1e-2, prob: 0.06, centred: 1.0 };
+/// The default model's bounds (above).
+const DEFAULT: Tolerances = Tolerances { kl: KL_TOL, prob: PROB_ABS_TOL, centred: CENTRED_LOGIT_TOL };
+
+struct Tolerances {
+    kl: f64,
+    prob: f64,
+    centred: f64,
+}
+
 /// The bar: at least this many prompts match llama.cpp's 32 greedy tokens exactly.
 const MIN_EXACT_PROMPTS: usize = 5;
 /// Chunk size used to split the prompt in this test, so prefill crosses chunk boundaries.
@@ -41,11 +56,36 @@ fn the_golden_model_runs_from_its_weight_arena() {
 
 #[test]
 fn greedy_tokens_and_logits_match_llama_cpp() {
-    let model = default_model();
-    let g = golden();
+    check_against_llama_cpp(default_model(), golden(), &golden_logits(), &DEFAULT, MIN_EXACT_PROMPTS);
+}
+
+/// The K-quant kernels end to end: the 1.5B Q4_K_M (Q4_K and Q6_K matrices, a Q6_K output head)
+/// against llama.cpp on the same file (tests/golden/qwen2.5-coder-1.5b.*). Needs the model
+/// (scripts/fetch-model-1.5b.sh, 1.1 GB), so it runs on request: `LLMD_LARGE_MODEL_TESTS=1
+/// scripts/test.sh`, or `cargo test --release -p llmd-engine --test golden -- --ignored`.
+#[test]
+#[ignore = "needs the 1.5B model (scripts/fetch-model-1.5b.sh)"]
+fn the_k_quant_model_matches_llama_cpp() {
+    let model =
+        llmd_engine::Model::load(&large_model_path(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+            .expect("the 1.5B model loads");
+    assert_weights_in_arena(&model);
+    let name = "qwen2.5-coder-1.5b";
+    check_against_llama_cpp(&model, &golden_named(name), &golden_logits_named(name), &LARGE, MIN_EXACT_PROMPTS);
+}
+
+/// Prefill (in chunks of [`TEST_CHUNK`]) and 32 greedy steps of every golden prompt: logits at
+/// the prompt's end within the tolerances above, greedy tokens equal to llama.cpp's up to a
+/// near tie, and at least `min_exact` prompts equal all the way.
+fn check_against_llama_cpp(
+    model: &llmd_engine::Model,
+    g: &serde_json::Value,
+    logits_ref: &[f32],
+    tol: &Tolerances,
+    min_exact: usize,
+) {
     let n_vocab = g["n_vocab"].as_u64().expect("n_vocab") as usize;
     assert_eq!(n_vocab, model.tokenizer.vocab_size());
-    let logits_ref = golden_logits();
     let prompts = g["prompts"].as_array().expect("prompts");
     let mut exact = Vec::new();
     assert!(prompts.len() >= 5);
@@ -69,16 +109,13 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
         let reference = &logits_ref[i * n_vocab..(i + 1) * n_vocab];
         let agreement = compare_logits(&logits, reference);
         eprintln!("{name}: {agreement:?}");
-        assert!(agreement.kl <= KL_TOL, "{name}: KL {} > {KL_TOL}", agreement.kl);
+        assert!(agreement.kl <= tol.kl, "{name}: KL {} > {}", agreement.kl, tol.kl);
+        assert!(agreement.max_prob_diff <= tol.prob, "{name}: max |Δp| {} > {}", agreement.max_prob_diff, tol.prob);
         assert!(
-            agreement.max_prob_diff <= PROB_ABS_TOL,
-            "{name}: max |Δp| {} > {PROB_ABS_TOL}",
-            agreement.max_prob_diff
-        );
-        assert!(
-            agreement.centred_max <= CENTRED_LOGIT_TOL,
-            "{name}: centred |Δlogit| {} > {CENTRED_LOGIT_TOL}",
-            agreement.centred_max
+            agreement.centred_max <= tol.centred,
+            "{name}: centred |Δlogit| {} > {}",
+            agreement.centred_max,
+            tol.centred
         );
 
         let mut greedy = Vec::new();
@@ -110,7 +147,7 @@ fn greedy_tokens_and_logits_match_llama_cpp() {
         }
     }
     eprintln!("prompts matching all greedy tokens: {exact:?}");
-    assert!(exact.len() >= MIN_EXACT_PROMPTS, "only {} prompts match exactly: {exact:?}", exact.len());
+    assert!(exact.len() >= min_exact, "only {} prompts match exactly: {exact:?}", exact.len());
 }
 
 #[derive(Debug)]

@@ -6,7 +6,11 @@ Run once by a developer (llama-cpp-python builds llama.cpp from source, ~15 min 
     python3 tools/golden/make_golden.py models/SmolLM2-135M-Instruct.Q4_1.gguf tests/golden/smollm2
 
 Writes <out>.json (prompts, prompt token ids, 32 greedy ids, tokenizer cases) and
-<out>.logits.f32 (little-endian f32 logits at each prompt's last position, one row per prompt).
+<out>.logits.f32 (little-endian f32 logits at each prompt's last position, one row per prompt);
+with a third argument `f16`, <out>.logits.f16 instead (half the size, for large vocabularies:
+    python3 tools/golden/make_golden.py models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf \
+        tests/golden/qwen2.5-coder-1.5b f16
+f16 rounding moves a logit by at most ~0.016 at |logit| < 32, far below the tests' tolerances).
 Greedy = argmax of llama.cpp's logits at every step, EOS ignored, 32 tokens. For each step the
 file also keeps llama.cpp's margin between its best and second-best logit and every token
 within NEAR of the best: where the margin is tiny, llama.cpp itself picks differently when the
@@ -69,7 +73,7 @@ TOKENIZER_CASES = [
 ]
 
 
-def main(model_path, out):
+def main(model_path, out, logits_type="f32"):
     with open(model_path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     m = Llama(model_path=model_path, n_ctx=1024, n_batch=512, n_threads=2, logits_all=False, verbose=False)
@@ -119,8 +123,11 @@ def main(model_path, out):
     }
     with open(out + ".json", "w", encoding="utf-8") as f:
         json.dump(doc, f, ensure_ascii=False, indent=1)
-    np.stack(rows).astype("<f4").tofile(out + ".logits.f32")
+    if logits_type == "f16":
+        np.stack(rows).astype("<f2").tofile(out + ".logits.f16")
+    else:
+        np.stack(rows).astype("<f4").tofile(out + ".logits.f32")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

@@ -4,7 +4,7 @@
 use crate::backend::cpu::kpacked::{KKind, KPackedMatrix};
 use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::format::TensorRef;
-use crate::quant::GgmlType;
+use crate::quant::{self, GgmlType};
 use llmd_alloc_sys::HugeArena;
 use std::sync::Arc;
 
@@ -156,29 +156,88 @@ impl WeightMatrix {
 pub(crate) struct Packed {
     pub int8: Option<Arc<PackedMatrix>>,
     pub k: Option<Arc<KPackedMatrix>>,
+    /// Set when the file's type has no packed form and the weights were converted to Q8_0
+    /// tiles at load (see [`convert_kind`]).
+    pub converted_from: Option<GgmlType>,
 }
 
-/// Bytes of the tile-layout copy of a `rows` × `cols` matrix of `ty`, if it has one.
-pub(crate) fn packed_len(ty: GgmlType, rows: usize, cols: usize) -> Option<usize> {
-    match (PackKind::of(ty), KKind::of(ty)) {
-        (Some(kind), _) => PackedMatrix::packed_len(kind, rows, cols),
-        (_, Some(kind)) => KPackedMatrix::packed_len(kind, rows, cols),
+/// The packed kind a quantized matrix of `ty` is converted to at load when its type has no
+/// kernels of its own: Q5_0 exactly (its 5-bit values minus 16 are 8-bit values under the same
+/// scale), Q5_1 requantized to Q8_0 per 32 values (llama.cpp's Q8_0 rounding: error at most
+/// 1/254 of each block's largest weight). Float matrices (F32, F16, BF16) are not converted:
+/// they run on the float row kernels, as llama.cpp runs them, and the load says so.
+///
+/// Decision (K-quant issue): a quantized type without kernels of its own is converted once at
+/// load, never run on a per-row integer path, and the load log names the type, the tensors and
+/// the bytes before and after; a type the engine cannot read at all is refused by name.
+pub(crate) fn convert_kind(ty: GgmlType) -> Option<PackKind> {
+    match ty {
+        GgmlType::Q5_0 | GgmlType::Q5_1 => Some(PackKind::Q8_0),
         _ => None,
     }
 }
 
-/// The tile-layout copy of a tensor whose type has one, in `arena` while it has room (read
-/// from the file without touching its map).
+/// Bytes of the tile-layout copy of a `rows` × `cols` matrix of `ty`, if it has one.
+pub(crate) fn packed_len(ty: GgmlType, rows: usize, cols: usize) -> Option<usize> {
+    match (PackKind::of(ty), KKind::of(ty), convert_kind(ty)) {
+        (Some(kind), _, _) => PackedMatrix::packed_len(kind, rows, cols),
+        (_, Some(kind), _) => KPackedMatrix::packed_len(kind, rows, cols),
+        (_, _, Some(kind)) => PackedMatrix::packed_len(kind, rows, cols),
+        _ => None,
+    }
+}
+
+/// The tile-layout copy of a tensor whose type has one (or converts to one), in `arena` while
+/// it has room (read from the file without touching its map).
 pub(crate) fn pack(arena: Option<&HugeArena>, t: &TensorRef, rows: usize, cols: usize) -> std::io::Result<Packed> {
     let row_bytes = t.range.len() / rows.max(1);
     let read = |r0: usize, buf: &mut [u8]| t.file.read_at(t.range.start + r0 * row_bytes, buf);
     if let Some(kind) = PackKind::of(t.ty) {
         let p = PackedMatrix::pack_in(arena, kind, rows, cols, read)?;
-        return Ok(Packed { int8: Some(Arc::new(p)), k: None });
+        return Ok(Packed { int8: Some(Arc::new(p)), ..Default::default() });
     }
     if let Some(kind) = KKind::of(t.ty) {
         let p = KPackedMatrix::pack_in(arena, kind, rows, cols, read)?;
-        return Ok(Packed { int8: None, k: Some(Arc::new(p)) });
+        return Ok(Packed { k: Some(Arc::new(p)), ..Default::default() });
+    }
+    if let Some(kind) = convert_kind(t.ty) {
+        if !cols.is_multiple_of(32) {
+            return Ok(Packed::default());
+        }
+        let q8_row = GgmlType::Q8_0.row_bytes(cols).unwrap_or(0);
+        let mut src = Vec::new();
+        let mut vals = vec![0f32; cols];
+        let p = PackedMatrix::pack_in(arena, kind, rows, cols, |r0, buf| {
+            let n = buf.len() / q8_row.max(1);
+            src.resize(n * row_bytes, 0);
+            read(r0, &mut src)?;
+            for (s, d) in src.chunks_exact(row_bytes).zip(buf.chunks_exact_mut(q8_row)) {
+                to_q8_0(t.ty, s, d, &mut vals)?;
+            }
+            Ok(())
+        })?;
+        return Ok(Packed { int8: Some(Arc::new(p)), converted_from: Some(t.ty), ..Default::default() });
     }
     Ok(Packed::default())
+}
+
+/// One row of `ty` as Q8_0 blocks (see [`convert_kind`]); `vals` is scratch of the row's length.
+fn to_q8_0(ty: GgmlType, src: &[u8], dst: &mut [u8], vals: &mut [f32]) -> std::io::Result<()> {
+    let bad = |e: crate::error::BackendError| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string());
+    if ty == GgmlType::Q5_0 {
+        // Exact: the same f16 scale, values q - 16 in -16..=15.
+        for (s, d) in src.chunks_exact(22).zip(dst.chunks_exact_mut(34)) {
+            d[0..2].copy_from_slice(&s[0..2]);
+            let qh = u32::from_le_bytes([s[2], s[3], s[4], s[5]]);
+            for j in 0..16 {
+                let lo = (s[6 + j] & 0xF) | ((((qh >> j) & 1) as u8) << 4);
+                let hi = (s[6 + j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+                d[2 + j] = (lo as i8 - 16) as u8;
+                d[2 + 16 + j] = (hi as i8 - 16) as u8;
+            }
+        }
+        return Ok(());
+    }
+    quant::dequantize_row(ty, src, vals).map_err(bad)?;
+    quant::quantize_row(GgmlType::Q8_0, vals, dst).map_err(bad)
 }

@@ -77,6 +77,10 @@ struct Loader<'a> {
     done: std::cell::Cell<u64>,
     total: u64,
     progress: &'a dyn Fn(u64, u64),
+    /// Matrices converted to Q8_0 tiles at load, per source type: (tensors, file bytes, bytes).
+    converted: std::cell::RefCell<std::collections::BTreeMap<&'static str, (usize, u64, u64)>>,
+    /// Matrices left on the row kernels (float types), per type: (tensors, bytes).
+    float_rows: std::cell::RefCell<std::collections::BTreeMap<&'static str, (usize, u64)>>,
 }
 
 impl Loader<'_> {
@@ -109,6 +113,15 @@ impl Loader<'_> {
             pack(self.arena.as_ref(), t, rows, cols)
                 .map_err(|e| FormatError::Io { path: format!("tensor {name}"), source: e })?
         };
+        if let (Some(ty), Some(p)) = (packed.converted_from, &packed.int8) {
+            let mut c = self.converted.borrow_mut();
+            let e = c.entry(ty.name()).or_default();
+            *e = (e.0 + 1, e.1 + t.range.len() as u64, e.2 + p.size_bytes() as u64);
+        } else if packed.int8.is_none() && packed.k.is_none() && !on_flash {
+            let mut c = self.float_rows.borrow_mut();
+            let e = c.entry(t.ty.name()).or_default();
+            *e = (e.0 + 1, e.1 + t.range.len() as u64);
+        }
         self.done.set(self.done.get() + t.range.len() as u64);
         (self.progress)(self.done.get(), self.total);
         Ok(WeightMatrix {
@@ -168,7 +181,15 @@ impl ModelWeights {
     ) -> Result<Self, FormatError> {
         let total = tensors.values().map(|t| t.range.len() as u64).sum();
         let arena = crate::backend::cpu::packed::weight_arena(packed_bytes(tensors));
-        let l = Loader { t: tensors, arena, done: std::cell::Cell::new(0), total, progress };
+        let l = Loader {
+            t: tensors,
+            arena,
+            done: std::cell::Cell::new(0),
+            total,
+            progress,
+            converted: Default::default(),
+            float_rows: Default::default(),
+        };
         let (d, q, kv, f) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let untied = tensors.contains_key("output.weight");
         let token_embd = l.matrix_opt("token_embd.weight", c.vocab_size, d, embeddings_on_flash && untied)?;
@@ -202,6 +223,20 @@ impl ModelWeights {
                 w_up: l.matrix(&n("ffn_up.weight"), f, d)?,
                 w_down: l.matrix(&n("ffn_down.weight"), d, f)?,
             });
+        }
+        for (ty, (n, from, to)) in l.converted.borrow().iter() {
+            tracing::info!(
+                "{n} {ty} matrices ({:.1} MB) have no kernels of their own: converted to Q8_0 tiles at load ({:.1} MB, {:+.0}%)",
+                *from as f64 / 1e6,
+                *to as f64 / 1e6,
+                (*to as f64 / (*from).max(1) as f64 - 1.0) * 100.0
+            );
+        }
+        for (ty, (n, bytes)) in l.float_rows.borrow().iter() {
+            tracing::info!(
+                "{n} {ty} matrices ({:.1} MB) run on the float row kernels (no integer form; exact, as llama.cpp runs them)",
+                *bytes as f64 / 1e6
+            );
         }
         Ok(Self {
             token_embd,

@@ -29,16 +29,39 @@ pub fn default_model() -> &'static Model {
 
 pub fn golden() -> &'static serde_json::Value {
     static G: OnceLock<serde_json::Value> = OnceLock::new();
-    G.get_or_init(|| {
-        let text =
-            std::fs::read_to_string(repo_root().join("tests/golden/smollm2.json")).expect("golden file is committed");
-        serde_json::from_str(&text).expect("golden file is JSON")
-    })
+    G.get_or_init(|| golden_named("smollm2"))
+}
+
+/// `tests/golden/<name>.json` (tools/golden/make_golden.py).
+pub fn golden_named(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(repo_root().join(format!("tests/golden/{name}.json")))
+        .expect("golden file is committed");
+    serde_json::from_str(&text).expect("golden file is JSON")
 }
 
 pub fn golden_logits() -> Vec<f32> {
-    let b = std::fs::read(repo_root().join("tests/golden/smollm2.logits.f32")).expect("golden logits are committed");
+    golden_logits_named("smollm2")
+}
+
+/// `tests/golden/<name>.logits.f32`, or `.logits.f16` (the larger vocabularies), as f32.
+pub fn golden_logits_named(name: &str) -> Vec<f32> {
+    let root = repo_root().join("tests/golden");
+    if let Ok(b) = std::fs::read(root.join(format!("{name}.logits.f16"))) {
+        return b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+    }
+    let b = std::fs::read(root.join(format!("{name}.logits.f32"))).expect("golden logits are committed");
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// The larger test model (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M), fetched on request by
+/// `scripts/fetch-model-1.5b.sh` (or `LLMD_LARGE_MODEL`).
+pub fn large_model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("LLMD_LARGE_MODEL") {
+        return PathBuf::from(p);
+    }
+    let p = repo_root().join("models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf");
+    assert!(p.is_file(), "the 1.5B model is missing at {}: run scripts/fetch-model-1.5b.sh first", p.display());
+    p
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -58,6 +81,10 @@ pub fn assert_weights_in_arena(m: &Model) {
         .chain([&w.token_embd, &w.output])
     {
         if let Some(p) = &mat.packed {
+            assert_eq!(p.in_arena(), want, "{}: in the arena", mat.name);
+            packed += 1;
+        }
+        if let Some(p) = &mat.kpacked {
             assert_eq!(p.in_arena(), want, "{}: in the arena", mat.name);
             packed += 1;
         }
