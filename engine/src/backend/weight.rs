@@ -241,3 +241,54 @@ fn to_q8_0(ty: GgmlType, src: &[u8], dst: &mut [u8], vals: &mut [f32]) -> std::i
     quant::dequantize_row(ty, src, vals).map_err(bad)?;
     quant::quantize_row(GgmlType::Q8_0, vals, dst).map_err(bad)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random_blocks(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+        let mut s = 0x9E37_79B9u64;
+        let mut v: Vec<u8> = (0..ty.row_bytes(cols).unwrap() * rows)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s as u8
+            })
+            .collect();
+        // Sane f16 scales (and Q5_1 minimums) at the start of every block.
+        for b in v.chunks_exact_mut(ty.type_size()) {
+            let (x, y) = (b[2] as f32, b[4] as f32);
+            b[0..2].copy_from_slice(&half::f16::from_f32(0.01 + x * 1e-4).to_le_bytes());
+            if ty == GgmlType::Q5_1 {
+                b[2..4].copy_from_slice(&half::f16::from_f32(-0.1 + y * 1e-3).to_le_bytes());
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn q5_0_converts_to_q8_0_tiles_exactly_and_q5_1_within_q8_0_rounding() {
+        let (rows, cols) = (19, 96);
+        for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+            let raw = random_blocks(ty, rows, cols);
+            let m = WeightMatrix::from_host_bytes("w", ty, rows, cols, raw.clone()).unwrap();
+            let p = m.packed.as_ref().expect("converted to Q8_0 tiles");
+            assert_eq!(p.kind, PackKind::Q8_0);
+            let rb = ty.row_bytes(cols).unwrap();
+            let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                quant::dequantize_row(ty, &raw[r * rb..(r + 1) * rb], &mut want).unwrap();
+                p.dequantize_row(r, &mut got);
+                for (wb, gb) in want.chunks_exact(32).zip(got.chunks_exact(32)) {
+                    // Q8_0 rounding: half a step of amax / 127, plus the f16 scale's rounding.
+                    let amax = wb.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    let tol = if ty == GgmlType::Q5_0 { 0.0 } else { amax / 254.0 * 1.01 + amax * 1e-3 };
+                    for (w, g) in wb.iter().zip(gb) {
+                        assert!((w - g).abs() <= tol, "{ty} row {r}: {g} vs {w} (tolerance {tol})");
+                    }
+                }
+            }
+        }
+    }
+}
