@@ -309,6 +309,37 @@ pub fn chat(conn: &Connection, args: &ChatArgs) -> Result<(), String> {
     Ok(())
 }
 
+#[derive(clap::Args, Debug)]
+pub struct ModelsArgs {
+    /// Instead of asking the daemon: list this GGUF file's matrices by weight type, with the
+    /// kernel each type runs on on this machine.
+    #[arg(long, value_name = "FILE")]
+    pub local: Option<std::path::PathBuf>,
+}
+
+/// `llmctl models --local FILE`: the file's 2-D tensors by type, and what each type runs on.
+pub fn models_local(path: &std::path::Path) -> Result<(), String> {
+    let f = llmd_engine::format::gguf::GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut by: std::collections::BTreeMap<&'static str, (usize, u64, llmd_engine::quant::GgmlType)> =
+        Default::default();
+    for t in f.tensors.iter().filter(|t| t.dims.iter().filter(|&&d| d > 1).count() >= 2) {
+        let e = by.entry(t.ty.name()).or_insert((0, 0, t.ty));
+        e.0 += 1;
+        e.1 += t.size;
+    }
+    crate::out!("{:<6} {:>8} {:>10}  KERNEL (this machine)", "TYPE", "MATRICES", "MB");
+    for (name, (n, bytes, ty)) in by {
+        crate::out!(
+            "{:<6} {:>8} {:>10.1}  {}",
+            name,
+            n,
+            bytes as f64 / 1e6,
+            llmd_engine::backend::cpu::type_kernel(ty)
+        );
+    }
+    Ok(())
+}
+
 pub fn models(conn: &Connection) -> Result<(), String> {
     let models = conn.service.listModels().map_err(|e| client::describe(&e))?;
     crate::out!("{:<40} {:<8} {:>6} {:>8} {:>10} {:>5}", "ID", "ARCH", "LAYERS", "CONTEXT", "WEIGHTS_MB", "CHAT");

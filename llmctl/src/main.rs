@@ -25,8 +25,9 @@ enum Command {
     Run(RunArgs),
     /// A multi-turn conversation: one user message per line of standard input.
     Chat(ChatArgs),
-    /// List the installed models.
-    Models,
+    /// List the installed models; with `--local FILE`, a model file's weight types and the
+    /// kernel each runs on here (no daemon needed).
+    Models(cli::ModelsArgs),
     /// Show the daemon's status (and, for an admin uid, each model's residency and memory pressure).
     Status,
     /// Load a model ahead of use (admin); returns when it is resident.
@@ -66,11 +67,12 @@ fn main() -> ExitCode {
         }
         Command::Bench(args) => bench::local::bench(args),
         Command::Convert(args) => modeltools::convert(args),
+        Command::Models(cli::ModelsArgs { local: Some(path) }) => cli::models_local(path),
         Command::Perplexity(args) => modeltools::perplexity(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
             Command::Run(args) => cli::run_remote(&conn, args),
             Command::Chat(args) => cli::chat(&conn, args),
-            Command::Models => cli::models(&conn),
+            Command::Models(_) => cli::models(&conn),
             Command::Status => cli::status(&conn),
             Command::Prefetch { model } => cli::prefetch(&conn, model),
             Command::Dump => cli::dump(&conn),

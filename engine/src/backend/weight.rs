@@ -170,7 +170,7 @@ pub(crate) struct Packed {
 /// Decision (K-quant issue): a quantized type without kernels of its own is converted once at
 /// load, never run on a per-row integer path, and the load log names the type, the tensors and
 /// the bytes before and after; a type the engine cannot read at all is refused by name.
-pub(crate) fn convert_kind(ty: GgmlType) -> Option<PackKind> {
+pub fn convert_kind(ty: GgmlType) -> Option<PackKind> {
     match ty {
         GgmlType::Q5_0 | GgmlType::Q5_1 => Some(PackKind::Q8_0),
         _ => None,

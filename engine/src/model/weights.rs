@@ -160,6 +160,18 @@ impl Loader<'_> {
     }
 }
 
+/// One line of [`ModelWeights::kernel_table`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelUse {
+    /// The type in the model file.
+    pub ty: &'static str,
+    /// What its matrices run on (e.g. "avx512-vnni, K-quant tiles").
+    pub kernel: String,
+    pub matrices: usize,
+    pub file_bytes: u64,
+    pub memory_bytes: u64,
+}
+
 impl ModelWeights {
     /// Binds every tensor the architecture needs, checking names, shapes and sizes.
     pub fn load(c: &ModelConfig, tensors: &TensorMap) -> Result<Self, FormatError> {
@@ -245,6 +257,33 @@ impl ModelWeights {
             output,
             rope_freqs: l.opt_vector("rope_freqs.weight", c.rope_dims / 2)?,
         })
+    }
+
+    /// What each weight type of the model's matrices runs on: per file type, the matrices, their
+    /// bytes in the file and in memory, and the kernel (for `llmctl bench`); sorted by type.
+    pub fn kernel_table(&self) -> Vec<KernelUse> {
+        let mut by: std::collections::BTreeMap<(&'static str, String), KernelUse> = Default::default();
+        let tied = self.output.same_weights(&self.token_embd);
+        let mats = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain([&self.token_embd])
+            .chain((!tied).then_some(&self.output));
+        for m in mats {
+            let kernel = crate::backend::cpu::matrix_kernel(m);
+            let e = by.entry((m.ty.name(), kernel.clone())).or_insert_with(|| KernelUse {
+                ty: m.ty.name(),
+                kernel,
+                matrices: 0,
+                file_bytes: 0,
+                memory_bytes: 0,
+            });
+            e.matrices += 1;
+            e.file_bytes += m.tensor.range.len() as u64;
+            e.memory_bytes += m.size_bytes() as u64;
+        }
+        by.into_values().collect()
     }
 
     /// Total bytes of weights (the output head counted once when tied).

@@ -311,6 +311,15 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         o.insert("read_bandwidth_gb_s".into(), json!(bw / 1e9));
         o.insert("int8_peak_gmac_s".into(), json!(int8_peak / 1e9));
         o.insert("kernel".into(), json!(llmd_engine::backend::cpu::kernel_name()));
+        let kernels: Vec<Value> = w
+            .kernel_table()
+            .iter()
+            .map(|k| {
+                json!({"type": k.ty, "kernel": k.kernel, "matrices": k.matrices,
+                       "file_bytes": k.file_bytes, "memory_bytes": k.memory_bytes})
+            })
+            .collect();
+        o.insert("kernels".into(), Value::Array(kernels));
         if let Some((f, ver)) = &peer_fig {
             let mut l = figures_json(f);
             l.insert("version".into(), json!(ver));
@@ -376,5 +385,15 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
         llmd_engine::backend::cpu::kernel_name(),
         macs_per_token as f64 / 1e6,
     );
+    for k in w.kernel_table() {
+        crate::out!(
+            "weights: {:>4} x {:<5} {:>8.1} MB in the file, {:>8.1} MB in memory: {}",
+            k.matrices,
+            k.ty,
+            k.file_bytes as f64 / 1e6,
+            k.memory_bytes as f64 / 1e6,
+            k.kernel
+        );
+    }
     Ok(())
 }

@@ -29,6 +29,36 @@ pub fn kernel_name() -> &'static str {
     packed::Kernel::best().name()
 }
 
+/// What matrix `m` runs on in this process: the kernel and the layout (for listings).
+pub fn matrix_kernel(m: &WeightMatrix) -> String {
+    let k = packed::Kernel::best();
+    if m.on_flash {
+        return "rows read from storage when used".into();
+    }
+    match (&m.packed, &m.kpacked) {
+        (Some(p), _) if p.kind.ggml_type() != m.ty => format!("{}, {:?} tiles (converted at load)", k.name(), p.kind),
+        (Some(p), _) => format!("{}, {:?} tiles", k.name(), p.kind),
+        (_, Some(_)) => format!("{}, K-quant tiles", kpacked::kernel_name(k)),
+        _ => format!("{} row dot products", rows::row_kernel_name()),
+    }
+}
+
+/// What a matrix of file type `ty` would run on in this process (the rule
+/// [`matrix_kernel`] reports after loading; for listing a model file without loading it).
+pub fn type_kernel(ty: GgmlType) -> String {
+    let k = packed::Kernel::best();
+    if let Some(p) = packed::PackKind::of(ty) {
+        return format!("{}, {p:?} tiles", k.name());
+    }
+    if kpacked::KKind::of(ty).is_some() {
+        return format!("{}, K-quant tiles", kpacked::kernel_name(k));
+    }
+    if let Some(p) = crate::backend::weight::convert_kind(ty) {
+        return format!("{}, {p:?} tiles (converted at load)", k.name());
+    }
+    format!("{} row dot products", rows::row_kernel_name())
+}
+
 use crate::backend::kv::{append_head, KvInput, KvLayer};
 use crate::backend::weight::WeightMatrix;
 use crate::backend::{check_append, AttentionItem, AttentionShape, Backend, DeviceDesc, OpKind, Processor, RopeParams};

@@ -110,6 +110,11 @@ impl PackKind {
         }
     }
 
+    /// The GGML type whose blocks this layout holds.
+    pub fn ggml_type(self) -> GgmlType {
+        self.ggml()
+    }
+
     fn ggml(self) -> GgmlType {
         match self {
             Self::Q4_0 => GgmlType::Q4_0,

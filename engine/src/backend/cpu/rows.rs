@@ -30,6 +30,15 @@ pub fn dot(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
     vec_dot_portable(wty, w, a)
 }
 
+/// The name of the row kernels this process uses (for listings).
+pub fn row_kernel_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma_f16c() {
+        return "avx2";
+    }
+    "portable"
+}
+
 /// Whether the x86 kernels can run (checked once).
 #[cfg(target_arch = "x86_64")]
 fn has_avx2_fma_f16c() -> bool {
