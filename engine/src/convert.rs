@@ -5,8 +5,9 @@
 //! Decisions where the paper is silent:
 //! * **Which tensors.** The seven linear weights of every layer (Q, K, V, O, gate, up, down) are
 //!   EdgeFlow-quantized. The token embedding and an untied output head keep their source type
-//!   when the CPU kernels run it natively (Q4_0, Q4_1, Q8_0), else become Q8_0; norms, biases
-//!   and RoPE factors are stored as f32.
+//!   when the CPU kernels run it natively (Q4_0, Q4_1, Q8_0 and the K-quants Q2_K–Q6_K), else
+//!   become Q8_0; norms, biases and RoPE factors are stored as f32. (Widening a K-quant
+//!   embedding or head to Q8_0 made a converted 0.5B Q4_K_M file larger than its source.)
 //! * **Budget.** The same average `bits` for every linear tensor (the paper's per-tensor budget).
 //! * **Source precision.** Weights are dequantized from the source type to f32 first, so a
 //!   quantized source's own error is inherited (8 bits from a Q4_1 source is Q4_1 plus int8).
@@ -193,7 +194,9 @@ pub fn convert(
                 writer
                     .tensor(name, TensorKind::Ggml { type_id: GgmlType::F32.id() }, 1, rows * cols, &bytes)
                     .map_err(werr)?;
-            } else if matches!(t.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
+            } else if matches!(t.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+                || crate::backend::cpu::kpacked::KKind::of(t.ty).is_some()
+            {
                 writer.tensor(name, TensorKind::Ggml { type_id: t.ty.id() }, rows, cols, t.bytes()).map_err(werr)?;
             } else {
                 let w = dequantize(t, rows, cols)?;
