@@ -10,6 +10,8 @@ pub mod attn_kernels;
 pub mod device;
 pub mod kpacked;
 #[cfg(target_arch = "x86_64")]
+mod kpacked_avx2;
+#[cfg(target_arch = "x86_64")]
 mod kpacked_x86;
 pub mod packed;
 #[cfg(target_arch = "aarch64")]
