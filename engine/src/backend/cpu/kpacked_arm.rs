@@ -368,3 +368,84 @@ unsafe fn tile_k<const KIND: u8, const NT: usize>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::kpacked::{reference, run, KActs, KKind, KPackedMatrix, SB};
+    use super::super::packed::{Kernel, KernelKind, TILE_ROWS};
+
+    /// GGUF rows of `kind`: the first tile with every bit set (every weight, scale and minimum
+    /// at its largest), the rest pseudo-random; the f16 scales sane.
+    fn rows(kind: KKind, rows: usize, cols: usize) -> Vec<u8> {
+        let ts = kind.ggml().type_size();
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        let mut raw: Vec<u8> = (0..rows * cols / SB * ts)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                if i < TILE_ROWS * cols / SB * ts {
+                    0xFF
+                } else {
+                    s as u8
+                }
+            })
+            .collect();
+        let f16s: &[usize] = match kind {
+            KKind::Q2K => &[80, 82],
+            KKind::Q3K => &[108],
+            KKind::Q4K | KKind::Q5K => &[0, 2],
+            KKind::Q6K => &[208],
+        };
+        for b in raw.chunks_exact_mut(ts) {
+            for &at in f16s {
+                b[at..at + 2].copy_from_slice(&0x2C00u16.to_le_bytes()); // 0.0625
+            }
+        }
+        raw
+    }
+
+    /// The NEON kernel equals the reference at the extremes (largest weights times activations
+    /// of −127 or 127 throughout) and for every token count up to 9.
+    #[test]
+    fn neon_equals_the_reference_at_the_extremes_and_every_token_count() {
+        let Some(kernel) = Kernel::available().into_iter().find(|k| k.kind() == KernelKind::NeonDotprod) else {
+            eprintln!("no dot-product extension here: skipped");
+            return;
+        };
+        let (nrows, cols, n) = (37, 768, 9);
+        // Token 0: every activation −127. Token 1: 127 but for the first of each super-block
+        // (Q8_K scales by the first value of largest magnitude, which becomes −127). The rest vary.
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| match i / cols {
+                0 => 1.0,
+                1 if i % SB == 0 => 1.0,
+                1 => -1.0,
+                t => ((i * 7919 + t) % 255) as f32 / 127.0 - 1.0,
+            })
+            .collect();
+        let mut a = KActs::default();
+        a.quantize(&x, n, cols);
+        assert!(a.qs[..cols].iter().all(|&q| q == -127));
+        assert!(a.qs[cols..2 * cols].iter().enumerate().all(|(i, &q)| q == if i % SB == 0 { -127 } else { 127 }));
+        for kind in [KKind::Q2K, KKind::Q3K, KKind::Q4K, KKind::Q5K, KKind::Q6K] {
+            let raw = rows(kind, nrows, cols);
+            let rb = kind.ggml().row_bytes(cols).expect("row bytes");
+            let w = KPackedMatrix::pack_in(None, kind, nrows, cols, |r0, buf| {
+                buf.copy_from_slice(&raw[r0 * rb..r0 * rb + buf.len()]);
+                Ok(())
+            })
+            .expect("pack");
+            for tile in 0..w.tiles() {
+                for nt in 1..=n {
+                    let (mut want, mut got) = (vec![0f32; nt * TILE_ROWS], vec![0f32; nt * TILE_ROWS]);
+                    reference(&w, tile, &a, 0, nt, &mut want);
+                    run(kernel, &w, tile, &a, 0, nt, &mut got);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), e.to_bits(), "{kind:?} tile {tile} nt {nt} [{i}]: {g} vs {e}");
+                    }
+                }
+            }
+        }
+    }
+}
