@@ -1,6 +1,7 @@
 //! K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) repacked at load for the integer kernels,
 //! the Q8_K activations they consume, and the scalar reference every SIMD kernel must equal
-//! bit for bit.
+//! bit for bit. The kernels: AVX-512 VNNI (`kpacked_x86.rs`), AVX2 (`kpacked_avx2.rs`) and NEON
+//! with the dot-product extension (`kpacked_arm.rs`).
 //!
 //! # Why a layout of their own
 //! A K-quant super-block covers 256 columns of one row: a float scale `d` (and for some types a
@@ -678,6 +679,14 @@ pub fn run(kernel: Kernel, w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize,
         // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were detected;
         // the shape contract is asserted above.
         KernelKind::Avx512Vnni => unsafe { super::kpacked_x86::tile_avx512vnni(w, tile, a, t0, nt, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: this `Kernel` exists only if AVX2, FMA and F16C were detected; the shape
+        // contract is asserted above.
+        KernelKind::Avx2 => unsafe { super::kpacked_avx2::tile_avx2(w, tile, a, t0, nt, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: this `Kernel` exists only if the dot-product extension was detected; the shape
+        // contract is asserted above.
+        KernelKind::NeonDotprod => unsafe { super::kpacked_arm::tile_neon_dotprod(w, tile, a, t0, nt, out) },
         _ => reference(w, tile, a, t0, nt, out),
     }
 }
@@ -686,6 +695,8 @@ pub fn run(kernel: Kernel, w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize,
 pub fn kernel_name(kernel: Kernel) -> &'static str {
     match kernel.kind() {
         KernelKind::Avx512Vnni => "avx512-vnni",
+        KernelKind::Avx2 => "avx2",
+        KernelKind::NeonDotprod => "neon-dotprod",
         _ => "scalar",
     }
 }

@@ -9,6 +9,10 @@
 pub mod attn_kernels;
 pub mod device;
 pub mod kpacked;
+#[cfg(target_arch = "aarch64")]
+mod kpacked_arm;
+#[cfg(target_arch = "x86_64")]
+mod kpacked_avx2;
 #[cfg(target_arch = "x86_64")]
 mod kpacked_x86;
 pub mod packed;
