@@ -28,36 +28,25 @@ pub struct WeightMatrix {
 impl WeightMatrix {
     /// Wraps a tensor already checked to hold `rows` × `cols` elements of its type.
     pub fn from_tensor(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
-        Self::from_tensor_in(None, name, rows, cols, tensor).unwrap_or_else(|(_, m)| m)
+        Self::from_tensor_in(None, name, rows, cols, tensor.clone())
+            .unwrap_or_else(|_| Self::unpacked(name, rows, cols, tensor))
     }
 
-    /// [`Self::from_tensor`], packing into `arena` while it has room. A packing that fails (the
-    /// file could not be read) gives the unpacked matrix back with the error.
+    /// [`Self::from_tensor`], packing into `arena` while it has room; an error if the file
+    /// could not be read.
     pub(crate) fn from_tensor_in(
         arena: Option<&HugeArena>,
         name: &str,
         rows: usize,
         cols: usize,
         tensor: TensorRef,
-    ) -> Result<Self, (std::io::Error, Self)> {
-        let mut m = Self {
-            name: name.to_owned(),
-            ty: tensor.ty,
-            rows,
-            cols,
-            tensor,
-            packed: None,
-            kpacked: None,
-            on_flash: false,
-        };
-        match pack(arena, &m.tensor, rows, cols) {
-            Ok(p) => {
-                m.packed = p.int8;
-                m.kpacked = p.k;
-                Ok(m)
-            }
-            Err(e) => Err((e, m)),
-        }
+    ) -> std::io::Result<Self> {
+        let p = pack(arena, &tensor, rows, cols)?;
+        Ok(Self { packed: p.int8, kpacked: p.k, ..Self::unpacked(name, rows, cols, tensor) })
+    }
+
+    fn unpacked(name: &str, rows: usize, cols: usize, tensor: TensorRef) -> Self {
+        Self { name: name.to_owned(), ty: tensor.ty, rows, cols, tensor, packed: None, kpacked: None, on_flash: false }
     }
 
     /// Weights a device handed over as bytes of a GGML type (`rows` × `cols`, row-major), in
@@ -248,7 +237,7 @@ mod tests {
 
     fn random_blocks(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         let mut s = 0x9E37_79B9u64;
-        let mut v: Vec<u8> = (0..ty.row_bytes(cols).unwrap() * rows)
+        let mut v: Vec<u8> = (0..ty.row_bytes(cols).expect("test data fits") * rows)
             .map(|_| {
                 s ^= s << 13;
                 s ^= s >> 7;
@@ -272,13 +261,13 @@ mod tests {
         let (rows, cols) = (19, 96);
         for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
             let raw = random_blocks(ty, rows, cols);
-            let m = WeightMatrix::from_host_bytes("w", ty, rows, cols, raw.clone()).unwrap();
+            let m = WeightMatrix::from_host_bytes("w", ty, rows, cols, raw.clone()).expect("test data fits");
             let p = m.packed.as_ref().expect("converted to Q8_0 tiles");
             assert_eq!(p.kind, PackKind::Q8_0);
-            let rb = ty.row_bytes(cols).unwrap();
+            let rb = ty.row_bytes(cols).expect("test data fits");
             let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
             for r in 0..rows {
-                quant::dequantize_row(ty, &raw[r * rb..(r + 1) * rb], &mut want).unwrap();
+                quant::dequantize_row(ty, &raw[r * rb..(r + 1) * rb], &mut want).expect("test data fits");
                 p.dequantize_row(r, &mut got);
                 for (wb, gb) in want.chunks_exact(32).zip(got.chunks_exact(32)) {
                     // Q8_0 rounding: half a step of amax / 127, plus the f16 scale's rounding.

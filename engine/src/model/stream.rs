@@ -444,7 +444,7 @@ fn build_part(
                 // K-quants pack from the file (the map is not touched); other types stay as rows.
                 return WeightMatrix::from_tensor_in(arena, &t.name, rows, cols, tref(ty))
                     .map(Part::Matrix)
-                    .map_err(|(e, _)| bad(e.to_string()));
+                    .map_err(|e| bad(e.to_string()));
             };
             let row_bytes = bytes.len() / rows;
             let p = PackedMatrix::pack_in(arena, kind, rows, cols, |r0, buf| {

@@ -200,9 +200,9 @@ fn decode(kind: KKind, b: &[u8]) -> Decoded {
         KKind::Q2K => {
             o.d = le16(b, 80);
             o.dmin = le16(b, 82);
-            for g in 0..16 {
-                o.sc[g] = b[g] & 0xF;
-                o.m[g] = b[g] >> 4;
+            for ((sc, m), &v) in o.sc.iter_mut().zip(o.m.iter_mut()).zip(&b[..16]) {
+                *sc = v & 0xF;
+                *m = v >> 4;
             }
             for n in 0..2 {
                 for j in 0..4 {
@@ -215,8 +215,8 @@ fn decode(kind: KKind, b: &[u8]) -> Decoded {
         KKind::Q3K => {
             o.d = le16(b, 108);
             let sc = q3k_scales(&b[96..108]);
-            for g in 0..16 {
-                o.sc[g] = (sc[g] as i8 - 32) as u8;
+            for (o, &v) in o.sc.iter_mut().zip(&sc) {
+                *o = (v as i8 - 32) as u8;
             }
             for n in 0..2 {
                 for j in 0..4 {
@@ -251,9 +251,7 @@ fn decode(kind: KKind, b: &[u8]) -> Decoded {
         }
         KKind::Q6K => {
             o.d = le16(b, 208);
-            for g in 0..16 {
-                o.sc[g] = b[192 + g];
-            }
+            o.sc.copy_from_slice(&b[192..208]);
             let (ql, qh) = (&b[0..128], &b[128..192]);
             for n in 0..2 {
                 let (ql, qh) = (&ql[64 * n..64 * n + 64], &qh[32 * n..32 * n + 32]);
@@ -440,8 +438,7 @@ fn write_bits<const BB: usize, const HB: usize>(u: &[u8; SB], lane: usize, d: &m
         for (o, &v) in base.iter_mut().zip(quad) {
             *o |= (v & ((1 << BB) - 1)) << bs;
         }
-        if HB > 0 {
-            let per_high = 8 / HB;
+        if let Some(per_high) = 8usize.checked_div(HB) {
             let hs = HB * (k % per_high);
             let high = &mut d[ho + 64 * (k / per_high) + at..][..4];
             for (o, &v) in high.iter_mut().zip(quad) {
@@ -459,11 +456,9 @@ pub(crate) fn unsigned_weight(kind: KKind, d: &[u8], lane: usize, e: usize) -> i
     let at = 4 * lane + j;
     let per_base = 8 / bb;
     let base = (d[kind.base_off() + 64 * (k / per_base) + at] >> (bb * (k % per_base))) & ((1 << bb) - 1);
-    let high = if hb > 0 {
-        let per_high = 8 / hb;
-        (d[kind.high_off() + 64 * (k / per_high) + at] >> (hb * (k % per_high))) & ((1 << hb) - 1)
-    } else {
-        0
+    let high = match 8usize.checked_div(hb) {
+        Some(per_high) => (d[kind.high_off() + 64 * (k / per_high) + at] >> (hb * (k % per_high))) & ((1 << hb) - 1),
+        None => 0,
     };
     (base | (high << bb)) as i32
 }
@@ -612,8 +607,8 @@ pub fn reference(w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize, nt: usize
                 for g in 0..k.groups() {
                     let s_g = if gsz == 16 { a.bs16[16 * ab + g] } else { a.bs32[8 * ab + g] } as i32;
                     let mut dot = 0i32;
-                    for e in g * gsz..(g + 1) * gsz {
-                        dot += unsigned_weight(k, d, lane, e) * aq[e] as i32;
+                    for (e, &q) in aq.iter().enumerate().skip(g * gsz).take(gsz) {
+                        dot += unsigned_weight(k, d, lane, e) * q as i32;
                     }
                     let (sc, m) = scale_min(k, d, lane, g);
                     si += sc * (dot - k.offset() * s_g);
@@ -746,12 +741,12 @@ mod tests {
     }
 
     pub(crate) fn pack(kind: KKind, raw: &[u8], rows: usize, cols: usize) -> KPackedMatrix {
-        let rb = kind.ggml().row_bytes(cols).unwrap();
+        let rb = kind.ggml().row_bytes(cols).expect("test data fits");
         KPackedMatrix::pack_in(None, kind, rows, cols, |r0, buf| {
             buf.copy_from_slice(&raw[r0 * rb..r0 * rb + buf.len()]);
             Ok(())
         })
-        .unwrap()
+        .expect("test data fits")
     }
 
     const KINDS: [KKind; 5] = [KKind::Q2K, KKind::Q3K, KKind::Q4K, KKind::Q5K, KKind::Q6K];
@@ -773,10 +768,10 @@ mod tests {
             let (rows, cols) = (21, 512);
             let raw = random_rows(k, rows, cols, 7 + k as u64);
             let p = pack(k, &raw, rows, cols);
-            let rb = k.ggml().row_bytes(cols).unwrap();
+            let rb = k.ggml().row_bytes(cols).expect("test data fits");
             let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
             for r in 0..rows {
-                quant::dequantize_row(k.ggml(), &raw[r * rb..(r + 1) * rb], &mut want).unwrap();
+                quant::dequantize_row(k.ggml(), &raw[r * rb..(r + 1) * rb], &mut want).expect("test data fits");
                 p.dequantize_row(r, &mut got);
                 for i in 0..cols {
                     assert_eq!(got[i].to_bits(), want[i].to_bits(), "{k:?} row {r} col {i}: {} vs {}", got[i], want[i]);
@@ -791,12 +786,15 @@ mod tests {
         let x = random_x(3 * cols, 5);
         let mut a = KActs::default();
         a.quantize(&x, 3, cols);
-        let mut want = vec![0u8; GgmlType::Q8_K.row_bytes(cols).unwrap()];
+        let mut want = vec![0u8; GgmlType::Q8_K.row_bytes(cols).expect("test data fits")];
         for t in 0..3 {
-            quant::quantize_row(GgmlType::Q8_K, &x[t * cols..(t + 1) * cols], &mut want).unwrap();
+            quant::quantize_row(GgmlType::Q8_K, &x[t * cols..(t + 1) * cols], &mut want).expect("test data fits");
             for b in 0..cols / SB {
                 let blk = &want[b * 292..(b + 1) * 292];
-                assert_eq!(a.d[t * 4 + b].to_bits(), f32::from_le_bytes(blk[0..4].try_into().unwrap()).to_bits());
+                assert_eq!(
+                    a.d[t * 4 + b].to_bits(),
+                    f32::from_le_bytes(blk[0..4].try_into().expect("test data fits")).to_bits()
+                );
                 for i in 0..SB {
                     assert_eq!(a.qs[(t * 4 + b) * SB + i], blk[4 + i] as i8);
                 }
@@ -821,12 +819,12 @@ mod tests {
             a.quantize(&x, n, cols);
             let mut out = vec![0f32; n * TILE_ROWS];
             reference(&p, 0, &a, 0, n, &mut out);
-            let rb = k.ggml().row_bytes(cols).unwrap();
-            let mut q8 = vec![0u8; GgmlType::Q8_K.row_bytes(cols).unwrap()];
+            let rb = k.ggml().row_bytes(cols).expect("test data fits");
+            let mut q8 = vec![0u8; GgmlType::Q8_K.row_bytes(cols).expect("test data fits")];
             for t in 0..n {
-                quant::quantize_row(GgmlType::Q8_K, &x[t * cols..(t + 1) * cols], &mut q8).unwrap();
+                quant::quantize_row(GgmlType::Q8_K, &x[t * cols..(t + 1) * cols], &mut q8).expect("test data fits");
                 for r in 0..rows {
-                    let want = quant::vec_dot(k.ggml(), cols, &raw[r * rb..(r + 1) * rb], &q8).unwrap();
+                    let want = quant::vec_dot(k.ggml(), cols, &raw[r * rb..(r + 1) * rb], &q8).expect("test data fits");
                     let got = out[t * TILE_ROWS + r];
                     assert!((got - want).abs() <= REL_TOL * want.abs().max(1.0), "{k:?} t{t} r{r}: {got} vs {want}");
                 }

@@ -129,9 +129,9 @@ unsafe fn tile_k<const KIND: u8, const NT: usize>(
                 let mut even = [_mm512_setzero_si512(); NT];
                 let mut odd = [_mm512_setzero_si512(); NT];
                 let mut feed = |k: usize, wv: __m512i| {
-                    let dot = if k % 2 == 0 { &mut even } else { &mut odd };
-                    for j in 0..NT {
-                        dot[j] = _mm512_dpbusd_epi32(dot[j], wv, word(j, k));
+                    let dot = if k.is_multiple_of(2) { &mut even } else { &mut odd };
+                    for (j, d) in dot.iter_mut().enumerate() {
+                        *d = _mm512_dpbusd_epi32(*d, wv, word(j, k));
                     }
                 };
                 let base = r.add(kind.base_off());
