@@ -536,6 +536,15 @@ pub fn quantize_rows(x: &[f32], o: KActsOut<'_>) {
     );
     #[cfg(target_arch = "x86_64")]
     {
+        static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *AVX512.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+        }) {
+            // SAFETY: the features were detected just above; the slice sizes are asserted.
+            return unsafe { super::kpacked_x86::quantize_rows_avx512(x, o) };
+        }
         static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         if *AVX2.get_or_init(|| {
             std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("sse4.1")
@@ -646,6 +655,13 @@ pub fn run_rows(
     let nt = rows.len();
     let lanes = w.rows.saturating_sub(tile * TILE_ROWS).min(TILE_ROWS);
     assert!(tile < w.tiles() && a.cols == w.cols && t0 + nt <= a.n && rows.iter().all(|r| r.len() >= r0 + lanes));
+    #[cfg(target_arch = "x86_64")]
+    if kernel.kind() == KernelKind::Avx512Vnni && lanes == TILE_ROWS {
+        check_acts(w, a, t0, nt);
+        // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were detected;
+        // the shapes are asserted above (a whole tile: 16 rows fit in every row).
+        return unsafe { super::kpacked_x86::tile_avx512vnni_rows(w, tile, a, t0, rows, r0) };
+    }
     scratch.resize(TILE_ROWS * nt, 0.0);
     run(kernel, w, tile, a, t0, nt, scratch);
     for (d, src) in rows.iter_mut().zip(scratch.chunks_exact(TILE_ROWS)) {
@@ -658,17 +674,8 @@ pub fn run_rows(
 /// # Panics
 /// On shapes that do not fit (a bug in the caller, never input data).
 pub fn run(kernel: Kernel, w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize, nt: usize, out: &mut [f32]) {
-    let sbs = w.superblocks();
-    assert!(
-        tile < w.tiles()
-            && a.cols == w.cols
-            && t0 + nt <= a.n
-            && out.len() >= nt * TILE_ROWS
-            && a.qs.len() >= (t0 + nt) * w.cols
-            && a.d.len() >= (t0 + nt) * sbs
-            && a.bs16.len() >= (t0 + nt) * sbs * 16
-            && a.bs32.len() >= (t0 + nt) * sbs * 8
-    );
+    assert!(tile < w.tiles() && out.len() >= nt * TILE_ROWS);
+    check_acts(w, a, t0, nt);
     match kernel.kind() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were detected;
@@ -684,6 +691,19 @@ pub fn run(kernel: Kernel, w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize,
         KernelKind::NeonDotprod => unsafe { super::kpacked_arm::tile_neon_dotprod(w, tile, a, t0, nt, out) },
         _ => reference(w, tile, a, t0, nt, out),
     }
+}
+
+/// Panics unless `a` holds tokens `t0..t0 + nt` of `w.cols` columns, whole.
+fn check_acts(w: &KPackedMatrix, a: &KActs, t0: usize, nt: usize) {
+    let sbs = w.superblocks();
+    assert!(
+        a.cols == w.cols
+            && t0 + nt <= a.n
+            && a.qs.len() >= (t0 + nt) * w.cols
+            && a.d.len() >= (t0 + nt) * sbs
+            && a.bs16.len() >= (t0 + nt) * sbs * 16
+            && a.bs32.len() >= (t0 + nt) * sbs * 8
+    );
 }
 
 /// The name of the kernel K-quant tiles run on with `kernel` (for listings).
@@ -781,6 +801,35 @@ mod tests {
     }
 
     #[test]
+    fn every_activation_quantizer_equals_the_definition_on_ties_zeros_and_extremes() {
+        let cols = 4 * SB;
+        let mut x = random_x(cols, 21);
+        // Block 1: +m and -m both present (the first one decides the sign); block 2: zeros;
+        // block 3: values whose scaled magnitude lands on .5 and the cap.
+        x[SB + 7] = 9.0;
+        x[SB + 3] = -9.0;
+        x[2 * SB..3 * SB].fill(0.0);
+        for (i, v) in x[3 * SB..].iter_mut().enumerate() {
+            *v = (i as f32 - 128.0) * 0.5;
+        }
+        let mut want = KActs::default();
+        want.resize(1, cols);
+        quantize_rows_body(
+            &x,
+            KActsOut { qs: &mut want.qs, d: &mut want.d, bs16: &mut want.bs16, bs32: &mut want.bs32 },
+        );
+        let mut got = KActs::default();
+        got.quantize(&x, 1, cols);
+        assert_eq!(got.qs, want.qs);
+        assert_eq!(
+            got.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(got.bs16, want.bs16);
+        assert_eq!(got.bs32, want.bs32);
+    }
+
+    #[test]
     fn the_activation_quantizer_equals_the_gguf_q8_k_definition() {
         let cols = 1024;
         let x = random_x(3 * cols, 5);
@@ -836,15 +885,16 @@ mod tests {
     fn every_kernel_equals_the_scalar_reference_bit_for_bit() {
         for kernel in Kernel::available() {
             for k in KINDS {
-                // 37 rows: two whole tiles and a partial one; 5 tokens: pairs and a single.
-                let (rows, cols, n) = (37, 512, 5);
+                // 37 rows: two whole tiles and a partial one; 16 tokens: groups of 4, a
+                // remainder, and the buffered path of prompt chunks (8 tokens or more).
+                let (rows, cols, n) = (37, 512, 16);
                 let raw = random_rows(k, rows, cols, 100 + k as u64);
                 let p = pack(k, &raw, rows, cols);
                 let x = random_x(n * cols, 9);
                 let mut a = KActs::default();
                 a.quantize(&x, n, cols);
                 for tile in 0..p.tiles() {
-                    for (t0, nt) in [(0, n), (1, 1), (2, 3), (0, 4)] {
+                    for (t0, nt) in [(0, n), (1, 1), (2, 3), (0, 4), (3, 9), (5, 2)] {
                         let mut want = vec![0f32; nt * TILE_ROWS];
                         reference(&p, tile, &a, t0, nt, &mut want);
                         let mut got = vec![0f32; nt * TILE_ROWS];
@@ -860,6 +910,46 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn results_stored_into_token_rows_equal_the_reference() {
+        for kernel in Kernel::available() {
+            for k in KINDS {
+                let (rows, cols, n) = (37, 256, 11);
+                let raw = random_rows(k, rows, cols, 300 + k as u64);
+                let p = pack(k, &raw, rows, cols);
+                let x = random_x(n * cols, 13);
+                let mut a = KActs::default();
+                a.quantize(&x, n, cols);
+                for (t0, nt) in [(0, n), (2, 1), (1, 9)] {
+                    // Each token's row holds all 37 outputs after 3 values of padding.
+                    let mut out = vec![vec![f32::NAN; 3 + rows]; nt];
+                    let mut scratch = Vec::new();
+                    for tile in 0..p.tiles() {
+                        let mut dst: Vec<&mut [f32]> = out.iter_mut().map(|r| &mut r[..]).collect();
+                        run_rows(kernel, &p, tile, &a, t0, &mut dst, 3 + tile * TILE_ROWS, &mut scratch);
+                    }
+                    for tile in 0..p.tiles() {
+                        let mut want = vec![0f32; nt * TILE_ROWS];
+                        reference(&p, tile, &a, t0, nt, &mut want);
+                        for (j, row) in out.iter().enumerate() {
+                            for lane in 0..(rows - tile * TILE_ROWS).min(TILE_ROWS) {
+                                let got = row[3 + tile * TILE_ROWS + lane];
+                                let w = want[j * TILE_ROWS + lane];
+                                assert_eq!(
+                                    got.to_bits(),
+                                    w.to_bits(),
+                                    "{} {k:?} t0 {t0} token {j}: {got} vs {w}",
+                                    kernel.name()
+                                );
+                            }
+                        }
+                    }
+                    assert!(out.iter().all(|r| r[..3].iter().all(|v| v.is_nan())), "padding untouched");
                 }
             }
         }

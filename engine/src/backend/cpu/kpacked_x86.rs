@@ -27,38 +27,56 @@ const fn kind_of<const KIND: u8>() -> KKind {
 /// Tokens per inner call (4 × 4 accumulators of 16 lanes stay in registers).
 const MAX_NT: usize = 4;
 
+/// From this many tokens on, each super-block's weights are unpacked once into a buffer and
+/// every group of [`MAX_NT`] tokens reads them from there (prompt chunks); below, each group of
+/// tokens unpacks them in registers as it goes (decode: no store and reload).
+const BUFFER_FROM: usize = 8;
+
 /// # Safety
 /// The CPU must support AVX-512 F/BW and VNNI, FMA and F16C; the shapes were checked by
 /// `kpacked::run` (`out` holds `nt * TILE_ROWS` values, tokens `t0..t0 + nt` are quantized).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 pub unsafe fn tile_avx512vnni(w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize, nt: usize, out: &mut [f32]) {
-    let mut j = 0;
-    while j < nt {
-        let m = (nt - j).min(MAX_NT);
-        let o = &mut out[j * TILE_ROWS..(j + m) * TILE_ROWS];
-        // SAFETY: the same contract, for tokens `t0 + j..t0 + j + m`.
-        unsafe {
-            match m {
-                4 => by_kind::<4>(w, tile, a, t0 + j, o),
-                3 => by_kind::<3>(w, tile, a, t0 + j, o),
-                2 => by_kind::<2>(w, tile, a, t0 + j, o),
-                _ => by_kind::<1>(w, tile, a, t0 + j, o),
-            }
-        }
-        j += m;
-    }
+    assert!(out.len() >= nt * TILE_ROWS);
+    let base = out.as_mut_ptr();
+    // SAFETY: the same contract; token `j`'s 16 values go to `out[16j..16j + 16]`, inside `out`
+    // (asserted), and no two tokens share them.
+    unsafe { by_kind(w, tile, a, t0, nt, &|j| base.add(j * TILE_ROWS)) }
 }
 
+/// [`tile_avx512vnni`] with each token's 16 values stored straight into its own output row:
+/// `rows[j][r0..r0 + 16]`.
+///
+/// # Safety
+/// As [`tile_avx512vnni`], with `rows.len()` tokens, each row holding at least `r0 + 16` values
+/// (a whole tile).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-unsafe fn by_kind<const NT: usize>(w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize, out: &mut [f32]) {
+pub unsafe fn tile_avx512vnni_rows(
+    w: &KPackedMatrix,
+    tile: usize,
+    a: &KActs,
+    t0: usize,
+    rows: &mut [&mut [f32]],
+    r0: usize,
+) {
+    assert!(rows.iter().all(|r| r.len() >= r0 + TILE_ROWS));
+    let ptrs: Vec<*mut f32> = rows.iter_mut().map(|r| r.as_mut_ptr()).collect();
+    // SAFETY: token `j`'s 16 values go to `rows[j][r0..r0 + 16]`, inside the row (asserted);
+    // the rows are distinct slices.
+    unsafe { by_kind(w, tile, a, t0, rows.len(), &|j| ptrs[j].add(r0)) }
+}
+
+/// `dst(j)` for `j < nt` is valid for reading and writing 16 f32s, distinct for distinct `j`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn by_kind(w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize, nt: usize, dst: &impl Fn(usize) -> *mut f32) {
     // SAFETY: the caller's contract; each inner loop checks its own shapes.
     unsafe {
         match w.kind {
-            KKind::Q2K => tile_k::<K_Q2K, NT>(w, tile, a, t0, out),
-            KKind::Q3K => tile_k::<K_Q3K, NT>(w, tile, a, t0, out),
-            KKind::Q4K => tile_k::<K_Q4K, NT>(w, tile, a, t0, out),
-            KKind::Q5K => tile_k::<K_Q5K, NT>(w, tile, a, t0, out),
-            KKind::Q6K => tile_k::<K_Q6K, NT>(w, tile, a, t0, out),
+            KKind::Q2K => tile_k::<K_Q2K>(w, tile, a, t0, nt, dst),
+            KKind::Q3K => tile_k::<K_Q3K>(w, tile, a, t0, nt, dst),
+            KKind::Q4K => tile_k::<K_Q4K>(w, tile, a, t0, nt, dst),
+            KKind::Q5K => tile_k::<K_Q5K>(w, tile, a, t0, nt, dst),
+            KKind::Q6K => tile_k::<K_Q6K>(w, tile, a, t0, nt, dst),
         }
     }
 }
@@ -83,13 +101,246 @@ fn same(x: __m512i) -> __m512i {
     x
 }
 
+/// The byte masks the unpacking uses.
+#[derive(Clone, Copy)]
+struct Masks {
+    m0f: __m512i,
+    m03: __m512i,
+    m04: __m512i,
+    m10: __m512i,
+    m30: __m512i,
+}
+
+impl Masks {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn new() -> Self {
+        Self {
+            m0f: _mm512_set1_epi8(0x0F),
+            m03: _mm512_set1_epi8(0x03),
+            m04: _mm512_set1_epi8(0x04),
+            m10: _mm512_set1_epi8(0x10),
+            m30: _mm512_set1_epi8(0x30),
+        }
+    }
+}
+
+/// Group `g`'s chunks of record `r`, unpacked to unsigned weight bytes: `feed(k, w)` for each
+/// chunk `k` of the group, in order.
+///
+/// # Safety
+/// `r` points at a whole record of `KIND`.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-unsafe fn tile_k<const KIND: u8, const NT: usize>(
+unsafe fn unpack_group<const KIND: u8>(r: *const u8, g: usize, mk: Masks, mut feed: impl FnMut(usize, __m512i)) {
+    let kind = kind_of::<KIND>();
+    let Masks { m0f, m03, m04, m10, m30 } = mk;
+    // SAFETY: every offset below is inside the record (the layout of `kind`, see kpacked.rs).
+    unsafe {
+        let base = r.add(kind.base_off());
+        let high = r.add(kind.high_off());
+        match kind {
+            KKind::Q4K | KKind::Q5K => {
+                // Group g: chunks 8g..8g+8, base blocks 4g..4g+4, 1-bit block g (Q5_K).
+                let h = if kind == KKind::Q5K {
+                    _mm512_loadu_si512(high.add(64 * g) as *const _)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                // `$lo`/`$hi` move chunk 2i's / 2i+1's high bit (bits 2i, 2i+1) to bit 4.
+                macro_rules! pair {
+                    ($i:literal, $lo:expr, $hi:expr) => {{
+                        let x = _mm512_loadu_si512(base.add(64 * (4 * g + $i)) as *const _);
+                        let mut lo = _mm512_and_si512(x, m0f);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m0f);
+                        if kind == KKind::Q5K {
+                            lo = _mm512_or_si512(lo, _mm512_and_si512($lo(h), m10));
+                            hi = _mm512_or_si512(hi, _mm512_and_si512($hi(h), m10));
+                        }
+                        feed(8 * g + 2 * $i, lo);
+                        feed(8 * g + 2 * $i + 1, hi);
+                    }};
+                }
+                pair!(0, shl::<4>, shl::<3>);
+                pair!(1, shl::<2>, shl::<1>);
+                pair!(2, same, shr::<1>);
+                pair!(3, shr::<2>, shr::<3>);
+            }
+            KKind::Q6K => {
+                // Group g: chunks 4g..4g+4, base blocks 2g, 2g+1, 2-bit block g.
+                let h = _mm512_loadu_si512(high.add(64 * g) as *const _);
+                let x0 = _mm512_loadu_si512(base.add(64 * (2 * g)) as *const _);
+                let x1 = _mm512_loadu_si512(base.add(64 * (2 * g + 1)) as *const _);
+                let w0 = _mm512_or_si512(_mm512_and_si512(x0, m0f), _mm512_and_si512(shl::<4>(h), m30));
+                feed(4 * g, w0);
+                let w1 = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(x0), m0f),
+                    _mm512_and_si512(shl::<2>(h), m30),
+                );
+                feed(4 * g + 1, w1);
+                let w2 = _mm512_or_si512(_mm512_and_si512(x1, m0f), _mm512_and_si512(h, m30));
+                feed(4 * g + 2, w2);
+                let w3 = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(x1), m0f),
+                    _mm512_and_si512(shr::<2>(h), m30),
+                );
+                feed(4 * g + 3, w3);
+            }
+            KKind::Q2K | KKind::Q3K => {
+                // Group g: chunks 4g..4g+4, 2-bit block g; Q3_K: 1-bit block g/2, bits
+                // 4(g%2)..4(g%2)+4.
+                let x = _mm512_loadu_si512(base.add(64 * g) as *const _);
+                let b0 = _mm512_and_si512(x, m03);
+                let b1 = _mm512_and_si512(_mm512_srli_epi16::<2>(x), m03);
+                let b2 = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m03);
+                let b3 = _mm512_and_si512(_mm512_srli_epi16::<6>(x), m03);
+                if kind == KKind::Q3K {
+                    let h = _mm512_loadu_si512(high.add(64 * (g / 2)) as *const _);
+                    let hb = |v: __m512i| _mm512_and_si512(v, m04);
+                    let (h0, h1, h2, h3) = if g % 2 == 0 {
+                        (hb(shl::<2>(h)), hb(shl::<1>(h)), hb(h), hb(shr::<1>(h)))
+                    } else {
+                        (hb(shr::<2>(h)), hb(shr::<3>(h)), hb(shr::<4>(h)), hb(shr::<5>(h)))
+                    };
+                    feed(4 * g, _mm512_or_si512(b0, h0));
+                    feed(4 * g + 1, _mm512_or_si512(b1, h1));
+                    feed(4 * g + 2, _mm512_or_si512(b2, h2));
+                    feed(4 * g + 3, _mm512_or_si512(b3, h3));
+                } else {
+                    feed(4 * g, b0);
+                    feed(4 * g + 1, b1);
+                    feed(4 * g + 2, b2);
+                    feed(4 * g + 3, b3);
+                }
+            }
+        }
+    }
+}
+
+/// Group `g`'s scales as 16 i32 lanes, and for Q2_K its minimums.
+///
+/// # Safety
+/// `r` points at a whole record of `KIND`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn group_scales<const KIND: u8>(r: *const u8, g: usize) -> (__m512i, __m512i) {
+    let kind = kind_of::<KIND>();
+    // SAFETY: the scales of group `g` are 16 bytes inside the record.
+    let sc_bytes = unsafe { _mm_loadu_si128(r.add(kind.scales_off() + 16 * g) as *const _) };
+    match kind {
+        KKind::Q3K | KKind::Q6K => (_mm512_cvtepi8_epi32(sc_bytes), _mm512_setzero_si512()),
+        KKind::Q2K => {
+            let v = _mm512_cvtepu8_epi32(sc_bytes);
+            (_mm512_and_si512(v, _mm512_set1_epi32(0xF)), _mm512_srli_epi32::<4>(v))
+        }
+        _ => (_mm512_cvtepu8_epi32(sc_bytes), _mm512_setzero_si512()),
+    }
+}
+
+/// Where a super-block's unpacked weights come from.
+enum Weights<'a> {
+    /// Unpacked from the record as they are used.
+    Record,
+    /// Already unpacked: chunk `k` at `[k]`.
+    Buffer(&'a [__m512i; 64]),
+}
+
+/// One super-block (record `r`) for `NT` tokens (activation super-blocks `ab[j]`): the integer
+/// sums, then `acc[j]`'s two fused multiply-adds, in the reference's order.
+///
+/// # Safety
+/// `r` points at a whole record of `KIND`; `ab[j]` are super-blocks inside `a`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn superblock<const KIND: u8, const NT: usize>(
+    r: *const u8,
+    a: &KActs,
+    ab: [usize; NT],
+    mk: Masks,
+    wts: &Weights<'_>,
+    acc: &mut [__m512; NT],
+) {
+    let kind = kind_of::<KIND>();
+    let gsz = kind.group();
+    // SAFETY: activation reads are inside token super-blocks `ab[j]` (the caller's contract),
+    // record reads inside `r`'s record.
+    unsafe {
+        let q: [*const u8; NT] = std::array::from_fn(|j| a.qs.as_ptr().add(ab[j] * SB) as *const u8);
+        let word = |j: usize, k: usize| _mm512_set1_epi32((q[j].add(4 * k) as *const i32).read_unaligned());
+        let mut si = [_mm512_setzero_si512(); NT];
+        let mut sm = [_mm512_setzero_si512(); NT];
+        for g in 0..kind.groups() {
+            // Two accumulators per token (even and odd chunks): `vpdpbusd` has a latency of
+            // several cycles, and one chain per token would leave the units idle.
+            let mut even = [_mm512_setzero_si512(); NT];
+            let mut odd = [_mm512_setzero_si512(); NT];
+            let mut feed = |k: usize, wv: __m512i| {
+                let dot = if k.is_multiple_of(2) { &mut even } else { &mut odd };
+                for (j, d) in dot.iter_mut().enumerate() {
+                    *d = _mm512_dpbusd_epi32(*d, wv, word(j, k));
+                }
+            };
+            match wts {
+                Weights::Record => unpack_group::<KIND>(r, g, mk, &mut feed),
+                Weights::Buffer(buf) => {
+                    for k in g * gsz / 4..(g + 1) * gsz / 4 {
+                        feed(k, buf[k]);
+                    }
+                }
+            }
+            let (sc, q2k_min) = group_scales::<KIND>(r, g);
+            for j in 0..NT {
+                let mut dj = _mm512_add_epi32(even[j], odd[j]);
+                if kind.offset() != 0 {
+                    let s = *a.bs16.get_unchecked(16 * ab[j] + g) as i32;
+                    dj = _mm512_sub_epi32(dj, _mm512_set1_epi32(kind.offset() * s));
+                }
+                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(dj, sc));
+            }
+            if kind == KKind::Q2K {
+                for j in 0..NT {
+                    let s = *a.bs16.get_unchecked(16 * ab[j] + g) as i32;
+                    sm[j] = _mm512_add_epi32(sm[j], _mm512_mullo_epi32(q2k_min, _mm512_set1_epi32(s)));
+                }
+            }
+        }
+        if kind.mins_bytes() > 0 {
+            // Q4_K/Q5_K: minimums in group pairs, i16 pairs against the pair's activation sums.
+            for p in 0..kind.groups() / 2 {
+                let m16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(r.add(kind.mins_off() + 32 * p) as *const _));
+                for j in 0..NT {
+                    let pair = (a.bs32.as_ptr().add(8 * ab[j] + 2 * p) as *const i32).read_unaligned();
+                    sm[j] = _mm512_dpwssd_epi32(sm[j], m16, _mm512_set1_epi32(pair));
+                }
+            }
+        }
+        let dv = _mm512_cvtph_ps(_mm256_loadu_si256(r as *const _));
+        for j in 0..NT {
+            let fd = _mm512_mul_ps(dv, _mm512_set1_ps(*a.d.get_unchecked(ab[j])));
+            acc[j] = _mm512_fmadd_ps(fd, _mm512_cvtepi32_ps(si[j]), acc[j]);
+        }
+        if kind.has_min() {
+            let dm = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(kind.dmin_off()) as *const _));
+            for j in 0..NT {
+                let fm = _mm512_mul_ps(dm, _mm512_set1_ps(*a.d.get_unchecked(ab[j])));
+                acc[j] = _mm512_fnmadd_ps(fm, _mm512_cvtepi32_ps(sm[j]), acc[j]);
+            }
+        }
+    }
+}
+
+/// Tile `tile` for tokens `t0..t0 + nt`, token `j`'s 16 results to `dst(j)`.
+///
+/// # Safety
+/// As [`by_kind`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn tile_k<const KIND: u8>(
     w: &KPackedMatrix,
     tile: usize,
     a: &KActs,
     t0: usize,
-    out: &mut [f32],
+    nt: usize,
+    dst: &impl Fn(usize) -> *mut f32,
 ) {
     let kind = kind_of::<KIND>();
     let sbs = w.superblocks();
@@ -98,166 +349,162 @@ unsafe fn tile_k<const KIND: u8, const NT: usize>(
     assert!(
         w.kind == kind
             && data.len() == sbs * rec
-            && out.len() >= NT * TILE_ROWS
             && a.cols == w.cols
-            && a.qs.len() >= (t0 + NT) * w.cols
-            && a.d.len() >= (t0 + NT) * sbs
-            && a.bs16.len() >= (t0 + NT) * sbs * 16
-            && a.bs32.len() >= (t0 + NT) * sbs * 8
+            && a.qs.len() >= (t0 + nt) * w.cols
+            && a.d.len() >= (t0 + nt) * sbs
+            && a.bs16.len() >= (t0 + nt) * sbs * 16
+            && a.bs32.len() >= (t0 + nt) * sbs * 8
     );
-    // SAFETY: see the pointer reads below; the intrinsics' features are this function's.
+    let mk = Masks::new();
+    // SAFETY: record `b` of this tile is `data[b * rec..(b + 1) * rec]` (asserted length);
+    // activation super-blocks `(t0 + j) * sbs + b` exist for `j < nt` (asserted); `dst(j)` is
+    // the caller's contract.
     unsafe {
-        let m0f = _mm512_set1_epi8(0x0F);
-        let m03 = _mm512_set1_epi8(0x03);
-        let m04 = _mm512_set1_epi8(0x04);
-        let m10 = _mm512_set1_epi8(0x10);
-        let m30 = _mm512_set1_epi8(0x30);
-        let mut acc = [_mm512_setzero_ps(); NT];
+        if nt < BUFFER_FROM {
+            let mut j = 0;
+            while j < nt {
+                let m = (nt - j).min(MAX_NT);
+                match m {
+                    4 => streamed::<KIND, 4>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                    3 => streamed::<KIND, 3>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                    2 => streamed::<KIND, 2>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                    _ => streamed::<KIND, 1>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                }
+                j += m;
+            }
+            return;
+        }
+        for j in 0..nt {
+            _mm512_storeu_ps(dst(j), _mm512_setzero_ps());
+        }
+        let mut buf = [_mm512_setzero_si512(); 64];
         for b in 0..sbs {
-            // SAFETY (all pointer reads below): `r` is record `b` of this tile (`rec` bytes, the
-            // offsets come from `kind`'s layout and stay inside it); activation reads are inside
-            // token `t0 + j`'s super-block `b` (sizes asserted above).
             let r = data.as_ptr().add(b * rec);
-            let ab: [usize; NT] = std::array::from_fn(|j| (t0 + j) * sbs + b);
-            let q: [*const u8; NT] = std::array::from_fn(|j| a.qs.as_ptr().add(ab[j] * SB) as *const u8);
-            let word = |j: usize, k: usize| _mm512_set1_epi32((q[j].add(4 * k) as *const i32).read_unaligned());
-            let mut si = [_mm512_setzero_si512(); NT];
-            let mut sm = [_mm512_setzero_si512(); NT];
             for g in 0..kind.groups() {
-                // Two accumulators per token (even and odd chunks): `vpdpbusd` has a latency of
-                // several cycles, and one chain per token would leave the units idle.
-                let mut even = [_mm512_setzero_si512(); NT];
-                let mut odd = [_mm512_setzero_si512(); NT];
-                let mut feed = |k: usize, wv: __m512i| {
-                    let dot = if k.is_multiple_of(2) { &mut even } else { &mut odd };
-                    for (j, d) in dot.iter_mut().enumerate() {
-                        *d = _mm512_dpbusd_epi32(*d, wv, word(j, k));
-                    }
-                };
-                let base = r.add(kind.base_off());
-                let high = r.add(kind.high_off());
-                match kind {
-                    KKind::Q4K | KKind::Q5K => {
-                        // Group g: chunks 8g..8g+8, base blocks 4g..4g+4, 1-bit block g (Q5_K).
-                        let h = if kind == KKind::Q5K {
-                            _mm512_loadu_si512(high.add(64 * g) as *const _)
-                        } else {
-                            _mm512_setzero_si512()
-                        };
-                        // `$lo`/`$hi` move chunk 2i's / 2i+1's high bit (bits 2i, 2i+1) to bit 4.
-                        macro_rules! pair {
-                            ($i:literal, $lo:expr, $hi:expr) => {{
-                                let x = _mm512_loadu_si512(base.add(64 * (4 * g + $i)) as *const _);
-                                let mut lo = _mm512_and_si512(x, m0f);
-                                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m0f);
-                                if kind == KKind::Q5K {
-                                    lo = _mm512_or_si512(lo, _mm512_and_si512($lo(h), m10));
-                                    hi = _mm512_or_si512(hi, _mm512_and_si512($hi(h), m10));
-                                }
-                                feed(8 * g + 2 * $i, lo);
-                                feed(8 * g + 2 * $i + 1, hi);
-                            }};
-                        }
-                        pair!(0, shl::<4>, shl::<3>);
-                        pair!(1, shl::<2>, shl::<1>);
-                        pair!(2, same, shr::<1>);
-                        pair!(3, shr::<2>, shr::<3>);
-                    }
-                    KKind::Q6K => {
-                        // Group g: chunks 4g..4g+4, base blocks 2g, 2g+1, 2-bit block g.
-                        let h = _mm512_loadu_si512(high.add(64 * g) as *const _);
-                        let x0 = _mm512_loadu_si512(base.add(64 * (2 * g)) as *const _);
-                        let x1 = _mm512_loadu_si512(base.add(64 * (2 * g + 1)) as *const _);
-                        let w0 = _mm512_or_si512(_mm512_and_si512(x0, m0f), _mm512_and_si512(shl::<4>(h), m30));
-                        feed(4 * g, w0);
-                        let w1 = _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(x0), m0f),
-                            _mm512_and_si512(shl::<2>(h), m30),
-                        );
-                        feed(4 * g + 1, w1);
-                        let w2 = _mm512_or_si512(_mm512_and_si512(x1, m0f), _mm512_and_si512(h, m30));
-                        feed(4 * g + 2, w2);
-                        let w3 = _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(x1), m0f),
-                            _mm512_and_si512(shr::<2>(h), m30),
-                        );
-                        feed(4 * g + 3, w3);
-                    }
-                    KKind::Q2K | KKind::Q3K => {
-                        // Group g: chunks 4g..4g+4, 2-bit block g; Q3_K: 1-bit block g/2, bits
-                        // 4(g%2)..4(g%2)+4.
-                        let x = _mm512_loadu_si512(base.add(64 * g) as *const _);
-                        let b0 = _mm512_and_si512(x, m03);
-                        let b1 = _mm512_and_si512(_mm512_srli_epi16::<2>(x), m03);
-                        let b2 = _mm512_and_si512(_mm512_srli_epi16::<4>(x), m03);
-                        let b3 = _mm512_and_si512(_mm512_srli_epi16::<6>(x), m03);
-                        if kind == KKind::Q3K {
-                            let h = _mm512_loadu_si512(high.add(64 * (g / 2)) as *const _);
-                            let hb = |v: __m512i| _mm512_and_si512(v, m04);
-                            let (h0, h1, h2, h3) = if g % 2 == 0 {
-                                (hb(shl::<2>(h)), hb(shl::<1>(h)), hb(h), hb(shr::<1>(h)))
-                            } else {
-                                (hb(shr::<2>(h)), hb(shr::<3>(h)), hb(shr::<4>(h)), hb(shr::<5>(h)))
-                            };
-                            feed(4 * g, _mm512_or_si512(b0, h0));
-                            feed(4 * g + 1, _mm512_or_si512(b1, h1));
-                            feed(4 * g + 2, _mm512_or_si512(b2, h2));
-                            feed(4 * g + 3, _mm512_or_si512(b3, h3));
-                        } else {
-                            feed(4 * g, b0);
-                            feed(4 * g + 1, b1);
-                            feed(4 * g + 2, b2);
-                            feed(4 * g + 3, b3);
-                        }
-                    }
-                }
-                let sc_bytes = _mm_loadu_si128(r.add(kind.scales_off() + 16 * g) as *const _);
-                let sc = match kind {
-                    KKind::Q3K | KKind::Q6K => _mm512_cvtepi8_epi32(sc_bytes),
-                    KKind::Q2K => _mm512_and_si512(_mm512_cvtepu8_epi32(sc_bytes), _mm512_set1_epi32(0xF)),
-                    _ => _mm512_cvtepu8_epi32(sc_bytes),
-                };
-                for j in 0..NT {
-                    let mut dj = _mm512_add_epi32(even[j], odd[j]);
-                    if kind.offset() != 0 {
-                        let s = *a.bs16.get_unchecked(16 * ab[j] + g) as i32;
-                        dj = _mm512_sub_epi32(dj, _mm512_set1_epi32(kind.offset() * s));
-                    }
-                    si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(dj, sc));
-                }
-                if kind == KKind::Q2K {
-                    let m = _mm512_srli_epi32::<4>(_mm512_cvtepu8_epi32(sc_bytes));
-                    for j in 0..NT {
-                        let s = *a.bs16.get_unchecked(16 * ab[j] + g) as i32;
-                        sm[j] = _mm512_add_epi32(sm[j], _mm512_mullo_epi32(m, _mm512_set1_epi32(s)));
-                    }
-                }
+                unpack_group::<KIND>(r, g, mk, |k, wv| buf[k] = wv);
             }
-            if kind.mins_bytes() > 0 {
-                // Q4_K/Q5_K: minimums in group pairs, i16 pairs against the pair's activation sums.
-                for p in 0..kind.groups() / 2 {
-                    let m16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(r.add(kind.mins_off() + 32 * p) as *const _));
-                    for j in 0..NT {
-                        let pair = (a.bs32.as_ptr().add(8 * ab[j] + 2 * p) as *const i32).read_unaligned();
-                        sm[j] = _mm512_dpwssd_epi32(sm[j], m16, _mm512_set1_epi32(pair));
-                    }
+            let wts = Weights::Buffer(&buf);
+            let mut j = 0;
+            while j < nt {
+                let m = (nt - j).min(MAX_NT);
+                match m {
+                    4 => buffered::<KIND, 4>(r, a, t0 + j, sbs, b, mk, &wts, |i| dst(j + i)),
+                    3 => buffered::<KIND, 3>(r, a, t0 + j, sbs, b, mk, &wts, |i| dst(j + i)),
+                    2 => buffered::<KIND, 2>(r, a, t0 + j, sbs, b, mk, &wts, |i| dst(j + i)),
+                    _ => buffered::<KIND, 1>(r, a, t0 + j, sbs, b, mk, &wts, |i| dst(j + i)),
                 }
-            }
-            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(r as *const _));
-            for j in 0..NT {
-                let fd = _mm512_mul_ps(dv, _mm512_set1_ps(*a.d.get_unchecked(ab[j])));
-                acc[j] = _mm512_fmadd_ps(fd, _mm512_cvtepi32_ps(si[j]), acc[j]);
-            }
-            if kind.has_min() {
-                let dm = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(kind.dmin_off()) as *const _));
-                for j in 0..NT {
-                    let fm = _mm512_mul_ps(dm, _mm512_set1_ps(*a.d.get_unchecked(ab[j])));
-                    acc[j] = _mm512_fnmadd_ps(fm, _mm512_cvtepi32_ps(sm[j]), acc[j]);
-                }
+                j += m;
             }
         }
+    }
+}
+
+/// `NT` tokens from `t0` over every super-block, unpacking as they go; accumulators in
+/// registers, stored once at the end.
+///
+/// # Safety
+/// As [`tile_k`] (its assertions hold for these tokens).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn streamed<const KIND: u8, const NT: usize>(
+    data: *const u8,
+    rec: usize,
+    sbs: usize,
+    a: &KActs,
+    t0: usize,
+    mk: Masks,
+    dst: impl Fn(usize) -> *mut f32,
+) {
+    let mut acc = [_mm512_setzero_ps(); NT];
+    // SAFETY: the caller's contract.
+    unsafe {
+        for b in 0..sbs {
+            let ab: [usize; NT] = std::array::from_fn(|j| (t0 + j) * sbs + b);
+            superblock::<KIND, NT>(data.add(b * rec), a, ab, mk, &Weights::Record, &mut acc);
+        }
         for (j, v) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add(j * TILE_ROWS), *v);
+            _mm512_storeu_ps(dst(j), *v);
+        }
+    }
+}
+
+/// `NT` tokens from `t0`, super-block `b` from already unpacked weights; accumulators loaded
+/// from and stored to `dst`.
+///
+/// # Safety
+/// As [`tile_k`] (its assertions hold for these tokens).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn buffered<const KIND: u8, const NT: usize>(
+    r: *const u8,
+    a: &KActs,
+    t0: usize,
+    sbs: usize,
+    b: usize,
+    mk: Masks,
+    wts: &Weights<'_>,
+    dst: impl Fn(usize) -> *mut f32,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut acc: [__m512; NT] = std::array::from_fn(|j| _mm512_loadu_ps(dst(j)));
+        let ab: [usize; NT] = std::array::from_fn(|j| (t0 + j) * sbs + b);
+        superblock::<KIND, NT>(r, a, ab, mk, wts, &mut acc);
+        for (j, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(dst(j), *v);
+        }
+    }
+}
+
+/// Q8_K quantization of whole super-blocks (`kpacked::quantize_rows_body`, bit for bit): the
+/// value of largest magnitude (the first such, as the scalar loop finds it), `q` rounded to
+/// nearest even by `vcvtps2dq`, capped at 127, and the sums of each 16 values.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL; the slices hold exactly `x.len() / 256` super-blocks
+/// (asserted by the caller).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub unsafe fn quantize_rows_avx512(x: &[f32], o: super::kpacked::KActsOut<'_>) {
+    let super::kpacked::KActsOut { qs, d, bs16, bs32 } = o;
+    for (i, (xb, qb)) in x.chunks_exact(SB).zip(qs.chunks_exact_mut(SB)).enumerate() {
+        // SAFETY: `xb` holds 256 values, `qb` 256 bytes: 16 loads and stores of 16 each.
+        unsafe {
+            let v: [__m512; 16] = std::array::from_fn(|c| _mm512_loadu_ps(xb.as_ptr().add(16 * c)));
+            let mut amax = _mm512_setzero_ps();
+            for vc in &v {
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(*vc));
+            }
+            let amax = _mm512_reduce_max_ps(amax);
+            if amax == 0.0 {
+                qb.fill(0);
+                d[i] = 0.0;
+                bs16[16 * i..16 * i + 16].fill(0);
+                bs32[8 * i..8 * i + 8].fill(0);
+                continue;
+            }
+            // The first value whose magnitude is `amax` (the scalar loop keeps the first).
+            let target = _mm512_set1_ps(amax);
+            let mut max = amax;
+            for (c, vc) in v.iter().enumerate() {
+                let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(*vc), target);
+                if hit != 0 {
+                    max = xb[16 * c + hit.trailing_zeros() as usize];
+                    break;
+                }
+            }
+            let iscale = -127.0 / max;
+            let is = _mm512_set1_ps(iscale);
+            let cap = _mm512_set1_epi32(127);
+            for (c, vc) in v.iter().enumerate() {
+                let q = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(is, *vc)), cap);
+                _mm_storeu_si128(qb.as_mut_ptr().add(16 * c) as *mut __m128i, _mm512_cvtepi32_epi8(q));
+                bs16[16 * i + c] = _mm512_reduce_add_epi32(q) as i16;
+            }
+            for g in 0..8 {
+                bs32[8 * i + g] = bs16[16 * i + 2 * g] + bs16[16 * i + 2 * g + 1];
+            }
+            d[i] = 1.0 / iscale;
         }
     }
 }
