@@ -192,6 +192,13 @@ pub struct Limits {
     pub max_new_tokens: usize,
     /// Longest prompt or message accepted, in bytes (checked before tokenizing).
     pub max_prompt_bytes: usize,
+    /// Connections to the socket one uid may hold open (each client holds about three: its
+    /// own and two for callbacks); more are closed at once. Admin uids are not capped.
+    pub max_connections_per_uid: usize,
+    /// Connections to the socket in all; 0 = what `RLIMIT_NOFILE` leaves room for (the soft
+    /// limit less max(32, limit / 8)), which also bounds a set value. Admins may go past it,
+    /// up to the limit less 16.
+    pub max_connections: usize,
 }
 
 impl Default for Limits {
@@ -204,6 +211,8 @@ impl Default for Limits {
             max_prompt_tokens: 4096,
             max_new_tokens: 4096,
             max_prompt_bytes: 256 * 1024,
+            max_connections_per_uid: 32,
+            max_connections: 0,
         }
     }
 }
@@ -323,6 +332,7 @@ impl Config {
             ("max_prompt_tokens", l.max_prompt_tokens),
             ("max_new_tokens", l.max_new_tokens),
             ("max_prompt_bytes", l.max_prompt_bytes),
+            ("max_connections_per_uid", l.max_connections_per_uid),
         ] {
             if v == 0 {
                 return bad(format!("limits.{name} must be at least 1"));

@@ -21,7 +21,8 @@
 //!    and `outbox` (each request's callbacks); it reaches models and sessions only through its
 //!    `Engine` trait, and Binder clients through the outbox's `Sink`.
 //! 7. `policy` (pure rules, clock injected), then the leaves: `error` (the one error → code
-//!    map), `config`, `permission`, `residency`, `models`.
+//!    map), `config`, `permission`, `residency`, `models`, `connections` (the socket's accept
+//!    loop and its per-uid connection caps).
 //!
 //! Every Binder method guards (caller identity, permission or ownership), calls a private
 //! method, and maps its error in one place (`ServiceError::into_status`).
@@ -29,6 +30,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod connections;
 pub mod conversation;
 pub mod error;
 pub mod models;

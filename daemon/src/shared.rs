@@ -24,6 +24,8 @@ pub struct Shared {
     next_session: AtomicU64,
     /// Admission and the engine worker's queue.
     pub scheduler: Scheduler<Turn>,
+    /// The socket's open connections per uid and their caps (the accept loop's gate).
+    pub connections: Arc<crate::connections::Gate>,
 }
 
 impl Shared {
@@ -52,7 +54,9 @@ impl Shared {
                 residency.event(format!("removed {n} KV spill files a previous run left"));
             }
         }
+        let connections = Arc::new(crate::connections::Gate::from_config(&config));
         Ok(Arc::new(Self {
+            connections,
             config,
             residency,
             history: Mutex::new(history),

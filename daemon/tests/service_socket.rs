@@ -33,11 +33,16 @@ struct Daemon {
 impl Daemon {
     /// Starts llmd on the default model with extra TOML `config` lines.
     fn start(config: &str) -> Self {
-        Self::start_with_umask(config, None)
+        Self::start_after(config, None)
     }
 
     /// [`Self::start`], with the process's umask set first (`Some("000")`).
     fn start_with_umask(config: &str, umask: Option<&str>) -> Self {
+        Self::start_after(config, umask.map(|m| format!("umask {m}")).as_deref())
+    }
+
+    /// [`Self::start`], after a shell command that sets up the process (`"ulimit -n 128"`).
+    fn start_after(config: &str, setup: Option<&str>) -> Self {
         let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         static N: AtomicUsize = AtomicUsize::new(0);
         let dir =
@@ -46,10 +51,10 @@ impl Daemon {
         let socket = dir.join("llmd.sock");
         let cfg = dir.join("llmd.toml");
         std::fs::write(&cfg, config).expect("config written");
-        let mut cmd = match umask {
+        let mut cmd = match setup {
             Some(m) => {
                 let mut c = Command::new("sh");
-                c.args(["-c", "umask \"$0\" && exec \"$@\"", m, env!("CARGO_BIN_EXE_llmd")]);
+                c.args(["-c", &format!("{m} && exec \"$@\""), "sh", env!("CARGO_BIN_EXE_llmd")]);
                 c
             }
             None => Command::new(env!("CARGO_BIN_EXE_llmd")),
@@ -66,6 +71,7 @@ impl Daemon {
             .args(["--kernel-binder", "off", "--threads", "2"])
             .env("LLMD_LOG", "warn")
             .stdin(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("llmd.log")).expect("log file"))
             .spawn()
             .expect("llmd starts");
         let d = Daemon { _turn: turn, child, socket, dir };
@@ -82,10 +88,20 @@ impl Daemon {
     }
 }
 
+impl Daemon {
+    /// What llmd wrote to its standard error so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("llmd.log")).unwrap_or_default()
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- llmd's log ---\n{}--- end of llmd's log ---", self.log());
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -609,4 +625,172 @@ fn sigterm_drains_live_requests_with_a_final_error_and_exits_zero() {
     };
     assert!(status.success(), "llmd exited with {status:?}");
     assert!(!d.socket.exists(), "the socket was left behind");
+}
+
+/// Runs this test binary's [`helper_clients_as_another_uid`] as `uid` (through setpriv), with
+/// the socket and `env` in its environment; its output is piped, and it lives until its
+/// standard input closes (or it is killed: on drop).
+struct Helper(Child);
+
+impl Helper {
+    fn start(uid: u32, socket: &std::path::Path, env: &[(&str, &str)]) -> Self {
+        let exe = std::env::current_exe().expect("the test binary");
+        let mut c = Command::new("setpriv");
+        c.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups"])
+            .arg(exe)
+            .args(["--ignored", "--exact", "helper_clients_as_another_uid", "--nocapture", "--test-threads", "1"])
+            .env("LLMD_HELPER_SOCKET", socket)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        Helper(c.spawn().expect("setpriv runs the helper"))
+    }
+
+    /// The helper's report lines (`HELPER ...`), until it prints one starting with `last`, or
+    /// `within` has passed (then what it printed so far).
+    fn report(&mut self, last: &str, within: Duration) -> Vec<String> {
+        use std::io::BufRead;
+        let out = self.0.stdout.take().expect("stdout piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                // libtest may have begun the line ("test helper_... ... ").
+                if let Some((_, l)) = line.split_once("HELPER ") {
+                    if tx.send(l.to_owned()).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let until = Instant::now() + within;
+        let mut lines = Vec::new();
+        while let Ok(l) = rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            let done = l.starts_with(last);
+            lines.push(l);
+            if done {
+                break;
+            }
+        }
+        lines
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Calls `f` on a thread and gives up after `within` (a call to a daemon that no longer
+/// answers would block the test for good).
+fn within<T: Send + 'static>(within: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(within).ok()
+}
+
+/// Not a test of its own: the client side of
+/// `idle_connections_of_one_uid_lock_out_neither_another_uid_nor_an_admin`, run as another uid
+/// by setpriv with `LLMD_HELPER_SOCKET` set (without it, it does nothing). With
+/// `LLMD_HELPER_CLIENTS=N` it opens up to N idle clients one after another, each given 3 s,
+/// stops at the first that fails, prints how many it holds and how that one failed, and holds
+/// them until its standard input closes; with `LLMD_HELPER_STATUS`, it connects once and
+/// prints what `getStatus` says.
+#[test]
+#[ignore = "a helper that another test runs as another uid"]
+fn helper_clients_as_another_uid() {
+    let Some(socket) = std::env::var_os("LLMD_HELPER_SOCKET").map(PathBuf::from) else { return };
+    if std::env::var_os("LLMD_HELPER_STATUS").is_some() {
+        let conn = client::connect(&socket, "llmd").expect("connects");
+        let st = conn.service.getStatus().expect("status");
+        println!("HELPER status sessions_open {}", st.sessionsOpen);
+        return;
+    }
+    let n: usize = std::env::var("LLMD_HELPER_CLIENTS").ok().and_then(|n| n.parse().ok()).unwrap_or(1);
+    let mut held = Vec::new();
+    let mut failure = String::from("none");
+    for _ in 0..n {
+        let (socket, t) = (socket.clone(), Instant::now());
+        match within(Duration::from_secs(3), move || {
+            client::connect(&socket, "llmd").and_then(|c| c.service.listModels().map(|_| c).map_err(|e| e.to_string()))
+        }) {
+            Some(Ok(c)) => held.push(c),
+            Some(Err(e)) => {
+                failure = format!("refused in {} ms: {e}", t.elapsed().as_millis());
+                break;
+            }
+            None => {
+                failure = "no answer in 3 s".into();
+                break;
+            }
+        }
+    }
+    println!("HELPER failure {failure}");
+    println!("HELPER held {}", held.len());
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+}
+
+/// Idle clients of one uid hold at most `limits.max_connections_per_uid` connections (32 by
+/// default; each client holds three): with llmd's descriptors limited to 128, more were
+/// accepted until none was left (~40 clients), after which no one's connection was answered —
+/// not another app's, not an operator's `status`. Now the flooding uid's client over its cap is
+/// refused at once, and another uid and an admin are served.
+#[test]
+fn idle_connections_of_one_uid_lock_out_neither_another_uid_nor_an_admin() {
+    // The socket open to every uid (the daemon decides per connection and call).
+    let d = Daemon::start_after("socket_mode = \"0666\"\n", Some("ulimit -n 128"));
+    let mut flood = Helper::start(65534, &d.socket, &[("LLMD_HELPER_CLIENTS", "60")]);
+    let report = flood.report("held", Duration::from_secs(240));
+    let held: usize = report
+        .iter()
+        .find_map(|l| l.strip_prefix("held "))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the flooding helper did not report: {report:?}"));
+    let failure = report.iter().find_map(|l| l.strip_prefix("failure ")).unwrap_or("-").to_owned();
+    // Another app is served while the flood holds its connections.
+    let mut other = Helper::start(65533, &d.socket, &[("LLMD_HELPER_STATUS", "1")]);
+    let other_said = other.report("status", Duration::from_secs(20));
+    // So is an admin (root: llmd's own uid), in-process.
+    let socket = d.socket.clone();
+    let admin = within(Duration::from_secs(20), move || {
+        let conn = client::connect(&socket, "llmd")?;
+        let dump = conn.admin()?.dumpState().map_err(|e| client::describe(&e))?;
+        conn.service.getStatus().map_err(|e| client::describe(&e))?;
+        Ok::<String, String>(dump)
+    });
+    assert!(
+        other_said.iter().any(|l| l.starts_with("status sessions_open 0")),
+        "uid 65533 was not served while uid 65534 held {held} idle clients (its first failure: {failure}): {other_said:?}"
+    );
+    let dump = match admin {
+        Some(Ok(dump)) => dump,
+        Some(Err(e)) => panic!("an admin's status failed while uid 65534 held {held} idle clients: {e}"),
+        None => panic!("an admin's status got no answer while uid 65534 held {held} idle clients ({failure})"),
+    };
+    // The flood was refused promptly at its cap, not left hanging on a daemon out of descriptors.
+    assert!(failure.starts_with("refused in"), "the client over the cap: {failure}");
+    assert_eq!(held, 10, "32 connections make 10 whole clients of 3");
+    assert!(dump.contains("\n  uid 65534: 30\n"), "{dump}");
+    assert!(d.log().contains("connection refused: uid 65534 has 32 connections open"), "{}", d.log());
+    // Once the flood ends, its uid connects again.
+    drop(flood);
+    let socket = d.socket.clone();
+    let back = within(Duration::from_secs(20), move || {
+        let t = Instant::now();
+        loop {
+            let conn = client::connect(&socket, "llmd").expect("connects");
+            let dump = conn.admin().expect("admin").dumpState().expect("dump");
+            if !dump.contains("uid 65534") || t.elapsed() > Duration::from_secs(10) {
+                return dump;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    })
+    .expect("dump answers");
+    assert!(!back.contains("uid 65534"), "the flood's connections were not given back: {back}");
 }
