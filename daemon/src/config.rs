@@ -199,6 +199,10 @@ pub struct Limits {
     /// limit less max(32, limit / 8)), which also bounds a set value. Admins may go past it,
     /// up to the limit less 16.
     pub max_connections: usize,
+    /// A session unused for this long (no call of its owner's on it, no request running) is
+    /// closed and its KV memory freed; its owner's next call on it gets `SESSION_CLOSED`
+    /// saying so. Checked every quarter of it (at most every 10 s). 0 = never.
+    pub session_idle_timeout_s: u64,
 }
 
 impl Default for Limits {
@@ -213,6 +217,7 @@ impl Default for Limits {
             max_prompt_bytes: 256 * 1024,
             max_connections_per_uid: 32,
             max_connections: 0,
+            session_idle_timeout_s: 600,
         }
     }
 }

@@ -23,6 +23,8 @@ pub enum ServiceError {
     Cancelled,
     #[error("session is closed or not yours")]
     SessionClosed,
+    #[error("session closed after {idle_s} s unused (limits.session_idle_timeout_s); open a new one")]
+    SessionIdle { idle_s: u64 },
     #[error("model {id:?} failed to load: {reason}")]
     ModelLoadFailed { id: String, reason: String },
     #[error("internal error: {0}")]
@@ -42,7 +44,7 @@ impl ServiceError {
             Self::RequestTooLarge(_) => ErrorCode::REQUEST_TOO_LARGE,
             Self::Busy(_) => ErrorCode::BUSY,
             Self::Cancelled => ErrorCode::CANCELLED,
-            Self::SessionClosed => ErrorCode::SESSION_CLOSED,
+            Self::SessionClosed | Self::SessionIdle { .. } => ErrorCode::SESSION_CLOSED,
             Self::ModelLoadFailed { .. } => ErrorCode::MODEL_LOAD_FAILED,
             Self::Internal(_) => ErrorCode::INTERNAL,
             Self::DeadlineExceeded(_) => ErrorCode::DEADLINE_EXCEEDED,

@@ -12,8 +12,8 @@
 //!    (admission, a death recipient, the job queued).
 //! 3. `pressure` — the memory-pressure response (shed idle KV, evict, reload, prefetch).
 //! 4. `shared` — `Shared`, the state the above share: config, residency, open sessions, the
-//!    scheduler handle; opening, closing and model acquisition. It knows nothing of Binder
-//!    objects or pressure.
+//!    scheduler handle; opening, closing (idle sessions too) and model acquisition. It knows
+//!    nothing of Binder objects or pressure.
 //! 5. `conversation` — a session's context (the engine's `Sequence` handle of it, its tokens and
 //!    messages: the only place the handle is used) and `ModelEngine`, the scheduler's `Engine`
 //!    over models.

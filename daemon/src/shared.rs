@@ -13,6 +13,7 @@ use llmd_engine::Model;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 pub struct Shared {
     pub config: Config,
@@ -55,7 +56,7 @@ impl Shared {
             }
         }
         let connections = Arc::new(crate::connections::Gate::from_config(&config));
-        Ok(Arc::new(Self {
+        let shared = Arc::new(Self {
             connections,
             config,
             residency,
@@ -63,7 +64,47 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),
             scheduler,
-        }))
+        });
+        shared.spawn_idle_sweep()?;
+        Ok(shared)
+    }
+
+    /// With `session_idle_timeout_s`, starts the `llmd-idle` thread: every quarter of the
+    /// timeout (at least 100 ms, at most 10 s) it closes the sessions gone unused that long
+    /// ([`Self::close_idle_sessions`]), until the shared state is gone.
+    fn spawn_idle_sweep(self: &Arc<Self>) -> std::io::Result<()> {
+        let timeout = Duration::from_secs(self.config.limits.session_idle_timeout_s);
+        if timeout.is_zero() {
+            return Ok(());
+        }
+        let every = (timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(10));
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new().name("llmd-idle".into()).spawn(move || loop {
+            std::thread::sleep(every);
+            match weak.upgrade() {
+                Some(s) => {
+                    s.close_idle_sessions(timeout);
+                }
+                None => return,
+            }
+        })?;
+        Ok(())
+    }
+
+    /// Closes every session unused for `timeout` with no request running, its KV memory
+    /// freed (its owner's next call gets `SESSION_CLOSED`, saying why). Returns how many.
+    pub fn close_idle_sessions(&self, timeout: Duration) -> usize {
+        let mut n = 0;
+        for s in self.session_list() {
+            if s.idle_for() < timeout {
+                continue;
+            }
+            if let Some(bytes) = s.expire(timeout) {
+                n += 1;
+                self.close_session(s.id, &format!("unused for {} s ({bytes} bytes of KV freed)", timeout.as_secs()));
+            }
+        }
+        n
     }
 
     /// Loads pinned models, then (with `load_at_start`) every other model the budget has room

@@ -794,3 +794,51 @@ fn idle_connections_of_one_uid_lock_out_neither_another_uid_nor_an_admin() {
     .expect("dump answers");
     assert!(!back.contains("uid 65534"), "the flood's connections were not given back: {back}");
 }
+
+/// A session its client holds but no longer uses (a stopped app) is closed after
+/// `limits.session_idle_timeout_s` and its KV memory freed, while a session in use stays; the
+/// owner of the closed one is told why when it comes back. Before, nothing closed it: a
+/// stopped client held its session slots and KV memory for as long as it lived.
+#[test]
+fn a_session_left_unused_is_closed_and_its_kv_freed_while_one_in_use_stays() {
+    let d = Daemon::start("[limits]\nsession_idle_timeout_s = 2\n");
+    let conn = d.connect();
+    let idle = session(&conn);
+    assert!(run(&idle, &greedy("The capital of France is", 8)).error.is_none());
+    let busy = session(&conn);
+    let st = conn.service.getStatus().expect("status");
+    assert_eq!(st.sessionsOpen, 2);
+    assert!(st.kvCacheBytes > 0);
+    // The other session is used throughout, past the idle one's timeout (at most 2 s + a
+    // quarter of it).
+    let t = Instant::now();
+    let mut turns = 0;
+    while t.elapsed() < Duration::from_secs(4) {
+        let o = run(&busy, &greedy(" and", 2));
+        assert!(o.error.is_none(), "the session in use was refused: {o:?}");
+        turns += 1;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let st = conn.service.getStatus().expect("status");
+    let dump = conn.admin().expect("admin").dumpState().expect("dump");
+    assert_eq!(st.sessionsOpen, 1, "the unused session is still open after 4 s:\n{dump}");
+    assert!(dump.contains("SESSIONS (1)"), "{dump}");
+    assert!(dump.contains(&format!("kv_bytes {}", st.kvCacheBytes)), "only the session in use holds KV:\n{dump}");
+    // Its owner is told why.
+    let (cb, _tx, _rx) = client::callback();
+    let refused = idle.generate(&greedy("Hello", 4), &cb).expect_err("the unused session is closed");
+    assert_eq!(error_code_of(&refused), Some(ErrorCode::SESSION_CLOSED));
+    assert!(client::describe(&refused).contains("2 s unused"), "{}", client::describe(&refused));
+    assert!(turns >= 10, "{turns} turns in 4 s");
+    // Left unused too, the other one goes the same way: nothing open, no KV held.
+    let t = Instant::now();
+    loop {
+        let st = conn.service.getStatus().expect("status");
+        if st.sessionsOpen == 0 {
+            assert_eq!(st.kvCacheBytes, 0, "a closed session's KV memory was not freed");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "the second session was never closed: {st:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
