@@ -143,6 +143,11 @@ pub struct SchedulerConfig {
     /// Least time between two `onTokens` callbacks of one request: tokens decoded meanwhile
     /// go out together (the first at once, the last with `onCompleted`). 0 = one per pass.
     pub stream_interval_ms: u64,
+    /// A request whose client has not taken a callback for this long (a stopped client, a
+    /// callback that blocks) is ended with `DEADLINE_EXCEEDED`, its turn rolled back and its
+    /// memory freed; on the socket, a send the client takes nothing of for this long also ends
+    /// the client's connection (its sessions close). 0 = never.
+    pub stream_stall_timeout_s: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -158,6 +163,7 @@ impl Default for SchedulerConfig {
             quota_tokens_per_uid: 0,
             quota_window_s: 60,
             stream_interval_ms: 16,
+            stream_stall_timeout_s: 30,
         }
     }
 }

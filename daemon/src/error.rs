@@ -31,6 +31,8 @@ pub enum ServiceError {
     Internal(String),
     #[error("deadline of {0} ms passed before the request finished")]
     DeadlineExceeded(u64),
+    #[error("the client took no callback for {after_s} s (scheduler.stream_stall_timeout_s); the request was ended")]
+    StreamStalled { after_s: u64 },
 }
 
 impl ServiceError {
@@ -47,7 +49,9 @@ impl ServiceError {
             Self::SessionClosed | Self::SessionIdle { .. } => ErrorCode::SESSION_CLOSED,
             Self::ModelLoadFailed { .. } => ErrorCode::MODEL_LOAD_FAILED,
             Self::Internal(_) => ErrorCode::INTERNAL,
-            Self::DeadlineExceeded(_) => ErrorCode::DEADLINE_EXCEEDED,
+            // A time bound passed before the request finished: the client's own, or the one
+            // on how long a client may leave its callbacks untaken.
+            Self::DeadlineExceeded(_) | Self::StreamStalled { .. } => ErrorCode::DEADLINE_EXCEEDED,
         }
     }
 

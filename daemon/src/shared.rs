@@ -45,7 +45,8 @@ impl Shared {
             admission,
             engine,
             sc.policy(config.prefill_chunk),
-            std::time::Duration::from_millis(sc.stream_interval_ms),
+            Duration::from_millis(sc.stream_interval_ms),
+            Duration::from_secs(sc.stream_stall_timeout_s),
         )?;
         let history =
             config.residency.state_dir.as_ref().map(|d| UsageHistory::load(&d.join("usage.json"))).unwrap_or_default();

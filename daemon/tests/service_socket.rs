@@ -42,6 +42,8 @@ impl Daemon {
     }
 
     /// [`Self::start`], after a shell command that sets up the process (`"ulimit -n 128"`).
+    /// llmd logs at `warn` (`TEST_LLMD_LOG` sets its `LLMD_LOG`) to `llmd.log` in its folder,
+    /// shown when the test fails.
     fn start_after(config: &str, setup: Option<&str>) -> Self {
         let turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         static N: AtomicUsize = AtomicUsize::new(0);
@@ -69,7 +71,7 @@ impl Daemon {
                 socket.to_str().expect("path"),
             ])
             .args(["--kernel-binder", "off", "--threads", "2"])
-            .env("LLMD_LOG", "warn")
+            .env("LLMD_LOG", std::env::var("TEST_LLMD_LOG").unwrap_or("warn".into()))
             .stdin(Stdio::null())
             .stderr(std::fs::File::create(dir.join("llmd.log")).expect("log file"))
             .spawn()
@@ -699,7 +701,8 @@ fn within<T: Send + 'static>(within: Duration, f: impl FnOnce() -> T + Send + 's
 /// `LLMD_HELPER_CLIENTS=N` it opens up to N idle clients one after another, each given 3 s,
 /// stops at the first that fails, prints how many it holds and how that one failed, and holds
 /// them until its standard input closes; with `LLMD_HELPER_STATUS`, it connects once and
-/// prints what `getStatus` says.
+/// prints what `getStatus` says; with `LLMD_HELPER_STREAM`, it streams one long request,
+/// saying when its first tokens arrived (to be stopped then).
 #[test]
 #[ignore = "a helper that another test runs as another uid"]
 fn helper_clients_as_another_uid() {
@@ -708,6 +711,25 @@ fn helper_clients_as_another_uid() {
         let conn = client::connect(&socket, "llmd").expect("connects");
         let st = conn.service.getStatus().expect("status");
         println!("HELPER status sessions_open {}", st.sessionsOpen);
+        return;
+    }
+    if std::env::var_os("LLMD_HELPER_STREAM").is_some() {
+        // One long request, its tokens taken as they come, until the process is stopped.
+        let conn = client::connect(&socket, "llmd").expect("connects");
+        let s = session(&conn);
+        let (cb, _tx, rx) = client::callback();
+        s.generate(&greedy("1, 2, 3, 4, 5, 6, 7, 8,", 3000), &cb).expect("queued");
+        let mut said = false;
+        while let Ok(e) = rx.recv() {
+            match e {
+                Event::Tokens(..) if !said => {
+                    said = true;
+                    println!("HELPER streaming");
+                }
+                Event::Completed(_) | Event::Error(..) => break,
+                _ => {}
+            }
+        }
         return;
     }
     let n: usize = std::env::var("LLMD_HELPER_CLIENTS").ok().and_then(|n| n.parse().ok()).unwrap_or(1);
@@ -841,4 +863,52 @@ fn a_session_left_unused_is_closed_and_its_kv_freed_while_one_in_use_stays() {
         assert!(t.elapsed() < Duration::from_secs(10), "the second session was never closed: {st:?}");
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// A client that stops reading while its request streams — an app the system stopped
+/// (SIGSTOP), here a helper process of this test: once a send to it has waited
+/// `scheduler.stream_stall_timeout_s` with nothing taken, its request is ended (rolled back, its
+/// memory freed) and its connection is ended, which closes its session; another client is
+/// served throughout. Before, the request stayed running for as long as the client stayed
+/// stopped, holding its session, its request slot and its KV memory.
+#[test]
+fn a_stopped_client_loses_its_request_and_session_while_others_are_served() {
+    let d = Daemon::start("socket_mode = \"0666\"\n[scheduler]\nstream_interval_ms = 0\nstream_stall_timeout_s = 2\n");
+    let watch = d.connect();
+    let mut stopped = Helper::start(65534, &d.socket, &[("LLMD_HELPER_STREAM", "1")]);
+    let said = stopped.report("streaming", Duration::from_secs(60));
+    assert!(said.iter().any(|l| l == "streaming"), "the helper's request never streamed: {said:?}");
+    let pid = stopped.0.id().to_string();
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().expect("kill").success());
+    let stopped_at = Instant::now();
+    let st = watch.service.getStatus().expect("status");
+    assert_eq!((st.sessionsOpen, st.requestsRunning), (1, 1), "{st:?}");
+    // Another client is served meanwhile, with its solo tokens.
+    let other = d.connect();
+    let o = run(&session(&other), &greedy("The capital of France is", 16));
+    assert_eq!(o.ids, golden_capital_ids(16), "{o:?}");
+    // The kernel takes what the client's socket holds (a few hundred callbacks) before a send
+    // waits; then the timeout runs. On a loaded machine decoding those took up to ~30 s.
+    let mut last = None;
+    while stopped_at.elapsed() < Duration::from_secs(120) {
+        let st = watch.service.getStatus().expect("status");
+        if st.requestsRunning + st.requestsQueued == 0 && st.sessionsOpen == 0 {
+            assert_eq!(st.kvCacheBytes, 0, "the stopped client's KV memory was not freed");
+            last = None;
+            break;
+        }
+        last = Some(st);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(last.is_none(), "120 s after its client was stopped, its request or session remains: {last:?}");
+    eprintln!(
+        "the stopped client's request and session were gone {} ms after it stopped",
+        stopped_at.elapsed().as_millis()
+    );
+    // Its connections are gone too.
+    let dump = watch.admin().expect("admin").dumpState().expect("dump");
+    assert!(!dump.contains("uid 65534"), "{dump}");
+    // The daemon goes on serving.
+    let o = run(&session(&other), &greedy("The capital of France is", 4));
+    assert_eq!(o.ids, golden_capital_ids(4), "{o:?}");
 }

@@ -116,6 +116,7 @@ fn run(args: Args) -> Result<(), String> {
     let socket = config.socket.clone();
     let socket_mode = config.socket_mode_bits().map_err(|e| e.to_string())?;
     let grace_ms = config.shutdown_grace_ms;
+    let stall_s = config.scheduler.stream_stall_timeout_s;
     let daemon =
         service::Daemon::start(config, residency, pressure).map_err(|e| format!("starting the engine worker: {e}"))?;
     daemon.load_at_start();
@@ -132,7 +133,9 @@ fn run(args: Args) -> Result<(), String> {
                 (admin_name.clone(), daemon.admin().as_binder()),
             ],
             threads: SOCKET_THREADS,
-            send_timeout: None,
+            // A client that takes nothing of a send for this long is taken for stopped: its
+            // connection ends (its sessions close); the worker ends its request meanwhile.
+            send_timeout: (stall_s > 0).then(|| Duration::from_secs(stall_s)),
         };
         let server = SocketServer::start(options, daemon.shared.connections.clone())
             .map_err(|e| format!("serving on {}: {e}", path.display()))?;
