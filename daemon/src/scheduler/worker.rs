@@ -768,9 +768,9 @@ mod tests {
         let mut h =
             harness_with_stall(limits(8, 8), PolicyConfig::default(), Duration::ZERO, Duration::from_millis(200));
         let (job, frozen) = h.admit("frozen", script(1, 1000), Recorder::stopped(), ticket(1, 1));
+        let t = Instant::now();
         h.worker.start(job);
         let live = h.start("live", script(1, 100), 2);
-        let t = Instant::now();
         h.run_until(100_000, |h| !h.ended("frozen").is_empty());
         assert!(t.elapsed() >= Duration::from_millis(200), "ended before the timeout: {:?}", t.elapsed());
         assert!(h.admission.snapshot().iter().all(|(id, _)| *id != frozen.id), "its books are freed at once");
