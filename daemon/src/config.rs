@@ -143,6 +143,11 @@ pub struct SchedulerConfig {
     /// Least time between two `onTokens` callbacks of one request: tokens decoded meanwhile
     /// go out together (the first at once, the last with `onCompleted`). 0 = one per pass.
     pub stream_interval_ms: u64,
+    /// A request whose client has not taken a callback for this long (a stopped client, a
+    /// callback that blocks) is ended with `DEADLINE_EXCEEDED`, its turn rolled back and its
+    /// memory freed; on the socket, a send the client takes nothing of for this long also ends
+    /// the client's connection (its sessions close). 0 = never.
+    pub stream_stall_timeout_s: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -158,6 +163,7 @@ impl Default for SchedulerConfig {
             quota_tokens_per_uid: 0,
             quota_window_s: 60,
             stream_interval_ms: 16,
+            stream_stall_timeout_s: 30,
         }
     }
 }
@@ -192,6 +198,17 @@ pub struct Limits {
     pub max_new_tokens: usize,
     /// Longest prompt or message accepted, in bytes (checked before tokenizing).
     pub max_prompt_bytes: usize,
+    /// Connections to the socket one uid may hold open (each client holds about three: its
+    /// own and two for callbacks); more are closed at once. Admin uids are not capped.
+    pub max_connections_per_uid: usize,
+    /// Connections to the socket in all; 0 = what `RLIMIT_NOFILE` leaves room for (the soft
+    /// limit less max(32, limit / 8)), which also bounds a set value. Admins may go past it,
+    /// up to the limit less 16.
+    pub max_connections: usize,
+    /// A session unused for this long (no call of its owner's on it, no request running) is
+    /// closed and its KV memory freed; its owner's next call on it gets `SESSION_CLOSED`
+    /// saying so. Checked every quarter of it (at most every 10 s). 0 = never.
+    pub session_idle_timeout_s: u64,
 }
 
 impl Default for Limits {
@@ -204,6 +221,9 @@ impl Default for Limits {
             max_prompt_tokens: 4096,
             max_new_tokens: 4096,
             max_prompt_bytes: 256 * 1024,
+            max_connections_per_uid: 32,
+            max_connections: 0,
+            session_idle_timeout_s: 600,
         }
     }
 }
@@ -323,6 +343,7 @@ impl Config {
             ("max_prompt_tokens", l.max_prompt_tokens),
             ("max_new_tokens", l.max_new_tokens),
             ("max_prompt_bytes", l.max_prompt_bytes),
+            ("max_connections_per_uid", l.max_connections_per_uid),
         ] {
             if v == 0 {
                 return bad(format!("limits.{name} must be at least 1"));

@@ -23,12 +23,16 @@ pub enum ServiceError {
     Cancelled,
     #[error("session is closed or not yours")]
     SessionClosed,
+    #[error("session closed after {idle_s} s unused (limits.session_idle_timeout_s); open a new one")]
+    SessionIdle { idle_s: u64 },
     #[error("model {id:?} failed to load: {reason}")]
     ModelLoadFailed { id: String, reason: String },
     #[error("internal error: {0}")]
     Internal(String),
     #[error("deadline of {0} ms passed before the request finished")]
     DeadlineExceeded(u64),
+    #[error("the client took no callback for {after_s} s (scheduler.stream_stall_timeout_s); the request was ended")]
+    StreamStalled { after_s: u64 },
 }
 
 impl ServiceError {
@@ -42,10 +46,12 @@ impl ServiceError {
             Self::RequestTooLarge(_) => ErrorCode::REQUEST_TOO_LARGE,
             Self::Busy(_) => ErrorCode::BUSY,
             Self::Cancelled => ErrorCode::CANCELLED,
-            Self::SessionClosed => ErrorCode::SESSION_CLOSED,
+            Self::SessionClosed | Self::SessionIdle { .. } => ErrorCode::SESSION_CLOSED,
             Self::ModelLoadFailed { .. } => ErrorCode::MODEL_LOAD_FAILED,
             Self::Internal(_) => ErrorCode::INTERNAL,
-            Self::DeadlineExceeded(_) => ErrorCode::DEADLINE_EXCEEDED,
+            // A time bound passed before the request finished: the client's own, or the one
+            // on how long a client may leave its callbacks untaken.
+            Self::DeadlineExceeded(_) | Self::StreamStalled { .. } => ErrorCode::DEADLINE_EXCEEDED,
         }
     }
 

@@ -12,8 +12,8 @@
 //!    (admission, a death recipient, the job queued).
 //! 3. `pressure` — the memory-pressure response (shed idle KV, evict, reload, prefetch).
 //! 4. `shared` — `Shared`, the state the above share: config, residency, open sessions, the
-//!    scheduler handle; opening, closing and model acquisition. It knows nothing of Binder
-//!    objects or pressure.
+//!    scheduler handle; opening, closing (idle sessions too) and model acquisition. It knows
+//!    nothing of Binder objects or pressure.
 //! 5. `conversation` — a session's context (the engine's `Sequence` handle of it, its tokens and
 //!    messages: the only place the handle is used) and `ModelEngine`, the scheduler's `Engine`
 //!    over models.
@@ -21,7 +21,8 @@
 //!    and `outbox` (each request's callbacks); it reaches models and sessions only through its
 //!    `Engine` trait, and Binder clients through the outbox's `Sink`.
 //! 7. `policy` (pure rules, clock injected), then the leaves: `error` (the one error → code
-//!    map), `config`, `permission`, `residency`, `models`.
+//!    map), `config`, `permission`, `residency`, `models`, `connections` (the socket's accept
+//!    loop and its per-uid connection caps).
 //!
 //! Every Binder method guards (caller identity, permission or ownership), calls a private
 //! method, and maps its error in one place (`ServiceError::into_status`).
@@ -29,6 +30,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod connections;
 pub mod conversation;
 pub mod error;
 pub mod models;

@@ -358,6 +358,15 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
             sc.quota_tokens_per_uid,
         );
     }
+    let (open, per_uid) = shared.connections.snapshot();
+    let (cap_uid, cap_all, ceiling) = shared.connections.caps();
+    let _ = writeln!(
+        out,
+        "\nCONNECTIONS (socket)\n  open {open} cap {cap_all} admins_up_to {ceiling} per_uid_cap {cap_uid}"
+    );
+    for (uid, n) in per_uid {
+        let _ = writeln!(out, "  uid {uid}: {n}");
+    }
     let _ = writeln!(out, "\nMEMORY");
     let rss = process_rss_bytes().unwrap_or(0);
     let accounted = shared.residency.baseline_rss + st.weightBytes.max(0) as u64 + st.kvCacheBytes.max(0) as u64;

@@ -39,9 +39,16 @@ impl SessionBinder {
     fn guard(&self, method: &'static str) -> Result<Caller, ServiceError> {
         let caller = Caller::current();
         tracing::debug!(session = self.core.id, uid = caller.uid, method, "session call");
-        if self.core.is_closed() || caller.uid != self.core.owner.uid {
+        if caller.uid != self.core.owner.uid {
             return Err(ServiceError::SessionClosed);
         }
+        if self.core.is_closed() {
+            return Err(match self.core.expired_after() {
+                Some(idle_s) => ServiceError::SessionIdle { idle_s },
+                None => ServiceError::SessionClosed,
+            });
+        }
+        self.core.touch();
         Ok(caller)
     }
 

@@ -13,6 +13,7 @@ use llmd_engine::Model;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 pub struct Shared {
     pub config: Config,
@@ -24,6 +25,8 @@ pub struct Shared {
     next_session: AtomicU64,
     /// Admission and the engine worker's queue.
     pub scheduler: Scheduler<Turn>,
+    /// The socket's open connections per uid and their caps (the accept loop's gate).
+    pub connections: Arc<crate::connections::Gate>,
 }
 
 impl Shared {
@@ -42,7 +45,8 @@ impl Shared {
             admission,
             engine,
             sc.policy(config.prefill_chunk),
-            std::time::Duration::from_millis(sc.stream_interval_ms),
+            Duration::from_millis(sc.stream_interval_ms),
+            Duration::from_secs(sc.stream_stall_timeout_s),
         )?;
         let history =
             config.residency.state_dir.as_ref().map(|d| UsageHistory::load(&d.join("usage.json"))).unwrap_or_default();
@@ -52,14 +56,56 @@ impl Shared {
                 residency.event(format!("removed {n} KV spill files a previous run left"));
             }
         }
-        Ok(Arc::new(Self {
+        let connections = Arc::new(crate::connections::Gate::from_config(&config));
+        let shared = Arc::new(Self {
+            connections,
             config,
             residency,
             history: Mutex::new(history),
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),
             scheduler,
-        }))
+        });
+        shared.spawn_idle_sweep()?;
+        Ok(shared)
+    }
+
+    /// With `session_idle_timeout_s`, starts the `llmd-idle` thread: every quarter of the
+    /// timeout (at least 100 ms, at most 10 s) it closes the sessions gone unused that long
+    /// ([`Self::close_idle_sessions`]), until the shared state is gone.
+    fn spawn_idle_sweep(self: &Arc<Self>) -> std::io::Result<()> {
+        let timeout = Duration::from_secs(self.config.limits.session_idle_timeout_s);
+        if timeout.is_zero() {
+            return Ok(());
+        }
+        let every = (timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(10));
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new().name("llmd-idle".into()).spawn(move || loop {
+            std::thread::sleep(every);
+            match weak.upgrade() {
+                Some(s) => {
+                    s.close_idle_sessions(timeout);
+                }
+                None => return,
+            }
+        })?;
+        Ok(())
+    }
+
+    /// Closes every session unused for `timeout` with no request running, its KV memory
+    /// freed (its owner's next call gets `SESSION_CLOSED`, saying why). Returns how many.
+    pub fn close_idle_sessions(&self, timeout: Duration) -> usize {
+        let mut n = 0;
+        for s in self.session_list() {
+            if s.idle_for() < timeout {
+                continue;
+            }
+            if let Some(bytes) = s.expire(timeout) {
+                n += 1;
+                self.close_session(s.id, &format!("unused for {} s ({bytes} bytes of KV freed)", timeout.as_secs()));
+            }
+        }
+        n
     }
 
     /// Loads pinned models, then (with `load_at_start`) every other model the budget has room

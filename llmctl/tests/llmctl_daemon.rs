@@ -143,12 +143,13 @@ fn a_killed_client_is_detected_and_its_session_freed() {
 
 /// A client that stops reading its callbacks (here a stopped `llmctl`, as the system freezes a
 /// cached app) holds up only its own request: other clients keep being served, the frozen
-/// request waits without spinning, and it finishes once its client reads again. Before, its
+/// request waits without spinning, and it finishes once its client reads again (within
+/// `stream_stall_timeout_s`, set long here: past it the request would be ended). Before, its
 /// full socket blocked the worker thread and every other request queued behind it.
 #[test]
 fn a_frozen_client_holds_up_only_its_own_request() {
     // One `onTokens` per token, so the stopped client's socket fills as fast as it can.
-    let d = Daemon::start("[scheduler]\nstream_interval_ms = 0\n");
+    let d = Daemon::start("[scheduler]\nstream_interval_ms = 0\nstream_stall_timeout_s = 300\n");
     let conn = d.connect();
     // A long generation that does not stop early (greedy counting), streamed to a client.
     let frozen = llmctl_run_started(&d, &conn, "3000", "1, 2, 3, 4, 5, 6, 7, 8,", Stdio::piped());

@@ -2,6 +2,7 @@
 
 use clap::Parser;
 use llmd_daemon::config::{Config, KernelBinder};
+use llmd_daemon::connections::{SocketOptions, SocketServer};
 use llmd_daemon::{models, service};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -115,34 +116,33 @@ fn run(args: Args) -> Result<(), String> {
     let socket = config.socket.clone();
     let socket_mode = config.socket_mode_bits().map_err(|e| e.to_string())?;
     let grace_ms = config.shutdown_grace_ms;
+    let stall_s = config.scheduler.stream_stall_timeout_s;
     let daemon =
         service::Daemon::start(config, residency, pressure).map_err(|e| format!("starting the engine worker: {e}"))?;
     daemon.load_at_start();
     let mut guards = Vec::new();
+    let mut socket_server = None;
     if let Some(path) = &socket {
-        if path.exists() {
-            std::fs::remove_file(path).map_err(|e| format!("removing stale socket {}: {e}", path.display()))?;
-        }
-        // Bound and listening under a temporary name in the same directory, then renamed into
-        // place: a client that sees the socket's path can connect at once (a connect between
-        // the bind and the listen would be refused; seen on a loaded machine).
-        let tmp = path.with_file_name(format!(".llmd-{}", std::process::id()));
-        if tmp.exists() {
-            std::fs::remove_file(&tmp).map_err(|e| format!("removing stale socket {}: {e}", tmp.display()))?;
-        }
-        let server = rsbinder::serve(llmd_daemon::socket_uri(&tmp))
-            .map(|s| s.with(|o| o.threads = Some(SOCKET_THREADS)))
-            .and_then(|s| s.add(&name, daemon.service().as_binder()))
-            .and_then(|s| s.add(&admin_name, daemon.admin().as_binder()))
-            .and_then(|s| s.spawn())
-            .map_err(|e| format!("serving on {}: {e:?}", path.display()))?;
-        // The mode is set before the path exists, whatever the umask.
-        let mode = std::os::unix::fs::PermissionsExt::from_mode(socket_mode);
-        std::fs::set_permissions(&tmp, mode).map_err(|e| format!("setting the socket's mode: {e}"))?;
-        std::fs::rename(&tmp, path).map_err(|e| format!("moving the socket into place at {}: {e}", path.display()))?;
-        tracing::info!(socket = %path.display(), "serving Binder over a Unix socket");
+        // llmd's own accept loop: each connection counted against its uid's cap
+        // (`llmd_daemon::connections`), then served by rsbinder.
+        let options = SocketOptions {
+            path: path.clone(),
+            mode: socket_mode,
+            services: vec![
+                (name.clone(), daemon.service().as_binder()),
+                (admin_name.clone(), daemon.admin().as_binder()),
+            ],
+            threads: SOCKET_THREADS,
+            // A client that takes nothing of a send for this long is taken for stopped: its
+            // connection ends (its sessions close); the worker ends its request meanwhile.
+            send_timeout: (stall_s > 0).then(|| Duration::from_secs(stall_s)),
+        };
+        let server = SocketServer::start(options, daemon.shared.connections.clone())
+            .map_err(|e| format!("serving on {}: {e}", path.display()))?;
+        let (per_uid, overall, _) = daemon.shared.connections.caps();
+        tracing::info!(socket = %path.display(), per_uid, overall, "serving Binder over a Unix socket");
         eprintln!("llmd: serving {} model(s) on {}", n_models, path.display());
-        guards.push(server);
+        socket_server = Some(server);
     }
     if kernel {
         let server = rsbinder::serve(rsbinder::Endpoint::kernel())
@@ -175,6 +175,9 @@ fn run(args: Args) -> Result<(), String> {
     );
     if let Some(path) = &socket {
         let _ = std::fs::remove_file(path);
+    }
+    if let Some(server) = socket_server {
+        server.stop();
     }
     drop(guards);
     Ok(())

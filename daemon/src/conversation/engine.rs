@@ -106,6 +106,7 @@ impl Engine for ModelEngine {
             }
         }
         inner.active_request = None;
+        t.session.touch();
         if t.session.is_closed() {
             inner.clear();
         }

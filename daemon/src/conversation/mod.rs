@@ -11,8 +11,9 @@
 //! Locking: `SessionCore::inner` is held by the worker for one unit of work at a time and
 //! briefly by Binder threads (submit, reset, dump) and the pressure response (`try_lock`). A
 //! session runs at most one request at a time (`active_request`). States: open → closed (by
-//! close(), the client's death, or the last reference dropped). A closed session's KV is freed
-//! by whoever closes it, or by the engine when its running request ends.
+//! close(), the client's death, the last reference dropped, or going unused for
+//! `session_idle_timeout_s`). A closed session's KV is freed by whoever closes it, or by the
+//! engine when its running request ends.
 
 pub mod engine;
 
@@ -23,8 +24,9 @@ use llmd_engine::generate::{GenerateRequest, Generation};
 use llmd_engine::sequence::Sequence;
 use llmd_engine::Model;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// What a turn adds to the conversation.
 #[derive(Clone, Debug)]
@@ -44,6 +46,10 @@ pub struct SessionCore {
     inner: Mutex<SessionInner>,
     /// Set once the session is closed (shared with its requests' jobs).
     pub closed: Arc<AtomicBool>,
+    /// When it was last used: a call of its owner's on it, or the end of its request.
+    used: Mutex<Instant>,
+    /// Closed for having gone unused this many seconds (0: not that way), for its owner's error.
+    expired_after_s: AtomicU64,
 }
 
 pub struct SessionInner {
@@ -77,7 +83,40 @@ impl SessionCore {
                 spilled: None,
             }),
             closed: Arc::new(AtomicBool::new(false)),
+            used: Mutex::new(Instant::now()),
+            expired_after_s: AtomicU64::new(0),
         }
+    }
+
+    /// Marks the session used now (an idle session is closed after `session_idle_timeout_s`).
+    pub fn touch(&self) {
+        *self.used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    /// How long since it was last used.
+    pub fn idle_for(&self) -> Duration {
+        self.used.lock().unwrap_or_else(|p| p.into_inner()).elapsed()
+    }
+
+    /// If it was closed for going unused: after how many seconds.
+    pub fn expired_after(&self) -> Option<u64> {
+        Some(self.expired_after_s.load(Ordering::Acquire)).filter(|&s| s > 0)
+    }
+
+    /// Closes a session unused for `timeout` and frees its KV cache (spilled file included),
+    /// unless a request is running in it or it is in use this instant (then `None`: it is
+    /// looked at again later). Returns the bytes freed. Its removal from the open sessions is
+    /// the caller's (`Shared::close_session`).
+    pub fn expire(&self, timeout: Duration) -> Option<usize> {
+        let Ok(mut inner) = self.inner.try_lock() else { return None };
+        if inner.active_request.is_some() || self.idle_for() < timeout {
+            return None;
+        }
+        self.expired_after_s.store(timeout.as_secs().max(1), Ordering::Release);
+        self.closed.store(true, Ordering::Release);
+        let bytes = inner.kv_bytes();
+        inner.clear();
+        Some(bytes)
     }
 
     pub fn lock(&self) -> MutexGuard<'_, SessionInner> {

@@ -82,19 +82,23 @@ pub struct Scheduler<T> {
 
 impl<T: Send + 'static> Scheduler<T> {
     /// Starts the engine worker thread (`llmd-engine`) over `engine`; it runs until the
-    /// scheduler is dropped.
+    /// scheduler is dropped. `stream_interval` paces `onTokens`; a request whose client leaves
+    /// a callback untaken for `stall_timeout` is ended (zero: never).
     pub fn start<E>(
         admission: Arc<Admission>,
         engine: E,
         policy: PolicyConfig,
         stream_interval: Duration,
+        stall_timeout: Duration,
     ) -> std::io::Result<Self>
     where
         E: Engine<Turn = T> + Send + 'static,
         E::Seq: Send,
     {
         let (tx, rx) = std::sync::mpsc::channel();
-        let worker = Worker::new(rx, admission.clone(), engine, policy).with_stream_interval(stream_interval);
+        let worker = Worker::new(rx, admission.clone(), engine, policy)
+            .with_stream_interval(stream_interval)
+            .with_stall_timeout(stall_timeout);
         std::thread::Builder::new().name("llmd-engine".into()).spawn(move || worker.run())?;
         Ok(Self { admission, queue: Mutex::new(tx) })
     }

@@ -16,15 +16,32 @@
 //! a frame, and every callback costs both processes a transaction and a wake-up: at 16 ms a
 //! phone app gets at most ~60 `onTokens` a second instead of one per token.
 //!
+//! A send the client has not taken for `stream_stall_timeout_s` ([`Outbox::stalled_for`]) ends
+//! the request (the worker's check, at every pass): a stopped client no longer holds its
+//! request slot and its KV memory for as long as it is stopped. The send itself stays with the
+//! delivery thread, never the worker; on the socket, rsbinder ends a connection whose client
+//! takes nothing of a send for that long, which frees the thread and closes the client's
+//! sessions.
+//!
+//! With no thread to be had, nothing is sent from the caller's (the worker's) thread: the
+//! request is cancelled (sent from there, a client that does not read would stop every other
+//! client's requests).
+//!
 //! The outbox sends to a [`Sink`]: the request's `IGenerationCallback` Binder object in the
 //! daemon, a recorder in tests.
 
 use llmd_aidl::GenerationStats::GenerationStats as WireStats;
 use llmd_aidl::IGenerationCallback::IGenerationCallback;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
+
+/// The clock of [`Outbox::stalled_for`]: microseconds since the first use.
+fn micros_now() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64 + 1
+}
 
 /// Callbacks queued by every outbox of the process and not yet delivered (a stopping daemon
 /// waits for them: [`undelivered`]).
@@ -84,6 +101,10 @@ pub struct Outbox {
     cancel: Arc<AtomicBool>,
     /// The delivery thread's queue and the count not yet sent, once something was sent.
     line: Option<(Sender<Delivery>, Arc<AtomicUsize>)>,
+    /// When the delivery thread's send under way began ([`micros_now`]; 0: none under way).
+    sending_since: Arc<AtomicU64>,
+    /// No delivery thread could be started: the request was cancelled, nothing more is sent.
+    dead: bool,
     /// Tokens held back by the pacing: (request id, text, ids).
     held: Option<(i64, String, Vec<i32>)>,
     /// When the last `onTokens` was queued.
@@ -92,7 +113,15 @@ pub struct Outbox {
 
 impl Outbox {
     pub fn new(sink: Arc<dyn Sink>, cancel: Arc<AtomicBool>) -> Self {
-        Self { sink, cancel, line: None, held: None, last_tokens: None }
+        Self {
+            sink,
+            cancel,
+            line: None,
+            sending_since: Arc::new(AtomicU64::new(0)),
+            dead: false,
+            held: None,
+            last_tokens: None,
+        }
     }
 
     /// Streams tokens: sent now if `interval` has passed since the last `onTokens` (or there
@@ -135,24 +164,33 @@ impl Outbox {
 
     /// Queues `d` for the client; the delivery thread starts with the first.
     fn queue(&mut self, d: Delivery) {
+        if self.dead {
+            return;
+        }
         if self.line.is_none() {
             let (tx, rx) = std::sync::mpsc::channel::<Delivery>();
             let unsent = Arc::new(AtomicUsize::new(0));
             let (sink, cancel, left) = (self.sink.clone(), self.cancel.clone(), unsent.clone());
-            let spawned = std::thread::Builder::new().name("llmd-deliver".into()).spawn(move || {
+            let since = self.sending_since.clone();
+            let spawned = spawn_delivery(move || {
                 for d in rx {
-                    if !sink.deliver(&d) {
+                    since.store(micros_now(), Ordering::Release);
+                    let taken = sink.deliver(&d);
+                    since.store(0, Ordering::Release);
+                    if !taken {
                         cancel.store(true, Ordering::Release);
                     }
                     left.fetch_sub(1, Ordering::AcqRel);
                     UNDELIVERED.fetch_sub(1, Ordering::AcqRel);
                 }
             });
-            if spawned.is_err() {
-                // No thread to be had: deliver here.
-                if !self.sink.deliver(&d) {
-                    self.cancel.store(true, Ordering::Release);
-                }
+            if let Err(e) = spawned {
+                // No thread to be had. Sent from here, a client that does not read would stop
+                // the worker — every other client's requests — so the request is cancelled
+                // and its client told nothing more.
+                tracing::warn!("no thread for a request's callbacks ({e}): cancelling it");
+                self.dead = true;
+                self.cancel.store(true, Ordering::Release);
                 return;
             }
             self.line = Some((tx, unsent));
@@ -176,12 +214,35 @@ impl Outbox {
     pub fn backlogged(&self) -> bool {
         self.unsent() >= MAX_UNSENT
     }
+
+    /// How long the send under way has been waiting for the client to take it (zero when none
+    /// is under way): a client that stopped reading holds its send for as long as it is stopped.
+    pub fn stalled_for(&self) -> Duration {
+        match self.sending_since.load(Ordering::Acquire) {
+            0 => Duration::ZERO,
+            since => Duration::from_micros(micros_now().saturating_sub(since)),
+        }
+    }
+}
+
+/// Starts a delivery thread (in the tests, can be made to fail as a process out of threads).
+fn spawn_delivery(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    #[cfg(test)]
+    if tests::NO_THREADS.with(|n| n.get()) {
+        return Err(std::io::Error::from(std::io::ErrorKind::OutOfMemory));
+    }
+    std::thread::Builder::new().name("llmd-deliver".into()).spawn(f).map(drop)
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use std::sync::{Condvar, Mutex};
+
+    thread_local! {
+        /// Set on a test's thread: no delivery thread can be started from it.
+        pub(crate) static NO_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
 
     /// A fake client: records what it takes; can be stopped (a frozen app: `deliver` blocks
     /// until it is let go) or gone (every send fails).
@@ -321,6 +382,41 @@ pub(crate) mod tests {
         until("the frozen client's backlog to be counted", || a.unsent() >= 10);
         frozen.set_stopped(false);
         assert_eq!(tokens(&frozen.wait_final()), (0..10).collect::<Vec<_>>(), "nothing lost while frozen");
+    }
+
+    #[test]
+    fn a_send_the_client_does_not_take_is_measured_as_a_stall() {
+        let sink = Recorder::stopped();
+        let (mut o, _) = outbox(&sink);
+        assert_eq!(o.stalled_for(), Duration::ZERO, "nothing sent yet");
+        o.send(Delivery::Started(1));
+        until("the send to block", || o.stalled_for() >= Duration::from_millis(50));
+        sink.set_stopped(false);
+        sink.wait_for(1);
+        until("the stall to end with the send", || o.stalled_for() == Duration::ZERO);
+    }
+
+    /// Without a thread of its own, the outbox once sent from the caller's thread — the
+    /// worker's: a client that did not read then stopped every other client's requests. Now the
+    /// request is cancelled and nothing is sent from there.
+    #[test]
+    fn without_a_delivery_thread_the_caller_never_waits_on_the_client() {
+        let sink = Recorder::stopped();
+        let (mut o, cancel) = outbox(&sink);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            NO_THREADS.with(|n| n.set(true));
+            o.send(Delivery::Started(1));
+            o.tokens(1, "x".into(), vec![1], Instant::now(), Duration::ZERO);
+            let _ = tx.send(o.unsent());
+        });
+        let unsent =
+            rx.recv_timeout(Duration::from_secs(5)).expect("the caller was held by a client that does not read");
+        assert_eq!(unsent, 0, "nothing queued");
+        assert!(cancel.load(Ordering::Acquire), "the request is cancelled");
+        sink.set_stopped(false);
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(sink.got().is_empty(), "nothing was sent");
     }
 
     #[test]

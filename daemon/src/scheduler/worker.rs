@@ -1,7 +1,8 @@
 //! The engine worker: one thread that starts admitted requests and runs engine *passes*. Each
 //! pass carries the units [`Policy`] chooses — the decode steps of every running sequence of a
 //! model batched into one forward pass, plus prompt chunks — so many sessions stream at once,
-//! a foreground prompt preempts background work at the next pass, and a cancel or a deadline
+//! a foreground prompt preempts background work at the next pass, and a cancel, a deadline or a
+//! client that has left a callback untaken for the stall timeout (`stream_stall_timeout_s`)
 //! takes effect within one pass. The worker serves the CPU's queue; a GPU or NPU backend adds a
 //! worker of its own over the same policy.
 //!
@@ -89,6 +90,8 @@ pub struct Worker<E: Engine> {
     avg_pass_us: u64,
     /// Least time between two `onTokens` of a request (see the outbox).
     stream_interval: Duration,
+    /// A request whose client has left a callback untaken this long is ended (None: never).
+    stall_timeout: Option<Duration>,
 }
 
 impl<E: Engine> Worker<E> {
@@ -103,7 +106,15 @@ impl<E: Engine> Worker<E> {
             passes: 0,
             avg_pass_us: 0,
             stream_interval: Duration::ZERO,
+            stall_timeout: None,
         }
+    }
+
+    /// Ends a request whose client has left a callback untaken for `timeout` (a stopped client)
+    /// with `DEADLINE_EXCEEDED`, its turn rolled back; zero: never.
+    pub fn with_stall_timeout(mut self, timeout: Duration) -> Self {
+        self.stall_timeout = (!timeout.is_zero()).then_some(timeout);
+        self
     }
 
     /// Paces each request's `onTokens` to at most one per `interval` (zero: one per pass).
@@ -157,7 +168,8 @@ impl<E: Engine> Worker<E> {
         }
     }
 
-    /// One engine pass: ends cancelled and expired requests, asks the policy for the units,
+    /// One engine pass: ends cancelled and expired requests (and those whose client stopped
+    /// taking its callbacks), asks the policy for the units,
     /// samples and streams the decoding ones, then runs every fed token of a model in one
     /// batched forward. Returns whether it fed any (none: every request is waiting).
     fn pass(&mut self) -> bool {
@@ -170,6 +182,14 @@ impl<E: Engine> Worker<E> {
                 Some(ServiceError::Cancelled)
             } else if policy::deadline_passed(r.job.admitted_ms, r.job.deadline_ms, now_ms) {
                 Some(ServiceError::DeadlineExceeded(r.job.deadline_ms))
+            } else if let Some(t) = self.stall_timeout.filter(|&t| r.job.outbox.stalled_for() >= t) {
+                tracing::warn!(
+                    request = id,
+                    uid = r.job.uid,
+                    "its client took no callback for {} s: ending it",
+                    t.as_secs()
+                );
+                Some(ServiceError::StreamStalled { after_s: t.as_secs() })
             } else {
                 None
             };
@@ -323,7 +343,7 @@ impl<E: Engine> Worker<E> {
     /// the client exactly once.
     fn end(&mut self, r: Running<E>, outcome: Result<GenerationStats, ServiceError>) {
         let Running { mut job, seq, started, first_served, .. } = r;
-        if matches!(outcome, Err(ServiceError::Cancelled)) {
+        if matches!(outcome, Err(ServiceError::Cancelled | ServiceError::StreamStalled { .. })) {
             job.outbox.drop_held();
         }
         self.engine.end(&job.turn, Some(seq), &outcome);
@@ -516,11 +536,17 @@ mod tests {
     }
 
     fn harness(l: Limits, policy: PolicyConfig, interval: Duration) -> Harness {
+        harness_with_stall(l, policy, interval, Duration::ZERO)
+    }
+
+    fn harness_with_stall(l: Limits, policy: PolicyConfig, interval: Duration, stall: Duration) -> Harness {
         let (clock_fn, clock) = manual_clock();
         let admission = Arc::new(Admission::with_clock(l, clock_fn));
         let fake = Fake::default();
         let (_, rx) = std::sync::mpsc::channel();
-        let worker = Worker::new(rx, admission.clone(), fake.clone(), policy).with_stream_interval(interval);
+        let worker = Worker::new(rx, admission.clone(), fake.clone(), policy)
+            .with_stream_interval(interval)
+            .with_stall_timeout(stall);
         Harness { worker, fake, admission, clock }
     }
 
@@ -738,6 +764,25 @@ mod tests {
     }
 
     #[test]
+    fn a_client_that_takes_no_callback_for_the_stall_timeout_has_its_request_ended() {
+        let mut h =
+            harness_with_stall(limits(8, 8), PolicyConfig::default(), Duration::ZERO, Duration::from_millis(200));
+        let (job, frozen) = h.admit("frozen", script(1, 1000), Recorder::stopped(), ticket(1, 1));
+        let t = Instant::now();
+        h.worker.start(job);
+        let live = h.start("live", script(1, 100), 2);
+        h.run_until(100_000, |h| !h.ended("frozen").is_empty());
+        assert!(t.elapsed() >= Duration::from_millis(200), "ended before the timeout: {:?}", t.elapsed());
+        assert!(h.admission.snapshot().iter().all(|(id, _)| *id != frozen.id), "its books are freed at once");
+        h.run(5000);
+        assert_ended_once(&h, "live", &live, true, Ok(FinishReason::Length));
+        // Let go, the client gets what was sent before it stopped, then the request's end.
+        frozen.sink.set_stopped(false);
+        let got = assert_ended_once(&h, "frozen", &frozen, true, Err(ErrorCode::DEADLINE_EXCEEDED));
+        assert!(token_ids(&got).len() < MAX_UNSENT, "it was not decoded past its backlog");
+    }
+
+    #[test]
     fn decode_steps_of_one_model_share_a_forward_and_other_models_get_their_own() {
         let mut h = default_harness();
         let a = h.start("a", script(1, 3), 1);
@@ -758,8 +803,14 @@ mod tests {
     #[test]
     fn the_worker_thread_serves_queued_jobs() {
         let admission = Arc::new(Admission::new(limits(8, 8)));
-        let sched = Scheduler::start(admission.clone(), Fake::default(), PolicyConfig::default(), Duration::ZERO)
-            .expect("worker thread");
+        let sched = Scheduler::start(
+            admission.clone(),
+            Fake::default(),
+            PolicyConfig::default(),
+            Duration::ZERO,
+            Duration::ZERO,
+        )
+        .expect("worker thread");
         let sinks: Vec<Arc<Recorder>> = (0..3).map(|_| Recorder::new()).collect();
         for (i, sink) in sinks.iter().enumerate() {
             let a = admission.admit(Ticket { class: Class::Background, ..ticket(1, i as u64) }).expect("admitted");
