@@ -226,7 +226,7 @@ unsafe fn unpack_group<const KIND: u8>(r: *const u8, g: usize, mk: Masks, mut fe
                 if kind == KKind::Q3K {
                     let h = _mm512_loadu_si512(high.add(64 * (g / 2)) as *const _);
                     let hb = |v: __m512i| _mm512_and_si512(v, m04);
-                    let (h0, h1, h2, h3) = if g % 2 == 0 {
+                    let (h0, h1, h2, h3) = if g.is_multiple_of(2) {
                         (hb(shl::<2>(h)), hb(shl::<1>(h)), hb(h), hb(shr::<1>(h)))
                     } else {
                         (hb(shr::<2>(h)), hb(shr::<3>(h)), hb(shr::<4>(h)), hb(shr::<5>(h)))
@@ -266,14 +266,6 @@ unsafe fn group_scales<const KIND: u8>(r: *const u8, g: usize) -> (__m512i, __m5
     }
 }
 
-/// Where a super-block's unpacked weights come from.
-enum Weights<'a> {
-    /// Unpacked from the record as they are used.
-    Record,
-    /// Already unpacked: chunk `k` at `[k]`.
-    Buffer(&'a [__m512i; 64]),
-}
-
 /// One super-block (record `r`) for `NT` tokens (activation super-blocks `ab[j]`): the integer
 /// sums, then `acc[j]`'s two fused multiply-adds, in the reference's order.
 ///
@@ -286,11 +278,9 @@ unsafe fn superblock<const KIND: u8, const NT: usize>(
     a: &KActs,
     ab: [usize; NT],
     mk: Masks,
-    wts: &Weights<'_>,
     acc: &mut [__m512; NT],
 ) {
     let kind = kind_of::<KIND>();
-    let gsz = kind.group();
     // SAFETY: activation reads are inside token super-blocks `ab[j]` (the caller's contract),
     // record reads inside `r`'s record.
     unsafe {
@@ -309,39 +299,7 @@ unsafe fn superblock<const KIND: u8, const NT: usize>(
                     *d = dpbusd_bcst(*d, wv, word(j, k));
                 }
             };
-            match wts {
-                Weights::Record => unpack_group::<KIND>(r, g, mk, &mut feed),
-                Weights::Buffer(buf) => {
-                    // The group's activations from one pointer per token, each chunk at a
-                    // constant displacement (no address arithmetic per instruction).
-                    let k0 = g * gsz / 4;
-                    let p: [*const u8; NT] = std::array::from_fn(|j| word(j, k0));
-                    macro_rules! chunk {
-                        ($c:literal, $chain:ident) => {{
-                            let wv = buf[k0 + $c];
-                            for (j, d) in $chain.iter_mut().enumerate() {
-                                asm!(
-                                    concat!("vpdpbusd {acc}, {w}, dword ptr [{p} + 4*", $c, "]{{1to16}}"),
-                                    acc = inout(zmm_reg) *d,
-                                    w = in(zmm_reg) wv,
-                                    p = in(reg) p[j],
-                                    options(pure, readonly, nostack, preserves_flags)
-                                );
-                            }
-                        }};
-                    }
-                    chunk!(0, even);
-                    chunk!(1, odd);
-                    chunk!(2, even);
-                    chunk!(3, odd);
-                    if gsz == 32 {
-                        chunk!(4, even);
-                        chunk!(5, odd);
-                        chunk!(6, even);
-                        chunk!(7, odd);
-                    }
-                }
-            }
+            unpack_group::<KIND>(r, g, mk, &mut feed);
             let (sc, q2k_min) = group_scales::<KIND>(r, g);
             for j in 0..NT {
                 let mut dj = _mm512_add_epi32(even[j], odd[j]);
@@ -358,6 +316,28 @@ unsafe fn superblock<const KIND: u8, const NT: usize>(
                 }
             }
         }
+        finish::<KIND, NT>(r, a, ab, si, sm, acc);
+    }
+}
+
+/// The end of a super-block: the Q4_K/Q5_K minimums' integer sums onto `sm`, then `acc[j]`'s
+/// two fused multiply-adds in the reference's order.
+///
+/// # Safety
+/// As [`superblock`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn finish<const KIND: u8, const NT: usize>(
+    r: *const u8,
+    a: &KActs,
+    ab: [usize; NT],
+    si: [__m512i; NT],
+    mut sm: [__m512i; NT],
+    acc: &mut [__m512; NT],
+) {
+    let kind = kind_of::<KIND>();
+    // SAFETY: the caller's contract.
+    unsafe {
         if kind.mins_bytes() > 0 {
             // Q4_K/Q5_K: minimums in group pairs, i16 pairs against the pair's activation sums.
             for p in 0..kind.groups() / 2 {
@@ -380,6 +360,88 @@ unsafe fn superblock<const KIND: u8, const NT: usize>(
                 acc[j] = _mm512_fnmadd_ps(fm, _mm512_cvtepi32_ps(sm[j]), acc[j]);
             }
         }
+    }
+}
+
+/// [`superblock`] on buffered weights, two groups at a time: one `vpdpbusd` chain per token
+/// and group (no even/odd chains to add), activations at constant displacements.
+///
+/// # Safety
+/// As [`superblock`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn superblock_buf<const KIND: u8, const NT: usize>(
+    r: *const u8,
+    a: &KActs,
+    ab: [usize; NT],
+    buf: &[__m512i; 64],
+    acc: &mut [__m512; NT],
+) {
+    let kind = kind_of::<KIND>();
+    let gsz = kind.group();
+    // SAFETY: as in `superblock`.
+    unsafe {
+        let q: [*const u8; NT] = std::array::from_fn(|j| a.qs.as_ptr().add(ab[j] * SB) as *const u8);
+        let mut si = [_mm512_setzero_si512(); NT];
+        let mut sm = [_mm512_setzero_si512(); NT];
+        for ga in (0..kind.groups()).step_by(2) {
+            let gb = ga + 1;
+            let (ka, kb) = (ga * gsz / 4, gb * gsz / 4);
+            let pa: [*const u8; NT] = std::array::from_fn(|j| q[j].add(4 * ka));
+            let pb: [*const u8; NT] = std::array::from_fn(|j| q[j].add(4 * kb));
+            let mut da = [_mm512_setzero_si512(); NT];
+            let mut db = [_mm512_setzero_si512(); NT];
+            macro_rules! chunk {
+                ($c:literal) => {{
+                    let (wa, wb) = (buf[ka + $c], buf[kb + $c]);
+                    for j in 0..NT {
+                        asm!(
+                            concat!("vpdpbusd {a}, {wa}, dword ptr [{pa} + 4*", $c, "]{{1to16}}"),
+                            concat!("vpdpbusd {b}, {wb}, dword ptr [{pb} + 4*", $c, "]{{1to16}}"),
+                            a = inout(zmm_reg) da[j],
+                            b = inout(zmm_reg) db[j],
+                            wa = in(zmm_reg) wa,
+                            wb = in(zmm_reg) wb,
+                            pa = in(reg) pa[j],
+                            pb = in(reg) pb[j],
+                            options(pure, readonly, nostack, preserves_flags)
+                        );
+                    }
+                }};
+            }
+            chunk!(0);
+            chunk!(1);
+            chunk!(2);
+            chunk!(3);
+            if gsz == 32 {
+                chunk!(4);
+                chunk!(5);
+                chunk!(6);
+                chunk!(7);
+            }
+            let (sca, q2a) = group_scales::<KIND>(r, ga);
+            let (scb, q2b) = group_scales::<KIND>(r, gb);
+            for j in 0..NT {
+                let (mut x, mut y) = (da[j], db[j]);
+                if kind.offset() != 0 {
+                    let sa = *a.bs16.get_unchecked(16 * ab[j] + ga) as i32;
+                    let sb = *a.bs16.get_unchecked(16 * ab[j] + gb) as i32;
+                    x = _mm512_sub_epi32(x, _mm512_set1_epi32(kind.offset() * sa));
+                    y = _mm512_sub_epi32(y, _mm512_set1_epi32(kind.offset() * sb));
+                }
+                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(x, sca));
+                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(y, scb));
+            }
+            if kind == KKind::Q2K {
+                for j in 0..NT {
+                    let sa = *a.bs16.get_unchecked(16 * ab[j] + ga) as i32;
+                    let sb = *a.bs16.get_unchecked(16 * ab[j] + gb) as i32;
+                    sm[j] = _mm512_add_epi32(sm[j], _mm512_mullo_epi32(q2a, _mm512_set1_epi32(sa)));
+                    sm[j] = _mm512_add_epi32(sm[j], _mm512_mullo_epi32(q2b, _mm512_set1_epi32(sb)));
+                }
+            }
+        }
+        finish::<KIND, NT>(r, a, ab, si, sm, acc);
     }
 }
 
@@ -440,15 +502,14 @@ unsafe fn tile_k<const KIND: u8>(
             for g in 0..kind.groups() {
                 unpack_group::<KIND>(r, g, mk, |k, wv| buf[k] = wv);
             }
-            let wts = Weights::Buffer(&buf);
             let mut j = 0;
             while j < nt {
                 let m = (nt - j).min(BUFFERED_NT);
                 match m {
-                    4 => buffered::<KIND, 4>(r, a, t0 + j, sbs, b, mk, &wts, &mut accs[j..j + 4]),
-                    3 => buffered::<KIND, 3>(r, a, t0 + j, sbs, b, mk, &wts, &mut accs[j..j + 3]),
-                    2 => buffered::<KIND, 2>(r, a, t0 + j, sbs, b, mk, &wts, &mut accs[j..j + 2]),
-                    _ => buffered::<KIND, 1>(r, a, t0 + j, sbs, b, mk, &wts, &mut accs[j..j + 1]),
+                    4 => buffered::<KIND, 4>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 4]),
+                    3 => buffered::<KIND, 3>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 3]),
+                    2 => buffered::<KIND, 2>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 2]),
+                    _ => buffered::<KIND, 1>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 1]),
                 }
                 if b + 1 == sbs {
                     // Final: into the output rows now, between the blocks' arithmetic (all at
@@ -497,7 +558,7 @@ unsafe fn streamed<const KIND: u8, const NT: usize>(
                 }
             }
             let ab: [usize; NT] = std::array::from_fn(|j| (t0 + j) * sbs + b);
-            superblock::<KIND, NT>(data.add(b * rec), a, ab, mk, &Weights::Record, &mut acc);
+            superblock::<KIND, NT>(data.add(b * rec), a, ab, mk, &mut acc);
         }
         for (j, v) in acc.iter().enumerate() {
             _mm512_storeu_ps(dst(j), *v);
@@ -518,14 +579,13 @@ unsafe fn buffered<const KIND: u8, const NT: usize>(
     t0: usize,
     sbs: usize,
     b: usize,
-    mk: Masks,
-    wts: &Weights<'_>,
+    buf: &[__m512i; 64],
     acc: &mut [__m512],
 ) {
     let acc: &mut [__m512; NT] = acc.try_into().expect("NT accumulators");
     let ab: [usize; NT] = std::array::from_fn(|j| (t0 + j) * sbs + b);
     // SAFETY: the caller's contract.
-    unsafe { superblock::<KIND, NT>(r, a, ab, mk, wts, acc) }
+    unsafe { superblock_buf::<KIND, NT>(r, a, ab, buf, acc) }
 }
 
 /// Q8_K quantization of whole super-blocks (`kpacked::quantize_rows_body`, bit for bit): the
