@@ -53,8 +53,9 @@ const fn kind_of<const KIND: u8>() -> KKind {
 /// Tokens per inner call (4 × 4 accumulators of 16 lanes stay in registers).
 const MAX_NT: usize = 4;
 
-/// Tokens per inner call on buffered weights (8 spilled registers: 4 times slower).
-const BUFFERED_NT: usize = 4;
+/// Tokens per inner call on buffered weights (`kkbench`, one thread, 256 tokens: Q4_K 220, 239
+/// and 204 G MAC/s at 4, 6 and 8, where the registers run out).
+const BUFFERED_NT: usize = 6;
 
 /// From this many tokens on, each super-block's weights are unpacked once into a buffer and
 /// every group of [`MAX_NT`] tokens reads them from there (prompt chunks); below, each group of
@@ -506,6 +507,8 @@ unsafe fn tile_k<const KIND: u8>(
             while j < nt {
                 let m = (nt - j).min(BUFFERED_NT);
                 match m {
+                    6 => buffered::<KIND, 6>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 6]),
+                    5 => buffered::<KIND, 5>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 5]),
                     4 => buffered::<KIND, 4>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 4]),
                     3 => buffered::<KIND, 3>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 3]),
                     2 => buffered::<KIND, 2>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 2]),
