@@ -423,15 +423,19 @@ unsafe fn superblock_buf<const KIND: u8, const NT: usize>(
             let (sca, q2a) = group_scales::<KIND>(r, ga);
             let (scb, q2b) = group_scales::<KIND>(r, gb);
             for j in 0..NT {
-                let (mut x, mut y) = (da[j], db[j]);
-                if kind.offset() != 0 {
-                    let sa = *a.bs16.get_unchecked(16 * ab[j] + ga) as i32;
-                    let sb = *a.bs16.get_unchecked(16 * ab[j] + gb) as i32;
-                    x = _mm512_sub_epi32(x, _mm512_set1_epi32(kind.offset() * sa));
-                    y = _mm512_sub_epi32(y, _mm512_set1_epi32(kind.offset() * sb));
+                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(da[j], sca));
+                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(db[j], scb));
+            }
+            if kind.offset() != 0 {
+                // Q3_K/Q6_K (no minimums; `sm` is free): Σ s_g · s_act,g over the pair in one
+                // `vpdpwssd` (scales as i16 pairs, the two groups' activation sums adjacent),
+                // taken off `si` times the offset after the last group.
+                let spair =
+                    _mm512_or_si512(_mm512_and_si512(sca, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32::<16>(scb));
+                for j in 0..NT {
+                    let pair = (a.bs16.as_ptr().add(16 * ab[j] + ga) as *const i32).read_unaligned();
+                    sm[j] = _mm512_dpwssd_epi32(sm[j], spair, _mm512_set1_epi32(pair));
                 }
-                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(x, sca));
-                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(y, scb));
             }
             if kind == KKind::Q2K {
                 for j in 0..NT {
@@ -440,6 +444,13 @@ unsafe fn superblock_buf<const KIND: u8, const NT: usize>(
                     sm[j] = _mm512_add_epi32(sm[j], _mm512_mullo_epi32(q2a, _mm512_set1_epi32(sa)));
                     sm[j] = _mm512_add_epi32(sm[j], _mm512_mullo_epi32(q2b, _mm512_set1_epi32(sb)));
                 }
+            }
+        }
+        if kind.offset() != 0 {
+            let shift = _mm_cvtsi32_si128(kind.offset().trailing_zeros() as i32);
+            for j in 0..NT {
+                si[j] = _mm512_sub_epi32(si[j], _mm512_sll_epi32(sm[j], shift));
+                sm[j] = _mm512_setzero_si512();
             }
         }
         finish::<KIND, NT>(r, a, ab, si, sm, acc);
