@@ -33,7 +33,7 @@ pub enum FormatError {
     BadDimension { name: String, axis: usize, dim: u64 },
     #[error("tensor {name:?} has {elements} elements, which overflows or exceeds the file")]
     TensorTooLarge { name: String, elements: String },
-    #[error("tensor {name:?} has unknown or unsupported type id {type_id}")]
+    #[error("tensor {name:?} has type {} (GGML type id {type_id}), which llmd cannot read: convert the model to a type it reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K–Q6_K, F16, BF16, F32)", ggml_type_name(*type_id))]
     UnknownTensorType { name: String, type_id: u32 },
     #[error("tensor {name:?}: row length {row} is not a multiple of its type's block size {block}")]
     RowNotBlockAligned { name: String, row: u64, block: u64 },
@@ -141,4 +141,51 @@ pub enum EngineError {
     Generate(#[from] GenerateError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+}
+
+/// The name ggml gives type id `id` (for errors about types llmd does not read), or "unknown".
+pub fn ggml_type_name(id: u32) -> &'static str {
+    const NAMES: [&str; 40] = [
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2 (removed)",
+        "Q4_3 (removed)",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "unknown",
+        "unknown",
+        "unknown",
+        "TQ1_0",
+        "TQ2_0",
+        "unknown",
+        "unknown",
+        "unknown",
+        "MXFP4",
+    ];
+    NAMES.get(id as usize).copied().unwrap_or("unknown")
 }

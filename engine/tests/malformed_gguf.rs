@@ -310,3 +310,13 @@ fn malformed_files_give_typed_errors() {
         assert!(matches!(expect_err("model with a huge tensor count", bad), FormatError::CountTooLarge { .. }));
     }
 }
+
+/// A type llmd does not read (an i-quant here) is refused by its name, not only its number.
+#[test]
+fn an_i_quant_tensor_is_refused_by_its_type_name() {
+    let mut g = Gguf::valid();
+    g.tensors[0].2 = 23;
+    let e = expect_err("an IQ4_XS tensor", g.bytes());
+    assert!(matches!(e, FormatError::UnknownTensorType { type_id: 23, .. }), "{e:?}");
+    assert!(e.to_string().contains("IQ4_XS"), "{e}");
+}
