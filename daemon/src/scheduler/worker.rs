@@ -125,9 +125,18 @@ impl<E: Engine> Worker<E> {
 
     /// Runs until every sender is gone.
     pub fn run(mut self) {
+        // Whether requests ran since the allocator last gave free memory back.
+        let mut worked = false;
         loop {
             if self.active.is_empty() {
                 self.publish(0);
+                if std::mem::take(&mut worked) {
+                    // Idle again: the pass buffers of the requests that just ended are free,
+                    // but the allocator keeps freed pages for reuse, so a long prompt's peak
+                    // stayed resident (#27 J: 23–68 MB after one long prompt). One trim per
+                    // return to idle, off every request's path.
+                    llmd_alloc_sys::release_free_memory();
+                }
                 match self.rx.recv() {
                     Ok(job) => self.start(job),
                     Err(_) => return,
@@ -136,6 +145,7 @@ impl<E: Engine> Worker<E> {
             while let Ok(job) = self.rx.try_recv() {
                 self.start(job);
             }
+            worked = true;
             if !self.pass() {
                 // Nothing could run (requests waiting on their clients): wait a little for
                 // new work rather than spin.
