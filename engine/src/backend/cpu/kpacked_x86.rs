@@ -90,7 +90,20 @@ pub unsafe fn tile_avx512vnni_rows(
     r0: usize,
 ) {
     assert!(rows.iter().all(|r| r.len() >= r0 + TILE_ROWS));
-    let ptrs: Vec<*mut f32> = rows.iter_mut().map(|r| r.as_mut_ptr()).collect();
+    // Decode batches (a few tokens) keep the row pointers on the stack: this runs once per
+    // tile, thousands of times per token.
+    let mut small = [std::ptr::null_mut::<f32>(); 16];
+    let mut heap = Vec::new();
+    let ptrs: &mut [*mut f32] = if rows.len() <= small.len() {
+        &mut small[..rows.len()]
+    } else {
+        heap.resize(rows.len(), std::ptr::null_mut());
+        &mut heap
+    };
+    for (p, r) in ptrs.iter_mut().zip(rows.iter_mut()) {
+        *p = r.as_mut_ptr();
+    }
+    let ptrs = &*ptrs;
     // SAFETY: token `j`'s 16 values go to `rows[j][r0..r0 + 16]`, inside the row (asserted);
     // the rows are distinct slices.
     unsafe { by_kind(w, tile, a, t0, rows.len(), &|j| ptrs[j].add(r0)) }
