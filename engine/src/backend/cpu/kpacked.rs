@@ -169,6 +169,24 @@ impl KKind {
     }
 }
 
+/// `KKind` as a const parameter of the kernels (one inner loop per type, no branches).
+pub(super) const K_Q2K: u8 = 0;
+pub(super) const K_Q3K: u8 = 1;
+pub(super) const K_Q4K: u8 = 2;
+pub(super) const K_Q5K: u8 = 3;
+pub(super) const K_Q6K: u8 = 4;
+
+/// The `KKind` of a `KIND` const parameter.
+pub(super) const fn kind_of<const KIND: u8>() -> KKind {
+    match KIND {
+        K_Q2K => KKind::Q2K,
+        K_Q3K => KKind::Q3K,
+        K_Q4K => KKind::Q4K,
+        K_Q5K => KKind::Q5K,
+        _ => KKind::Q6K,
+    }
+}
+
 /// One GGUF super-block of one row, decoded to what a record stores.
 struct Decoded {
     d: u16,

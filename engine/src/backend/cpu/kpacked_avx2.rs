@@ -15,21 +15,7 @@ use super::kpacked::{KActs, KKind, KPackedMatrix, SB};
 use super::packed::TILE_ROWS;
 use std::arch::x86_64::*;
 
-const K_Q2K: u8 = 0;
-const K_Q3K: u8 = 1;
-const K_Q4K: u8 = 2;
-const K_Q5K: u8 = 3;
-const K_Q6K: u8 = 4;
-
-const fn kind_of<const KIND: u8>() -> KKind {
-    match KIND {
-        K_Q2K => KKind::Q2K,
-        K_Q3K => KKind::Q3K,
-        K_Q4K => KKind::Q4K,
-        K_Q5K => KKind::Q5K,
-        _ => KKind::Q6K,
-    }
-}
+use super::kpacked::{kind_of, K_Q2K, K_Q3K, K_Q4K, K_Q5K, K_Q6K};
 
 /// Tokens per inner call: each token's i16 and i32 sums of one half stay in registers.
 const MAX_NT: usize = 4;

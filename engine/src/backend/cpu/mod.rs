@@ -409,40 +409,8 @@ impl CpuBackend {
                 self.quantize(&mut acts, x, n, cols);
             }
             let acts = &*acts;
-            let total_tiles: usize = ws.iter().map(|w| w.tiles()).sum();
-            let tpt = if n <= 16 { MATMUL_TASKS_PER_THREAD } else { MATMUL_TASKS_PER_THREAD_PREFILL };
-            let tasks_wanted = self.desc.threads * tpt;
-            // Tasks: (matrix, first tile, tiles, each token's rows of those tiles).
-            type TaskOut<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
-            let mut tasks: Vec<Mutex<TaskOut<'_>>> = Vec::new();
-            for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-                let rows = w.rows;
-                // Each matrix gets its share of the tasks by its share of the tiles, in runs as
-                // even as it allows: Q, K and V of 36, 12 and 12 tiles make 18, 18, 12 and 12
-                // for 4 tasks (2 per thread), not 15, 15, 6, 12 and 12 (runs of a fixed length
-                // left one thread 6 tiles more). B=8 pass 0.9–1.3% faster in four runs, one
-                // sequence 0.5–1.2% in three, alternating pass by pass.
-                let pieces = match w.tiles() {
-                    0 => 0,
-                    t => ((t * tasks_wanted + total_tiles / 2) / total_tiles).clamp(1, t),
-                };
-                let starts: Vec<usize> = (0..pieces).map(|p| p * w.tiles() / pieces).collect();
-                let mut per_token: Vec<Vec<&mut [f32]>> = (0..starts.len()).map(|_| Vec::with_capacity(n)).collect();
-                for row in out.iter_mut().take(n) {
-                    let mut rest: &mut [f32] = std::mem::take(row);
-                    for (k, &t0) in starts.iter().enumerate() {
-                        let end = starts.get(k + 1).map_or(rows, |&t1| t1 * TILE_ROWS);
-                        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(end - t0 * TILE_ROWS);
-                        per_token[k].push(mine);
-                        rest = tail;
-                    }
-                }
-                for (k, dst) in per_token.into_iter().enumerate() {
-                    let t0 = starts[k];
-                    let nt = starts.get(k + 1).copied().unwrap_or(w.tiles()) - t0;
-                    tasks.push(Mutex::new((m, t0, nt, dst)));
-                }
-            }
+            let shapes: Vec<(usize, usize)> = ws.iter().map(|w| (w.rows, w.tiles())).collect();
+            let tasks = tile_tasks(self.desc.threads, n, &shapes, outs);
             self.pool.run(tasks.len(), &|i| {
                 let mut g = tasks[i].lock().unwrap_or_else(|e| e.into_inner());
                 let (m, t0, nt, ref mut dst) = *g;
@@ -509,34 +477,8 @@ impl CpuBackend {
             let mut acts = acts.borrow_mut();
             self.quantize_k(&mut acts, x, n, cols);
             let acts = &*acts;
-            let total_tiles: usize = ws.iter().map(|w| w.tiles()).sum();
-            let tpt = if n <= 16 { MATMUL_TASKS_PER_THREAD } else { MATMUL_TASKS_PER_THREAD_PREFILL };
-            let tasks_wanted = self.desc.threads * tpt;
-            type TaskOut<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
-            let mut tasks: Vec<Mutex<TaskOut<'_>>> = Vec::new();
-            for (m, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-                let rows = w.rows;
-                let pieces = match w.tiles() {
-                    0 => 0,
-                    t => ((t * tasks_wanted + total_tiles / 2) / total_tiles).clamp(1, t),
-                };
-                let starts: Vec<usize> = (0..pieces).map(|p| p * w.tiles() / pieces).collect();
-                let mut per_token: Vec<Vec<&mut [f32]>> = (0..starts.len()).map(|_| Vec::with_capacity(n)).collect();
-                for row in out.iter_mut().take(n) {
-                    let mut rest: &mut [f32] = std::mem::take(row);
-                    for (k, &t0) in starts.iter().enumerate() {
-                        let end = starts.get(k + 1).map_or(rows, |&t1| t1 * TILE_ROWS);
-                        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(end - t0 * TILE_ROWS);
-                        per_token[k].push(mine);
-                        rest = tail;
-                    }
-                }
-                for (k, dst) in per_token.into_iter().enumerate() {
-                    let t0 = starts[k];
-                    let nt = starts.get(k + 1).copied().unwrap_or(w.tiles()) - t0;
-                    tasks.push(Mutex::new((m, t0, nt, dst)));
-                }
-            }
+            let shapes: Vec<(usize, usize)> = ws.iter().map(|w| (w.rows, w.tiles())).collect();
+            let tasks = tile_tasks(self.desc.threads, n, &shapes, outs);
             self.pool.run(tasks.len(), &|i| {
                 let mut g = tasks[i].lock().unwrap_or_else(|e| e.into_inner());
                 let (m, t0, nt, ref mut dst) = *g;
@@ -551,6 +493,53 @@ impl CpuBackend {
             });
         });
     }
+}
+
+/// One task of a packed matmul's parallel step: (matrix, first tile, tiles, each token's rows
+/// of those tiles).
+type TileTask<'a> = (usize, usize, usize, Vec<&'a mut [f32]>);
+
+/// The tasks of one parallel step over the tiles of several matrices (`shapes[m]` = rows and
+/// tiles of matrix `m`, `outs[m][t]` its output row for token `t`, taken): each task a run of
+/// one matrix's tiles with every token's rows of them.
+fn tile_tasks<'a>(
+    threads: usize,
+    n: usize,
+    shapes: &[(usize, usize)],
+    outs: &mut [Vec<&'a mut [f32]>],
+) -> Vec<Mutex<TileTask<'a>>> {
+    let total_tiles: usize = shapes.iter().map(|&(_, t)| t).sum();
+    let tpt = if n <= 16 { MATMUL_TASKS_PER_THREAD } else { MATMUL_TASKS_PER_THREAD_PREFILL };
+    let tasks_wanted = threads * tpt;
+    let mut tasks = Vec::new();
+    for (m, (&(rows, tiles), out)) in shapes.iter().zip(outs.iter_mut()).enumerate() {
+        // Each matrix gets its share of the tasks by its share of the tiles, in runs as even as
+        // it allows: Q, K and V of 36, 12 and 12 tiles make 18, 18, 12 and 12 for 4 tasks (2 per
+        // thread), not 15, 15, 6, 12 and 12 (runs of a fixed length left one thread 6 tiles
+        // more). B=8 pass 0.9–1.3% faster in four runs, one sequence 0.5–1.2% in three,
+        // alternating pass by pass.
+        let pieces = match tiles {
+            0 => 0,
+            t => ((t * tasks_wanted + total_tiles / 2) / total_tiles).clamp(1, t),
+        };
+        let starts: Vec<usize> = (0..pieces).map(|p| p * tiles / pieces).collect();
+        let mut per_token: Vec<Vec<&mut [f32]>> = (0..starts.len()).map(|_| Vec::with_capacity(n)).collect();
+        for row in out.iter_mut().take(n) {
+            let mut rest: &mut [f32] = std::mem::take(row);
+            for (k, &t0) in starts.iter().enumerate() {
+                let end = starts.get(k + 1).map_or(rows, |&t1| t1 * TILE_ROWS);
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(end - t0 * TILE_ROWS);
+                per_token[k].push(mine);
+                rest = tail;
+            }
+        }
+        for (k, dst) in per_token.into_iter().enumerate() {
+            let t0 = starts[k];
+            let nt = starts.get(k + 1).copied().unwrap_or(tiles) - t0;
+            tasks.push(Mutex::new((m, t0, nt, dst)));
+        }
+    }
+    tasks
 }
 
 /// Numbers every packed matmul, so a thread knows whether its [`OWN_ACTS`] are this step's.
