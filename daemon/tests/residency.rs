@@ -317,7 +317,7 @@ fn a_corrupt_model_fails_to_load_with_its_own_error_and_the_rest_is_served() {
     let dir = Dir::new("corrupt");
     let bad = dir.0.join("models/bad.llmd");
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-llama-spm.gguf");
-    let opts = llmd_engine::convert::ConvertOptions { bits: 5.0, threads: 1, smoothing: None };
+    let opts = llmd_engine::convert::ConvertOptions { bits: Some(5.0), threads: 1, smoothing: None };
     llmd_engine::convert::convert(&fixture, &bad, &opts, &|_, _, _| {}).expect("converts");
     let mut bytes = std::fs::read(&bad).expect("read");
     let n = bytes.len();

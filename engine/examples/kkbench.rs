@@ -37,11 +37,20 @@ fn main() {
         }
     }
     let rb = kind.ggml().row_bytes(cols).expect("whole super-blocks");
+    let t0 = std::time::Instant::now();
     let w = KPackedMatrix::pack_in(None, kind, rows, cols, |r0, b| {
         b.copy_from_slice(&raw[r0 * rb..r0 * rb + b.len()]);
         Ok(())
     })
     .expect("packs");
+    let pack_s = t0.elapsed().as_secs_f64();
+    println!(
+        "pack: {:.1} MB of {} in {:.1} ms, {:.2} GB/s (one thread)",
+        (rows * rb) as f64 / 1e6,
+        kind.ggml().name(),
+        pack_s * 1e3,
+        (rows * rb) as f64 / pack_s / 1e9
+    );
     let x: Vec<f32> = (0..nt * cols).map(|i| ((i * 13 % 101) as f32) / 50.0 - 1.0).collect();
     let mut a = KActs::default();
     a.quantize(&x, nt, cols);

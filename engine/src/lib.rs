@@ -232,7 +232,7 @@ pub fn probe(path: &Path) -> Result<ModelProbe, EngineError> {
             .iter()
             .map(|t| match t.kind {
                 format::llmd::TensorKind::Edgeflow => t.rows * t.cols * 34 / 32,
-                format::llmd::TensorKind::Ggml { .. } => t.len,
+                format::llmd::TensorKind::Ggml { .. } | format::llmd::TensorKind::KPacked { .. } => t.len,
             })
             .sum();
         return Ok(ModelProbe {

@@ -174,7 +174,7 @@ fn hf_export_converts_to_an_llmd_file() {
     std::fs::create_dir_all(&dir.0).expect("temp dir");
     export(&default_model_path(), &dir.0);
     let out = dir.0.join("model.llmd");
-    let opts = llmd_engine::convert::ConvertOptions { bits: 8.0, threads: 2, smoothing: None };
+    let opts = llmd_engine::convert::ConvertOptions { bits: Some(8.0), threads: 2, smoothing: None };
     let r = llmd_engine::convert::convert(&dir.0, &out, &opts, &|_, _, _| {}).expect("converts");
     assert!(r.skipped.is_empty(), "{:?}", r.skipped);
     let hf = Model::load(&dir.0, &LoadOptions { threads: 2, ..Default::default() }).expect("HF layout loads");

@@ -29,7 +29,7 @@ impl Drop for TempDir {
 }
 
 fn opts(bits: f64) -> ConvertOptions {
-    ConvertOptions { bits, threads: 2, smoothing: None }
+    ConvertOptions { bits: Some(bits), threads: 2, smoothing: None }
 }
 
 fn convert_to(src: &Path, out: &Path, bits: f64) -> convert::ConvertReport {
@@ -43,9 +43,11 @@ fn load(p: &Path) -> Result<Model, EngineError> {
 #[test]
 fn cold_start_prefill_equals_the_loaded_models_forward() {
     let dir = TempDir::new("cold");
-    let out = dir.0.join("smol-5.llmd");
-    let report = convert_to(&default_model_path(), &out, 5.0);
-    assert_eq!(report.average_bits(), 5.0, "30 layers × 5184 channels × 4 extra bits is a whole number");
+    // 4 bits: below the source's Q4_1 (5 bits per weight), so every linear tensor is EdgeFlow.
+    let out = dir.0.join("smol-4.llmd");
+    let report = convert_to(&default_model_path(), &out, 4.0);
+    assert_eq!(report.average_bits(), 4.0, "30 layers × 5184 channels × 3 extra bits is a whole number");
+    assert_eq!(report.kept_tensors, 0);
     assert!(report.skipped.is_empty(), "unused tensors: {:?}", report.skipped);
     let warm = load(&out).expect("the converted model loads");
     let prompt = warm.tokenizer.encode("The Jargon File is a glossary of hacker slang.", false, true).expect("tokens");

@@ -11,9 +11,12 @@ use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
-    /// Average bits per weight of every linear tensor (EdgeFlow budget), 1 to 8; fractions allowed.
-    #[arg(long, default_value_t = 5.0)]
-    pub bits: f64,
+    /// Average bits per weight of every requantized linear tensor (EdgeFlow budget), 1 to 8;
+    /// fractions allowed. A source tensor of a type the kernels run natively (Q4_0, Q4_1, Q8_0,
+    /// Q2_K-Q6_K) at no more bits per weight than this is kept as it is. Without --bits: keep
+    /// every such tensor, EdgeFlow at 5 bits for the others.
+    #[arg(long)]
+    pub bits: Option<f64>,
     /// A plain-text file to calibrate the smoothing step with (EdgeFlow §4.1); without it, no
     /// smoothing.
     #[arg(long, value_name = "FILE")]
@@ -69,7 +72,8 @@ pub fn convert(a: &ConvertArgs) -> Result<(), String> {
             let model = Model::load(&a.input, &LoadOptions { threads: a.threads, ..Default::default() })
                 .map_err(|e| format!("{}: {e}", a.input.display()))?;
             let toks = text_tokens(&model, text, a.calibration_offset, a.calibration_tokens)?;
-            let s = Smoothing::calibrate(&model, &toks, a.bits, a.threads).map_err(|e| e.to_string())?;
+            let s = Smoothing::calibrate(&model, &toks, a.bits.unwrap_or(convert::DEFAULT_BITS), a.threads)
+                .map_err(|e| e.to_string())?;
             eprintln!("smoothing calibrated in {:.1} s", start.elapsed().as_secs_f64());
             Some(s)
         }
@@ -91,7 +95,7 @@ pub fn convert(a: &ConvertArgs) -> Result<(), String> {
         crate::out!("{v}");
     } else {
         crate::out!(
-            "wrote {} ({:.1} MB) in {:.1} s: {} tensors, {:.1} M linear weights at {:.3} average bits ({:.1} MB)",
+            "wrote {} ({:.1} MB) in {:.1} s: {} tensors; EdgeFlow: {:.1} M linear weights at {:.3} average bits ({:.1} MB); kept in the source's types: {} linear tensors, {:.1} M weights ({:.1} MB)",
             a.output.display(),
             report.output_bytes as f64 / 1e6,
             secs,
@@ -99,12 +103,17 @@ pub fn convert(a: &ConvertArgs) -> Result<(), String> {
             report.linear_weights as f64 / 1e6,
             report.average_bits(),
             report.linear_bytes as f64 / 1e6,
+            report.kept_tensors,
+            report.kept_weights as f64 / 1e6,
+            report.kept_bytes as f64 / 1e6,
         );
         let hist: Vec<String> = (1..=8)
             .filter(|&b| report.channels_by_bits[b] > 0)
             .map(|b| format!("{b} bits: {}", report.channels_by_bits[b]))
             .collect();
-        crate::out!("channels by bit-width: {}", hist.join(", "));
+        if !hist.is_empty() {
+            crate::out!("channels by bit-width: {}", hist.join(", "));
+        }
         if !report.skipped.is_empty() {
             crate::out!("not converted (unused by the architecture): {}", report.skipped.join(", "));
         }

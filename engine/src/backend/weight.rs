@@ -102,6 +102,21 @@ impl WeightMatrix {
         }
     }
 
+    /// Wraps K-quant weights already in their packed layout (read from an llmd file);
+    /// `tensor` names where they live in the file, for accounting only.
+    pub fn with_kpacked(name: &str, tensor: TensorRef, k: KPackedMatrix) -> Self {
+        Self {
+            name: name.to_owned(),
+            ty: k.kind.ggml(),
+            rows: k.rows,
+            cols: k.cols,
+            tensor,
+            packed: None,
+            kpacked: Some(Arc::new(k)),
+            on_flash: false,
+        }
+    }
+
     /// The same weights under another name (a tied output head).
     pub fn renamed(&self, name: &str) -> Self {
         Self { name: name.to_owned(), ..self.clone() }

@@ -26,6 +26,10 @@
 //! An EdgeFlow tensor of `C` rows (output channels) and `D` columns is
 //! `[bit-widths: ⌈3C/8⌉ bytes, INT3 codes b−1][pad to 64][scales: C × f16][pad to 64][channels]`,
 //! channel `i` taking `B_i · ⌈D/128⌉ · 16` bytes (see [`crate::quant::edgeflow`]).
+//!
+//! A tensor of kind `k_packed` holds a K-quant tensor in the CPU kernels' tile records
+//! (`backend::cpu::kpacked`, its `RECORD_LAYOUT` number stored with it): the converter keeps
+//! a source's K-quant tensors this way, so loading them is a read with no repacking.
 
 use crate::config::ModelConfig;
 use crate::error::FormatError;
@@ -53,6 +57,10 @@ pub enum TensorKind {
     Ggml { type_id: u32 },
     /// EdgeFlow mixed-precision channels (one bit-width and one f16 scale per row).
     Edgeflow,
+    /// A K-quant tensor (Q2_K … Q6_K, by GGUF type id) already in the CPU kernels' tile
+    /// records (`backend::cpu::kpacked`), record layout `layout`: loading is a read and a copy,
+    /// with no repacking. The loader checks the layout number and the length.
+    KPacked { type_id: u32, layout: u32 },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -260,6 +268,21 @@ fn check_tables(m: &Metadata, data_len: u64) -> Result<(), FormatError> {
                         "tensor {:?}: {} bytes for {} × {} {}",
                         t.name,
                         t.len,
+                        t.rows,
+                        t.cols,
+                        ty.name()
+                    )));
+                }
+            }
+            TensorKind::KPacked { type_id, .. } => {
+                let ty = GgmlType::from_id(type_id)
+                    .ok_or_else(|| FormatError::UnknownTensorType { name: t.name.clone(), type_id })?;
+                let k_quant =
+                    matches!(ty, GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K);
+                if !k_quant || t.cols % 256 != 0 {
+                    return Err(layout(format!(
+                        "tensor {:?}: packed records of {} × {} {} (only K-quants, whole super-blocks of 256)",
+                        t.name,
                         t.rows,
                         t.cols,
                         ty.name()

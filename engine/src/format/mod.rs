@@ -42,6 +42,23 @@ impl ModelBytes {
     }
 }
 
+impl ModelBytes {
+    /// Asks the kernel to start reading `range` of the map (no effect on owned bytes).
+    pub fn will_need(&self, range: std::ops::Range<usize>) {
+        if let Self::Mapped(m, _) = self {
+            let _ = m.advise_range(memmap2::Advice::WillNeed, range.start, range.len());
+        }
+    }
+
+    /// Lets go of this process's resident pages of `range` of the map (the whole pages inside
+    /// it; touched again, they are read back from the file).
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        if let Self::Mapped(m, _) = self {
+            llmd_alloc_sys::release_mapped_pages(m, range);
+        }
+    }
+}
+
 impl Deref for ModelBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {

@@ -2,14 +2,18 @@
 //! one unpack thread → compute, pipelined per layer region, so that a cold start's prefill runs
 //! layer 0 while later layers are still coming off storage.
 //!
-//! * **Read**: `readers` threads take regions in file order from a shared counter and read each
-//!   whole region with `pread` into a buffer of their own (no page of the map is touched), then
-//!   hand it on through a bounded channel (at most `readers + 1` regions wait, so memory stays
-//!   bounded whatever the storage speed).
+//! * **Read**: `readers` threads take regions in file order from a shared counter. Each asks
+//!   the kernel to read its region ahead (`MADV_WILLNEED` on the file's map) and then computes
+//!   the CRC-32 of every tensor and of the whole region in one pass over the mapped bytes, which
+//!   brings them in in order. (Reading through the map, not into buffers of our own, lets the
+//!   storage fill the page cache directly: no copy, and no zeroing of fresh anonymous pages —
+//!   both showed up as the largest CPU costs of a 1.1 GB cold start.)
 //! * **Unpack**: one thread puts regions back in order, checks every tensor's CRC-32 and the
-//!   region's share of the whole-data CRC-32, and turns the bytes into weights: EdgeFlow tensors
-//!   are SIMD-unpacked to int8 straight into the CPU kernels' tile layout, GGML tensors are
-//!   repacked as the GGUF loader does.
+//!   region's share of the whole-data CRC-32, and turns the bytes into weights: K-quant records
+//!   (`TensorKind::KPacked`) are used in place from the map; EdgeFlow tensors are SIMD-unpacked
+//!   to int8 straight into the CPU kernels' tile layout and GGML tensors repacked as the GGUF
+//!   loader does, after which their pages of the map are let go (`MADV_DONTNEED`), so they are
+//!   not resident twice.
 //! * **Compute**: the caller's thread; with a prompt, it runs the forward pass one layer at a
 //!   time as each layer's weights arrive ([`crate::model::Pass`], the same code as
 //!   [`crate::model::Transformer::forward_batch`], so the logits are the same bit for bit).
@@ -22,6 +26,7 @@ use super::kv::KvCache;
 use super::weights::{LayerWeights, ModelWeights, WeightMatrix};
 use super::Logits;
 use crate::backend::blocks::Pass;
+use crate::backend::cpu::kpacked::{self, KKind, KPackedMatrix};
 use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::backend::Planner;
 use crate::error::{EngineError, FormatError};
@@ -124,7 +129,8 @@ enum Part {
 
 struct ReadRegion {
     index: usize,
-    bytes: Vec<u8>,
+    /// CRC-32 of each of the region's tensors, in the region's order.
+    tensor_crcs: Vec<u32>,
     crc: crc32fast::Hasher,
     read: (f64, f64),
 }
@@ -192,34 +198,27 @@ pub(crate) fn load<T: Send + 'static>(
             }
         }
     };
-    let file = Arc::new(file);
     let mut handles = Vec::new();
     for _ in 0..readers {
-        let (meta, next, file, tx, read_so_far) =
-            (meta.clone(), next.clone(), file.clone(), read_tx.clone(), read_so_far.clone());
+        let (meta, next, tx, read_so_far) = (meta.clone(), next.clone(), read_tx.clone(), read_so_far.clone());
         let report_progress = report_progress.clone();
         let path = path.display().to_string();
+        let map = map.clone();
         handles.push(std::thread::spawn(move || loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(r) = meta.regions.get(i) else { break };
-            let start = secs();
-            let mut bytes = vec![0u8; r.len as usize];
-            let mut crc = crc32fast::Hasher::new();
-            let mut failed = None;
-            for (k, chunk) in bytes.chunks_mut(READ_CHUNK).enumerate() {
-                let at = data_offset + r.offset + (k * READ_CHUNK) as u64;
-                if let Err(source) = file.read_exact_at(chunk, at) {
-                    failed = Some(FormatError::Io { path: path.clone(), source });
-                    break;
-                }
-                crc.update(chunk);
-                read_so_far.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-                report_progress();
+            if i >= meta.regions.len() {
+                break;
             }
-            let msg = match failed {
-                Some(e) => Err(e),
-                None => Ok(ReadRegion { index: i, bytes, crc, read: (start, secs()) }),
-            };
+            let start = secs();
+            let msg = read_region(&map, &meta, i, data_offset, &mut |n| {
+                read_so_far.fetch_add(n as u64, Ordering::Relaxed);
+                report_progress();
+            })
+            .map(|(tensor_crcs, crc)| ReadRegion { index: i, tensor_crcs, crc, read: (start, secs()) })
+            .map_err(|e| match e {
+                FormatError::Io { source, .. } => FormatError::Io { path: path.clone(), source },
+                e => e,
+            });
             if tx.send(msg).is_err() {
                 break;
             }
@@ -250,11 +249,9 @@ pub(crate) fn load<T: Send + 'static>(
                     let region = &meta.regions[r.index];
                     let mut parts = HashMap::new();
                     let mut result = Ok(());
-                    for &ti in &region.tensors {
+                    for (&ti, &crc) in region.tensors.iter().zip(&r.tensor_crcs) {
                         let t = &meta.tensors[ti];
-                        let at = (t.offset - region.offset) as usize;
-                        let bytes = &r.bytes[at..at + t.len as usize];
-                        match build_part(t, bytes, &map, data_offset, arena.as_ref()) {
+                        match build_part(t, crc, &map, data_offset, arena.as_ref()) {
                             Ok(p) => {
                                 parts.insert(t.name.clone(), p);
                             }
@@ -408,26 +405,94 @@ fn packed_bytes(tensors: &[TensorEntry]) -> usize {
             let ty = match t.kind {
                 TensorKind::Ggml { type_id } => GgmlType::from_id(type_id)?,
                 TensorKind::Edgeflow => GgmlType::Q8_0,
+                TensorKind::KPacked { .. } => return usize::try_from(t.len).ok(),
             };
             crate::backend::weight::packed_len(ty, usize::try_from(t.rows).ok()?, usize::try_from(t.cols).ok()?)
         })
         .fold(0usize, |a, b| a.saturating_add(b))
 }
 
-/// Turns one tensor's checked bytes into weights.
+/// Reads region `i` through the map: asks the kernel to read it ahead, then computes the
+/// CRC-32 of each tensor and of the whole region (the gaps between tensors included) in one
+/// pass over its bytes, which faults them in in order. `progress(bytes)` after each chunk.
+fn read_region(
+    map: &ModelBytes,
+    meta: &Metadata,
+    i: usize,
+    data_offset: u64,
+    progress: &mut dyn FnMut(usize),
+) -> Result<(Vec<u32>, crc32fast::Hasher), FormatError> {
+    let r = &meta.regions[i];
+    let (start, end) = ((data_offset + r.offset) as usize, (data_offset + r.offset + r.len) as usize);
+    if end > map.len() {
+        return Err(FormatError::Io {
+            path: String::new(),
+            source: std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the file is shorter than its regions"),
+        });
+    }
+    map.will_need(start..end);
+    let mut whole = crc32fast::Hasher::new();
+    let mut tensor_crcs = Vec::with_capacity(r.tensors.len());
+    let mut at = start;
+    let span = |from: usize, to: usize, whole: &mut crc32fast::Hasher, progress: &mut dyn FnMut(usize)| {
+        let mut h = crc32fast::Hasher::new();
+        for chunk in map[from..to].chunks(READ_CHUNK) {
+            h.update(chunk);
+            progress(chunk.len());
+        }
+        whole.combine(&h);
+        h.finalize()
+    };
+    for &ti in &r.tensors {
+        let t = &meta.tensors[ti];
+        let (t0, t1) = ((data_offset + t.offset) as usize, (data_offset + t.offset + t.len) as usize);
+        if t0 > at {
+            span(at, t0, &mut whole, progress);
+        }
+        tensor_crcs.push(span(t0, t1, &mut whole, progress));
+        at = t1;
+    }
+    if end > at {
+        span(at, end, &mut whole, progress);
+    }
+    Ok((tensor_crcs, whole))
+}
+
+/// Turns one tensor's checked bytes into weights: K-quant records are used in place from the
+/// map; other tensors are unpacked or repacked into memory of their own, and their pages of
+/// the map are let go.
 fn build_part(
     t: &TensorEntry,
-    bytes: &[u8],
+    computed: u32,
     map: &Arc<ModelBytes>,
     data_offset: u64,
     arena: Option<&HugeArena>,
 ) -> Result<Part, FormatError> {
-    let computed = crc32fast::hash(bytes);
     if computed != t.crc32 {
         return Err(FormatError::ChecksumMismatch { what: format!("tensor {:?}", t.name), stored: t.crc32, computed });
     }
-    let (rows, cols) = (t.rows as usize, t.cols as usize);
     let start = (data_offset + t.offset) as usize;
+    let part = build_from(t, map, start, arena)?;
+    // Weights now in memory of their own no longer need the map's pages (they would count as
+    // resident twice); records used in place, and rows the kernels read from the map, keep them.
+    let own = match &part {
+        Part::Vector(_) => true,
+        Part::Matrix(m) => m.packed.is_some() || m.kpacked.as_ref().is_some_and(|k| !k.in_file()),
+    };
+    if own {
+        map.release(start..start + t.len as usize);
+    }
+    Ok(part)
+}
+
+fn build_from(
+    t: &TensorEntry,
+    map: &Arc<ModelBytes>,
+    start: usize,
+    arena: Option<&HugeArena>,
+) -> Result<Part, FormatError> {
+    let (rows, cols) = (t.rows as usize, t.cols as usize);
+    let bytes = &map[start..start + t.len as usize];
     let tref =
         |ty| TensorRef { ty, dims: vec![t.cols, t.rows], file: map.clone(), range: start..start + t.len as usize };
     let bad = |m: String| FormatError::NativeLayout(format!("tensor {:?}: {m}", t.name));
@@ -453,6 +518,20 @@ fn build_part(
             })
             .map_err(|e| bad(e.to_string()))?;
             Ok(Part::Matrix(WeightMatrix::with_packed(&t.name, tref(ty), p)))
+        }
+        TensorKind::KPacked { type_id, layout } => {
+            let ty =
+                GgmlType::from_id(type_id).ok_or(FormatError::UnknownTensorType { name: t.name.clone(), type_id })?;
+            let kind = KKind::of(ty).ok_or_else(|| bad(format!("packed records of {}", ty.name())))?;
+            if layout != kpacked::RECORD_LAYOUT {
+                return Err(bad(format!(
+                    "packed with record layout {layout}, this build reads layout {}: convert the model again",
+                    kpacked::RECORD_LAYOUT
+                )));
+            }
+            let k = KPackedMatrix::from_file(map.clone(), start..start + t.len as usize, kind, rows, cols)
+                .map_err(|e| bad(e.to_string()))?;
+            Ok(Part::Matrix(WeightMatrix::with_kpacked(&t.name, tref(ty), k)))
         }
         TensorKind::Edgeflow => {
             if cols % crate::backend::cpu::packed::BLOCK != 0 {

@@ -104,8 +104,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Where the converted file for `gguf` at `bits` lives (converted on first use).
-fn llmd_path_for(gguf: &Path, bits: f64) -> PathBuf {
+/// Where the converted file for `gguf` at `bits` lives (converted on first use; the name
+/// carries the converter's policy, 2 since source tensors are kept, so older files are not reused).
+fn llmd_path_for(gguf: &Path, bits: Option<f64>) -> PathBuf {
     let dir = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
@@ -113,7 +114,8 @@ fn llmd_path_for(gguf: &Path, bits: f64) -> PathBuf {
         .join("llmd/bench");
     let stem = gguf.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let len = std::fs::metadata(gguf).map(|m| m.len()).unwrap_or(0);
-    dir.join(format!("{stem}-{len}-ef{bits}.llmd"))
+    let what = bits.map(|b| format!("ef{b}")).unwrap_or_else(|| "kept".into());
+    dir.join(format!("{stem}-{len}-p2-{what}.llmd"))
 }
 
 pub fn run(args: &super::BenchArgs) -> Result<(), String> {
@@ -132,7 +134,8 @@ pub fn run(args: &super::BenchArgs) -> Result<(), String> {
             let p = llmd_path_for(&gguf, args.bits);
             if !p.is_file() {
                 std::fs::create_dir_all(p.parent().unwrap_or(Path::new("."))).map_err(|e| e.to_string())?;
-                eprintln!("converting {} to {} bits once: {}", gguf.display(), args.bits, p.display());
+                let how = args.bits.map(|b| format!("{b} bits")).unwrap_or_else(|| "its own types kept".into());
+                eprintln!("converting {} ({how}) once: {}", gguf.display(), p.display());
                 convert::convert(
                     &gguf,
                     &p,

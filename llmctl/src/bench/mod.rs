@@ -74,9 +74,10 @@ pub struct BenchArgs {
     /// (with --compare-llamacpp). --model is the GGUF.
     #[arg(long, requires = "local")]
     pub cold: bool,
-    /// With --cold: the average bits of the converted file.
-    #[arg(long, default_value_t = 5.0)]
-    pub bits: f64,
+    /// With --cold: convert with this EdgeFlow budget (as `llmctl convert --bits`); without it,
+    /// the source's natively-run tensors are kept and the rest are EdgeFlow at 5 bits.
+    #[arg(long)]
+    pub bits: Option<f64>,
     /// With --cold: use this llmd file instead of converting --model.
     #[arg(long, value_name = "PATH")]
     pub llmd: Option<PathBuf>,

@@ -60,6 +60,23 @@ pub fn map_readonly(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(file) }
 }
 
+/// Drops this process's resident pages of `range` of a read-only file map: the whole pages
+/// inside the range only, so bytes of the map next to it stay resident. Touched again, the
+/// pages are read back from the file (the page cache), with the same contents.
+pub fn release_mapped_pages(map: &memmap2::Mmap, range: std::ops::Range<usize>) {
+    let page = 4096usize;
+    let base = map.as_ptr() as usize;
+    let first = (base + range.start).next_multiple_of(page) - base;
+    let end = ((base + range.end.min(map.len())) / page * page).saturating_sub(base);
+    if end > first {
+        // SAFETY: `MADV_DONTNEED` on a private, read-only file map only drops page-table
+        // entries: the next access faults the same bytes back in from the file, so no
+        // reference into the map ever sees different contents (the file is not written while
+        // mapped: see `map_readonly`). The range lies inside the map (checked above).
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, end - first) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -51,12 +51,20 @@
 
 use super::packed::{Kernel, KernelKind, TILE_ROWS};
 use super::GgmlType;
+use crate::format::ModelBytes;
 use crate::quant::q3k_scales;
 use half::f16;
 use llmd_alloc_sys::{ArenaBuf, HugeArena};
+use std::ops::Range;
+use std::sync::Arc;
 
 /// Columns per super-block.
 pub const SB: usize = 256;
+
+/// The version of the record layout above. llmd files store packed records as they are
+/// (`TensorKind::KPacked`, tagged with this number, so loading is a read); any change to the
+/// layout must bump it, and a file with another number is refused with "convert it again".
+pub const RECORD_LAYOUT: u32 = 1;
 
 /// The K-quant types that have a packed form.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,6 +298,28 @@ fn decode(kind: KKind, b: &[u8]) -> Decoded {
 enum Data {
     Heap(Vec<u8>),
     Arena(ArenaBuf),
+    /// In place in a mapped llmd file that stores the records (no copy: the page cache's
+    /// pages are the weights, filled by the storage's own transfers).
+    File(Arc<ModelBytes>, Range<usize>),
+}
+
+impl Data {
+    /// A zeroed buffer of `len` bytes in `arena` when it has room, else on the heap.
+    fn alloc(arena: Option<&HugeArena>, len: usize) -> Self {
+        match arena.and_then(|a| a.alloc(len)) {
+            Some(buf) => Data::Arena(buf),
+            None => Data::Heap(vec![0u8; len]),
+        }
+    }
+
+    /// The bytes to fill, for the buffers this process owns.
+    fn owned_mut(&mut self) -> &mut [u8] {
+        match self {
+            Data::Heap(v) => v,
+            Data::Arena(b) => b,
+            Data::File(..) => &mut [],
+        }
+    }
 }
 
 impl std::ops::Deref for Data {
@@ -298,15 +328,7 @@ impl std::ops::Deref for Data {
         match self {
             Data::Heap(v) => v,
             Data::Arena(b) => b,
-        }
-    }
-}
-
-impl std::ops::DerefMut for Data {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        match self {
-            Data::Heap(v) => v,
-            Data::Arena(b) => b,
+            Data::File(f, r) => &f[r.clone()],
         }
     }
 }
@@ -350,12 +372,9 @@ impl KPackedMatrix {
         let rec = kind.record_bytes();
         let src_block = kind.ggml().type_size();
         let row_bytes = sbs * src_block;
-        let mut data = match arena.and_then(|a| a.alloc(len)) {
-            Some(buf) => Data::Arena(buf),
-            None => Data::Heap(vec![0u8; len]),
-        };
+        let mut data = Data::alloc(arena, len);
         let mut src = vec![0u8; TILE_ROWS * row_bytes];
-        for (tile, tdata) in data.chunks_exact_mut(sbs * rec).enumerate() {
+        for (tile, tdata) in data.owned_mut().chunks_exact_mut(sbs * rec).enumerate() {
             let r0 = tile * TILE_ROWS;
             let n = (rows - r0).min(TILE_ROWS);
             read(r0, &mut src[..n * row_bytes])?;
@@ -367,6 +386,62 @@ impl KPackedMatrix {
             }
         }
         Ok(Self { kind, rows, cols, data })
+    }
+
+    /// Checks that `len` bytes are the records of a `rows` × `cols` matrix of `kind`.
+    fn check_records(kind: KKind, rows: usize, cols: usize, len: usize) -> std::io::Result<()> {
+        let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+        let want = Self::packed_len(kind, rows, cols)
+            .ok_or_else(|| invalid(format!("{rows} x {cols} is not whole super-blocks of {SB}")))?;
+        if len != want {
+            return Err(invalid(format!(
+                "{len} bytes of packed {} records for {rows} x {cols} (expected {want})",
+                kind.ggml().name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// A matrix from records packed before (an llmd file stores [`Self::records`] as they are,
+    /// tagged with [`RECORD_LAYOUT`]), copied into a buffer of `arena` when it has room.
+    pub fn from_records_in(
+        arena: Option<&HugeArena>,
+        kind: KKind,
+        rows: usize,
+        cols: usize,
+        records: &[u8],
+    ) -> std::io::Result<Self> {
+        Self::check_records(kind, rows, cols, records.len())?;
+        let mut data = Data::alloc(arena, records.len());
+        data.owned_mut().copy_from_slice(records);
+        Ok(Self { kind, rows, cols, data })
+    }
+
+    /// A matrix whose records are `range` of a mapped file, used in place (no copy). The
+    /// records must start on a 64-byte boundary of the map (llmd tensors do).
+    pub fn from_file(
+        file: Arc<ModelBytes>,
+        range: Range<usize>,
+        kind: KKind,
+        rows: usize,
+        cols: usize,
+    ) -> std::io::Result<Self> {
+        Self::check_records(kind, rows, cols, range.len())?;
+        let bytes = file.get(range.clone()).ok_or(std::io::ErrorKind::UnexpectedEof)?;
+        if !(bytes.as_ptr() as usize).is_multiple_of(64) {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "packed records not 64-byte aligned"));
+        }
+        Ok(Self { kind, rows, cols, data: Data::File(file, range) })
+    }
+
+    /// Whether the records are used in place from a mapped file.
+    pub fn in_file(&self) -> bool {
+        matches!(self.data, Data::File(..))
+    }
+
+    /// The packed records, tile after tile (what [`Self::from_records_in`] takes back).
+    pub fn records(&self) -> &[u8] {
+        &self.data
     }
 
     pub fn superblocks(&self) -> usize {
