@@ -126,6 +126,10 @@ pub enum BackendError {
     /// A device of the contract (`llmd_device`) failed or refused a call.
     #[error("device: {0}")]
     Device(String),
+    /// The model's file shrank while its weights were read from it in place (a page read as
+    /// zeros instead of killing the process): this pass's results are void; reload the model.
+    #[error("the model file shrank while in use (weights of {0} lost): reload the model")]
+    ModelFileTruncated(String),
 }
 
 /// Any engine error, for callers that do not care which part failed.

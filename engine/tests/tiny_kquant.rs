@@ -182,3 +182,25 @@ fn a_budget_requantizes_only_tensors_it_makes_smaller() {
         assert!(l.iter().all(|x| x.is_finite()));
     }
 }
+
+/// Weights used in place from the file: the file truncated under a loaded model (the classic
+/// SIGBUS of a file map) gives an error naming it on the next pass, not a crash; the page is
+/// read as zeros meanwhile and the pass's results are thrown away.
+#[test]
+fn a_file_truncated_under_a_loaded_model_is_an_error_not_a_crash() {
+    let dir = TempDir::new("truncate");
+    let out = dir.0.join("kept.llmd");
+    convert::convert(&fixture(), &out, &ConvertOptions { bits: None, threads: 2, smoothing: None }, &|_, _, _| {})
+        .expect("converts");
+    let m = load(&out);
+    let ids = m.tokenizer.encode("the quick brown fox", false, false).expect("tokens");
+    let good = m.transformer.forward(&mut m.transformer.new_kv(), &ids, Logits::Last).expect("runs");
+    assert!(good.iter().all(|x| x.is_finite()));
+    let len = std::fs::metadata(&out).expect("size").len();
+    std::fs::OpenOptions::new().write(true).open(&out).expect("open").set_len(len / 3).expect("truncate");
+    match m.transformer.forward(&mut m.transformer.new_kv(), &ids, Logits::Last) {
+        Err(llmd_engine::error::BackendError::ModelFileTruncated(name)) => eprintln!("refused: {name}"),
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("a pass over lost pages was not noticed"),
+    }
+}

@@ -16,7 +16,13 @@ use std::sync::Arc;
 pub enum ModelBytes {
     /// The map and the open file (read with `pread` where touching the map would cost
     /// resident memory, e.g. when repacking weights into a copy).
-    Mapped(memmap2::Mmap, std::fs::File),
+    Mapped {
+        /// Registered with the SIGBUS guard (a page lost to truncation reads as zeros and is
+        /// reported by [`ModelBytes::faulted`]); dropped before the map.
+        guard: Option<llmd_alloc_sys::MapGuard>,
+        map: memmap2::Mmap,
+        file: std::fs::File,
+    },
     Owned(Vec<u8>),
 }
 
@@ -26,13 +32,14 @@ impl ModelBytes {
         let io = |source| FormatError::Io { path: path.display().to_string(), source };
         let file = std::fs::File::open(path).map_err(io)?;
         let map = llmd_alloc_sys::map_readonly(&file).map_err(io)?;
-        Ok(Self::Mapped(map, file))
+        let guard = llmd_alloc_sys::guard_map(map.as_ptr(), map.len());
+        Ok(Self::Mapped { guard, map, file })
     }
 
     /// Copies `buf.len()` bytes at `offset` into `buf` without touching the map's pages.
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> std::io::Result<()> {
         match self {
-            Self::Mapped(_, file) => std::os::unix::fs::FileExt::read_exact_at(file, buf, offset as u64),
+            Self::Mapped { file, .. } => std::os::unix::fs::FileExt::read_exact_at(file, buf, offset as u64),
             Self::Owned(v) => {
                 let src = v.get(offset..offset + buf.len()).ok_or(std::io::ErrorKind::UnexpectedEof)?;
                 buf.copy_from_slice(src);
@@ -45,15 +52,21 @@ impl ModelBytes {
 impl ModelBytes {
     /// Asks the kernel to start reading `range` of the map (no effect on owned bytes).
     pub fn will_need(&self, range: std::ops::Range<usize>) {
-        if let Self::Mapped(m, _) = self {
+        if let Self::Mapped { map: m, .. } = self {
             let _ = m.advise_range(memmap2::Advice::WillNeed, range.start, range.len());
         }
+    }
+
+    /// Whether a page of the map was lost since it was mapped (the file shrank under us) and
+    /// read as zeros: anything computed from this file since then is wrong.
+    pub fn faulted(&self) -> bool {
+        matches!(self, Self::Mapped { guard: Some(g), .. } if g.faulted())
     }
 
     /// Lets go of this process's resident pages of `range` of the map (the whole pages inside
     /// it; touched again, they are read back from the file).
     pub fn release(&self, range: std::ops::Range<usize>) {
-        if let Self::Mapped(m, _) = self {
+        if let Self::Mapped { map: m, .. } = self {
             llmd_alloc_sys::release_mapped_pages(m, range);
         }
     }
@@ -63,7 +76,7 @@ impl Deref for ModelBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
-            Self::Mapped(m, _) => m,
+            Self::Mapped { map, .. } => map,
             Self::Owned(v) => v,
         }
     }

@@ -118,6 +118,17 @@ impl Transformer {
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let out = self.forward_batch_unchecked(batch, which);
+        self.weights.check_files()?;
+        out
+    }
+
+    /// [`Self::forward_batch`] without the check that the model's file lost no page meanwhile.
+    fn forward_batch_unchecked(
+        &self,
+        batch: &mut [(&mut KvCache, &[u32])],
+        which: Logits,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
         if let Some(devs) = &self.devices {
             return self.forward_placed(devs, batch, which);
         }
@@ -208,7 +219,9 @@ impl Transformer {
         for (li, l) in w.layers.iter().enumerate() {
             p.layer(&mut st, batch, li, l.blocks(w.rope_freqs.as_deref()), Some(&mut *capture))?;
         }
-        Ok(p.finish(st, batch, &w.output_norm, &w.output, Logits::Last)?.pop().unwrap_or_default())
+        let out = p.finish(st, batch, &w.output_norm, &w.output, Logits::Last)?.pop().unwrap_or_default();
+        w.check_files()?;
+        Ok(out)
     }
 }
 

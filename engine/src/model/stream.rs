@@ -289,6 +289,9 @@ pub(crate) fn load<T: Send + 'static>(
     let setup_thread = {
         let meta = meta.clone();
         std::thread::spawn(move || {
+            // Nothing before the first token needs it: it takes a core only when the reads and
+            // the prefill leave one idle.
+            llmd_alloc_sys::lower_thread_priority(10);
             let r = setup(&meta);
             (r, secs())
         })

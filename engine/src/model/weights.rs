@@ -287,6 +287,22 @@ impl ModelWeights {
     }
 
     /// Total bytes of weights (the output head counted once when tied).
+    /// An error if a page of a file these weights are read from in place was lost (the file
+    /// shrank under us and the page read as zeros): results computed since are void.
+    pub fn check_files(&self) -> Result<(), crate::error::BackendError> {
+        let mats = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain([&self.token_embd, &self.output]);
+        for m in mats {
+            if m.tensor.file.faulted() {
+                return Err(crate::error::BackendError::ModelFileTruncated(m.name.clone()));
+            }
+        }
+        Ok(())
+    }
+
     pub fn size_bytes(&self) -> usize {
         let layer: usize = self
             .layers
