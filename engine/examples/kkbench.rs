@@ -60,10 +60,16 @@ fn main() {
             continue;
         }
         let reps = (2_000_000_000 / (rows * cols * nt)).max(2);
+        // BLOCK=b: every tile over tokens b at a time, block after block (as the backend does
+        // for wide matrices, to keep a block's activations in L2); default: all tokens at once.
+        let block = env("BLOCK", nt).clamp(1, nt);
         let t0 = std::time::Instant::now();
         for _ in 0..reps {
-            for tile in 0..w.tiles() {
-                run(k, &w, tile, &a, 0, nt, &mut out);
+            for b0 in (0..nt).step_by(block) {
+                let bn = block.min(nt - b0);
+                for tile in 0..w.tiles() {
+                    run(k, &w, tile, &a, b0, bn, &mut out[..bn * TILE_ROWS]);
+                }
             }
         }
         let secs = t0.elapsed().as_secs_f64() / reps as f64;
