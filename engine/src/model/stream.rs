@@ -289,9 +289,8 @@ pub(crate) fn load<T: Send + 'static>(
     let setup_thread = {
         let meta = meta.clone();
         std::thread::spawn(move || {
-            // Nothing before the first token needs it: it takes a core only when the reads and
-            // the prefill leave one idle.
-            llmd_alloc_sys::lower_thread_priority(10);
+            // At normal priority: the load returns only once this is done, and run niced it
+            // was starved until the prefill ended and then became the cold start's tail.
             let r = setup(&meta);
             (r, secs())
         })

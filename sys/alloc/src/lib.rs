@@ -16,29 +16,6 @@ mod sigbus;
 pub use arena::{ArenaBuf, HugeArena};
 pub use sigbus::{guard_map, MapGuard};
 
-/// Lowers the calling thread's scheduling priority to `nice` (0–19; higher is lower priority),
-/// for work that should only use a core nobody else wants (a model's tokenizer built beside its
-/// cold-start prefill). Linux and Android only; true if it took effect.
-pub fn lower_thread_priority(nice: i32) -> bool {
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        extern "C" {
-            fn gettid() -> i32;
-            fn setpriority(which: i32, who: u32, prio: i32) -> i32;
-        }
-        const PRIO_PROCESS: i32 = 0;
-        // SAFETY: gettid has no preconditions; setpriority on the calling thread's own id
-        // (Linux applies PRIO_PROCESS with a thread id to that thread only) changes only its
-        // scheduling weight, and raising nice needs no privilege.
-        unsafe { setpriority(PRIO_PROCESS, gettid() as u32, nice.clamp(0, 19)) == 0 }
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    {
-        let _ = nice;
-        false
-    }
-}
-
 /// Returns free allocator memory to the OS; true if the allocator says it released some.
 pub fn release_free_memory() -> bool {
     imp::release()
