@@ -28,6 +28,7 @@ const TOKEN_TYPE_BYTE: i64 = 6;
 
 pub use crate::format::llmd::TokenizerSnapshot;
 
+#[derive(Clone)]
 pub struct Tokenizer {
     /// Splits special (control) tokens out of the text.
     full: tokenizers::Tokenizer,
@@ -53,7 +54,7 @@ fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
 }
 
 /// GPT-2's byte ↔ printable-character table: which byte each character of a byte-level token stands for.
-fn gpt2_char_to_byte() -> HashMap<char, u8> {
+pub(crate) fn gpt2_char_to_byte() -> HashMap<char, u8> {
     let mut map = HashMap::with_capacity(256);
     let mut n = 0u32;
     for b in 0u32..256 {
@@ -204,8 +205,24 @@ impl Tokenizer {
     pub fn from_hf(path: &Path) -> Result<Self, TokenizerError> {
         let text =
             std::fs::read_to_string(path).map_err(|e| TokenizerError::Backend(format!("{}: {e}", path.display())))?;
-        let doc: Json = serde_json::from_str(&text).map_err(tok_err)?;
-        let probe = tokenizers::Tokenizer::from_str(&text).map_err(tok_err)?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+        let eos_sources: Vec<String> =
+            [read("generation_config.json"), read("config.json")].into_iter().flatten().collect();
+        let eos_sources: Vec<&str> = eos_sources.iter().map(String::as_str).collect();
+        Self::from_hf_texts(&text, read("tokenizer_config.json").as_deref(), &eos_sources)
+    }
+
+    /// [`Self::from_hf`] from the files' texts: `tokenizer.json`, `tokenizer_config.json` if
+    /// present, and the files that may name `eos_token_id` (`generation_config.json`,
+    /// `config.json`) in that order. The optional files are ignored when they are not JSON.
+    pub fn from_hf_texts(
+        text: &str,
+        tokenizer_config: Option<&str>,
+        eos_sources: &[&str],
+    ) -> Result<Self, TokenizerError> {
+        let doc: Json = serde_json::from_str(text).map_err(tok_err)?;
+        let probe = tokenizers::Tokenizer::from_str(text).map_err(tok_err)?;
         let n = probe.get_vocab_size(true);
         let mut texts = vec![String::new(); n];
         for (t, id) in probe.get_vocab(true) {
@@ -231,11 +248,8 @@ impl Tokenizer {
                 }
             })
             .collect();
-        let dir = path.parent().unwrap_or(Path::new("."));
-        let read = |name: &str| {
-            std::fs::read_to_string(dir.join(name)).ok().and_then(|t| serde_json::from_str::<Json>(&t).ok())
-        };
-        let tcfg = read("tokenizer_config.json");
+        let json = |t: &str| serde_json::from_str::<Json>(t).ok();
+        let tcfg = tokenizer_config.and_then(json);
         let token_of = |v: Option<&Json>| -> Option<u32> {
             let s = v.and_then(|v| v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())))?;
             probe.token_to_id(s)
@@ -249,7 +263,7 @@ impl Tokenizer {
             .and_then(|v| v.as_bool())
             .unwrap_or_else(|| post_processor_prepends(doc.get("post_processor"), &bos_text));
         let mut eog: Vec<u32> = eos.into_iter().collect();
-        for cfg in [read("generation_config.json"), read("config.json")].into_iter().flatten() {
+        for cfg in eos_sources.iter().filter_map(|t| json(t)) {
             let ids: Vec<u64> = match cfg.get("eos_token_id") {
                 Some(Json::Number(x)) => x.as_u64().into_iter().collect(),
                 Some(Json::Array(a)) => a.iter().filter_map(|x| x.as_u64()).collect(),
