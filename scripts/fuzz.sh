@@ -45,8 +45,8 @@ totals() {
       t=$3; gsub(/ /,"",t); s=$4+0; j=$5+0; e=$6+0; c=$9; gsub(/ /,"",c)
       cpu[t]+=s*j; ex[t]+=e; n[t]++; split(c, k, "/"); cr[t]+=k[1]+k[2]+k[3]
       cov=$7+0; ft=$8+0; if (cov>mc[t]) mc[t]=cov; if (ft>mf[t]) mf[t]=ft }
-    END { printf "%-14s %10s %6s %14s %8s %8s %8s\n", "target", "CPU-hours", "runs", "executions", "max cov", "max ft", "crashes"
-      for (t in cpu) printf "%-14s %10.2f %6d %14d %8d %8d %8d\n", t, cpu[t]/3600, n[t], ex[t], mc[t], mf[t], cr[t] }' "$LEDGER" | sort
+    END { for (t in cpu) printf "%-14s %10.2f %6d %14d %8d %8d %8d\n", t, cpu[t]/3600, n[t], ex[t], mc[t], mf[t], cr[t] }' \
+    "$LEDGER" | sort | { printf "%-14s %10s %6s %14s %8s %8s %8s\n" target CPU-hours runs executions "max cov" "max ft" crashes; cat; }
 }
 
 JOBS=1
