@@ -158,7 +158,9 @@ pub fn parse_config(text: &str, cfg_path: &Path) -> Result<HfModelConfig, Format
     };
     let n_heads = hf.num_attention_heads;
     let head_dim = hf.head_dim.unwrap_or(hf.hidden_size.checked_div(n_heads).unwrap_or(0));
-    let mut rope_freq_factors = None;
+    // Llama 3 scaling's parameters; its per-pair divisors are computed once the head size is
+    // known to be sane (`validate`): head_dim / 2 of them.
+    let mut llama3 = None;
     let rope_freq_scale = match &hf.rope_scaling {
         None | Some(serde_json::Value::Null) => 1.0,
         Some(v) => {
@@ -178,7 +180,7 @@ pub fn parse_config(text: &str, cfg_path: &Path) -> Result<HfModelConfig, Format
                             })
                         }
                     };
-                    rope_freq_factors = Some(llama3_freq_factors(hf.rope_theta, head_dim, factor, lo, hi, orig));
+                    llama3 = Some((factor, lo, hi, orig));
                     1.0
                 }
                 other => {
@@ -207,6 +209,8 @@ pub fn parse_config(text: &str, cfg_path: &Path) -> Result<HfModelConfig, Format
         norm_eps: hf.rms_norm_eps as f32,
     };
     config.validate()?;
+    let rope_freq_factors =
+        llama3.map(|(factor, lo, hi, orig)| llama3_freq_factors(hf.rope_theta, head_dim, factor, lo, hi, orig));
     Ok(HfModelConfig { config, rope_freq_factors, tie_word_embeddings: hf.tie_word_embeddings })
 }
 
@@ -277,6 +281,34 @@ mod tests {
         assert_eq!(f[0], 1.0, "the fastest frequencies are kept");
         assert_eq!(f[63], 8.0, "the slowest are divided by the factor");
         assert!(f.windows(2).all(|w| w[0] <= w[1]), "monotonic in between");
+    }
+
+    #[test]
+    fn a_huge_head_size_with_llama3_scaling_is_refused_before_its_divisors_are_made() {
+        // head_dim / 2 divisors were computed before the configuration was validated: 2^39 of
+        // them (2 TB) for this file, an abort, not an error.
+        let cfg = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 300, "head_dim": 1099511627776,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}"#;
+        match parse_config(cfg, Path::new("config.json")) {
+            Err(FormatError::BadHyperParameter { what: "head_dim", .. }) => {}
+            other => panic!("expected a bad head_dim, got {:?}", other.map(|c| c.config)),
+        }
+        let sane = cfg.replace("1099511627776", "4");
+        let c = parse_config(&sane, Path::new("config.json")).expect("valid");
+        assert_eq!(c.rope_freq_factors.map(|f| f.len()), Some(2));
+    }
+
+    #[test]
+    fn a_linear_scaling_factor_that_makes_positions_infinite_is_refused() {
+        // 1 / 1e-300 is infinite as an f32: every rotated position would be NaN.
+        let cfg = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 300, "rope_scaling": {"type": "linear", "factor": 1e-300}}"#;
+        assert!(matches!(
+            parse_config(cfg, Path::new("config.json")),
+            Err(FormatError::BadHyperParameter { what: "rope.scaling.factor", .. })
+        ));
     }
 
     #[test]
