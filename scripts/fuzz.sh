@@ -71,7 +71,7 @@ if [ "$MODE" = merge ]; then
   for t in $(targets_of "$1"); do
     mkdir -p "fuzz/work/$t"
     echo "== merging fuzz/work/$t into fuzz/corpus/$t" >&2
-    nice -n 10 "$BIN_DIR/$t" -merge=1 -rss_limit_mb=2048 -timeout=10 "fuzz/corpus/$t" "fuzz/work/$t" 2>&1 | tail -3 >&2
+    nice -n 10 "$BIN_DIR/$t" -set_cover_merge=1 -rss_limit_mb=2048 -timeout=10 "fuzz/corpus/$t" "fuzz/work/$t" 2>&1 | tail -3 >&2
   done
   exit 0
 fi

@@ -98,7 +98,9 @@ fn write_seeds() {
         finishReason: "stop".into(),
     };
     let b = |v: Result<Vec<u8>, rsbinder::StatusCode>| v.expect("encodes");
-    let seeds: Vec<(&str, [u8; 2], Vec<Vec<u8>>)> = vec![
+    /// A seed's name, its two selector bytes, and its arguments in order.
+    type Seed = (&'static str, [u8; 2], Vec<Vec<u8>>);
+    let seeds: Vec<Seed> = vec![
         ("service-listModels", [0, 0], vec![]),
         ("service-getModelInfo", [0, 1], vec![b(to_bytes("SmolLM2-135M-Instruct"))]),
         ("service-openSession", [0, 2], vec![b(to_bytes("m")), b(to_bytes(&SessionOptions { contextTokens: 512 }))]),
