@@ -168,6 +168,13 @@ impl Default for SchedulerConfig {
     }
 }
 
+impl ResidencyConfig {
+    /// `memory_budget_mb` in bytes (0: no limit).
+    pub fn memory_budget_bytes(&self) -> u64 {
+        self.memory_budget_mb.saturating_mul(1 << 20)
+    }
+}
+
 impl SchedulerConfig {
     /// The best class `uid` may claim.
     pub fn class_cap(&self, uid: u32) -> crate::policy::Class {
@@ -282,7 +289,12 @@ impl Config {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        toml::from_str(&text)
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses the text of a config file (`path` names it in errors). Not yet validated.
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text)
             .map_err(|e| ConfigError::Parse { path: path.display().to_string(), message: e.to_string() })
     }
 
@@ -331,6 +343,10 @@ impl Config {
         if !(r.pressure_low < r.pressure_high && r.pressure_low >= 0.0 && r.pressure_high <= 100.0) {
             return bad("residency: need 0 <= pressure_low < pressure_high <= 100".into());
         }
+        if r.memory_budget_mb > u64::MAX >> 20 {
+            // In bytes it would wrap (`<< 20`) to a small budget, or to 0: no limit.
+            return bad(format!("residency.memory_budget_mb {} is more than {}", r.memory_budget_mb, u64::MAX >> 20));
+        }
         if r.pressure_poll_ms == 0 {
             return bad("residency.pressure_poll_ms must be at least 1".into());
         }
@@ -361,6 +377,19 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_memory_budget_that_overflows_in_bytes_is_refused() {
+        let with = |mb: u64| {
+            let mut c = Config { models: vec!["m.gguf".into()], ..Config::default() };
+            c.residency.memory_budget_mb = mb;
+            c.validate()
+        };
+        assert!(with(u64::MAX >> 20).is_ok());
+        // 2^44 MB is 2^64 bytes: it wrapped to 0, "no limit"; one more MB wrapped to 1 MB.
+        assert!(matches!(with(1 << 44), Err(ConfigError::Invalid(_))));
+        assert!(matches!(with((1 << 44) + 1), Err(ConfigError::Invalid(_))));
+    }
 
     #[test]
     fn socket_mode_is_an_octal_mode() {

@@ -33,6 +33,7 @@ pub mod config;
 pub mod connections;
 pub mod conversation;
 pub mod error;
+pub mod fuzzing;
 pub mod models;
 pub mod permission;
 pub mod policy;

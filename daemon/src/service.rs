@@ -137,12 +137,7 @@ impl LlmService {
         options: &SessionOptions,
     ) -> Result<Strong<dyn ILlmSession>, ServiceError> {
         let shared = &self.shared;
-        let ctx = shared.probe(model_id)?.config.context_length;
-        let context_limit = match options.contextTokens {
-            n if n < 0 => return Err(ServiceError::InvalidArgument("contextTokens must not be negative".into())),
-            0 => ctx,
-            n => (n as usize).min(ctx),
-        };
+        let context_limit = context_limit(options, shared.probe(model_id)?.config.context_length)?;
         let limits = &shared.config.limits;
         let sessions = shared.sessions();
         let mine = sessions.values().filter(|s| s.owner.uid == caller.uid).count();
@@ -171,6 +166,15 @@ impl LlmService {
         drop(sessions);
         tracing::info!(session = id, uid = caller.uid, pid = caller.pid, model = model_id, "session opened");
         Ok(SessionBinder::new_binder(core, Arc::downgrade(shared)))
+    }
+}
+
+/// The context a session gets from its options and its model's context length.
+pub(crate) fn context_limit(options: &SessionOptions, model_context: usize) -> Result<usize, ServiceError> {
+    match options.contextTokens {
+        n if n < 0 => Err(ServiceError::InvalidArgument("contextTokens must not be negative".into())),
+        0 => Ok(model_context),
+        n => Ok((n as usize).min(model_context)),
     }
 }
 

@@ -63,28 +63,7 @@ impl SessionBinder {
         callback: &Strong<dyn IGenerationCallback>,
     ) -> Result<i64, ServiceError> {
         let shared = self.shared()?;
-        let input = validate_request(req, &shared.config.limits)?;
-        let sampling = SamplingParams {
-            temperature: req.temperature,
-            top_k: req.topK.max(0) as usize,
-            top_p: req.topP,
-            min_p: req.minP,
-            repetition_penalty: req.repetitionPenalty,
-            seed: req.seed as u64,
-            ..SamplingParams::default()
-        };
-        sampling.validate().map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
-        let request = EngineRequest {
-            prompt: llmd_engine::generate::Prompt::Text(String::new()),
-            sampling,
-            max_tokens: req.maxTokens as usize,
-            stop: req.stop.clone(),
-        };
-        let hint = match req.priority {
-            llmd_aidl::Priority::Priority::BACKGROUND => Class::Background,
-            llmd_aidl::Priority::Priority::BATCH => Class::Batch,
-            _ => Class::Foreground,
-        };
+        let (input, request, hint) = check_request(req, &shared.config.limits)?;
         let class = Class::capped(hint, shared.config.scheduler.class_cap(caller.uid));
         let model = shared.acquire_model(&self.core.model_id, caller.uid)?;
         let ticket = Ticket { uid: caller.uid, session: self.core.id, class, deadline_ms: req.deadlineMs as u64 };
@@ -100,14 +79,7 @@ impl SessionBinder {
 
     fn count_tokens(&self, caller: Caller, text: &str) -> Result<i32, ServiceError> {
         let shared = self.shared()?;
-        let limits = &shared.config.limits;
-        if text.len() > limits.max_prompt_bytes {
-            return Err(ServiceError::RequestTooLarge(format!(
-                "text of {} bytes exceeds the limit of {}",
-                text.len(),
-                limits.max_prompt_bytes
-            )));
-        }
+        check_count_text(text, &shared.config.limits)?;
         let model = shared.acquire_model(&self.core.model_id, caller.uid)?;
         let ids =
             model.tokenizer.encode(text, false, false).map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
@@ -179,6 +151,50 @@ impl rsbinder::DeathRecipient for CallbackDeath {
             shared.close_session(self.session, "its client died");
         }
     }
+}
+
+/// Checks a `generate` request against `limits` and turns it into what the engine runs: the
+/// turn's input, the engine request (sampling, length, stop sequences) and the class the
+/// client asked for (before its cap).
+pub(crate) fn check_request(
+    req: &GenerateRequest,
+    limits: &Limits,
+) -> Result<(TurnInput, EngineRequest, Class), ServiceError> {
+    let input = validate_request(req, limits)?;
+    let sampling = SamplingParams {
+        temperature: req.temperature,
+        top_k: req.topK.max(0) as usize,
+        top_p: req.topP,
+        min_p: req.minP,
+        repetition_penalty: req.repetitionPenalty,
+        seed: req.seed as u64,
+        ..SamplingParams::default()
+    };
+    sampling.validate().map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
+    let request = EngineRequest {
+        prompt: llmd_engine::generate::Prompt::Text(String::new()),
+        sampling,
+        max_tokens: req.maxTokens as usize,
+        stop: req.stop.clone(),
+    };
+    let hint = match req.priority {
+        llmd_aidl::Priority::Priority::BACKGROUND => Class::Background,
+        llmd_aidl::Priority::Priority::BATCH => Class::Batch,
+        _ => Class::Foreground,
+    };
+    Ok((input, request, hint))
+}
+
+/// Checks the text of a `countTokens` call before it is tokenized.
+pub(crate) fn check_count_text(text: &str, limits: &Limits) -> Result<(), ServiceError> {
+    if text.len() > limits.max_prompt_bytes {
+        return Err(ServiceError::RequestTooLarge(format!(
+            "text of {} bytes exceeds the limit of {}",
+            text.len(),
+            limits.max_prompt_bytes
+        )));
+    }
+    Ok(())
 }
 
 /// Checks a request's shape and bounds before it is queued.

@@ -125,7 +125,7 @@ impl Shared {
             let fits = pinned
                 || r.memory_budget_mb == 0
                 || self.residency.model_bytes() + self.residency.probe(&id).map_or(0, |p| p.weight_bytes)
-                    <= r.memory_budget_mb << 20;
+                    <= r.memory_budget_bytes();
             if !fits {
                 continue;
             }

@@ -23,6 +23,45 @@ pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + messa
 /// Llama 3's header format.
 pub const LLAMA3: &str = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
 
+/// Template instructions one rendering may run (minijinja's fuel). A real template runs tens
+/// per message (SmolLM2's, ChatML and Llama 3: 18–23), so this covers any conversation a request
+/// can carry (256 KiB of messages: at most ~50,000), while a hostile template's loops end in a
+/// fraction of a second instead of running for hours.
+pub const RENDER_FUEL: u64 = 5_000_000;
+
+/// A rendering may be at most this long, plus twice its messages' text and
+/// [`RENDER_BYTES_PER_MESSAGE`] per message: a template writes framing around the contents
+/// (and at most a copy of them), not megabytes of its own.
+pub const RENDER_BYTES: usize = 64 << 10;
+pub const RENDER_BYTES_PER_MESSAGE: usize = 256;
+
+/// The longest rendering of `messages` accepted.
+pub fn render_limit(messages: &[ChatMessage]) -> usize {
+    let text: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum();
+    RENDER_BYTES.saturating_add(text.saturating_mul(2)).saturating_add(messages.len() * RENDER_BYTES_PER_MESSAGE)
+}
+
+/// The rendering's output, refused past its limit (which also ends the rendering there).
+struct Capped {
+    out: Vec<u8>,
+    limit: usize,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + b.len() > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("the rendering is too long"));
+        }
+        self.out.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
@@ -110,6 +149,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.to_owned()).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
         Ok(Self { env, source: source.to_owned() })
     }
@@ -132,13 +172,22 @@ impl ChatTemplate {
         eos_token: &str,
     ) -> Result<String, ChatTemplateError> {
         let tmpl = self.env.get_template("chat").map_err(|e| ChatTemplateError::Render(e.to_string()))?;
-        tmpl.render(minijinja::context! {
+        let limit = render_limit(messages);
+        let mut out = Capped { out: Vec::new(), limit, over: false };
+        let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,
-        })
-        .map_err(|e| ChatTemplateError::Render(e.to_string()))
+        };
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.out).map_err(|e| ChatTemplateError::Render(e.to_string())),
+            Err(_) if out.over => Err(ChatTemplateError::TooLong { limit }),
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
+                Err(ChatTemplateError::OutOfFuel { fuel: RENDER_FUEL })
+            }
+            Err(e) => Err(ChatTemplateError::Render(e.to_string())),
+        }
     }
 }
 
@@ -174,6 +223,49 @@ mod tests {
         assert_eq!(format_utc(951_782_400, "%d %b %Y"), "29 Feb 2000", "leap day");
         let t = ChatTemplate::new("{{ strftime_now('%Y') }}").expect("compiles");
         assert_eq!(t.render(&[], false, "", "").expect("renders").len(), 4);
+    }
+
+    #[test]
+    fn a_template_that_loops_for_long_runs_out_of_fuel() {
+        // 10^8 iterations: minutes of work before fuel bounded it (found by fuzzing).
+        let t = ChatTemplate::new("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}")
+            .expect("compiles");
+        let t0 = std::time::Instant::now();
+        assert!(matches!(t.render(&[], true, "", ""), Err(ChatTemplateError::OutOfFuel { .. })));
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn a_rendering_longer_than_its_conversation_justifies_is_refused() {
+        // A million numbers (~3 MB) for a one-letter message: tokenizing them took longer than
+        // the fuzzing limit of 10 s per input (found by fuzzing).
+        let t =
+            ChatTemplate::new("{% for i in range(1000) %}{% for j in range(1000) %}{{ i }}{% endfor %}{% endfor %}")
+                .expect("compiles");
+        let msgs = [ChatMessage::new("user", "x")];
+        assert!(matches!(t.render(&msgs, true, "", ""), Err(ChatTemplateError::TooLong { .. })));
+        // Within the limit, framing around long contents is fine.
+        let long = ChatMessage::new("user", &"y".repeat(1 << 20));
+        let out = ChatTemplate::builtin("chatml").expect("builtin").render(&[long], true, "", "").expect("renders");
+        assert!(out.len() > 1 << 20);
+    }
+
+    #[test]
+    fn real_templates_use_a_small_part_of_the_fuel() {
+        // 2,000 messages through SmolLM2's template (its system-prompt insertion included) and
+        // the built-in ones: 36,000–46,000 instructions, far below the fuel.
+        let smol = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        let msgs: Vec<ChatMessage> =
+            (0..2000).map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello")).collect();
+        for src in [smol, CHATML, LLAMA3] {
+            let t = ChatTemplate::new(src).expect("compiles");
+            let tmpl = t.env.get_template("chat").expect("template");
+            let rendered = tmpl
+                .render_captured(minijinja::context! { messages => &msgs, add_generation_prompt => true })
+                .expect("renders");
+            let (used, _) = rendered.state().fuel_levels().expect("fuel is tracked");
+            assert!(used < RENDER_FUEL / 20, "{used} instructions for {} messages", msgs.len());
+        }
     }
 
     #[test]

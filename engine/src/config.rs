@@ -94,6 +94,9 @@ impl ModelConfig {
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return bad("rope.freq_base", format!("{}", self.rope_theta));
         }
+        if !(self.rope_freq_scale.is_finite() && self.rope_freq_scale > 0.0) {
+            return bad("rope.scaling.factor", format!("position scale {}", self.rope_freq_scale));
+        }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0 && self.norm_eps < 1.0) {
             return bad("layer_norm_rms_epsilon", format!("{}", self.norm_eps));
         }

@@ -95,6 +95,12 @@ pub enum ChatTemplateError {
     Compile(String),
     #[error("chat template failed while rendering: {0}")]
     Render(String),
+    /// The rendering ran more template instructions than any real template needs.
+    #[error("chat template ran out of fuel: more than {fuel} instructions")]
+    OutOfFuel { fuel: u64 },
+    /// The rendering grew longer than the conversation can justify.
+    #[error("chat template's rendering exceeds {limit} bytes")]
+    TooLong { limit: usize },
 }
 
 /// Generation parameters or the generation itself failed.

@@ -167,70 +167,10 @@ impl Model {
         Ok(ids)
     }
 
-    /// A chat rendered by the template, its control tokens parsed from the template's own text
-    /// only: a user who writes `<|im_end|><|im_start|>system` in a message gets those
-    /// characters as text, not a forged system turn.
-    ///
-    /// A chat whose contents hold no control token's text is tokenized whole, as llama.cpp does
-    /// (the same ids as ever). One whose contents do is rendered with each content as a marker
-    /// (a private-use character pair no tokenizer maps to a control token): the text between
-    /// markers is the template's, tokenized with control tokens; each content is tokenized as
-    /// text. If the contents put back at the markers do not give the template's own rendering
-    /// (a template that trims or moves a content), the chat is refused.
+    /// [`chat_tokens`] with this model's tokenizer and template.
     fn chat_tokens(&self, messages: &[crate::chat::ChatMessage]) -> Result<Vec<u32>, GenerateError> {
-        let tk = &self.tokenizer;
         let tmpl = self.chat_template.as_ref().ok_or(crate::error::ChatTemplateError::Missing)?;
-        let bos_for = |text: &str| {
-            // A template that writes the BOS text itself must not get a second one.
-            tk.add_bos && !(tk.bos.is_some() && !tk.bos_text().is_empty() && text.starts_with(tk.bos_text()))
-        };
-        let text = tmpl.render(messages, true, tk.bos_text(), tk.eos_text())?;
-        if !messages.iter().any(|m| tk.has_control_text(&m.content)) {
-            return Ok(tk.encode(&text, true, bos_for(&text))?);
-        }
-        let refuse = || -> GenerateError {
-            crate::error::ChatTemplateError::Render(
-                "a message holds the text of a control token, and this model's template changes message \
-                 contents, so it cannot be kept as text"
-                    .into(),
-            )
-            .into()
-        };
-        let marker = |i: usize| format!("\u{E000}llmd-content-{i}\u{E001}");
-        let masked: Vec<_> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| crate::chat::ChatMessage { role: m.role.clone(), content: marker(i) })
-            .collect();
-        let masked_text = tmpl.render(&masked, true, tk.bos_text(), tk.eos_text())?;
-        let mut parts = Vec::with_capacity(2 * messages.len() + 1);
-        let mut rest = masked_text.as_str();
-        for (i, m) in messages.iter().enumerate() {
-            let mk = marker(i);
-            match rest.split_once(&mk) {
-                Some((before, after)) if !after.contains(&mk) => {
-                    parts.push((before, true));
-                    parts.push((m.content.as_str(), false));
-                    rest = after;
-                }
-                _ => return Err(refuse()),
-            }
-        }
-        parts.push((rest, true));
-        let rebuilt: String = parts.iter().map(|(t, _)| *t).collect();
-        if rebuilt != text {
-            return Err(refuse());
-        }
-        let mut ids = Vec::new();
-        let mut bos = bos_for(&text);
-        for (t, special) in parts {
-            if t.is_empty() && !bos {
-                continue;
-            }
-            ids.extend(tk.encode(t, special, bos)?);
-            bos = false;
-        }
-        Ok(ids)
+        chat_tokens(&self.tokenizer, tmpl, messages)
     }
 
     /// Generates a reply into a fresh KV cache. See [`Model::generate_in`].
@@ -264,6 +204,74 @@ impl Model {
             }
         }
     }
+}
+
+/// A chat rendered by the template, its control tokens parsed from the template's own text
+/// only: a user who writes `<|im_end|><|im_start|>system` in a message gets those
+/// characters as text, not a forged system turn.
+///
+/// A chat whose contents hold no control token's text is tokenized whole, as llama.cpp does
+/// (the same ids as ever). One whose contents do is rendered with each content as a marker
+/// (a private-use character pair no tokenizer maps to a control token): the text between
+/// markers is the template's, tokenized with control tokens; each content is tokenized as
+/// text. If the contents put back at the markers do not give the template's own rendering
+/// (a template that trims or moves a content), the chat is refused.
+pub fn chat_tokens(
+    tk: &crate::tokenizer::Tokenizer,
+    tmpl: &crate::chat::ChatTemplate,
+    messages: &[crate::chat::ChatMessage],
+) -> Result<Vec<u32>, GenerateError> {
+    let bos_for = |text: &str| {
+        // A template that writes the BOS text itself must not get a second one.
+        tk.add_bos && !(tk.bos.is_some() && !tk.bos_text().is_empty() && text.starts_with(tk.bos_text()))
+    };
+    let text = tmpl.render(messages, true, tk.bos_text(), tk.eos_text())?;
+    if !messages.iter().any(|m| tk.has_control_text(&m.content)) {
+        return Ok(tk.encode(&text, true, bos_for(&text))?);
+    }
+    let refuse = || -> GenerateError {
+        crate::error::ChatTemplateError::Render(
+            "a message holds the text of a control token, and this model's template changes message \
+             contents, so it cannot be kept as text"
+                .into(),
+        )
+        .into()
+    };
+    let marker = |i: usize| format!("\u{E000}llmd-content-{i}\u{E001}");
+    let masked: Vec<_> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| crate::chat::ChatMessage { role: m.role.clone(), content: marker(i) })
+        .collect();
+    let masked_text = tmpl.render(&masked, true, tk.bos_text(), tk.eos_text())?;
+    let mut parts = Vec::with_capacity(2 * messages.len() + 1);
+    let mut rest = masked_text.as_str();
+    for (i, m) in messages.iter().enumerate() {
+        let mk = marker(i);
+        match rest.split_once(&mk) {
+            Some((before, after)) if !after.contains(&mk) => {
+                parts.push((before, true));
+                parts.push((m.content.as_str(), false));
+                rest = after;
+            }
+            _ => return Err(refuse()),
+        }
+    }
+    parts.push((rest, true));
+    let rebuilt: String = parts.iter().map(|(t, _)| *t).collect();
+    if rebuilt != text {
+        return Err(refuse());
+    }
+    let mut ids = Vec::new();
+    let mut bos = bos_for(&text);
+    for (t, special) in parts {
+        if t.is_empty() && !bos {
+            continue;
+        }
+        ids.extend(tk.encode(t, special, bos)?);
+        bos = false;
+    }
+    Ok(ids)
 }
 
 /// What one [`Generation::step`] produced.

@@ -10,6 +10,7 @@ pub mod config;
 pub mod convert;
 pub mod error;
 pub mod format;
+pub mod fuzzing;
 pub mod generate;
 pub mod model;
 pub mod quant;
@@ -120,12 +121,7 @@ impl Model {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let planner = opts.host_planner();
         let (meta, (tokenizer, chat_template), weights, prefilled, report) =
-            model::stream::load(path, &planner, opts.kv_type, stream, prompt, |meta| {
-                let tokenizer = Tokenizer::from_snapshot(meta.tokenizer.clone())?;
-                check_vocab(&meta.config, &tokenizer)?;
-                let chat_template = meta.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
-                Ok((tokenizer, chat_template))
-            })?;
+            model::stream::load(path, &planner, opts.kv_type, stream, prompt, llmd_tokenizer_and_template)?;
         let mut transformer = Transformer::new(meta.config, weights, planner);
         transformer.kv_type = opts.kv_type;
         // As in `load_with_progress`: the pipeline's freed buffers back to the OS.
@@ -155,23 +151,33 @@ impl Source {
         if format::is_hf_dir(path) {
             let hf = format::hf::load(path)?;
             let tokenizer = Tokenizer::from_hf(&hf.tokenizer_json)?;
-            let mut tensors = hf.tensors;
-            if !hf.tie_word_embeddings && !tensors.contains_key("output.weight") {
-                return Err(FormatError::MissingTensor("lm_head.weight".into()).into());
-            }
-            if hf.tie_word_embeddings {
-                tensors.remove("output.weight");
-            }
-            check_vocab(&hf.config, &tokenizer)?;
-            return Ok(Self {
-                config: hf.config,
-                tensors,
-                tokenizer,
-                chat_template: hf.chat_template,
-                rope_freqs: hf.rope_freq_factors,
-            });
+            return Self::from_hf(hf, tokenizer);
         }
-        let g = GgufFile::open(path)?;
+        Self::from_gguf(GgufFile::open(path)?)
+    }
+
+    /// A read HF directory and its tokenizer opened for use (what [`Self::open`] does after
+    /// reading them).
+    pub fn from_hf(hf: format::hf::HfModel, tokenizer: Tokenizer) -> Result<Self, EngineError> {
+        let mut tensors = hf.tensors;
+        if !hf.tie_word_embeddings && !tensors.contains_key("output.weight") {
+            return Err(FormatError::MissingTensor("lm_head.weight".into()).into());
+        }
+        if hf.tie_word_embeddings {
+            tensors.remove("output.weight");
+        }
+        check_vocab(&hf.config, &tokenizer)?;
+        Ok(Self {
+            config: hf.config,
+            tensors,
+            tokenizer,
+            chat_template: hf.chat_template,
+            rope_freqs: hf.rope_freq_factors,
+        })
+    }
+
+    /// A parsed GGUF file opened for use (what [`Self::open`] does after parsing).
+    pub fn from_gguf(g: GgufFile) -> Result<Self, EngineError> {
         let config = ModelConfig::from_gguf(&g)?;
         let tensors: format::TensorMap = g
             .tensors
@@ -226,21 +232,7 @@ pub fn probe(path: &Path) -> Result<ModelProbe, EngineError> {
             }
         }
         let (_, meta) = format::llmd::parse_head(&head, len)?;
-        // EdgeFlow tensors unpack to Q8_0 tiles: 34 bytes per 32 weights.
-        let weight_bytes = meta
-            .tensors
-            .iter()
-            .map(|t| match t.kind {
-                format::llmd::TensorKind::Edgeflow => t.rows * t.cols * 34 / 32,
-                format::llmd::TensorKind::Ggml { .. } | format::llmd::TensorKind::KPacked { .. } => t.len,
-            })
-            .sum();
-        return Ok(ModelProbe {
-            has_chat_template: meta.chat_template.is_some(),
-            config: meta.config,
-            file_bytes: len,
-            weight_bytes,
-        });
+        return Ok(probe_of_llmd(meta, len));
     }
     if format::is_hf_dir(path) {
         let hf = format::hf::load(path)?;
@@ -261,6 +253,36 @@ pub fn probe(path: &Path) -> Result<ModelProbe, EngineError> {
         file_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(bytes),
         weight_bytes: bytes,
     })
+}
+
+/// [`probe`] of an llmd file from its checked metadata and its length.
+pub fn probe_of_llmd(meta: format::llmd::Metadata, file_len: u64) -> ModelProbe {
+    // EdgeFlow tensors unpack to Q8_0 tiles: 34 bytes per 32 weights.
+    let weight_bytes = meta
+        .tensors
+        .iter()
+        .map(|t| match t.kind {
+            format::llmd::TensorKind::Edgeflow => t.rows * t.cols * 34 / 32,
+            format::llmd::TensorKind::Ggml { .. } | format::llmd::TensorKind::KPacked { .. } => t.len,
+        })
+        .sum();
+    ModelProbe {
+        has_chat_template: meta.chat_template.is_some(),
+        config: meta.config,
+        file_bytes: file_len,
+        weight_bytes,
+    }
+}
+
+/// The tokenizer and chat template an llmd file's metadata describes, checked against its
+/// configuration (what the streaming loader builds before the weights arrive).
+pub fn llmd_tokenizer_and_template(
+    meta: &format::llmd::Metadata,
+) -> Result<(Tokenizer, Option<ChatTemplate>), EngineError> {
+    let tokenizer = Tokenizer::from_snapshot(meta.tokenizer.clone())?;
+    check_vocab(&meta.config, &tokenizer)?;
+    let chat_template = meta.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
+    Ok((tokenizer, chat_template))
 }
 
 fn check_vocab(c: &ModelConfig, t: &Tokenizer) -> Result<(), FormatError> {

@@ -28,6 +28,7 @@ const TOKEN_TYPE_BYTE: i64 = 6;
 
 pub use crate::format::llmd::TokenizerSnapshot;
 
+#[derive(Clone)]
 pub struct Tokenizer {
     /// Splits special (control) tokens out of the text.
     full: tokenizers::Tokenizer,
@@ -53,7 +54,7 @@ fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
 }
 
 /// GPT-2's byte ↔ printable-character table: which byte each character of a byte-level token stands for.
-fn gpt2_char_to_byte() -> HashMap<char, u8> {
+pub(crate) fn gpt2_char_to_byte() -> HashMap<char, u8> {
     let mut map = HashMap::with_capacity(256);
     let mut n = 0u32;
     for b in 0u32..256 {
@@ -204,8 +205,24 @@ impl Tokenizer {
     pub fn from_hf(path: &Path) -> Result<Self, TokenizerError> {
         let text =
             std::fs::read_to_string(path).map_err(|e| TokenizerError::Backend(format!("{}: {e}", path.display())))?;
-        let doc: Json = serde_json::from_str(&text).map_err(tok_err)?;
-        let probe = tokenizers::Tokenizer::from_str(&text).map_err(tok_err)?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+        let eos_sources: Vec<String> =
+            [read("generation_config.json"), read("config.json")].into_iter().flatten().collect();
+        let eos_sources: Vec<&str> = eos_sources.iter().map(String::as_str).collect();
+        Self::from_hf_texts(&text, read("tokenizer_config.json").as_deref(), &eos_sources)
+    }
+
+    /// [`Self::from_hf`] from the files' texts: `tokenizer.json`, `tokenizer_config.json` if
+    /// present, and the files that may name `eos_token_id` (`generation_config.json`,
+    /// `config.json`) in that order. The optional files are ignored when they are not JSON.
+    pub fn from_hf_texts(
+        text: &str,
+        tokenizer_config: Option<&str>,
+        eos_sources: &[&str],
+    ) -> Result<Self, TokenizerError> {
+        let doc: Json = serde_json::from_str(text).map_err(tok_err)?;
+        let probe = load_tokenizer_json(text)?;
         let n = probe.get_vocab_size(true);
         let mut texts = vec![String::new(); n];
         for (t, id) in probe.get_vocab(true) {
@@ -231,11 +248,8 @@ impl Tokenizer {
                 }
             })
             .collect();
-        let dir = path.parent().unwrap_or(Path::new("."));
-        let read = |name: &str| {
-            std::fs::read_to_string(dir.join(name)).ok().and_then(|t| serde_json::from_str::<Json>(&t).ok())
-        };
-        let tcfg = read("tokenizer_config.json");
+        let json = |t: &str| serde_json::from_str::<Json>(t).ok();
+        let tcfg = tokenizer_config.and_then(json);
         let token_of = |v: Option<&Json>| -> Option<u32> {
             let s = v.and_then(|v| v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())))?;
             probe.token_to_id(s)
@@ -249,7 +263,7 @@ impl Tokenizer {
             .and_then(|v| v.as_bool())
             .unwrap_or_else(|| post_processor_prepends(doc.get("post_processor"), &bos_text));
         let mut eog: Vec<u32> = eos.into_iter().collect();
-        for cfg in [read("generation_config.json"), read("config.json")].into_iter().flatten() {
+        for cfg in eos_sources.iter().filter_map(|t| json(t)) {
             let ids: Vec<u64> = match cfg.get("eos_token_id") {
                 Some(Json::Number(x)) => x.as_u64().into_iter().collect(),
                 Some(Json::Array(a)) => a.iter().filter_map(|x| x.as_u64()).collect(),
@@ -282,9 +296,7 @@ impl Tokenizer {
         add_bos: bool,
         eog: Vec<u32>,
     ) -> Result<Self, TokenizerError> {
-        let mut full = tokenizers::Tokenizer::from_str(&hf_json).map_err(tok_err)?;
-        // Post-processors add BOS themselves; we add it explicitly instead.
-        full.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+        let full = load_tokenizer_json(&hf_json)?;
         let mut plain = full.clone();
         plain.set_encode_special_tokens(true);
         let control_texts = full
@@ -411,6 +423,44 @@ impl Tokenizer {
     }
 }
 
+/// A `tokenizer.json` loaded by the `tokenizers` crate, without letting a malformed one reach
+/// the places where that crate (0.21) panics instead of failing: a syntax error inside the
+/// decoder (found by the `llmd` fuzz target), a `Precompiled` normalizer whose character map
+/// does not load, a `FixedLength` pre-tokenizer of length 0, truncation whose stride is not
+/// below its length. What llmd does not use is dropped: post-processors add BOS themselves
+/// (llmd adds it explicitly), and truncation and padding are the daemon's limits' business.
+fn load_tokenizer_json(text: &str) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    let doc: Json = serde_json::from_str(text).map_err(tok_err)?;
+    let bad = |m: String| Err(TokenizerError::BadVocabulary(m));
+    let mut normalizers: Vec<&Json> = doc.get("normalizer").into_iter().collect();
+    while let Some(n) = normalizers.pop() {
+        match n.get("type").and_then(Json::as_str) {
+            Some("Sequence") => normalizers.extend(n.get("normalizers").and_then(Json::as_array).into_iter().flatten()),
+            Some("Precompiled") => {
+                if let Err(e) = serde_json::from_value::<tokenizers::normalizers::Precompiled>(n.clone()) {
+                    return bad(format!("the Precompiled normalizer does not load: {e}"));
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut pre: Vec<&Json> = doc.get("pre_tokenizer").into_iter().collect();
+    while let Some(p) = pre.pop() {
+        match p.get("type").and_then(Json::as_str) {
+            Some("Sequence") => pre.extend(p.get("pretokenizers").and_then(Json::as_array).into_iter().flatten()),
+            Some("FixedLength") if p.get("length").and_then(Json::as_u64) == Some(0) => {
+                return bad("a FixedLength pre-tokenizer of length 0".into());
+            }
+            _ => {}
+        }
+    }
+    let mut t = tokenizers::Tokenizer::from_str(text).map_err(tok_err)?;
+    t.with_post_processor(None::<tokenizers::PostProcessorWrapper>);
+    t.with_truncation(None).map_err(tok_err)?;
+    t.with_padding(None);
+    Ok(t)
+}
+
 /// Whether a `tokenizer.json` post-processor puts `bos` first (how Llama 3 style tokenizers
 /// add BOS when `tokenizer_config.json` does not say `add_bos_token`).
 fn post_processor_prepends(pp: Option<&Json>, bos: &str) -> bool {
@@ -501,6 +551,59 @@ mod tests {
         assert!(!post_processor_prepends(Some(&llama3), "<s>"));
         assert!(!post_processor_prepends(Some(&json!({"type": "ByteLevel"})), "<s>"));
         assert!(!post_processor_prepends(None, "<s>"));
+    }
+
+    /// A small valid `tokenizer.json` with `edit` applied to its document.
+    fn tokenizer_json(edit: impl FnOnce(&mut Json)) -> String {
+        let mut doc = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]},
+        });
+        edit(&mut doc);
+        doc.to_string()
+    }
+
+    #[test]
+    fn a_tokenizer_json_that_panics_the_tokenizers_crate_is_an_error() {
+        let ok = Tokenizer::from_hf_texts(&tokenizer_json(|_| {}), None, &[]).expect("valid");
+        assert_eq!(ok.encode("abab", false, false).expect("encodes"), [2, 2]);
+        // A syntax error inside the decoder: tokenizers 0.21 panicked ("Helper"), found by the
+        // llmd fuzz target in a tokenizer stored in an llmd file.
+        let syntax = tokenizer_json(|d| d["decoder"] = json!({"type": "ByteLevel", "trim_offsets": false}))
+            .replace("\"trim_offsets\":false", "\"trim_offsets\":fajse");
+        assert!(syntax.contains("fajse"));
+        let snapshot = |hf_json: String| TokenizerSnapshot {
+            hf_json,
+            pieces: vec!["61".into(), "62".into(), "6162".into()],
+            texts: vec!["a".into(), "b".into(), "ab".into()],
+            bos: None,
+            eos: None,
+            add_bos: false,
+            eog: vec![],
+        };
+        assert!(Tokenizer::from_snapshot(snapshot(syntax.clone())).is_err());
+        assert!(Tokenizer::from_hf_texts(&syntax, None, &[]).is_err());
+        // A Precompiled normalizer whose character map does not load (panicked: "Precompiled").
+        let precompiled = tokenizer_json(|d| {
+            d["normalizer"] = json!({"type": "Sequence", "normalizers": [
+                {"type": "Precompiled", "precompiled_charsmap": "AAAA"}]})
+        });
+        assert!(matches!(
+            Tokenizer::from_snapshot(snapshot(precompiled)),
+            Err(TokenizerError::BadVocabulary(m)) if m.contains("Precompiled")
+        ));
+        // A FixedLength pre-tokenizer of length 0 (panicked at encode: `chunks(0)`).
+        let fixed = tokenizer_json(|d| d["pre_tokenizer"] = json!({"type": "FixedLength", "length": 0}));
+        assert!(Tokenizer::from_snapshot(snapshot(fixed)).is_err());
+        // Truncation whose stride is not below its length (panicked at encode); llmd drops it.
+        let trunc = tokenizer_json(|d| {
+            d["truncation"] = json!({"direction": "Right", "max_length": 1, "strategy": "LongestFirst", "stride": 4})
+        });
+        let t = Tokenizer::from_snapshot(snapshot(trunc)).expect("loads");
+        assert_eq!(t.encode("abab", false, false).expect("encodes"), [2, 2]);
     }
 
     #[test]

@@ -101,7 +101,7 @@ fn run(args: Args) -> Result<(), String> {
     let r = &config.residency;
     let residency = llmd_daemon::residency::Residency::new(
         probed,
-        r.memory_budget_mb << 20,
+        r.memory_budget_bytes(),
         &r.pinned,
         &r.priorities,
         llmd_engine::LoadOptions {

@@ -402,6 +402,19 @@ impl GgufFile {
         Ok(Self { bytes: Arc::new(bytes), version, metadata, tensors, alignment, data_start })
     }
 
+    /// A file of metadata alone (no tensor): what the tokenizer and the configuration are read
+    /// from, for callers that have the keys without a file (the fuzz targets, tests).
+    pub fn from_metadata(metadata: BTreeMap<String, Value>) -> Self {
+        Self {
+            bytes: Arc::new(ModelBytes::Owned(Vec::new())),
+            version: 3,
+            metadata,
+            tensors: Vec::new(),
+            alignment: DEFAULT_ALIGNMENT,
+            data_start: 0,
+        }
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
     }

@@ -87,12 +87,69 @@ fn bad(path: &Path, detail: impl Into<String>) -> FormatError {
     FormatError::BadHfLayout { path: path.display().to_string(), detail: detail.into() }
 }
 
+/// What `config.json` says: the model's configuration (validated), RoPE frequency divisors
+/// from its `rope_scaling`, and `tie_word_embeddings` when it says so.
+pub struct HfModelConfig {
+    pub config: ModelConfig,
+    pub rope_freq_factors: Option<Vec<f32>>,
+    pub tie_word_embeddings: Option<bool>,
+}
+
 /// Reads `dir/config.json`, maps every `*.safetensors` file and renames tensors to GGUF names.
 pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path)
         .map_err(|source| FormatError::Io { path: cfg_path.display().to_string(), source })?;
-    let hf: HfConfig = serde_json::from_str(&text).map_err(|e| bad(&cfg_path, e.to_string()))?;
+    let cfg = parse_config(&text, &cfg_path)?;
+
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| FormatError::Io { path: dir.display().to_string(), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(bad(dir, "no *.safetensors file"));
+    }
+    let mut tensors = TensorMap::new();
+    for path in &files {
+        add_safetensors(Arc::new(ModelBytes::map(path)?), path, &mut tensors)?;
+    }
+    let tokenizer_json = dir.join("tokenizer.json");
+    if !tokenizer_json.is_file() {
+        return Err(bad(dir, "no tokenizer.json"));
+    }
+    let chat_template =
+        std::fs::read_to_string(dir.join("tokenizer_config.json")).ok().and_then(|t| chat_template_of(&t));
+    Ok(HfModel::new(cfg, tensors, tokenizer_json, chat_template))
+}
+
+/// The `chat_template` string of a `tokenizer_config.json` text (none if it is not JSON).
+pub fn chat_template_of(tokenizer_config: &str) -> Option<String> {
+    serde_json::from_str::<serde_json::Value>(tokenizer_config)
+        .ok()
+        .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_owned))
+}
+
+impl HfModel {
+    /// The model a directory's parts make: the head is tied when `config.json` says so, or
+    /// when it does not say and there is no `lm_head.weight`.
+    pub fn new(cfg: HfModelConfig, tensors: TensorMap, tokenizer_json: PathBuf, chat_template: Option<String>) -> Self {
+        let tie_word_embeddings = cfg.tie_word_embeddings.unwrap_or(!tensors.contains_key("output.weight"));
+        Self {
+            config: cfg.config,
+            tensors,
+            tokenizer_json,
+            chat_template,
+            tie_word_embeddings,
+            rope_freq_factors: cfg.rope_freq_factors,
+        }
+    }
+}
+
+/// Parses and validates the text of a `config.json` (`cfg_path` names it in errors).
+pub fn parse_config(text: &str, cfg_path: &Path) -> Result<HfModelConfig, FormatError> {
+    let hf: HfConfig = serde_json::from_str(text).map_err(|e| bad(cfg_path, e.to_string()))?;
     let kind = hf.model_type.clone().or_else(|| hf.architectures.first().cloned()).unwrap_or_default();
     let arch = match kind.as_str() {
         "llama" | "mistral" | "LlamaForCausalLM" | "MistralForCausalLM" => Arch::Llama,
@@ -101,7 +158,9 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
     };
     let n_heads = hf.num_attention_heads;
     let head_dim = hf.head_dim.unwrap_or(hf.hidden_size.checked_div(n_heads).unwrap_or(0));
-    let mut rope_freq_factors = None;
+    // Llama 3 scaling's parameters; its per-pair divisors are computed once the head size is
+    // known to be sane (`validate`): head_dim / 2 of them.
+    let mut llama3 = None;
     let rope_freq_scale = match &hf.rope_scaling {
         None | Some(serde_json::Value::Null) => 1.0,
         Some(v) => {
@@ -121,7 +180,7 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
                             })
                         }
                     };
-                    rope_freq_factors = Some(llama3_freq_factors(hf.rope_theta, head_dim, factor, lo, hi, orig));
+                    llama3 = Some((factor, lo, hi, orig));
                     1.0
                 }
                 other => {
@@ -150,49 +209,34 @@ pub fn load(dir: &Path) -> Result<HfModel, FormatError> {
         norm_eps: hf.rms_norm_eps as f32,
     };
     config.validate()?;
+    let rope_freq_factors =
+        llama3.map(|(factor, lo, hi, orig)| llama3_freq_factors(hf.rope_theta, head_dim, factor, lo, hi, orig));
+    Ok(HfModelConfig { config, rope_freq_factors, tie_word_embeddings: hf.tie_word_embeddings })
+}
 
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|source| FormatError::Io { path: dir.display().to_string(), source })?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        return Err(bad(dir, "no *.safetensors file"));
-    }
-    let mut tensors = TensorMap::new();
-    for path in &files {
-        let bytes = Arc::new(ModelBytes::map(path)?);
-        let st_err = |detail: String| FormatError::Safetensors { path: path.display().to_string(), detail };
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
-        let base = bytes.as_ptr() as usize;
-        for (name, view) in st.tensors() {
-            let ty = match view.dtype() {
-                safetensors::Dtype::F32 => GgmlType::F32,
-                safetensors::Dtype::F16 => GgmlType::F16,
-                safetensors::Dtype::BF16 => GgmlType::BF16,
-                other => return Err(st_err(format!("tensor {name:?} has unsupported dtype {other:?}"))),
-            };
-            let start = view.data().as_ptr() as usize - base;
-            let range = start..start + view.data().len();
-            let dims: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
-            if let Some(gguf_name) = gguf_name(&name) {
-                if tensors.insert(gguf_name.clone(), TensorRef { ty, dims, file: bytes.clone(), range }).is_some() {
-                    return Err(FormatError::DuplicateTensor(gguf_name));
-                }
+/// Adds the tensors of one safetensors file (`path` names it in errors) to `tensors`, by their
+/// GGUF names; tensors the engine does not use are left out.
+pub fn add_safetensors(bytes: Arc<ModelBytes>, path: &Path, tensors: &mut TensorMap) -> Result<(), FormatError> {
+    let st_err = |detail: String| FormatError::Safetensors { path: path.display().to_string(), detail };
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| st_err(e.to_string()))?;
+    let base = bytes.as_ptr() as usize;
+    for (name, view) in st.tensors() {
+        let ty = match view.dtype() {
+            safetensors::Dtype::F32 => GgmlType::F32,
+            safetensors::Dtype::F16 => GgmlType::F16,
+            safetensors::Dtype::BF16 => GgmlType::BF16,
+            other => return Err(st_err(format!("tensor {name:?} has unsupported dtype {other:?}"))),
+        };
+        let start = view.data().as_ptr() as usize - base;
+        let range = start..start + view.data().len();
+        let dims: Vec<u64> = view.shape().iter().rev().map(|&d| d as u64).collect();
+        if let Some(gguf_name) = gguf_name(&name) {
+            if tensors.insert(gguf_name.clone(), TensorRef { ty, dims, file: bytes.clone(), range }).is_some() {
+                return Err(FormatError::DuplicateTensor(gguf_name));
             }
         }
     }
-    let tokenizer_json = dir.join("tokenizer.json");
-    if !tokenizer_json.is_file() {
-        return Err(bad(dir, "no tokenizer.json"));
-    }
-    let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_owned));
-    let tie_word_embeddings = hf.tie_word_embeddings.unwrap_or(!tensors.contains_key("output.weight"));
-    Ok(HfModel { config, tensors, tokenizer_json, chat_template, tie_word_embeddings, rope_freq_factors })
+    Ok(())
 }
 
 /// Maps an HF tensor name to its GGUF name; `None` for tensors the engine does not use
@@ -237,6 +281,34 @@ mod tests {
         assert_eq!(f[0], 1.0, "the fastest frequencies are kept");
         assert_eq!(f[63], 8.0, "the slowest are divided by the factor");
         assert!(f.windows(2).all(|w| w[0] <= w[1]), "monotonic in between");
+    }
+
+    #[test]
+    fn a_huge_head_size_with_llama3_scaling_is_refused_before_its_divisors_are_made() {
+        // head_dim / 2 divisors were computed before the configuration was validated: 2^39 of
+        // them (2 TB) for this file, an abort, not an error.
+        let cfg = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 300, "head_dim": 1099511627776,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}"#;
+        match parse_config(cfg, Path::new("config.json")) {
+            Err(FormatError::BadHyperParameter { what: "head_dim", .. }) => {}
+            other => panic!("expected a bad head_dim, got {:?}", other.map(|c| c.config)),
+        }
+        let sane = cfg.replace("1099511627776", "4");
+        let c = parse_config(&sane, Path::new("config.json")).expect("valid");
+        assert_eq!(c.rope_freq_factors.map(|f| f.len()), Some(2));
+    }
+
+    #[test]
+    fn a_linear_scaling_factor_that_makes_positions_infinite_is_refused() {
+        // 1 / 1e-300 is infinite as an f32: every rotated position would be NaN.
+        let cfg = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 300, "rope_scaling": {"type": "linear", "factor": 1e-300}}"#;
+        assert!(matches!(
+            parse_config(cfg, Path::new("config.json")),
+            Err(FormatError::BadHyperParameter { what: "rope.scaling.factor", .. })
+        ));
     }
 
     #[test]

@@ -1,0 +1,4 @@
+//! Fuzz target `config`: see `llmd_daemon::fuzzing::config`.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| llmd_daemon::fuzzing::config(data));

@@ -1,0 +1,4 @@
+//! Fuzz target `hf`: see `llmd_engine::fuzzing::hf`.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| llmd_engine::fuzzing::hf(data));
