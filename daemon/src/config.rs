@@ -96,6 +96,11 @@ pub struct ResidencyConfig {
     /// An idle session whose KV cache holds more positions than this is spilled to `state_dir`
     /// without waiting for memory pressure (restored at its next turn); 0 = only under pressure.
     pub kv_spill_tokens: usize,
+    /// Every this many seconds each model's files are checked against their fingerprint taken
+    /// at start (`stat` and sampled blocks; `integrity.rs`); a model whose file changed is
+    /// refused (`MODEL_LOAD_FAILED`) and evicted. Every request also `stat`s its model's file
+    /// and every load checks the samples. 0 = no periodic check.
+    pub model_check_s: u64,
 }
 
 impl Default for ResidencyConfig {
@@ -113,6 +118,7 @@ impl Default for ResidencyConfig {
             load_at_start: true,
             embeddings_on_flash: false,
             kv_spill_tokens: 0,
+            model_check_s: 60,
         }
     }
 }
