@@ -79,7 +79,7 @@ fn at_level(level: &str, dir: &Path) -> Vec<(String, String)> {
     std::fs::write(
         &cfg,
         format!(
-            "[limits]\nmax_prompt_bytes = 2048\n[residency]\nstate_dir = {:?}\nkv_spill_tokens = 16\n",
+            "[limits]\nmax_prompt_bytes = 2048\n[residency]\nstate_dir = {:?}\nkv_spill_tokens = 16\npressure_poll_ms = 100\n",
             dir.join("state")
         ),
     )
@@ -178,8 +178,18 @@ fn at_level(level: &str, dir: &Path) -> Vec<(String, String)> {
         // Idle with a context longer than kv_spill_tokens: spilled (its events in dump).
         s.reset().expect("reset");
         run(&s, &req(&format!("{ECHOED} {ECHOED} {ECHOED}"), 4)).expect("a longer context");
-        std::thread::sleep(Duration::from_millis(1500));
-        seen.push(("admin dump after a spill".into(), conn.admin().expect("admin").dumpState().expect("dump")));
+        let t = Instant::now();
+        let dump = loop {
+            let dump = conn.admin().expect("admin").dumpState().expect("dump");
+            if dump.contains("long idle KV caches") || t.elapsed() > Duration::from_secs(20) {
+                break dump;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(dump.contains("spilled 1, dropped 0 long idle KV caches"), "no spill:\n{dump}");
+        // And the conversation goes on from the spill file.
+        run(&s, &req(&format!(" {MARKER}"), 2)).expect("restored");
+        seen.push(("admin dump after a spill".into(), dump));
         s.close().expect("closed");
     }
     // llmctl's own paths.
