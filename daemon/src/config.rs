@@ -96,6 +96,11 @@ pub struct ResidencyConfig {
     /// An idle session whose KV cache holds more positions than this is spilled to `state_dir`
     /// without waiting for memory pressure (restored at its next turn); 0 = only under pressure.
     pub kv_spill_tokens: usize,
+    /// Every this many seconds each model's files are checked against their fingerprint taken
+    /// at start (`stat` and sampled blocks; `integrity.rs`); a model whose file changed is
+    /// refused (`MODEL_LOAD_FAILED`) and evicted. Every request also `stat`s its model's file
+    /// and every load checks the samples. 0 = no periodic check.
+    pub model_check_s: u64,
 }
 
 impl Default for ResidencyConfig {
@@ -113,6 +118,7 @@ impl Default for ResidencyConfig {
             load_at_start: true,
             embeddings_on_flash: false,
             kv_spill_tokens: 0,
+            model_check_s: 60,
         }
     }
 }
@@ -237,19 +243,27 @@ impl Default for Limits {
 
 /// Who may call what. On Android the uids come from the caller's Binder identity; on the
 /// socket transport from the peer's credentials (SO_PEERCRED).
+///
+/// Closed by default: with neither `allowed_uids` nor `open`, only admins (`admin_uids` and
+/// llmd's own uid) may use the service; every other uid gets `PERMISSION_DENIED`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Permissions {
-    /// Uids that may use the service (list models, open sessions, generate); empty = every uid.
+    /// Every uid may use the service (an explicit opt-in: on a device, where SELinux decides
+    /// which domains may find it). Not together with `allowed_uids`.
+    pub open: bool,
+    /// Uids that may use the service (list models, open sessions, generate, status); empty
+    /// (the default) = admins only, unless `open`.
     pub allowed_uids: Vec<u32>,
-    /// Uids that may also call admin methods (dump, prefetch). The daemon's own uid always may.
+    /// Uids that may also call admin methods (dump, prefetch), and use the service. The
+    /// daemon's own uid always may.
     pub admin_uids: Vec<u32>,
 }
 
 impl Default for Permissions {
     fn default() -> Self {
         // root and Android's shell user.
-        Self { allowed_uids: Vec::new(), admin_uids: vec![0, 2000] }
+        Self { open: false, allowed_uids: Vec::new(), admin_uids: vec![0, 2000] }
     }
 }
 
@@ -311,6 +325,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         self.socket_mode_bits()?;
+        if self.permissions.open && !self.permissions.allowed_uids.is_empty() {
+            return bad("permissions: open = true admits every uid; allowed_uids would mean nothing: set one".into());
+        }
         if self.models_dir.is_none() && self.models.is_empty() {
             return bad("no models: set models_dir or models (or pass --models-dir / --model)".into());
         }
@@ -400,5 +417,18 @@ mod tests {
         for bad in ["1777", "999", "rw-rw----", "", "-1"] {
             assert_eq!(with(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn permissions_are_closed_by_default_and_open_is_not_mixed_with_a_list() {
+        let p = Permissions::default();
+        assert!(!p.open && p.allowed_uids.is_empty());
+        let parsed: Config = toml::from_str("models = [\"m.gguf\"]\n[permissions]\nopen = true\n").expect("parses");
+        assert!(parsed.permissions.open);
+        parsed.validate().expect("valid");
+        let both: Config =
+            toml::from_str("models = [\"m.gguf\"]\n[permissions]\nopen = true\nallowed_uids = [10001]\n")
+                .expect("parses");
+        assert!(both.validate().is_err());
     }
 }

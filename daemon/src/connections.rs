@@ -459,7 +459,7 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
 
     fn gate(per_uid: usize, overall: usize, ceiling: usize) -> Arc<Gate> {
-        Arc::new(Gate::new(per_uid, overall, ceiling, Permissions { allowed_uids: vec![], admin_uids: vec![2000] }))
+        Arc::new(Gate::new(per_uid, overall, ceiling, Permissions { admin_uids: vec![2000], ..Permissions::default() }))
     }
 
     #[test]

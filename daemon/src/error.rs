@@ -27,6 +27,8 @@ pub enum ServiceError {
     SessionIdle { idle_s: u64 },
     #[error("model {id:?} failed to load: {reason}")]
     ModelLoadFailed { id: String, reason: String },
+    #[error("model {id:?} is refused: its file changed since llmd registered it ({change}); restart llmd to register it anew")]
+    ModelChanged { id: String, change: crate::integrity::Change },
     #[error("internal error: {0}")]
     Internal(String),
     #[error("deadline of {0} ms passed before the request finished")]
@@ -47,7 +49,8 @@ impl ServiceError {
             Self::Busy(_) => ErrorCode::BUSY,
             Self::Cancelled => ErrorCode::CANCELLED,
             Self::SessionClosed | Self::SessionIdle { .. } => ErrorCode::SESSION_CLOSED,
-            Self::ModelLoadFailed { .. } => ErrorCode::MODEL_LOAD_FAILED,
+            // A model file that no longer matches its fingerprint cannot be loaded or served.
+            Self::ModelLoadFailed { .. } | Self::ModelChanged { .. } => ErrorCode::MODEL_LOAD_FAILED,
             Self::Internal(_) => ErrorCode::INTERNAL,
             // A time bound passed before the request finished: the client's own, or the one
             // on how long a client may leave its callbacks untaken.

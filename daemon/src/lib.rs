@@ -21,8 +21,9 @@
 //!    and `outbox` (each request's callbacks); it reaches models and sessions only through its
 //!    `Engine` trait, and Binder clients through the outbox's `Sink`.
 //! 7. `policy` (pure rules, clock injected), then the leaves: `error` (the one error → code
-//!    map), `config`, `permission`, `residency`, `models`, `connections` (the socket's accept
-//!    loop and its per-uid connection caps).
+//!    map), `config`, `permission`, `residency`, `integrity` (model files against their
+//!    fingerprints), `models`, `connections` (the socket's accept loop and its per-uid
+//!    connection caps).
 //!
 //! Every Binder method guards (caller identity, permission or ownership), calls a private
 //! method, and maps its error in one place (`ServiceError::into_status`).
@@ -34,6 +35,7 @@ pub mod connections;
 pub mod conversation;
 pub mod error;
 pub mod fuzzing;
+pub mod integrity;
 pub mod models;
 pub mod permission;
 pub mod policy;

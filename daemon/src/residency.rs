@@ -18,6 +18,7 @@
 //! history (kept in `Shared`, `shared.rs`) use these primitives.
 
 use crate::error::ServiceError;
+use crate::integrity::{Change, Fingerprint};
 use llmd_engine::{LoadOptions, Model, ModelProbe};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
@@ -56,6 +57,10 @@ pub struct LoadProgress {
 pub struct Entry {
     pub path: PathBuf,
     pub probe: ModelProbe,
+    /// The model's files as registered at start (`None`: they could not be read then).
+    pub print: Option<Fingerprint>,
+    /// Set once its files no longer match `print`: the model is refused from then on.
+    pub changed: Option<Change>,
     pub state: State,
     pub model: Option<Arc<Model>>,
     pub pinned: bool,
@@ -124,6 +129,8 @@ pub struct EntryInfo {
     pub evictions: u64,
     pub in_use: bool,
     pub progress: (u64, u64),
+    /// How its file changed since it was registered (then it is refused).
+    pub changed: Option<String>,
 }
 
 impl Residency {
@@ -141,7 +148,17 @@ impl Residency {
                 let bytes = probe.weight_bytes + OVERHEAD_ESTIMATE;
                 // Until measured: reading the file at a modest 500 MB/s.
                 let reload_s = probe.file_bytes as f64 / 500e6;
+                // Its files as they are now: what every later check compares with.
+                let (print, changed) = match Fingerprint::take(&path) {
+                    Ok(p) => (Some(p), None),
+                    Err(e) => (
+                        None,
+                        Some(Change { path: path.display().to_string(), what: format!("it could not be read ({e})") }),
+                    ),
+                };
                 let e = Entry {
+                    print,
+                    changed,
                     pinned: pinned.contains(&id),
                     priority: priorities.get(&id).copied().unwrap_or(0),
                     path,
@@ -206,15 +223,71 @@ impl Residency {
     }
 
     /// The model if it is resident now (no load).
+    /// A model whose file changed is not (its `acquire` says why).
     pub fn get_resident(&self, id: &str) -> Option<Arc<Model>> {
         let mut m = self.lock();
         let e = m.get_mut(id)?;
-        if e.state == State::Resident {
-            e.last_used = Instant::now();
-            e.model.clone()
-        } else {
-            None
+        if e.state != State::Resident || e.changed.is_some() {
+            return None;
         }
+        // One `stat` per request: a file written since it was registered is not served.
+        if let Some(Err(c)) = e.print.as_ref().map(Fingerprint::check_stat) {
+            self.mark_changed(&mut m, id, c);
+            return None;
+        }
+        let e = m.get_mut(id)?;
+        e.last_used = Instant::now();
+        e.model.clone()
+    }
+
+    /// Records that `id`'s files no longer match their fingerprint (said once) and evicts it
+    /// if it is resident and no request is using it (else the periodic check will).
+    fn mark_changed(&self, m: &mut MutexGuard<'_, BTreeMap<String, Entry>>, id: &str, change: Change) {
+        let Some(e) = m.get_mut(id) else { return };
+        if e.changed.is_some() {
+            return;
+        }
+        e.changed = Some(change.clone());
+        let evict = e.state == State::Resident && e.model.as_ref().is_none_or(|x| Arc::strong_count(x) == 1);
+        self.event(format!(
+            "model {id} refused until llmd restarts: its file changed since it was registered: {change}"
+        ));
+        if evict {
+            self.evict_locked(m, id, "because its file changed");
+        }
+    }
+
+    /// The periodic check: every model's files against their fingerprints (`stat` and the
+    /// sampled blocks, read without the lock held); a model that changed is refused and, once
+    /// no request uses it, evicted. Returns how many were found changed this time.
+    pub fn check_files(&self) -> usize {
+        let prints: Vec<(String, Fingerprint)> = self
+            .lock()
+            .iter()
+            .filter(|(_, e)| e.changed.is_none())
+            .filter_map(|(id, e)| Some((id.clone(), e.print.clone()?)))
+            .collect();
+        let mut found = 0;
+        for (id, print) in prints {
+            if let Err(c) = print.check() {
+                found += 1;
+                self.mark_changed(&mut self.lock(), &id, c);
+            }
+        }
+        let mut m = self.lock();
+        let idle_changed: Vec<String> = m
+            .iter()
+            .filter(|(_, e)| {
+                e.changed.is_some()
+                    && e.state == State::Resident
+                    && e.model.as_ref().is_none_or(|x| Arc::strong_count(x) == 1)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in idle_changed {
+            self.evict_locked(&mut m, &id, "because its file changed");
+        }
+        found
     }
 
     /// Bytes of resident models (and models loading, at their expected cost).
@@ -240,6 +313,7 @@ impl Residency {
                 evictions: e.evictions,
                 in_use: e.model.as_ref().is_some_and(|m| Arc::strong_count(m) > 1),
                 progress: (e.progress.done.load(Ordering::Relaxed), e.progress.total.load(Ordering::Relaxed)),
+                changed: e.changed.as_ref().map(|c| c.to_string()),
             })
             .collect()
     }
@@ -249,10 +323,25 @@ impl Residency {
     /// counts against the budget too.
     pub fn acquire(&self, id: &str, why: &str, kv_bytes: u64) -> Result<Arc<Model>, ServiceError> {
         let mut m = self.lock();
+        let changed = |change: &Change| ServiceError::ModelChanged { id: id.to_owned(), change: change.clone() };
         loop {
             let e = m.get_mut(id).ok_or_else(|| ServiceError::ModelNotFound(id.to_owned()))?;
+            if let Some(c) = &e.changed {
+                let err = changed(c);
+                // Marked while a request still held it: evicted now if none does.
+                if e.state == State::Resident && e.model.as_ref().is_none_or(|x| Arc::strong_count(x) == 1) {
+                    self.evict_locked(&mut m, id, "because its file changed");
+                }
+                return Err(err);
+            }
             match e.state {
                 State::Resident => {
+                    if let Some(Err(c)) = e.print.as_ref().map(Fingerprint::check_stat) {
+                        let err = changed(&c);
+                        self.mark_changed(&mut m, id, c);
+                        return Err(err);
+                    }
+                    let e = m.get_mut(id).ok_or_else(|| ServiceError::ModelNotFound(id.to_owned()))?;
                     e.last_used = Instant::now();
                     return e.model.clone().ok_or_else(|| ServiceError::Internal("resident model missing".into()));
                 }
@@ -265,15 +354,27 @@ impl Residency {
         // This thread loads it: claim it first so no other thread starts a second load.
         let need = m.get(id).map(|e| e.bytes).unwrap_or(0);
         self.make_room(&mut m, id, need, kv_bytes)?;
-        let (path, progress) = {
+        let (path, progress, print) = {
             let e = m.get_mut(id).ok_or_else(|| ServiceError::ModelNotFound(id.to_owned()))?;
             e.state = State::Loading;
             e.reason = why.to_owned();
             e.progress.done.store(0, Ordering::Relaxed);
             e.progress.total.store(e.probe.file_bytes, Ordering::Relaxed);
-            (e.path.clone(), e.progress.clone())
+            (e.path.clone(), e.progress.clone(), e.print.clone())
         };
         drop(m);
+        // Before a load: its files as they were registered (`stat` and the sampled blocks).
+        if let Some(Err(c)) = print.as_ref().map(Fingerprint::check) {
+            let err = changed(&c);
+            let mut m = self.lock();
+            if let Some(e) = m.get_mut(id) {
+                e.state = State::Unloaded;
+            }
+            self.mark_changed(&mut m, id, c);
+            drop(m);
+            self.changed.notify_all();
+            return Err(err);
+        }
         self.event(format!("loading {id} ({why})"));
         let result = {
             let _one = self.load_lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -281,6 +382,12 @@ impl Residency {
             let t = Instant::now();
             let r = load_model(&path, &self.opts, &progress);
             (r, t.elapsed().as_secs_f64(), process_rss_bytes().saturating_sub(before))
+        };
+        // A file written while it loaded: what was read is not the registered model.
+        // (`Err(Ok(change))`: it changed; `Err(Err(reason))`: it failed to load.)
+        let result = match (result, print.as_ref().map(Fingerprint::check_stat)) {
+            ((Ok(_), secs, grew), Some(Err(c))) => (Err(Ok(c)), secs, grew),
+            ((r, secs, grew), _) => (r.map_err(Err), secs, grew),
         };
         let mut m = self.lock();
         let e = m.get_mut(id).ok_or_else(|| ServiceError::ModelNotFound(id.to_owned()))?;
@@ -302,11 +409,18 @@ impl Residency {
                 self.event(format!("loaded {id} in {secs:.2} s, {} MB resident", bytes >> 20));
                 Ok(model)
             }
-            (Err(err), _, _) => {
+            (Err(Err(err)), _, _) => {
                 e.state = State::Unloaded;
                 drop(m);
                 self.event(format!("loading {id} failed: {err}"));
                 Err(ServiceError::ModelLoadFailed { id: id.to_owned(), reason: err })
+            }
+            (Err(Ok(c)), _, _) => {
+                e.state = State::Unloaded;
+                let err = changed(&c);
+                self.mark_changed(&mut m, id, c);
+                drop(m);
+                Err(err)
             }
         };
         self.changed.notify_all();

@@ -287,7 +287,7 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
         let p = shared.residency.probe(&e.id);
         let _ = writeln!(
             out,
-            "  {}: {} bytes {}{} pinned {} priority {} in_use {} idle_s {:.0} reload_s {:.2} loads {} evictions {} layers {} context {} why {:?}{}",
+            "  {}: {} bytes {}{} pinned {} priority {} in_use {} idle_s {:.0} reload_s {:.2} loads {} evictions {} layers {} context {} why {:?}{}{}",
             e.id,
             e.state,
             e.bytes,
@@ -303,6 +303,7 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
             p.as_ref().map_or(0, |p| p.config.context_length),
             e.reason,
             if e.state == "loading" { format!(" progress {}/{}", e.progress.0, e.progress.1) } else { String::new() },
+            e.changed.as_ref().map_or(String::new(), |c| format!(" REFUSED file_changed {c:?}")),
         );
     }
     let sessions = shared.session_list();

@@ -39,9 +39,7 @@ impl SessionBinder {
     fn guard(&self, method: &'static str) -> Result<Caller, ServiceError> {
         let caller = Caller::current();
         tracing::debug!(session = self.core.id, uid = caller.uid, method, "session call");
-        if caller.uid != self.core.owner.uid {
-            return Err(ServiceError::SessionClosed);
-        }
+        crate::permission::check_owner(self.core.owner, caller, self.core.id, method)?;
         if self.core.is_closed() {
             return Err(match self.core.expired_after() {
                 Some(idle_s) => ServiceError::SessionIdle { idle_s },

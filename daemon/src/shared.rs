@@ -67,7 +67,29 @@ impl Shared {
             scheduler,
         });
         shared.spawn_idle_sweep()?;
+        shared.spawn_model_check()?;
         Ok(shared)
+    }
+
+    /// With `residency.model_check_s`, starts the `llmd-files` thread: at that interval it
+    /// checks every model's files against their fingerprints (`Residency::check_files`), until
+    /// the shared state is gone.
+    fn spawn_model_check(self: &Arc<Self>) -> std::io::Result<()> {
+        let every = Duration::from_secs(self.config.residency.model_check_s);
+        if every.is_zero() {
+            return Ok(());
+        }
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new().name("llmd-files".into()).spawn(move || loop {
+            std::thread::sleep(every);
+            match weak.upgrade() {
+                Some(s) => {
+                    s.residency.check_files();
+                }
+                None => return,
+            }
+        })?;
+        Ok(())
     }
 
     /// With `session_idle_timeout_s`, starts the `llmd-idle` thread: every quarter of the

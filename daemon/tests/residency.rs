@@ -411,3 +411,80 @@ fn a_failed_spill_is_a_drop_and_stale_spills_are_removed_at_start() {
     assert!(!second.is_empty(), "the conversation continues after a drop");
     let _ = std::fs::remove_file(dir.0.join("state/kv"));
 }
+
+/// Writes 1 MiB of zeros over the middle of `path` (tensor data), its size unchanged.
+fn corrupt_in_place(path: &std::path::Path) {
+    use std::os::unix::fs::FileExt;
+    let len = std::fs::metadata(path).expect("stat").len();
+    let f = std::fs::OpenOptions::new().write(true).open(path).expect("open for writing");
+    f.write_all_at(&vec![0u8; 1 << 20], len / 2).expect("overwritten");
+    assert_eq!(std::fs::metadata(path).expect("stat").len(), len);
+}
+
+fn refused_as_changed(what: &str, r: Result<impl std::fmt::Debug, rsbinder::Status>) {
+    let err = r.expect_err(what);
+    assert_eq!(
+        llmd_daemon::error::error_code_of(&err),
+        Some(llmd_aidl::ErrorCode::ErrorCode::MODEL_LOAD_FAILED),
+        "{what}: {}",
+        client::describe(&err)
+    );
+    assert!(
+        client::describe(&err).contains("file changed since llmd registered it"),
+        "{what}: {}",
+        client::describe(&err)
+    );
+}
+
+/// #27 G: a model file corrupted in place (same size, bytes changed) is refused with
+/// MODEL_LOAD_FAILED saying its file changed — at the next request when it is resident, at the
+/// load when it is not, and by the periodic check with no request at all (then evicted) —
+/// while the other models are served. Before, it was served silently (a resident model from
+/// the weights it had read; a model loaded after the change from the corrupted bytes).
+#[test]
+fn a_model_file_changed_in_place_is_refused_not_served() {
+    let _one = lock();
+    let dir = Dir::new("changed");
+    let path = |id: &str| dir.0.join("models").join(format!("{id}.gguf"));
+    for id in ["c", "d", "e"] {
+        std::fs::copy(model(), path(id)).expect("a copy of the model");
+    }
+    {
+        // No periodic check: what a request and a load find on their own.
+        let d = Daemon::start(&dir, "prefetch_predicted = false\nload_at_start = false\nmodel_check_s = 0");
+        let conn = d.connect();
+        let c = session(&conn, "c");
+        let before = run(&c, &greedy("The capital of France is", 8));
+        assert!(!before.is_empty());
+        corrupt_in_place(&path("c"));
+        corrupt_in_place(&path("e"));
+        let (cb, _tx, _rx) = client::callback();
+        refused_as_changed("a request on the resident model whose file changed", c.generate(&greedy("Hello", 4), &cb));
+        refused_as_changed("a new session of it", conn.service.openSession("c", &SessionOptions::default()));
+        refused_as_changed(
+            "loading a model whose file changed",
+            conn.service.openSession("e", &SessionOptions::default()),
+        );
+        let dump = d.dump();
+        // (Evicted once no request holds it: by the next acquire or the periodic check, off here.)
+        assert!(d.model_line("c").contains("REFUSED file_changed"), "{dump}");
+        assert!(d.model_line("e").contains("REFUSED file_changed"), "{dump}");
+        assert!(dump.contains("model c refused until llmd restarts"), "{dump}");
+        // The others are served as before.
+        assert_eq!(run(&session(&conn, "a"), &greedy("The capital of France is", 8)), before);
+    }
+    // The periodic check finds it with no request, and evicts it.
+    let d = Daemon::start(&dir, "prefetch_predicted = false\nload_at_start = false\nmodel_check_s = 1");
+    let conn = d.connect();
+    assert!(!run(&session(&conn, "d"), &greedy("The capital of France is", 4)).is_empty());
+    assert!(d.model_line("d").contains(": resident"), "{}", d.dump());
+    corrupt_in_place(&path("d"));
+    d.wait_for("the periodic check to refuse and evict d", |_| {
+        let l = d.model_line("d");
+        l.contains("REFUSED file_changed") && l.contains(": unloaded")
+    });
+    refused_as_changed(
+        "a session of the model the check refused",
+        conn.service.openSession("d", &SessionOptions::default()),
+    );
+}

@@ -765,7 +765,10 @@ fn helper_clients_as_another_uid() {
 #[test]
 fn idle_connections_of_one_uid_lock_out_neither_another_uid_nor_an_admin() {
     // The socket open to every uid (the daemon decides per connection and call).
-    let d = Daemon::start_after("socket_mode = \"0666\"\n", Some("ulimit -n 128"));
+    let d = Daemon::start_after(
+        "socket_mode = \"0666\"\n[permissions]\nallowed_uids = [65533, 65534]\n",
+        Some("ulimit -n 128"),
+    );
     let mut flood = Helper::start(65534, &d.socket, &[("LLMD_HELPER_CLIENTS", "60")]);
     let report = flood.report("held", Duration::from_secs(240));
     let held: usize = report
@@ -873,7 +876,10 @@ fn a_session_left_unused_is_closed_and_its_kv_freed_while_one_in_use_stays() {
 /// stopped, holding its session, its request slot and its KV memory.
 #[test]
 fn a_stopped_client_loses_its_request_and_session_while_others_are_served() {
-    let d = Daemon::start("socket_mode = \"0666\"\n[scheduler]\nstream_interval_ms = 0\nstream_stall_timeout_s = 2\n");
+    let d = Daemon::start(
+        "socket_mode = \"0666\"\n[scheduler]\nstream_interval_ms = 0\nstream_stall_timeout_s = 2\n\
+         [permissions]\nallowed_uids = [65534]\n",
+    );
     let watch = d.connect();
     let mut stopped = Helper::start(65534, &d.socket, &[("LLMD_HELPER_STREAM", "1")]);
     let said = stopped.report("streaming", Duration::from_secs(60));

@@ -251,7 +251,7 @@ fn status_models_and_run_into_a_closed_pipe_end_quietly_as_sigpipe_would() {
 #[test]
 fn an_app_sees_only_its_own_sessions_in_status() {
     // The socket open to every uid (the daemon decides per call); root's two sessions.
-    let d = Daemon::start("socket_mode = \"0666\"\n");
+    let d = Daemon::start("socket_mode = \"0666\"\n[permissions]\nallowed_uids = [65534]\n");
     let conn = d.connect();
     let (_a, _b) = (session(&conn), session(&conn));
     let status_as = |who: Option<&str>| {
