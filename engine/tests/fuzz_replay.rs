@@ -83,7 +83,7 @@ fn write_seeds() {
     std::fs::create_dir_all(corpus.join("llmd")).expect("corpus dir");
     for name in ["tiny-qwen2-bpe-tied", "tiny-llama-spm-untied", "llama-q8_0-small-vocab"] {
         let out = tmp.join(format!("{name}.llmd"));
-        let opts = ConvertOptions { bits: 4.0, threads: 1, smoothing: None };
+        let opts = ConvertOptions { bits: Some(4.0), threads: 1, smoothing: None };
         convert(&corpus.join("gguf").join(name), &out, &opts, &|_, _, _| {}).expect("the GGUF seed converts");
         std::fs::copy(&out, corpus.join("llmd").join(name)).expect("copied");
     }
