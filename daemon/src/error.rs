@@ -71,6 +71,11 @@ impl From<GenerateError> for ServiceError {
             GenerateError::InvalidSampling { .. } | GenerateError::EmptyPrompt => Self::InvalidArgument(e.to_string()),
             GenerateError::ContextOverflow { .. } => Self::RequestTooLarge(e.to_string()),
             GenerateError::Tokenizer(_) | GenerateError::ChatTemplate(_) => Self::InvalidArgument(e.to_string()),
+            // The weights it read in place lost a page (the file shrank under us): the model's
+            // file is broken, not the service.
+            GenerateError::Backend(llmd_engine::error::BackendError::ModelFileTruncated(_)) => {
+                Self::ModelLoadFailed { id: "the session's model".into(), reason: e.to_string() }
+            }
             GenerateError::Backend(_) => Self::Internal(e.to_string()),
         }
     }
