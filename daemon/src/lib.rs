@@ -25,6 +25,10 @@
 //!    fingerprints), `models`, `connections` (the socket's accept loop and its per-uid
 //!    connection caps).
 //!
+//! Above them all, `fuzzing` holds the fuzz targets' bodies (`fuzz/`, and the replay of their
+//! corpora in `daemon/tests/fuzz_replay.rs`): parcels into the generated AIDL stubs with the
+//! daemon's argument checks, and config files.
+//!
 //! Every Binder method guards (caller identity, permission or ownership), calls a private
 //! method, and maps its error in one place (`ServiceError::into_status`).
 
