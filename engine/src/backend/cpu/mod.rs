@@ -507,12 +507,15 @@ impl CpuBackend {
 /// blocks of 120 / 60 / 30 tokens; Q6_K within noise (152–162).
 const KPACKED_ACT_BLOCK_BYTES: usize = 512 << 10;
 
-/// Tokens per block for a K-quant matmul of `cols` columns over `n` tokens: whole calls of
-/// the buffered kernel, at least one.
+/// Tokens per block for a K-quant matmul of `cols` columns over `n` tokens: as few blocks as
+/// keep each within [`KPACKED_ACT_BLOCK_BYTES`] (plus half again: a 64-token chunk of the
+/// down projection, 573 KB, stays whole), the tokens shared evenly between them in whole calls
+/// of the buffered kernel (6 tokens), so no block is a small remainder.
 fn kpacked_token_block(cols: usize, n: usize) -> usize {
     let per = 6;
-    let t = (KPACKED_ACT_BLOCK_BYTES / cols.max(1)) / per * per;
-    t.max(per).min(n.max(1))
+    let bytes = n.saturating_mul(cols);
+    let blocks = bytes.div_ceil(KPACKED_ACT_BLOCK_BYTES + KPACKED_ACT_BLOCK_BYTES / 2).max(1);
+    n.div_ceil(blocks).next_multiple_of(per).clamp(1, n.max(1))
 }
 
 /// One task of a packed matmul's parallel step: (matrix, first tile, tiles, each token's rows
@@ -1285,7 +1288,8 @@ mod tests {
     #[test]
     fn a_wide_k_quant_matmul_in_token_blocks_equals_each_token_alone() {
         let cpu = CpuBackend::new(2);
-        let (rows, cols, n) = (40, 8960, 64);
+        let (rows, cols, n) = (40, 8960, 128);
+        assert_eq!(kpacked_token_block(cols, 64), 64, "a 64-token chunk stays whole");
         assert!(kpacked_token_block(cols, n) < n, "the test must cut the tokens into blocks");
         let ty = GgmlType::Q4_K;
         let rb = ty.row_bytes(cols).expect("super-blocks");
@@ -1315,7 +1319,7 @@ mod tests {
         let x = det(n * cols, 7);
         let mut batched = vec![0f32; n * rows];
         cpu.matmul(&w, &x, n, &mut batched).expect("matmul");
-        for t in [0, 1, 53, 54, 55, n - 1] {
+        for t in [0, 1, 63, 64, 65, n - 1] {
             let mut one = vec![0f32; rows];
             cpu.matmul(&w, &x[t * cols..(t + 1) * cols], 1, &mut one).expect("matmul");
             assert_eq!(&batched[t * rows..(t + 1) * rows], &one[..], "token {t}");
