@@ -11,22 +11,7 @@ use llmd_engine::model::stream::StreamOptions;
 use llmd_engine::model::Logits;
 use llmd_engine::quant::edgeflow;
 use llmd_engine::{LoadOptions, Model, Source};
-use std::path::{Path, PathBuf};
-
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("llmd-fmt-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("temp dir");
-        Self(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use std::path::Path;
 
 fn opts(bits: f64) -> ConvertOptions {
     ConvertOptions { bits: Some(bits), threads: 2, smoothing: None }

@@ -40,20 +40,7 @@ fn golden() -> serde_json::Value {
     serde_json::from_str(&text).expect("JSON")
 }
 
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("llmd-tinyk-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("temp dir");
-        Self(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use common::TempDir;
 
 #[test]
 fn llama_cpps_q4_k_m_mix_runs_on_the_k_quant_kernels_and_matches_it() {

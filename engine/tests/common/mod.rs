@@ -91,3 +91,20 @@ pub fn assert_weights_in_arena(m: &Model) {
     }
     assert!(packed > 7 * w.layers.len(), "only {packed} packed matrices");
 }
+
+/// A scratch directory under the system's temporary one, named by `tag` and this process,
+/// emptied when made and removed when dropped.
+pub struct TempDir(pub PathBuf);
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("llmd-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("temp dir");
+        Self(p)
+    }
+}
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
