@@ -109,37 +109,6 @@ fn ours_batch_decode(model: &Model, prompts: &[&[u32]], steps: &[&[u32]]) -> Res
     Ok(t0.elapsed().as_secs_f64())
 }
 
-/// Read bandwidth in bytes/s over a buffer of `bytes`, summed by `threads` threads.
-fn read_bandwidth(bytes: usize, threads: usize) -> f64 {
-    let words = (bytes / 8).max(1 << 16);
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let per = words.div_ceil(threads);
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let t0 = Instant::now();
-        let total: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(per)
-                .map(|c| {
-                    s.spawn(move || {
-                        let mut acc = [0u64; 8];
-                        for w in c.chunks_exact(8) {
-                            for i in 0..8 {
-                                acc[i] = acc[i].wrapping_add(w[i]);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, |a, b| a.wrapping_add(b))
-        });
-        std::hint::black_box(total);
-        best = best.min(t0.elapsed().as_secs_f64());
-    }
-    (words * 8) as f64 / best
-}
-
 pub fn bench(args: &BenchArgs) -> Result<(), String> {
     if !args.local {
         return Err("bench needs --local (the engine inside llmctl) or --load (a running daemon)".into());
@@ -287,7 +256,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     };
 
     // This machine's limits for the figures: read bandwidth over a buffer the size of the
-    // weights (what decode streams), and multiply-accumulates per token (what prefill computes).
+    // weights (what decode streams; `read_peak_bytes_per_s`, plain and prefetched reads), and multiply-accumulates per token (what prefill computes).
     let w = &model.transformer.weights;
     let mut weight_bytes_per_token = w.output.size_bytes();
     let mut macs_per_token = w.output.rows * w.output.cols;
@@ -297,7 +266,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
             macs_per_token += m.rows * m.cols;
         }
     }
-    let bw = read_bandwidth(weight_bytes_per_token, threads);
+    let bw = llmd_engine::backend::cpu::read_peak_bytes_per_s(weight_bytes_per_token, threads);
     let decode_ceiling = bw / weight_bytes_per_token as f64;
     let int8_peak = llmd_engine::backend::cpu::int8_peak_macs_per_s(threads);
     let prefill_ceiling = int8_peak / macs_per_token as f64;
@@ -375,7 +344,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     row("peak RSS MB (model)".into(), mine.peak_rss_mb, pf.as_ref().map(|f| f.peak_rss_mb), None);
     row("VmHWM MB (process)".into(), mine.hwm_mb, pf.as_ref().map(|f| f.hwm_mb), None);
     crate::out!(
-        "ceilings: decode {:.0} tok/s = {:.1} GB/s (read bandwidth over a buffer that size) / {:.1} MB of weights per token; \
+        "ceilings: decode {:.0} tok/s = {:.1} GB/s (best read bandwidth over a buffer that size) / {:.1} MB of weights per token; \
          prefill {:.0} tok/s = {:.0} G int8 MAC/s ({}) / {:.1} M MAC per token",
         decode_ceiling,
         bw / 1e9,

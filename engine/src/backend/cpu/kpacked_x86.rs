@@ -43,6 +43,21 @@ const MAX_NT: usize = 4;
 /// and 204 G MAC/s at 4, 6 and 8, where the registers run out).
 const BUFFERED_NT: usize = 6;
 
+/// How far ahead of the record being computed the streamed (decode) path prefetches into L2,
+/// one line with each chunk's arithmetic. Decode reads every weight once, so it is won or lost
+/// on keeping the memory busy. The 1.5B Q4_K_M (`llmctl bench --local --prefill 1
+/// --decode-prompt 16 --decode-tokens 64 --threads 2`, tok/s, same machine and session):
+/// - the hardware prefetchers alone: 17.2 (session 16);
+/// - record `b` of the next tile, all its lines at once (what this replaced): 23.5, 24.1, 23.6;
+/// - a fixed distance, all the record's lines at once: 23.6, 23.9 — the burst fills the line
+///   fill buffers and the demand loads queue behind it; a group's lines with each group: 27.2,
+///   27.5 (every other line: 19.3 — each line is needed);
+/// - a line with each chunk at 2, 4, 8, 16 KiB: 28.7 / 28.4, 30.0 / 29.6, 29.9 / 29.6, 29.6
+///   / 29.6 (two rounds); into L1 or L3 instead of L2 was slower in the fixed-distance runs.
+///
+/// A task's tiles follow one another in the matrix, so the distance runs ahead across tiles.
+pub(crate) const STREAM_PREFETCH_BYTES: usize = 8 << 10;
+
 /// From this many tokens on, each super-block's weights are unpacked once into a buffer and
 /// every group of [`MAX_NT`] tokens reads them from there (prompt chunks); below, each group of
 /// tokens unpacks them in registers as it goes (decode: no store and reload).
@@ -267,7 +282,8 @@ unsafe fn group_scales<const KIND: u8>(r: *const u8, g: usize) -> (__m512i, __m5
 }
 
 /// One super-block (record `r`) for `NT` tokens (activation super-blocks `ab[j]`): the integer
-/// sums, then `acc[j]`'s two fused multiply-adds, in the reference's order.
+/// sums, then `acc[j]`'s two fused multiply-adds, in the reference's order. The record's worth
+/// of lines from `pf` (any address) are prefetched into L2 on the way.
 ///
 /// # Safety
 /// `r` points at a whole record of `KIND`; `ab[j]` are super-blocks inside `a`.
@@ -279,8 +295,10 @@ unsafe fn superblock<const KIND: u8, const NT: usize>(
     ab: [usize; NT],
     mk: Masks,
     acc: &mut [__m512; NT],
+    pf: *const u8,
 ) {
     let kind = kind_of::<KIND>();
+    let lines = kind.record_bytes().div_ceil(64);
     // SAFETY: activation reads are inside token super-blocks `ab[j]` (the caller's contract),
     // record reads inside `r`'s record.
     unsafe {
@@ -294,6 +312,11 @@ unsafe fn superblock<const KIND: u8, const NT: usize>(
             let mut even = [_mm512_setzero_si512(); NT];
             let mut odd = [_mm512_setzero_si512(); NT];
             let mut feed = |k: usize, wv: __m512i| {
+                // Line `k` of the record [`STREAM_PREFETCH_BYTES`] ahead with chunk `k` (64
+                // chunks, at most 53 lines a record): one prefetch between each chunk's work.
+                if k < lines {
+                    _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * k) as *const i8);
+                }
                 let dot = if k.is_multiple_of(2) { &mut even } else { &mut odd };
                 for (j, d) in dot.iter_mut().enumerate() {
                     *d = dpbusd_bcst(*d, wv, word(j, k));
@@ -488,16 +511,14 @@ unsafe fn tile_k<const KIND: u8>(
     // the caller's contract.
     unsafe {
         if nt < BUFFER_FROM {
-            // The next tile's records follow this one's in the matrix (prefetched as we go).
-            let next = (tile + 1 < w.tiles()).then(|| w.tile(tile + 1).as_ptr());
             let mut j = 0;
             while j < nt {
                 let m = (nt - j).min(MAX_NT);
                 match m {
-                    4 => streamed::<KIND, 4>(data.as_ptr(), next, rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
-                    3 => streamed::<KIND, 3>(data.as_ptr(), next, rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
-                    2 => streamed::<KIND, 2>(data.as_ptr(), next, rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
-                    _ => streamed::<KIND, 1>(data.as_ptr(), next, rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                    4 => streamed::<KIND, 4>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                    3 => streamed::<KIND, 3>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                    2 => streamed::<KIND, 2>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
+                    _ => streamed::<KIND, 1>(data.as_ptr(), rec, sbs, a, t0 + j, mk, |i| dst(j + i)),
                 }
                 j += m;
             }
@@ -547,7 +568,6 @@ unsafe fn tile_k<const KIND: u8>(
 #[allow(clippy::too_many_arguments)]
 unsafe fn streamed<const KIND: u8, const NT: usize>(
     data: *const u8,
-    next: Option<*const u8>,
     rec: usize,
     sbs: usize,
     a: &KActs,
@@ -559,20 +579,19 @@ unsafe fn streamed<const KIND: u8, const NT: usize>(
     // SAFETY: the caller's contract.
     unsafe {
         for b in 0..sbs {
-            if let Some(n) = next {
-                // Record `b` of the next tile into L2 while this one computes (decode streams
-                // every weight once; the 1.5B Q4_K_M decoded at 17.2 tok/s on 2 threads with
-                // the hardware prefetcher alone, 22.7 with this, as fast as the bandwidth probe
-                // of the same runs allows).
-                let at = n.add(b * rec);
-                let mut o = 0;
-                while o < rec {
-                    _mm_prefetch::<_MM_HINT_T1>(at.add(o) as *const i8);
-                    o += 64;
-                }
-            }
+            // The record [`STREAM_PREFETCH_BYTES`] past this one is prefetched as it computes:
+            // a task's tiles follow one another in the matrix, so this runs ahead of the whole
+            // stream, across tiles. Past the matrix's end it touches whatever is there (a
+            // prefetch never faults, and `wrapping_add` makes no claim on the allocation).
             let ab: [usize; NT] = std::array::from_fn(|j| (t0 + j) * sbs + b);
-            superblock::<KIND, NT>(data.add(b * rec), a, ab, mk, &mut acc);
+            superblock::<KIND, NT>(
+                data.add(b * rec),
+                a,
+                ab,
+                mk,
+                &mut acc,
+                data.wrapping_add(b * rec + STREAM_PREFETCH_BYTES),
+            );
         }
         for (j, v) in acc.iter().enumerate() {
             _mm512_storeu_ps(dst(j), *v);

@@ -26,7 +26,7 @@ pub mod rows;
 mod rows_x86;
 pub mod unpack;
 
-pub use packed::int8_peak_macs_per_s;
+pub use packed::{int8_peak_macs_per_s, read_peak_bytes_per_s};
 
 /// The name of the packed-weight kernel this process uses.
 pub fn kernel_name() -> &'static str {

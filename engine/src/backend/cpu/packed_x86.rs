@@ -58,6 +58,14 @@ fn checked_tile<'w, const KIND: u8>(w: &'w PackedMatrix, tile: usize, a: &QuantA
     data
 }
 
+/// Prefetches the line `ahead` bytes past `p` into L2 (any address: a prefetch never faults,
+/// and `wrapping_add` makes no claim on an allocation).
+#[inline(always)]
+pub fn prefetch_l2(p: *const u8, ahead: usize) {
+    // SAFETY: prefetching reads nothing the program sees and never faults; SSE is part of x86-64.
+    unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead) as *const i8) };
+}
+
 /// Prefetches record `b` (`rec` bytes) of the next tile into L2; same-sized tiles, so it is at
 /// the same offset as this tile's record `b`.
 #[inline(always)]
