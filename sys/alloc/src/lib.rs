@@ -10,6 +10,8 @@
 //! transparent huge pages, from which each matrix takes its own disjoint buffer.
 //!
 //! [`map_readonly`] maps a model file (the one `unsafe` call the engine needs for it).
+//!
+//! [`request_tile_data`] asks the kernel for the AMX tile state the x86 prompt kernels use.
 
 mod arena;
 mod sigbus;
@@ -77,6 +79,25 @@ pub fn release_mapped_pages(map: &memmap2::Mmap, range: std::ops::Range<usize>) 
         // mapped: see `map_readonly`). The range lies inside the map (checked above).
         let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, end - first) };
     }
+}
+
+/// Asks Linux for this process's permission to use AMX tile data
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`), which it must hold before any thread
+/// runs a tile instruction (without it the first one is killed with SIGILL). Granted once for
+/// the whole process; asking again is harmless. True if granted; false where refused (an old
+/// kernel, a CPU without AMX, a thread whose alternate signal stack is too small for the tile
+/// state) and on every other platform.
+pub fn request_tile_data() -> bool {
+    #[cfg(all(any(target_os = "linux", target_os = "android"), target_arch = "x86_64"))]
+    {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: this `arch_prctl` only records a permission in the kernel's view of the
+        // process (it reads and writes no memory of ours); failure is reported by the result.
+        unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+    }
+    #[cfg(not(all(any(target_os = "linux", target_os = "android"), target_arch = "x86_64")))]
+    false
 }
 
 #[cfg(test)]

@@ -749,11 +749,13 @@ pub fn run_rows(
     let lanes = w.rows.saturating_sub(tile * TILE_ROWS).min(TILE_ROWS);
     assert!(tile < w.tiles() && a.cols == w.cols && t0 + nt <= a.n && rows.iter().all(|r| r.len() >= r0 + lanes));
     #[cfg(target_arch = "x86_64")]
-    if kernel.kind() == KernelKind::Avx512Vnni && lanes == TILE_ROWS {
+    if kernel.is_avx512() && lanes == TILE_ROWS {
         check_acts(w, a, t0, nt);
-        // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were detected;
-        // the shapes are asserted above (a whole tile: 16 rows fit in every row).
-        return unsafe { super::kpacked_x86::tile_avx512vnni_rows(w, tile, a, t0, rows, r0) };
+        let amx = kernel.kind() == KernelKind::Avx512Amx;
+        // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were detected,
+        // and as `Avx512Amx` only if AMX-INT8 was and the process may use it; the shapes are
+        // asserted above (a whole tile: 16 rows fit in every row).
+        return unsafe { super::kpacked_x86::tile_avx512vnni_rows(w, tile, a, t0, rows, r0, amx) };
     }
     scratch.resize(TILE_ROWS * nt, 0.0);
     run(kernel, w, tile, a, t0, nt, scratch);
@@ -773,7 +775,11 @@ pub fn run(kernel: Kernel, w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize,
         #[cfg(target_arch = "x86_64")]
         // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were detected;
         // the shape contract is asserted above.
-        KernelKind::Avx512Vnni => unsafe { super::kpacked_x86::tile_avx512vnni(w, tile, a, t0, nt, out) },
+        KernelKind::Avx512Vnni => unsafe { super::kpacked_x86::tile_avx512vnni(w, tile, a, t0, nt, out, false) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as `Avx512Vnni`, and this `Kernel` exists only if AMX-INT8 was detected and
+        // the process was granted its tile state.
+        KernelKind::Avx512Amx => unsafe { super::kpacked_x86::tile_avx512vnni(w, tile, a, t0, nt, out, true) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: this `Kernel` exists only if AVX2, FMA and F16C were detected; the shape
         // contract is asserted above.
@@ -800,9 +806,12 @@ fn check_acts(w: &KPackedMatrix, a: &KActs, t0: usize, nt: usize) {
 }
 
 /// The name of the kernel K-quant tiles run on with `kernel` (for listings).
-pub fn kernel_name(kernel: Kernel) -> &'static str {
+pub fn kernel_name(kernel: Kernel, kind: KKind) -> &'static str {
     match kernel.kind() {
         KernelKind::Avx512Vnni => "avx512-vnni",
+        // AMX runs the prompt chunks of the kinds with 32-column groups only (`kpacked_x86`).
+        KernelKind::Avx512Amx if kind.group() == 32 => "avx512-vnni, prompts on amx",
+        KernelKind::Avx512Amx => "avx512-vnni",
         KernelKind::Avx2 => "avx2",
         KernelKind::NeonDotprod => "neon-dotprod",
         _ => "scalar",
@@ -978,16 +987,17 @@ mod tests {
     fn every_kernel_equals_the_scalar_reference_bit_for_bit() {
         for kernel in Kernel::available() {
             for k in KINDS {
-                // 37 rows: two whole tiles and a partial one; 16 tokens: groups of 4, a
-                // remainder, and the buffered path of prompt chunks (8 tokens or more).
-                let (rows, cols, n) = (37, 512, 16);
+                // 37 rows: two whole tiles and a partial one; 80 tokens: groups of 4, a
+                // remainder, the buffered path of prompt chunks (8 tokens or more), and with
+                // AMX its blocks of 16 tokens in spans of 64, the rest of a span on VNNI.
+                let (rows, cols, n) = (37, 512, 80);
                 let raw = random_rows(k, rows, cols, 100 + k as u64);
                 let p = pack(k, &raw, rows, cols);
                 let x = random_x(n * cols, 9);
                 let mut a = KActs::default();
                 a.quantize(&x, n, cols);
                 for tile in 0..p.tiles() {
-                    for (t0, nt) in [(0, n), (1, 1), (2, 3), (0, 4), (3, 9), (5, 2)] {
+                    for (t0, nt) in [(0, n), (1, 1), (2, 3), (0, 4), (3, 9), (5, 2), (7, 16), (4, 35), (9, 70)] {
                         let mut want = vec![0f32; nt * TILE_ROWS];
                         reference(&p, tile, &a, t0, nt, &mut want);
                         let mut got = vec![0f32; nt * TILE_ROWS];
@@ -1012,13 +1022,13 @@ mod tests {
     fn results_stored_into_token_rows_equal_the_reference() {
         for kernel in Kernel::available() {
             for k in KINDS {
-                let (rows, cols, n) = (37, 256, 11);
+                let (rows, cols, n) = (37, 256, 21);
                 let raw = random_rows(k, rows, cols, 300 + k as u64);
                 let p = pack(k, &raw, rows, cols);
                 let x = random_x(n * cols, 13);
                 let mut a = KActs::default();
                 a.quantize(&x, n, cols);
-                for (t0, nt) in [(0, n), (2, 1), (1, 9)] {
+                for (t0, nt) in [(0, n), (2, 1), (1, 9), (3, 18)] {
                     // Each token's row holds all 37 outputs after 3 values of padding.
                     let mut out = vec![vec![f32::NAN; 3 + rows]; nt];
                     let mut scratch = Vec::new();

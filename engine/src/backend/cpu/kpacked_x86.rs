@@ -63,16 +63,28 @@ pub(crate) const STREAM_PREFETCH_BYTES: usize = 8 << 10;
 /// tokens unpacks them in registers as it goes (decode: no store and reload).
 const BUFFER_FROM: usize = 8;
 
+/// With `amx`, prompt chunks of [`AMX_TOKENS`] tokens and more run their integer sums on AMX
+/// tiles ([`amx_block`]); the results are the same bits either way.
+///
 /// # Safety
-/// The CPU must support AVX-512 F/BW and VNNI, FMA and F16C; the shapes were checked by
-/// `kpacked::run` (`out` holds `nt * TILE_ROWS` values, tokens `t0..t0 + nt` are quantized).
+/// The CPU must support AVX-512 F/BW and VNNI, FMA and F16C, and with `amx` AMX-INT8 with the
+/// process granted its tile state ([`amx_usable`]); the shapes were checked by `kpacked::run`
+/// (`out` holds `nt * TILE_ROWS` values, tokens `t0..t0 + nt` are quantized).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-pub unsafe fn tile_avx512vnni(w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize, nt: usize, out: &mut [f32]) {
+pub unsafe fn tile_avx512vnni(
+    w: &KPackedMatrix,
+    tile: usize,
+    a: &KActs,
+    t0: usize,
+    nt: usize,
+    out: &mut [f32],
+    amx: bool,
+) {
     assert!(out.len() >= nt * TILE_ROWS);
     let base = out.as_mut_ptr();
     // SAFETY: the same contract; token `j`'s 16 values go to `out[16j..16j + 16]`, inside `out`
     // (asserted), and no two tokens share them.
-    unsafe { by_kind(w, tile, a, t0, nt, &|j| base.add(j * TILE_ROWS)) }
+    unsafe { by_kind(w, tile, a, t0, nt, amx, &|j| base.add(j * TILE_ROWS)) }
 }
 
 /// [`tile_avx512vnni`] with each token's 16 values stored straight into its own output row:
@@ -89,6 +101,7 @@ pub unsafe fn tile_avx512vnni_rows(
     t0: usize,
     rows: &mut [&mut [f32]],
     r0: usize,
+    amx: bool,
 ) {
     assert!(rows.iter().all(|r| r.len() >= r0 + TILE_ROWS));
     // Decode batches (a few tokens) keep the row pointers on the stack: this runs once per
@@ -107,20 +120,28 @@ pub unsafe fn tile_avx512vnni_rows(
     let ptrs = &*ptrs;
     // SAFETY: token `j`'s 16 values go to `rows[j][r0..r0 + 16]`, inside the row (asserted);
     // the rows are distinct slices.
-    unsafe { by_kind(w, tile, a, t0, rows.len(), &|j| ptrs[j].add(r0)) }
+    unsafe { by_kind(w, tile, a, t0, rows.len(), amx, &|j| ptrs[j].add(r0)) }
 }
 
 /// `dst(j)` for `j < nt` is valid for reading and writing 16 f32s, distinct for distinct `j`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
-unsafe fn by_kind(w: &KPackedMatrix, tile: usize, a: &KActs, t0: usize, nt: usize, dst: &impl Fn(usize) -> *mut f32) {
+unsafe fn by_kind(
+    w: &KPackedMatrix,
+    tile: usize,
+    a: &KActs,
+    t0: usize,
+    nt: usize,
+    amx: bool,
+    dst: &impl Fn(usize) -> *mut f32,
+) {
     // SAFETY: the caller's contract; each inner loop checks its own shapes.
     unsafe {
         match w.kind {
-            KKind::Q2K => tile_k::<K_Q2K>(w, tile, a, t0, nt, dst),
-            KKind::Q3K => tile_k::<K_Q3K>(w, tile, a, t0, nt, dst),
-            KKind::Q4K => tile_k::<K_Q4K>(w, tile, a, t0, nt, dst),
-            KKind::Q5K => tile_k::<K_Q5K>(w, tile, a, t0, nt, dst),
-            KKind::Q6K => tile_k::<K_Q6K>(w, tile, a, t0, nt, dst),
+            KKind::Q2K => tile_k::<K_Q2K>(w, tile, a, t0, nt, amx, dst),
+            KKind::Q3K => tile_k::<K_Q3K>(w, tile, a, t0, nt, amx, dst),
+            KKind::Q4K => tile_k::<K_Q4K>(w, tile, a, t0, nt, amx, dst),
+            KKind::Q5K => tile_k::<K_Q5K>(w, tile, a, t0, nt, amx, dst),
+            KKind::Q6K => tile_k::<K_Q6K>(w, tile, a, t0, nt, amx, dst),
         }
     }
 }
@@ -490,6 +511,7 @@ unsafe fn tile_k<const KIND: u8>(
     a: &KActs,
     t0: usize,
     nt: usize,
+    amx: bool,
     dst: &impl Fn(usize) -> *mut f32,
 ) {
     let kind = kind_of::<KIND>();
@@ -529,31 +551,59 @@ unsafe fn tile_k<const KIND: u8>(
         // line of a different page per token each time (the rows are a matrix's width apart).
         let mut accs = vec![_mm512_setzero_ps(); nt];
         let mut buf = [_mm512_setzero_si512(); 64];
-        for b in 0..sbs {
-            let r = data.as_ptr().add(b * rec);
-            for g in 0..kind.groups() {
-                unpack_group::<KIND>(r, g, mk, |k, wv| buf[k] = wv);
-            }
-            let mut j = 0;
-            while j < nt {
-                let m = (nt - j).min(BUFFERED_NT);
-                match m {
-                    6 => buffered::<KIND, 6>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 6]),
-                    5 => buffered::<KIND, 5>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 5]),
-                    4 => buffered::<KIND, 4>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 4]),
-                    3 => buffered::<KIND, 3>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 3]),
-                    2 => buffered::<KIND, 2>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 2]),
-                    _ => buffered::<KIND, 1>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 1]),
+        // AMX for the kinds of 32-column groups (Q4_K, Q5_K) only: each group's sums go through
+        // memory to be scaled, and with 16-column groups (Q2_K, Q3_K, Q6_K) twice as often,
+        // which made them slower than VNNI (`kkbench`, 256 tokens, 8960 × 1536, one thread,
+        // G MAC/s: Q4_K 292.8 against 242.1 on VNNI, Q6_K 163.6 against 169.4). On AMX the
+        // tokens go in spans of at most [`AMX_MAX_TOKENS`] (see there), each over the whole
+        // tile (its records, read again per span, stay in cache).
+        let use_amx = amx && kind.group() == 32 && nt >= AMX_TOKENS;
+        let span = if use_amx { AMX_MAX_TOKENS } else { nt };
+        if use_amx {
+            load_tile_config(kind.group());
+        }
+        for lo in (0..nt).step_by(span) {
+            let hi = (lo + span).min(nt);
+            let amx_end = if use_amx { lo + (hi - lo) / AMX_TOKENS * AMX_TOKENS } else { lo };
+            for b in 0..sbs {
+                let r = data.as_ptr().add(b * rec);
+                for g in 0..kind.groups() {
+                    unpack_group::<KIND>(r, g, mk, |k, wv| buf[k] = wv);
                 }
-                if b + 1 == sbs {
-                    // Final: into the output rows now, between the blocks' arithmetic (all at
-                    // the end, the stores to a new line of each row queued behind one another).
-                    for (i, v) in accs[j..j + m].iter().enumerate() {
-                        _mm512_storeu_ps(dst(j + i), *v);
+                let mut j = lo;
+                while j < amx_end {
+                    amx_block::<KIND>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + AMX_TOKENS]);
+                    if b + 1 == sbs {
+                        for (i, v) in accs[j..j + AMX_TOKENS].iter().enumerate() {
+                            _mm512_storeu_ps(dst(j + i), *v);
+                        }
                     }
+                    j += AMX_TOKENS;
                 }
-                j += m;
+                while j < hi {
+                    let m = (hi - j).min(BUFFERED_NT);
+                    match m {
+                        6 => buffered::<KIND, 6>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 6]),
+                        5 => buffered::<KIND, 5>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 5]),
+                        4 => buffered::<KIND, 4>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 4]),
+                        3 => buffered::<KIND, 3>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 3]),
+                        2 => buffered::<KIND, 2>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 2]),
+                        _ => buffered::<KIND, 1>(r, a, t0 + j, sbs, b, &buf, &mut accs[j..j + 1]),
+                    }
+                    if b + 1 == sbs {
+                        // Final: into the output rows now, between the blocks' arithmetic (all
+                        // at the end, the stores to a new line of each row queued behind one
+                        // another).
+                        for (i, v) in accs[j..j + m].iter().enumerate() {
+                            _mm512_storeu_ps(dst(j + i), *v);
+                        }
+                    }
+                    j += m;
+                }
             }
+        }
+        if use_amx {
+            release_tiles();
         }
     }
 }
@@ -619,6 +669,163 @@ unsafe fn buffered<const KIND: u8, const NT: usize>(
     let ab: [usize; NT] = std::array::from_fn(|j| (t0 + j) * sbs + b);
     // SAFETY: the caller's contract.
     unsafe { superblock_buf::<KIND, NT>(r, a, ab, buf, acc) }
+}
+
+/// Tokens per AMX call: a tile's 16 rows, one token each.
+pub const AMX_TOKENS: usize = 16;
+
+/// Tokens per span on AMX: a tile's records are run over the tokens of one span, then again
+/// over the next. Alone (`kkbench`, weights in cache) AMX was faster at every block size, but
+/// in the model a whole 256-token block on AMX was not: the 1.5B Q4_K_M, one chunk from an
+/// empty cache (`cargo run --release -p llmd-engine --example prefillbench -- MODEL 2
+/// 64,128,256 4`, best of 4, tok/s), AMX over whole blocks 253.4 / 247.4 / 221.9 against VNNI's
+/// 227.2 / 245.9 / 229.9 (profiled at 256 tokens the AMX blocks took 6,669 samples against
+/// VNNI's 6,217); in spans of 64, with the sums no longer zeroed, 271.5 / 261.6 / 231.4 against
+/// 225.2 / 236.4 / 224.0. At 256 tokens spans of 32, 64, 128 and whole blocks, alternated
+/// twice, were 228.5 / 224.8, 224.8 / 232.6, 230.5 / 242.4, 232.3 / 242.9 against VNNI's
+/// 223.4 / 237.8: within this machine's drift. Why AMX gains less at 256 tokens is not settled.
+pub const AMX_MAX_TOKENS: usize = 64;
+
+/// True if this CPU has AMX-INT8 and the OS lets this process use the tile state (asked once,
+/// for the whole process: `llmd_alloc_sys::request_tile_data`).
+pub fn amx_usable() -> bool {
+    static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *USABLE.get_or_init(|| {
+        // CPUID leaf 7, sub-leaf 0: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+        let leaf7 = __cpuid(0).eax >= 7 && {
+            let r = __cpuid_count(7, 0);
+            r.edx & (1 << 24) != 0 && r.edx & (1 << 25) != 0
+        };
+        leaf7 && llmd_alloc_sys::request_tile_data()
+    })
+}
+
+/// The tile configuration of one kind's AMX blocks (palette 1), two sets so one group's
+/// product runs while the one before is scaled: `tmm0`/`tmm3` the activations (16 tokens × one
+/// group's bytes), `tmm1`/`tmm4` the group's weights (its 4-column chunks, each a row of 16
+/// rows × 4 bytes), `tmm2`/`tmm5` the sums (16 tokens × 16 rows of i32).
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+/// Loads the tile configuration for groups of `group` columns into this thread.
+///
+/// # Safety
+/// AMX must be usable ([`amx_usable`]); [`release_tiles`] before this thread returns to code
+/// that does not know of tiles.
+#[inline]
+unsafe fn load_tile_config(group: usize) {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    // (colsb, rows) of tmm0..tmm5 (two sets of three): bytes 16 + 2i (little-endian u16) and
+    // 48 + i.
+    let shapes = [(group, AMX_TOKENS), (64, group / 4), (64, AMX_TOKENS)];
+    for (i, (colsb, rows)) in shapes.into_iter().chain(shapes).enumerate() {
+        c[16 + 2 * i..18 + 2 * i].copy_from_slice(&(colsb as u16).to_le_bytes());
+        c[48 + i] = rows as u8;
+    }
+    let cfg = TileConfig(c);
+    // SAFETY: AMX is usable (the caller's contract); `cfg` is a valid 64-byte palette-1
+    // configuration (rows ≤ 16, bytes per row ≤ 64).
+    unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly, preserves_flags)) };
+}
+
+/// Returns the tile state to its initial (unconfigured) state.
+///
+/// # Safety
+/// AMX must be usable ([`amx_usable`]).
+#[inline]
+unsafe fn release_tiles() {
+    // SAFETY: AMX is usable (the caller's contract); `tilerelease` touches no memory.
+    unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
+}
+
+/// [`superblock_buf`] for [`AMX_TOKENS`] tokens from `t0` on AMX tiles: per group one
+/// `tdpbsud` (16 tokens' signed activations × the group's unsigned weights, as the `vpdpbusd`
+/// chains sum them), the sums stored and scaled by the rows' group scales in the same integer
+/// arithmetic, then [`finish`]. The same bits as [`superblock_buf`].
+///
+/// # Safety
+/// As [`superblock`], and the tile configuration of this kind is loaded ([`load_tile_config`]);
+/// `buf` holds super-block `b`'s unpacked weights.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
+unsafe fn amx_block<const KIND: u8>(
+    r: *const u8,
+    a: &KActs,
+    t0: usize,
+    sbs: usize,
+    b: usize,
+    buf: &[__m512i; 64],
+    acc: &mut [__m512],
+) {
+    #[repr(C, align(64))]
+    struct Sums([[__m512i; AMX_TOKENS]; 2]);
+    let kind = kind_of::<KIND>();
+    let gsz = kind.group();
+    let acc: &mut [__m512; AMX_TOKENS] = acc.try_into().expect("16 accumulators");
+    let ab: [usize; AMX_TOKENS] = std::array::from_fn(|j| (t0 + j) * sbs + b);
+    let stride = sbs * SB;
+    // Written by `tilestored` before each read (no zeroing: it showed as 4% of a prompt chunk).
+    let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
+    let sums = sums.as_mut_ptr() as *mut __m512i;
+    let mut si = [_mm512_setzero_si512(); AMX_TOKENS];
+    let mut sm = [_mm512_setzero_si512(); AMX_TOKENS];
+    // SAFETY: token `t0 + j`'s bytes of group `g` are `gsz` bytes at `stride * j` past the first
+    // token's, inside its super-block `ab[j]` (the caller's contract: these tokens are
+    // quantized); the weights are `gsz / 4` chunks of `buf`; each half of `sums` holds 16 rows of
+    // 64 bytes.
+    unsafe {
+        let acts = a.qs.as_ptr().add(ab[0] * SB) as *const u8;
+        // Group `g`'s product into `sums` half `g % 2` (16 rows each), on tile set `g % 2`.
+        let product = |g: usize, out: *mut __m512i| {
+            macro_rules! on {
+                ($a:literal, $w:literal, $s:literal) => {
+                    asm!(
+                        concat!("tilezero ", $s),
+                        concat!("tileloadd ", $a, ", [{a} + {sa} * 1]"),
+                        concat!("tileloadd ", $w, ", [{w} + {sw} * 1]"),
+                        concat!("tdpbsud ", $s, ", ", $a, ", ", $w),
+                        concat!("tilestored [{s} + {sw} * 1], ", $s),
+                        a = in(reg) acts.add(g * gsz),
+                        sa = in(reg) stride,
+                        w = in(reg) buf.as_ptr().add(g * gsz / 4),
+                        sw = in(reg) 64usize,
+                        s = in(reg) out,
+                        options(nostack, preserves_flags)
+                    )
+                };
+            }
+            if g.is_multiple_of(2) {
+                on!("tmm0", "tmm1", "tmm2")
+            } else {
+                on!("tmm3", "tmm4", "tmm5")
+            }
+        };
+        let groups = kind.groups();
+        product(0, sums);
+        for g in 0..groups {
+            // The next group's product is issued before this one's sums are scaled: the tile
+            // unit works on it while the vector units scale.
+            if g + 1 < groups {
+                product(g + 1, sums.add(AMX_TOKENS * ((g + 1) % 2)));
+            }
+            let (sc, q2k_min) = group_scales::<KIND>(r, g);
+            for j in 0..AMX_TOKENS {
+                let mut dj = _mm512_load_si512(sums.add(AMX_TOKENS * (g % 2) + j) as *const _);
+                if kind.offset() != 0 {
+                    let s = *a.bs16.get_unchecked(16 * ab[j] + g) as i32;
+                    dj = _mm512_sub_epi32(dj, _mm512_set1_epi32(kind.offset() * s));
+                }
+                si[j] = _mm512_add_epi32(si[j], _mm512_mullo_epi32(dj, sc));
+                if kind == KKind::Q2K {
+                    let s = *a.bs16.get_unchecked(16 * ab[j] + g) as i32;
+                    sm[j] = _mm512_add_epi32(sm[j], _mm512_mullo_epi32(q2k_min, _mm512_set1_epi32(s)));
+                }
+            }
+        }
+        finish::<KIND, AMX_TOKENS>(r, a, ab, si, sm, acc);
+    }
 }
 
 /// Q8_K quantization of whole super-blocks (`kpacked::quantize_rows_body`, bit for bit): the

@@ -30,7 +30,16 @@ pub use packed::{int8_peak_macs_per_s, read_peak_bytes_per_s};
 
 /// The name of the packed-weight kernel this process uses.
 pub fn kernel_name() -> &'static str {
-    packed::Kernel::best().name()
+    packed_kernel_name(packed::Kernel::best())
+}
+
+/// The kernel the Q4_0/Q4_1/Q8_0 tiles run on with `k` (AMX is for K-quant prompts only).
+fn packed_kernel_name(k: packed::Kernel) -> &'static str {
+    if k.kind() == packed::KernelKind::Avx512Amx {
+        "avx512-vnni"
+    } else {
+        k.name()
+    }
 }
 
 /// What matrix `m` runs on in this process: the kernel and the layout (for listings).
@@ -40,9 +49,11 @@ pub fn matrix_kernel(m: &WeightMatrix) -> String {
         return "rows read from storage when used".into();
     }
     match (&m.packed, &m.kpacked) {
-        (Some(p), _) if p.kind.ggml_type() != m.ty => format!("{}, {:?} tiles (converted at load)", k.name(), p.kind),
-        (Some(p), _) => format!("{}, {:?} tiles", k.name(), p.kind),
-        (_, Some(_)) => format!("{}, K-quant tiles", kpacked::kernel_name(k)),
+        (Some(p), _) if p.kind.ggml_type() != m.ty => {
+            format!("{}, {:?} tiles (converted at load)", packed_kernel_name(k), p.kind)
+        }
+        (Some(p), _) => format!("{}, {:?} tiles", packed_kernel_name(k), p.kind),
+        (_, Some(kp)) => format!("{}, K-quant tiles", kpacked::kernel_name(k, kp.kind)),
         _ => format!("{} row dot products", rows::row_kernel_name()),
     }
 }
@@ -52,13 +63,13 @@ pub fn matrix_kernel(m: &WeightMatrix) -> String {
 pub fn type_kernel(ty: GgmlType) -> String {
     let k = packed::Kernel::best();
     if let Some(p) = packed::PackKind::of(ty) {
-        return format!("{}, {p:?} tiles", k.name());
+        return format!("{}, {p:?} tiles", packed_kernel_name(k));
     }
-    if kpacked::KKind::of(ty).is_some() {
-        return format!("{}, K-quant tiles", kpacked::kernel_name(k));
+    if let Some(kind) = kpacked::KKind::of(ty) {
+        return format!("{}, K-quant tiles", kpacked::kernel_name(k, kind));
     }
     if let Some(p) = crate::backend::weight::convert_kind(ty) {
-        return format!("{}, {p:?} tiles (converted at load)", k.name());
+        return format!("{}, {p:?} tiles (converted at load)", packed_kernel_name(k));
     }
     format!("{} row dot products", rows::row_kernel_name())
 }

@@ -627,6 +627,9 @@ pub enum KernelKind {
     Scalar,
     Avx2,
     Avx512Vnni,
+    /// AVX-512 VNNI, and AMX tiles for K-quant prompt chunks (`kpacked_x86`); everything else
+    /// as [`KernelKind::Avx512Vnni`].
+    Avx512Amx,
     NeonDotprod,
 }
 
@@ -645,8 +648,14 @@ impl Kernel {
             KernelKind::Scalar => "scalar",
             KernelKind::Avx2 => "avx2",
             KernelKind::Avx512Vnni => "avx512-vnni",
+            KernelKind::Avx512Amx => "avx512-amx",
             KernelKind::NeonDotprod => "neon-dotprod",
         }
+    }
+
+    /// AVX-512 VNNI (with or without AMX): the x86 kernels that share one code path.
+    pub fn is_avx512(self) -> bool {
+        matches!(self.0, KernelKind::Avx512Vnni | KernelKind::Avx512Amx)
     }
 
     /// Every kernel this CPU runs, best first; the scalar reference is always last.
@@ -660,6 +669,9 @@ impl Kernel {
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
             {
+                if super::kpacked_x86::amx_usable() {
+                    v.push(Kernel(KernelKind::Avx512Amx));
+                }
                 v.push(Kernel(KernelKind::Avx512Vnni));
             }
             if std::arch::is_x86_feature_detected!("avx2")
@@ -680,7 +692,7 @@ impl Kernel {
     }
 
     /// The best available kernel, or the one named by `LLMD_KERNEL` (`scalar`, `avx2`,
-    /// `avx512-vnni`, `neon-dotprod`) if this CPU has it. Chosen once per process.
+    /// `avx512-vnni`, `avx512-amx`, `neon-dotprod`) if this CPU has it. Chosen once per process.
     pub fn best() -> Kernel {
         static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *BEST.get_or_init(|| {
@@ -713,7 +725,7 @@ impl Kernel {
         let lanes = w.rows.saturating_sub(tile * TILE_ROWS).min(TILE_ROWS);
         assert!(tile < w.tiles() && a.cols == w.cols && t0 + nt <= a.n && rows.iter().all(|r| r.len() >= r0 + lanes));
         #[cfg(target_arch = "x86_64")]
-        if order == Order::Lanes && self.0 == KernelKind::Avx512Vnni && lanes == TILE_ROWS {
+        if order == Order::Lanes && self.is_avx512() && lanes == TILE_ROWS {
             // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were
             // detected; the shape contract is asserted above (whole tile: 16 rows fit).
             return unsafe { super::packed_x86::tile_avx512vnni_rows(w, tile, a, t0, rows, r0) };
@@ -754,7 +766,7 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: this `Kernel` exists only if AVX-512 F/BW/VNNI, FMA and F16C were
             // detected; the shape contract is asserted above.
-            KernelKind::Avx512Vnni => unsafe {
+            KernelKind::Avx512Vnni | KernelKind::Avx512Amx => unsafe {
                 if blocksum {
                     super::packed_x86::tile_avx512vnni_blocksum(w, tile, a, t0, nt, out)
                 } else {
@@ -846,7 +858,7 @@ fn sum_words(c: &[u64], prefetch: bool) -> u64 {
 /// instruction (the prefill ceiling the benchmark reports against); 0 where not measured.
 pub fn int8_peak_macs_per_s(threads: usize) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    if Kernel::best().kind() == KernelKind::Avx512Vnni {
+    if Kernel::best().is_avx512() {
         let run = |n| {
             // SAFETY: AVX-512 VNNI was detected (this kernel exists).
             std::hint::black_box(unsafe { super::packed_x86::vnni_peak_loop(n) });
@@ -863,7 +875,7 @@ pub fn int8_peak_macs_per_s(threads: usize) -> f64 {
 /// 0 where not measured.
 pub fn order_peak_macs_per_s(threads: usize) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    if Kernel::best().kind() == KernelKind::Avx512Vnni {
+    if Kernel::best().is_avx512() {
         let run = |n| {
             // SAFETY: AVX-512 VNNI and FMA were detected (this kernel exists).
             std::hint::black_box(unsafe { super::packed_x86::order_peak_loop(n) });
