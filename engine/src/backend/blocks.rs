@@ -446,7 +446,7 @@ mod tests {
         assert_eq!(ffn_token_block(8960, 256), 64);
         for n in [74, 100, 200, 256, 1000, 4096] {
             let b = ffn_token_block(8960, n);
-            assert!(b % 16 == 0 && b <= 80, "n {n}: block {b}");
+            assert!(b.is_multiple_of(16) && b <= 80, "n {n}: block {b}");
             assert!(n.div_ceil(b) <= n.div_ceil(73) + 1, "n {n}: block {b} makes too many blocks");
         }
         assert_eq!(ffn_token_block(0, 0), 1);
