@@ -78,8 +78,12 @@ impl Daemon {
             .stdin(Stdio::null())
             .spawn()
             .expect("llmd starts");
+        let mut child = child;
         let t = Instant::now();
         while !socket.exists() {
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!("llmd exited at start ({st}); its error is above");
+            }
             assert!(t.elapsed() < Duration::from_secs(60), "llmd did not create its socket");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -410,6 +414,115 @@ fn a_failed_spill_is_a_drop_and_stale_spills_are_removed_at_start() {
     let second = run(&s, &chat("What is my name?", 8));
     assert!(!second.is_empty(), "the conversation continues after a drop");
     let _ = std::fs::remove_file(dir.0.join("state/kv"));
+}
+
+/// #27 faults: repeated pressure storms (the pressure file flipping high and low every 75–125
+/// ms, faster than the daemon sheds and reloads) while a request streams and a conversation
+/// sits idle: every request served through a storm streams the tokens it streams in calm, the
+/// model comes back after each storm, and the idle conversation continues where it was.
+#[test]
+fn repeated_pressure_storms_lose_no_request_and_no_conversation() {
+    let _one = lock();
+    let dir = Dir::new("storms");
+    let d = Daemon::start(&dir, "prefetch_predicted = false");
+    let conn = d.connect();
+    let talk = session(&conn, "a");
+    let first = run(&talk, &chat("My name is Ada and I live in Paris.", 16));
+    let counting = greedy("1, 2, 3, 4, 5, 6, 7, 8,", 48);
+    let calm = run(&session(&conn, "a"), &counting);
+    for storm in 0..3 {
+        let (socket, req) = (d.socket.clone(), counting.clone());
+        let worker = std::thread::spawn(move || {
+            let c = client::connect(&socket, "llmd").expect("connects");
+            run(&session(&c, "a"), &req)
+        });
+        for i in 0..20u64 {
+            dir.pressure(if i % 2 == 0 { 60.0 } else { 0.0 });
+            std::thread::sleep(Duration::from_millis(75 + 25 * (i % 3)));
+        }
+        dir.pressure(0.0);
+        let stormy = worker.join().expect("the request through the storm ended without an error");
+        assert_eq!(stormy, calm, "storm {storm}: a request served through a pressure storm changed");
+        d.wait_for("the model back", |_| d.model_line("a").contains(": resident"));
+    }
+    let second = run(&talk, &chat("Where do I live?", 16));
+    let fresh = session(&conn, "a");
+    assert_eq!(run(&fresh, &chat("My name is Ada and I live in Paris.", 16)), first);
+    assert_eq!(run(&fresh, &chat("Where do I live?", 16)), second, "the idle conversation lost its place");
+}
+
+/// Every file under `dir`, recursively.
+fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// #27 faults: SIGTERM while a request runs and a spilled context waits leaves the state
+/// directory consistent (no half-written file, the usage history whole JSON) and the next
+/// start restores it: the dead run's spill removed, the history kept, the model served.
+#[test]
+fn sigterm_mid_request_leaves_the_state_consistent_and_the_next_start_restores_it() {
+    let _one = lock();
+    let dir = Dir::new("sigterm");
+    let state = dir.0.join("state");
+    {
+        let mut d = Daemon::start(&dir, "prefetch_predicted = false\nkv_spill_tokens = 32");
+        let conn = d.connect();
+        let long = session(&conn, "a");
+        run(
+            &long,
+            &greedy("Once upon a time, in a village by the sea, there lived an old fisherman and his wife.", 16),
+        );
+        run(&session(&conn, "a"), &greedy("Hi", 2));
+        d.wait_for("the threshold spill", |s| s.contains("spilled 1, dropped 0 long idle KV caches"));
+        assert!(files_under(&state.join("kv")).iter().any(|p| p.extension().is_some_and(|e| e == "kv")));
+        let s = session(&conn, "a");
+        let (cb, _tx, rx) = client::callback();
+        s.generate(&greedy("1, 2, 3, 4, 5, 6, 7, 8,", 3000), &cb).expect("generate");
+        loop {
+            if let Event::Tokens(..) = rx.recv_timeout(Duration::from_secs(60)).expect("tokens") {
+                break;
+            }
+        }
+        let pid = d.child.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+        let t = Instant::now();
+        let status = loop {
+            if let Some(st) = d.child.try_wait().expect("wait") {
+                break st;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "llmd did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(status.success(), "llmd exited with {status:?}");
+    }
+    // On disk: nothing half-written, the usage history whole and naming the model used.
+    let files = files_under(&state);
+    assert!(!files.iter().any(|p| p.to_string_lossy().ends_with(".tmp")), "a temporary file was left: {files:?}");
+    let usage = std::fs::read_to_string(state.join("usage.json")).expect("the usage history was kept");
+    let parsed: serde_json::Value = serde_json::from_str(&usage).expect("the usage history is whole JSON");
+    assert!(parsed.to_string().contains("\"a\""), "{usage}");
+    // The next start: the dead run's spills are gone (a restart cannot resume their sessions),
+    // the history is read back, and the model is served.
+    let d = Daemon::start(&dir, "prefetch_predicted = false");
+    assert!(
+        !files_under(&state.join("kv")).iter().any(|p| p.extension().is_some_and(|e| e == "kv")),
+        "the dead run's spill files remain: {:?}",
+        files_under(&state.join("kv"))
+    );
+    let ids = run(&session(&d.connect(), "a"), &greedy("Hello", 4));
+    assert_eq!(ids.len(), 4);
+    let after: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(state.join("usage.json")).expect("usage")).expect("json");
+    assert!(after.to_string().contains("\"a\""));
 }
 
 /// Writes 1 MiB of zeros over the middle of `path` (tensor data), its size unchanged.

@@ -919,6 +919,43 @@ fn a_stopped_client_loses_its_request_and_session_while_others_are_served() {
     assert_eq!(o.ids, golden_capital_ids(4), "{o:?}");
 }
 
+/// #27 faults: a client killed in the middle of its stream (SIGKILL: its sockets close with
+/// no goodbye) loses its request and session at once, its KV memory is freed, and the daemon
+/// goes on serving others.
+#[test]
+fn a_client_killed_mid_stream_loses_its_request_and_session_while_others_are_served() {
+    let d = Daemon::start(
+        "socket_mode = \"0666\"\n[scheduler]\nstream_interval_ms = 0\n[permissions]\nallowed_uids = [65534]\n",
+    );
+    let watch = d.connect();
+    let mut killed = Helper::start(65534, &d.socket, &[("LLMD_HELPER_STREAM", "1")]);
+    let said = killed.report("streaming", Duration::from_secs(60));
+    assert!(said.iter().any(|l| l == "streaming"), "the helper's request never streamed: {said:?}");
+    let st = watch.service.getStatus().expect("status");
+    assert_eq!((st.sessionsOpen, st.requestsRunning), (1, 1), "{st:?}");
+    killed.0.kill().expect("kill");
+    let _ = killed.0.wait();
+    let killed_at = Instant::now();
+    let mut last = None;
+    while killed_at.elapsed() < Duration::from_secs(30) {
+        let st = watch.service.getStatus().expect("status");
+        if st.requestsRunning + st.requestsQueued == 0 && st.sessionsOpen == 0 {
+            assert_eq!(st.kvCacheBytes, 0, "the killed client's KV memory was not freed");
+            last = None;
+            break;
+        }
+        last = Some(st);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(last.is_none(), "30 s after its client was killed, its request or session remains: {last:?}");
+    eprintln!("the killed client's request and session were gone {} ms after it died", killed_at.elapsed().as_millis());
+    let dump = watch.admin().expect("admin").dumpState().expect("dump");
+    assert!(!dump.contains("uid 65534"), "{dump}");
+    let other = d.connect();
+    let o = run(&session(&other), &greedy("The capital of France is", 16));
+    assert_eq!(o.ids, golden_capital_ids(16), "{o:?}");
+}
+
 /// The daemon's resident memory in kB (`VmRSS`).
 fn rss_kb(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the daemon's status");
