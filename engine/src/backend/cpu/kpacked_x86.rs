@@ -530,7 +530,8 @@ unsafe fn tile_k<const KIND: u8>(
     let mk = Masks::new();
     // SAFETY: record `b` of this tile is `data[b * rec..(b + 1) * rec]` (asserted length);
     // activation super-blocks `(t0 + j) * sbs + b` exist for `j < nt` (asserted); `dst(j)` is
-    // the caller's contract.
+    // the caller's contract, and so is AMX being usable when `amx` is set; the tile
+    // configuration is loaded before the first `amx_block` and released after the last.
     unsafe {
         if nt < BUFFER_FROM {
             let mut j = 0;
