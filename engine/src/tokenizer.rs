@@ -277,7 +277,10 @@ impl Tokenizer {
             }
         }
         for &id in &special {
-            if EOG_TEXTS.contains(&texts[id as usize].as_str()) && !eog.contains(&id) {
+            // An added token may carry an id past the vocabulary the model's rows cover (the
+            // fuzzer's crash-b35ca740: an index out of bounds here); such a token ends nothing.
+            let ends = texts.get(id as usize).is_some_and(|t| EOG_TEXTS.contains(&t.as_str()));
+            if ends && !eog.contains(&id) {
                 eog.push(id);
             }
         }
