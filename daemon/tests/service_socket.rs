@@ -895,18 +895,7 @@ fn a_stopped_client_loses_its_request_and_session_while_others_are_served() {
     assert_eq!(o.ids, golden_capital_ids(16), "{o:?}");
     // The kernel takes what the client's socket holds (a few hundred callbacks) before a send
     // waits; then the timeout runs. On a loaded machine decoding those took up to ~30 s.
-    let mut last = None;
-    while stopped_at.elapsed() < Duration::from_secs(120) {
-        let st = watch.service.getStatus().expect("status");
-        if st.requestsRunning + st.requestsQueued == 0 && st.sessionsOpen == 0 {
-            assert_eq!(st.kvCacheBytes, 0, "the stopped client's KV memory was not freed");
-            last = None;
-            break;
-        }
-        last = Some(st);
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert!(last.is_none(), "120 s after its client was stopped, its request or session remains: {last:?}");
+    wait_all_ended(&watch, stopped_at, Duration::from_secs(120), "stopped");
     eprintln!(
         "the stopped client's request and session were gone {} ms after it stopped",
         stopped_at.elapsed().as_millis()
@@ -917,6 +906,23 @@ fn a_stopped_client_loses_its_request_and_session_while_others_are_served() {
     // The daemon goes on serving.
     let o = run(&session(&other), &greedy("The capital of France is", 4));
     assert_eq!(o.ids, golden_capital_ids(4), "{o:?}");
+}
+
+/// Waits until no request runs or waits and no session is open (the `how` client's gone),
+/// then checks its KV memory was freed; panics after `within` from `since`.
+fn wait_all_ended(watch: &Connection, since: Instant, within: Duration, how: &str) {
+    loop {
+        let st = watch.service.getStatus().expect("status");
+        if st.requestsRunning + st.requestsQueued == 0 && st.sessionsOpen == 0 {
+            assert_eq!(st.kvCacheBytes, 0, "the {how} client's KV memory was not freed");
+            return;
+        }
+        assert!(
+            since.elapsed() < within,
+            "{within:?} after its client was {how}, its request or session remains: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// #27 faults: a client killed in the middle of its stream (SIGKILL: its sockets close with
@@ -936,18 +942,7 @@ fn a_client_killed_mid_stream_loses_its_request_and_session_while_others_are_ser
     killed.0.kill().expect("kill");
     let _ = killed.0.wait();
     let killed_at = Instant::now();
-    let mut last = None;
-    while killed_at.elapsed() < Duration::from_secs(30) {
-        let st = watch.service.getStatus().expect("status");
-        if st.requestsRunning + st.requestsQueued == 0 && st.sessionsOpen == 0 {
-            assert_eq!(st.kvCacheBytes, 0, "the killed client's KV memory was not freed");
-            last = None;
-            break;
-        }
-        last = Some(st);
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(last.is_none(), "30 s after its client was killed, its request or session remains: {last:?}");
+    wait_all_ended(&watch, killed_at, Duration::from_secs(30), "killed");
     eprintln!("the killed client's request and session were gone {} ms after it died", killed_at.elapsed().as_millis());
     // Its connections go too (the scheduler may keep the uid's fair-share account).
     let connected = || {

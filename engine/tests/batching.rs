@@ -190,3 +190,20 @@ fn split_decode_passes_equal_each_sequence_alone() {
         }
     }
 }
+
+/// A chunk long enough that its FFN runs in token blocks (`ffn_token_block`: the default
+/// model's 1,536-wide FFN splits past 426 tokens) gives the same logits, bit for bit, as the
+/// same tokens in two chunks that each run whole.
+#[test]
+fn a_chunk_whose_ffn_runs_in_token_blocks_equals_the_same_tokens_in_smaller_chunks() {
+    let model = default_model();
+    let n = 480;
+    assert!(llmd_engine::backend::blocks::ffn_token_block(1536, n) < n, "the chunk must split");
+    let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + (i * 7919) % 20000).collect();
+    let mut kv = model.transformer.new_kv();
+    let whole = model.transformer.forward(&mut kv, &tokens, Logits::Last).expect("one chunk");
+    let mut kv = model.transformer.new_kv();
+    model.transformer.forward(&mut kv, &tokens[..n / 2], Logits::Last).expect("first half");
+    let halves = model.transformer.forward(&mut kv, &tokens[n / 2..], Logits::Last).expect("second half");
+    assert_eq!(format!("{whole:?}"), format!("{halves:?}"));
+}

@@ -48,7 +48,8 @@ const BUFFERED_NT: usize = 6;
 /// on keeping the memory busy. The 1.5B Q4_K_M (`llmctl bench --local --prefill 1
 /// --decode-prompt 16 --decode-tokens 64 --threads 2`, tok/s, same machine and session):
 /// - the hardware prefetchers alone: 17.2 (session 16);
-/// - record `b` of the next tile, all its lines at once (what this replaced): 23.5, 24.1, 23.6;
+/// - record `b` of the next tile, all its lines at once (what this replaced): 23.5, 24.1, 23.2,
+///   22.3;
 /// - a fixed distance, all the record's lines at once: 23.6, 23.9 — the burst fills the line
 ///   fill buffers and the demand loads queue behind it; a group's lines with each group: 27.2,
 ///   27.5 (every other line: 19.3 — each line is needed);
@@ -767,7 +768,7 @@ unsafe fn amx_block<const KIND: u8>(
     let acc: &mut [__m512; AMX_TOKENS] = acc.try_into().expect("16 accumulators");
     let ab: [usize; AMX_TOKENS] = std::array::from_fn(|j| (t0 + j) * sbs + b);
     let stride = sbs * SB;
-    // Written by `tilestored` before each read (no zeroing: it showed as 4% of a prompt chunk).
+    // Written by `tilestored` before each read (no zeroing: `memset` was 4% of a profiled chunk).
     let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
     let sums = sums.as_mut_ptr() as *mut __m512i;
     let mut si = [_mm512_setzero_si512(); AMX_TOKENS];
