@@ -42,11 +42,19 @@ build() {
     --target-dir "fuzz/target/$SANITIZER" >&2
 }
 
+# CPU seconds (user + system) of this shell's waited-for children so far, from the `times` builtin
+# (run in this shell, not a subshell: a subshell counts only its own children).
+TIMES_FILE=$(mktemp); trap 'rm -f "$TIMES_FILE"' EXIT
+children_cpu() {
+  tail -1 "$TIMES_FILE" | awk '{ t = 0; for (i = 1; i <= 2; i++) { split($i, a, "m"); sub(/s$/, "", a[2]); t += a[1] * 60 + a[2] } printf "%d\n", t }'
+}
+
 totals() {
-  # Columns: date | target | seconds | jobs | executions | cov | ft | crashes | ...
+  # Columns: date | target | seconds | jobs | executions | cov | ft | crashes | corpus | sanitizer
+  # | commit | CPU seconds. The CPU column was added later: older rows count seconds x jobs.
   awk -F'|' '/^\| 20/ {
       t=$3; gsub(/ /,"",t); s=$4+0; j=$5+0; e=$6+0; c=$9; gsub(/ /,"",c)
-      cpu[t]+=s*j; ex[t]+=e; n[t]++; split(c, k, "/"); cr[t]+=k[1]+k[2]+k[3]
+      m=$13; gsub(/ /,"",m); cpu[t]+=(m != "" ? m+0 : s*j); ex[t]+=e; n[t]++; split(c, k, "/"); cr[t]+=k[1]+k[2]+k[3]
       cov=$7+0; ft=$8+0; if (cov>mc[t]) mc[t]=cov; if (ft>mf[t]) mf[t]=ft }
     END { for (t in cpu) printf "%-14s %10.2f %6d %14d %8d %8d %8d\n", t, cpu[t]/3600, n[t], ex[t], mc[t], mf[t], cr[t] }' \
     "$LEDGER" | sort | { printf "%-14s %10s %6s %14s %8s %8s %8s\n" target CPU-hours runs executions "max cov" "max ft" crashes; cat; }
@@ -88,6 +96,7 @@ for t in $(targets_of "$1"); do
   stamp=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   echo "== $t: ${SECONDS_EACH} s x $JOBS job(s)" >&2
   pids=()
+  times >"$TIMES_FILE"; cpu_before=$(children_cpu)
   for j in $(seq 1 "$JOBS"); do
     log="fuzz/logs/$t-$(date -u +%Y%m%dT%H%M%S)-$j.log"
     logs[$j]=$log
@@ -98,6 +107,7 @@ for t in $(targets_of "$1"); do
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || true; done
+  times >"$TIMES_FILE"; cpu=$(( $(children_cpu) - cpu_before ))
   execs=0; cov=0; ft=0
   for j in $(seq 1 "$JOBS"); do
     log=${logs[$j]}
@@ -118,15 +128,16 @@ for t in $(targets_of "$1"); do
 One line per run of `scripts/fuzz.sh` (appended by it): wall seconds per job, jobs (processes,
 one core each), executions summed over the jobs, libFuzzer's final `cov:` (code edges) and
 `ft:` (features) — the largest of the jobs —, new crashes / timeouts (> 10 s) / out-of-memory
-(> 2 GB) artifacts, inputs in the working corpus, sanitizer and commit. CPU time of a run =
-seconds × jobs; `scripts/fuzz.sh --totals` sums them per target. `cov`/`ft` compare only
+(> 2 GB) artifacts, inputs in the working corpus, sanitizer, commit and CPU time of a run:
+the measured user + system CPU seconds of its jobs (last column; rows from before it was
+measured count seconds × jobs); `scripts/fuzz.sh --totals` sums them per target. `cov`/`ft` compare only
 between runs of the same sanitizer (AddressSanitizer's build counts more edges).
 
-| date (UTC) | target | seconds | jobs | executions | cov | ft | crash/timeout/oom | work corpus | sanitizer | commit |
-|---|---|---|---|---|---|---|---|---|---|---|
+| date (UTC) | target | seconds | jobs | executions | cov | ft | crash/timeout/oom | work corpus | sanitizer | commit | CPU s |
+|---|---|---|---|---|---|---|---|---|---|---|---|
 EOF
-  echo "| $stamp | $t | $SECONDS_EACH | $JOBS | $execs | $cov | $ft | $n_crash/$n_timeout/$n_oom | $corp | $SANITIZER | $commit |" >>"$LEDGER"
-  echo "   executions $execs, cov $cov, ft $ft, crash/timeout/oom $n_crash/$n_timeout/$n_oom (logs: fuzz/logs/)" >&2
+  echo "| $stamp | $t | $SECONDS_EACH | $JOBS | $execs | $cov | $ft | $n_crash/$n_timeout/$n_oom | $corp | $SANITIZER | $commit | $cpu |" >>"$LEDGER"
+  echo "   CPU $cpu s, executions $execs, cov $cov, ft $ft, crash/timeout/oom $n_crash/$n_timeout/$n_oom (logs: fuzz/logs/)" >&2
   if [ -n "$new" ]; then
     failed=1
     for a in $new; do echo "   NEW ARTIFACT: fuzz/artifacts/$t/$a" >&2; done
