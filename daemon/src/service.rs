@@ -373,13 +373,17 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
         let _ = writeln!(out, "  uid {uid}: {n}");
     }
     let _ = writeln!(out, "\nMEMORY");
-    let rss = process_rss_bytes().unwrap_or(0);
+    let rss = crate::residency::process_rss_bytes();
     let accounted = shared.residency.baseline_rss + st.weightBytes.max(0) as u64 + st.kvCacheBytes.max(0) as u64;
     let _ = writeln!(out, "  weights_bytes {}", st.weightBytes);
     let _ = writeln!(out, "  kv_cache_bytes {}", st.kvCacheBytes);
     let _ = writeln!(out, "  daemon_baseline_bytes {}", shared.residency.baseline_rss);
     let _ = writeln!(out, "  accounted_bytes {accounted}");
     let _ = writeln!(out, "  process_rss_bytes {rss}");
+    // For long-running checks from outside (`llmctl bench --soak`): which process answered,
+    // and its open file descriptors (connections, model maps, spill files, logs).
+    let _ = writeln!(out, "  process_pid {}", std::process::id());
+    let _ = writeln!(out, "  process_open_fds {}", open_fds().map_or("-".to_string(), |n| n.to_string()));
     let ps = pressure.state();
     let _ = writeln!(
         out,
@@ -397,8 +401,7 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
     out
 }
 
-fn process_rss_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb: u64 = s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+/// The process's open file descriptors, less the one that reading the directory holds.
+fn open_fds() -> Option<usize> {
+    Some(std::fs::read_dir("/proc/self/fd").ok()?.count().saturating_sub(1))
 }

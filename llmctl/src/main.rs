@@ -62,6 +62,16 @@ fn main() -> ExitCode {
         Command::Bench(args) if args.load && args.batch > 0 => {
             Err("--batch measures the engine inside llmctl: use it with --local (--load has --clients)".into())
         }
+        Command::Bench(args) if args.soak.is_some() && (args.batch > 0 || args.compare_llamacpp) => {
+            Err("--soak runs against a daemon: --batch and --compare-llamacpp belong to --local".into())
+        }
+        Command::Bench(args) if args.soak.is_some() => bench::soak::run(
+            cli.socket.as_deref(),
+            &cli.service,
+            &args.load_args,
+            &bench::soak::SoakArgs { minutes: args.soak.unwrap_or_default(), max_rss_drift_pct: args.max_rss_drift },
+            args.json,
+        ),
         Command::Bench(args) if args.load => {
             bench::load::run(cli.socket.as_deref(), &cli.service, &args.load_args, args.decode_tokens, args.json)
         }

@@ -227,6 +227,37 @@ fn the_load_benchmark_accounts_for_every_request() {
     }
 }
 
+/// A soak this short is mostly warm-up (the first long prompts, sessions' KV caches, allocator
+/// arenas), so its RSS drift says nothing; the 30-minute soak (`docs/RELIABILITY.md`) checks it
+/// with the default 5%.
+const SHORT_SOAK_RSS_DRIFT_PCT: &str = "1000";
+
+#[test]
+fn a_short_soak_answers_every_request_exactly_once_and_lets_go_of_everything() {
+    let d = Daemon::start("[limits]\nmax_requests_per_uid = 16\nmax_sessions_per_uid = 24\n");
+    let o = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["--socket", d.socket.to_str().expect("path"), "bench", "--json", "--clients", "4"])
+        .args(["--soak", "0.5", "--max-rss-drift", SHORT_SOAK_RSS_DRIFT_PCT])
+        .stdin(Stdio::null())
+        .output()
+        .expect("llmctl runs");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("one JSON object ({e}); stderr: {}", String::from_utf8_lossy(&o.stderr)));
+    assert!(o.status.success() && v["passed"] == true, "{v}");
+    assert_eq!((v["lost"].as_u64(), v["duplicated"].as_u64(), v["crashed"].as_bool()), (Some(0), Some(0), Some(false)));
+    // Every kind of step happened, and the answers were the ones each asks for.
+    for action in ["short", "chat", "long", "cancel", "invalid", "churn", "reconnect", "kill"] {
+        assert!(v["actions"][action].as_u64().is_some_and(|n| n > 0), "no {action} step: {v}");
+    }
+    let codes = v["by_code"].as_object().expect("answers by code");
+    assert!(codes.keys().all(|c| ["OK", "CANCELLED", "INVALID_ARGUMENT"].contains(&c.as_str())), "{codes:?}");
+    assert_eq!(codes.get("INVALID_ARGUMENT").and_then(|n| n.as_u64()), v["actions"]["invalid"].as_u64());
+    assert!(v["killed_mid_stream"].as_u64().is_some_and(|n| n > 0), "{v}");
+    // Everything the clients held is let go: sessions and descriptors back to the start.
+    assert_eq!(v["sessions_after"], v["sessions_before"], "{v}");
+    assert!(v["fds_after"].as_u64() <= v["fds_before"].as_u64(), "{v}");
+}
+
 #[test]
 fn status_models_and_run_into_a_closed_pipe_end_quietly_as_sigpipe_would() {
     // `llmctl status | head -1`: the reader goes away before llmctl writes.

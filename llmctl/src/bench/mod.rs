@@ -1,10 +1,12 @@
 //! `llmctl bench`: its options and what its parts share (the prompt text, the llama.cpp
 //! worker). The parts import from here and never the reverse: `local` (`--local`, which hands
-//! `--cold` to `cold`), `cold` (`--local --cold`) and `load` (`--load`, against a running daemon).
+//! `--cold` to `cold`), `cold` (`--local --cold`), `load` (`--load`, against a running daemon)
+//! and `soak` (`--soak MINUTES`, against a running daemon).
 
 pub mod cold;
 pub mod load;
 pub mod local;
+pub mod soak;
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -40,6 +42,18 @@ pub struct BenchArgs {
     pub load: bool,
     #[command(flatten)]
     pub load_args: LoadArgs,
+    /// Soak test of a running daemon (over --socket or kernel Binder) for this many minutes:
+    /// --clients clients with short and long prompts, chat, cancels, refused requests, session
+    /// churn, reconnects and killed clients; prints requests answered, answers by code,
+    /// latencies, and the daemon's RSS and descriptors over time, and fails unless there was no
+    /// crash, every request was answered exactly once, RSS did not drift and descriptors
+    /// stayed flat. Needs an admin uid (it reads the daemon's dump).
+    #[arg(long, value_name = "MINUTES", conflicts_with_all = ["local", "load"])]
+    pub soak: Option<f64>,
+    /// With --soak: the most RSS may grow, in percent, from the minute ending at a sixth of the
+    /// run to the last minute.
+    #[arg(long, value_name = "PCT", default_value_t = 5.0, requires = "soak")]
+    pub max_rss_drift: f64,
     /// CPU threads for both engines (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -96,7 +110,7 @@ pub struct BenchArgs {
 /// The options of `llmctl bench --load` (`load`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoadArgs {
-    /// Concurrent clients in the batched and mixed phases.
+    /// Concurrent clients in the batched and mixed phases (--load), or in all (--soak).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(2..=64))]
     pub clients: u64,
     /// Of those, how many send foreground requests in the mixed phase.
