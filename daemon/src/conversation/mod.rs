@@ -161,6 +161,7 @@ impl SessionCore {
             }
         }
         inner.kv.clear();
+        llmd_alloc_sys::note_freed();
         Some(Shed { bytes, spilled })
     }
 }
@@ -233,6 +234,10 @@ impl SessionInner {
     pub fn clear(&mut self) {
         if let Some(p) = self.spilled.take() {
             let _ = std::fs::remove_file(p);
+        }
+        if self.kv.size_bytes() > 0 {
+            // The allocator keeps the freed pages: the idle worker gives them back.
+            llmd_alloc_sys::note_freed();
         }
         self.kv.clear();
         self.tokens.clear();
