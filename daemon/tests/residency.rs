@@ -420,6 +420,42 @@ fn a_failed_spill_is_a_drop_and_stale_spills_are_removed_at_start() {
 /// ms, faster than the daemon sheds and reloads) while a request streams and a conversation
 /// sits idle: every request served through a storm streams the tokens it streams in calm, the
 /// model comes back after each storm, and the idle conversation continues where it was.
+/// A disk that fills during a spill: every spill's temporary file is `/dev/full` (a symlink
+/// in its place), whose writes fail with ENOSPC as a full file system's do. The spill becomes
+/// a drop: nothing is left in the spill folder, the event says "dropped", and the conversation
+/// goes on (recomputed).
+#[test]
+fn a_disk_full_during_a_spill_leaves_nothing_behind_and_the_conversation_goes_on() {
+    let _one = lock();
+    let dir = Dir::new("spillfull");
+    let d = Daemon::start(&dir, "prefetch_predicted = false");
+    let kv = dir.0.join("state/kv");
+    std::fs::create_dir_all(&kv).expect("kv dir");
+    for id in 1..=256 {
+        std::os::unix::fs::symlink("/dev/full", kv.join(format!("session-{id}.kv.tmp"))).expect("symlink");
+    }
+    let conn = d.connect();
+    let s = session(&conn, "a");
+    let first = run(&s, &chat("My name is Ada.", 8));
+    assert!(!first.is_empty());
+    dir.pressure(60.0);
+    let dump = d.wait_for("the drop", |s| s.contains("spilled 0, dropped 1 KV caches"));
+    assert!(dump.contains("kv_tokens 0"), "{dump}");
+    dir.pressure(0.0);
+    d.wait_for("the end of pressure", |s| s.contains("memory pressure ended"));
+    // Nothing but the untouched symlinks is left: no spill file, no partial one.
+    let left: Vec<String> = std::fs::read_dir(&kv)
+        .expect("kv dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !(n.ends_with(".kv.tmp") && std::fs::read_link(kv.join(n)).is_ok()))
+        .collect();
+    assert!(left.is_empty(), "left in the spill folder: {left:?}");
+    assert_eq!(std::fs::read_dir(&kv).expect("kv dir").count(), 255, "the failed spill's temporary file was removed");
+    let second = run(&s, &chat("What is my name?", 8));
+    assert!(!second.is_empty(), "the conversation continues after a failed spill");
+}
+
 #[test]
 fn repeated_pressure_storms_lose_no_request_and_no_conversation() {
     let _one = lock();

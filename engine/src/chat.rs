@@ -1,5 +1,16 @@
 //! Chat templates: the model's own Jinja template (GGUF `tokenizer.chat_template` or HF
 //! `tokenizer_config.json`), rendered with minijinja, or a built-in ChatML / Llama-3 template.
+//!
+//! A model file's template is a program from a file llmd does not control. minijinja bounds
+//! its instructions ([`RENDER_FUEL`]) and this module its output ([`render_limit`]), but not
+//! the memory of its values: a string doubled in a loop reaches terabytes in forty
+//! instructions, and a filter such as `center(10**12)` asks for it in one. So a binary that
+//! serves model files (llmd, llmctl) sets a [`Sandbox`]: every template that is not one of the
+//! built-ins is then rendered in a child process of its own ([`sandbox_child_main`]) limited to
+//! [`SANDBOX_MEMORY`] bytes of address space beyond its start and [`SANDBOX_CPU_S`] seconds of
+//! CPU. A template that goes past them kills only that child, and the request gets
+//! [`ChatTemplateError::Sandbox`]. Without a sandbox set (tests, the fuzz targets, library
+//! users) templates render in the calling process.
 
 use crate::error::ChatTemplateError;
 use serde::{Deserialize, Serialize};
@@ -66,6 +77,138 @@ impl std::io::Write for Capped {
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     pub source: String,
+    /// One of the built-in templates (rendered in-process even with a sandbox set).
+    builtin: bool,
+}
+
+/// How model files' templates are rendered out of process: `program` with `args` runs
+/// [`sandbox_child_main`] (llmd and llmctl: their own executable with a hidden argument).
+#[derive(Clone, Debug)]
+pub struct Sandbox {
+    pub program: std::path::PathBuf,
+    pub args: Vec<String>,
+}
+
+static SANDBOX: std::sync::OnceLock<Sandbox> = std::sync::OnceLock::new();
+
+/// Renders every non-built-in template in `sandbox` from now on, for the life of the process.
+/// False if one was set already.
+pub fn set_sandbox(sandbox: Sandbox) -> bool {
+    SANDBOX.set(sandbox).is_ok()
+}
+
+/// Address space the sandbox process may take beyond what it holds when it starts (its own
+/// executable and libraries): real templates need well under a megabyte for any conversation a
+/// request can carry (256 KiB of messages, rendered at most three times over).
+pub const SANDBOX_MEMORY: u64 = 512 << 20;
+/// CPU seconds the sandbox process may use; fuel ends a looping template within about one.
+pub const SANDBOX_CPU_S: u64 = 10;
+
+/// What the parent sends the sandbox process (JSON on its standard input).
+#[derive(Serialize, Deserialize)]
+struct RenderJob {
+    source: String,
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// What the sandbox process answers (JSON on its standard output).
+#[derive(Serialize, Deserialize)]
+enum RenderReply {
+    Text(String),
+    Compile(String),
+    Render(String),
+    OutOfFuel(u64),
+    TooLong(usize),
+}
+
+/// The sandbox process's side: reads a [`RenderJob`] from standard input, limits itself,
+/// renders, writes the [`RenderReply`] to standard output. Returns the exit status (0 when it
+/// answered, even with a template error; 2 for a malformed job; 3 if the limits cannot be set,
+/// so nothing is rendered unbounded).
+pub fn sandbox_child_main() -> i32 {
+    use std::io::{Read, Write};
+    let start = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmSize:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(64 << 20, |kb| kb * 1024);
+    if let Err(e) = llmd_alloc_sys::limit_process(start + SANDBOX_MEMORY, SANDBOX_CPU_S) {
+        eprintln!("chat template sandbox: cannot limit itself: {e}");
+        return 3;
+    }
+    let mut input = String::new();
+    if std::io::stdin().read_to_string(&mut input).is_err() {
+        return 2;
+    }
+    let Ok(job) = serde_json::from_str::<RenderJob>(&input) else { return 2 };
+    let reply = match ChatTemplate::compile(&job.source, false) {
+        Err(ChatTemplateError::Compile(e)) => RenderReply::Compile(e),
+        Err(e) => RenderReply::Render(e.to_string()),
+        Ok(t) => match t.render_here(&job.messages, job.add_generation_prompt, &job.bos_token, &job.eos_token) {
+            Ok(text) => RenderReply::Text(text),
+            Err(ChatTemplateError::OutOfFuel { fuel }) => RenderReply::OutOfFuel(fuel),
+            Err(ChatTemplateError::TooLong { limit }) => RenderReply::TooLong(limit),
+            Err(ChatTemplateError::Compile(e)) => RenderReply::Compile(e),
+            Err(e) => RenderReply::Render(e.to_string()),
+        },
+    };
+    let Ok(out) = serde_json::to_vec(&reply) else { return 2 };
+    let mut stdout = std::io::stdout().lock();
+    if stdout.write_all(&out).and_then(|()| stdout.flush()).is_err() {
+        return 2;
+    }
+    0
+}
+
+/// Renders `job` in a `sandbox` process (see the module doc).
+fn render_in(sandbox: &Sandbox, job: &RenderJob, limit: usize) -> Result<String, ChatTemplateError> {
+    use std::io::{Read, Write};
+    let fail = |what: String| ChatTemplateError::Sandbox(what);
+    let input = serde_json::to_vec(job).map_err(|e| fail(format!("encoding the job: {e}")))?;
+    let mut child = std::process::Command::new(&sandbox.program)
+        .args(&sandbox.args)
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| fail(format!("cannot start {}: {e}", sandbox.program.display())))?;
+    // The child reads all of its input before it writes, so writing first cannot deadlock. A
+    // child that died early makes this write fail; its status says why.
+    let wrote = child.stdin.take().map(|mut i| i.write_all(&input));
+    let mut out = Vec::new();
+    // An answer longer than the longest rendering allowed (plus its JSON escaping) is not read.
+    let read = child.stdout.take().map(|o| o.take(limit as u64 * 6 + 4096).read_to_end(&mut out));
+    let status = child.wait().map_err(|e| fail(format!("waiting for it: {e}")))?;
+    if !status.success() {
+        use std::os::unix::process::ExitStatusExt;
+        return Err(fail(match (status.signal(), status.code()) {
+            (Some(sig), _) => format!(
+                "stopped by signal {sig}: the template went past {} MB of memory or {SANDBOX_CPU_S} s of CPU",
+                SANDBOX_MEMORY >> 20
+            ),
+            (None, Some(3)) => "it could not limit its memory".into(),
+            (None, code) => format!("it exited with status {}", code.unwrap_or(-1)),
+        }));
+    }
+    if let Some(Err(e)) = wrote {
+        return Err(fail(format!("sending the job: {e}")));
+    }
+    if let Some(Err(e)) = read {
+        return Err(fail(format!("reading the answer: {e}")));
+    }
+    match serde_json::from_slice::<RenderReply>(&out) {
+        Ok(RenderReply::Text(t)) if t.len() <= limit => Ok(t),
+        Ok(RenderReply::Text(_)) | Ok(RenderReply::TooLong(_)) => Err(ChatTemplateError::TooLong { limit }),
+        Ok(RenderReply::Compile(e)) => Err(ChatTemplateError::Compile(e)),
+        Ok(RenderReply::Render(e)) => Err(ChatTemplateError::Render(e)),
+        Ok(RenderReply::OutOfFuel(fuel)) => Err(ChatTemplateError::OutOfFuel { fuel }),
+        Err(e) => Err(fail(format!("an unreadable answer: {e}"))),
+    }
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -142,8 +285,13 @@ fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
 }
 
 impl ChatTemplate {
-    /// Compiles a Jinja template in the dialect HF chat templates use.
+    /// Compiles a Jinja template in the dialect HF chat templates use (a model file's: rendered
+    /// in the [`Sandbox`] when one is set, unless it is a built-in template's exact text).
     pub fn new(source: &str) -> Result<Self, ChatTemplateError> {
+        Self::compile(source, source == CHATML || source == LLAMA3)
+    }
+
+    fn compile(source: &str, builtin: bool) -> Result<Self, ChatTemplateError> {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -151,20 +299,59 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned("chat", source.to_owned()).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
-        Ok(Self { env, source: source.to_owned() })
+        Ok(Self { env, source: source.to_owned(), builtin })
     }
 
     /// A built-in template by name: `chatml` or `llama3`.
     pub fn builtin(name: &str) -> Option<Self> {
         match name {
-            "chatml" => Self::new(CHATML).ok(),
-            "llama3" => Self::new(LLAMA3).ok(),
+            "chatml" => Self::compile(CHATML, true).ok(),
+            "llama3" => Self::compile(LLAMA3, true).ok(),
             _ => None,
         }
     }
 
+    /// Whether [`Self::render`] runs in the sandbox process (a model's own template, with a
+    /// [`Sandbox`] set).
+    pub fn sandboxed(&self) -> bool {
+        !self.builtin && SANDBOX.get().is_some()
+    }
+
     /// Renders a conversation, ending with the assistant's turn opened when `add_generation_prompt`.
     pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String, ChatTemplateError> {
+        match SANDBOX.get() {
+            Some(sandbox) if !self.builtin => self.render_sandboxed(sandbox, messages, add_generation_prompt, bos_token, eos_token),
+            _ => self.render_here(messages, add_generation_prompt, bos_token, eos_token),
+        }
+    }
+
+    /// [`Self::render`] in `sandbox`'s process, whatever the template (tests of the sandbox).
+    pub fn render_sandboxed(
+        &self,
+        sandbox: &Sandbox,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String, ChatTemplateError> {
+        let job = RenderJob {
+            source: self.source.clone(),
+            messages: messages.to_vec(),
+            add_generation_prompt,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+        };
+        render_in(sandbox, &job, render_limit(messages))
+    }
+
+    /// [`Self::render`] in this process.
+    pub fn render_here(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,

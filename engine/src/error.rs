@@ -101,6 +101,10 @@ pub enum ChatTemplateError {
     /// The rendering grew longer than the conversation can justify.
     #[error("chat template's rendering exceeds {limit} bytes")]
     TooLong { limit: usize },
+    /// The model's template was rendered in its sandbox process, and that failed or was
+    /// stopped (its memory or CPU limit).
+    #[error("chat template's rendering failed in its sandbox: {0}")]
+    Sandbox(String),
 }
 
 /// Generation parameters or the generation itself failed.

@@ -47,7 +47,19 @@ enum Command {
     Perplexity(modeltools::PerplexityArgs),
 }
 
+/// The hidden first argument that makes this process the chat-template sandbox
+/// (`llmd_engine::chat::sandbox_child_main`), started by llmctl itself for local runs.
+const RENDER_CHAT_TEMPLATE: &str = "--render-chat-template";
+
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).is_some_and(|a| a == RENDER_CHAT_TEMPLATE) {
+        return ExitCode::from(llmd_engine::chat::sandbox_child_main().clamp(0, 255) as u8);
+    }
+    // With --local, a model file's chat template renders in a child llmctl with bounded memory
+    // and CPU, as in llmd. Without its own path (rare), it renders in-process.
+    if let Ok(program) = std::env::current_exe() {
+        llmd_engine::chat::set_sandbox(llmd_engine::chat::Sandbox { program, args: vec![RENDER_CHAT_TEMPLATE.into()] });
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("LLMD_LOG"))

@@ -58,6 +58,7 @@ expect_allow llmd gpu_device chr_file write
 expect_allow llmd llmd_npu_device chr_file write
 expect_allow llmd dmabuf_system_heap_device chr_file read
 expect_allow init llmd_exec file execute
+expect_allow llmd llmd_exec file execute_no_trans
 if [[ "$(sesearch -T -s init -t llmd_exec -c process "$P" 2>/dev/null || true)" == *"llmd;"* ]]; then ok "init starts llmd in its domain"; else bad "no init -> llmd transition"; fi
 
 # The neverallows are live: each of these rules must make compilation fail.

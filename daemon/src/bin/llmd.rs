@@ -219,7 +219,27 @@ fn check_budget(
     Ok(())
 }
 
+/// The hidden first argument that makes this process the chat-template sandbox
+/// (`llmd_engine::chat::sandbox_child_main`), started by llmd itself.
+const RENDER_CHAT_TEMPLATE: &str = "--render-chat-template";
+
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).is_some_and(|a| a == RENDER_CHAT_TEMPLATE) {
+        return ExitCode::from(llmd_engine::chat::sandbox_child_main().clamp(0, 255) as u8);
+    }
+    // Model files' chat templates render in a child llmd with bounded memory and CPU.
+    match std::env::current_exe() {
+        Ok(program) => {
+            llmd_engine::chat::set_sandbox(llmd_engine::chat::Sandbox {
+                program,
+                args: vec![RENDER_CHAT_TEMPLATE.into()],
+            });
+        }
+        Err(e) => {
+            eprintln!("llmd: error: cannot find its own executable for the chat-template sandbox: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("LLMD_LOG").unwrap_or_else(|_| "info".into()))

@@ -12,6 +12,8 @@
 //! [`map_readonly`] maps a model file (the one `unsafe` call the engine needs for it).
 //!
 //! [`request_tile_data`] asks the kernel for the AMX tile state the x86 prompt kernels use.
+//!
+//! [`limit_process`] bounds a child process's memory and CPU (the chat-template sandbox).
 
 mod arena;
 mod sigbus;
@@ -21,6 +23,34 @@ pub use sigbus::{guard_map, MapGuard};
 /// Returns free allocator memory to the OS; true if the allocator says it released some.
 pub fn release_free_memory() -> bool {
     imp::release()
+}
+
+/// Limits this process to `address_space` bytes of virtual memory and `cpu_seconds` of CPU
+/// (`setrlimit` `RLIMIT_AS` and `RLIMIT_CPU`, soft and hard alike, so they cannot be raised
+/// again). Past the first, allocations fail (Rust aborts the process); past the second, the
+/// kernel kills it. For a child process that runs untrusted work (a model file's chat template).
+pub fn limit_process(address_space: u64, cpu_seconds: u64) -> std::io::Result<()> {
+    #[repr(C)]
+    struct RLimit {
+        cur: std::ffi::c_ulong,
+        max: std::ffi::c_ulong,
+    }
+    extern "C" {
+        fn setrlimit(resource: std::ffi::c_int, rlim: *const RLimit) -> std::ffi::c_int;
+    }
+    // The same on every Linux architecture llmd targets (asm-generic and x86).
+    const RLIMIT_CPU: std::ffi::c_int = 0;
+    const RLIMIT_AS: std::ffi::c_int = 9;
+    for (resource, value) in [(RLIMIT_AS, address_space), (RLIMIT_CPU, cpu_seconds)] {
+        let v = std::ffi::c_ulong::try_from(value).unwrap_or(std::ffi::c_ulong::MAX);
+        let lim = RLimit { cur: v, max: v };
+        // SAFETY: `lim` is a valid, initialised rlimit that outlives the call; setrlimit only
+        // reads it.
+        if unsafe { setrlimit(resource, &lim) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// Whether a large block was freed since the last [`release_if_freed`].
