@@ -23,7 +23,9 @@ const SANDBOX_WALL: Duration = Duration::from_secs(15);
 fn rss_kb() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse().ok()))
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
         .unwrap_or(0)
 }
 
@@ -39,8 +41,12 @@ fn real_templates_render_the_same_in_the_sandbox_as_in_process() {
         assert_eq!(here, there);
     }
     // Template errors come back as the same errors.
-    let looping = ChatTemplate::new("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}").expect("compiles");
-    assert!(matches!(looping.render_sandboxed(&sandbox(), &chat(), true, "", ""), Err(ChatTemplateError::OutOfFuel { .. })));
+    let looping = ChatTemplate::new("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}")
+        .expect("compiles");
+    assert!(matches!(
+        looping.render_sandboxed(&sandbox(), &chat(), true, "", ""),
+        Err(ChatTemplateError::OutOfFuel { .. })
+    ));
     let raising = ChatTemplate::new("{{ raise_exception('no system messages') }}").expect("compiles");
     match raising.render_sandboxed(&sandbox(), &chat(), true, "", "") {
         Err(ChatTemplateError::Render(m)) => assert!(m.contains("no system messages"), "{m}"),

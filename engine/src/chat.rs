@@ -4,13 +4,17 @@
 //! A model file's template is a program from a file llmd does not control. minijinja bounds
 //! its instructions ([`RENDER_FUEL`]) and this module its output ([`render_limit`]), but not
 //! the memory of its values: a string doubled in a loop reaches terabytes in forty
-//! instructions, and a filter such as `center(10**12)` asks for it in one. So a binary that
+//! instructions, and a filter such as `indent(10**12)` asks for it in one. So a binary that
 //! serves model files (llmd, llmctl) sets a [`Sandbox`]: every template that is not one of the
 //! built-ins is then rendered in a child process of its own ([`sandbox_child_main`]) limited to
 //! [`SANDBOX_MEMORY`] bytes of address space beyond its start and [`SANDBOX_CPU_S`] seconds of
 //! CPU. A template that goes past them kills only that child, and the request gets
 //! [`ChatTemplateError::Sandbox`]. Without a sandbox set (tests, the fuzz targets, library
 //! users) templates render in the calling process.
+//!
+//! Cost: a child per rendering, 2–6 ms here (spawn, exec, compile), paid on the daemon's engine
+//! worker when a chat turn starts (where the conversation is rendered and tokenized), so it
+//! delays the other streams by about one decode step.
 
 use crate::error::ChatTemplateError;
 use serde::{Deserialize, Serialize};
@@ -311,12 +315,6 @@ impl ChatTemplate {
         }
     }
 
-    /// Whether [`Self::render`] runs in the sandbox process (a model's own template, with a
-    /// [`Sandbox`] set).
-    pub fn sandboxed(&self) -> bool {
-        !self.builtin && SANDBOX.get().is_some()
-    }
-
     /// Renders a conversation, ending with the assistant's turn opened when `add_generation_prompt`.
     pub fn render(
         &self,
@@ -326,7 +324,9 @@ impl ChatTemplate {
         eos_token: &str,
     ) -> Result<String, ChatTemplateError> {
         match SANDBOX.get() {
-            Some(sandbox) if !self.builtin => self.render_sandboxed(sandbox, messages, add_generation_prompt, bos_token, eos_token),
+            Some(sandbox) if !self.builtin => {
+                self.render_sandboxed(sandbox, messages, add_generation_prompt, bos_token, eos_token)
+            }
             _ => self.render_here(messages, add_generation_prompt, bos_token, eos_token),
         }
     }

@@ -252,6 +252,7 @@ fn a_short_soak_answers_every_request_exactly_once_and_lets_go_of_everything() {
     let codes = v["by_code"].as_object().expect("answers by code");
     assert!(codes.keys().all(|c| ["OK", "CANCELLED", "INVALID_ARGUMENT"].contains(&c.as_str())), "{codes:?}");
     assert_eq!(codes.get("INVALID_ARGUMENT").and_then(|n| n.as_u64()), v["actions"]["invalid"].as_u64());
+    assert_eq!(v["unexpected"].as_u64(), Some(0), "{v}");
     assert!(v["killed_mid_stream"].as_u64().is_some_and(|n| n > 0), "{v}");
     // Everything the clients held is let go: sessions and descriptors back to the start.
     assert_eq!(v["sessions_after"], v["sessions_before"], "{v}");

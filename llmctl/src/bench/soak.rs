@@ -131,6 +131,18 @@ struct Record {
     outcome: String,
 }
 
+impl Record {
+    /// Whether the answer is the one its kind asks for: a cancelled request ends CANCELLED (or
+    /// OK, if it finished first), a request without a prompt INVALID_ARGUMENT, the rest OK.
+    fn expected(&self) -> bool {
+        match self.action {
+            Action::Cancel => self.outcome == "CANCELLED" || self.outcome == "OK",
+            Action::Invalid => self.outcome == "INVALID_ARGUMENT",
+            _ => self.outcome == "OK",
+        }
+    }
+}
+
 /// One look at the daemon.
 #[derive(Clone, Debug, Default)]
 struct Sample {
@@ -493,7 +505,8 @@ pub fn run(
     if !(soak.minutes.is_finite() && soak.minutes > 0.0) {
         return Err(format!("--soak takes a positive number of minutes, not {}", soak.minutes));
     }
-    let target = Target { socket: socket.map(Path::to_path_buf), service: service.to_owned(), model: load.model.clone() };
+    let target =
+        Target { socket: socket.map(Path::to_path_buf), service: service.to_owned(), model: load.model.clone() };
     let duration = Duration::from_secs_f64(soak.minutes * 60.0);
     // About 20 samples a minute in a 30-minute soak, so each minute's median RSS is steady.
     let every = Duration::from_secs_f64((duration.as_secs_f64() / 600.0).clamp(1.0, 5.0));
@@ -613,6 +626,7 @@ pub fn run(
         }
         killed_mid_stream += r.killed_mid_stream;
     }
+    let unexpected = records.iter().filter(|r| !r.expected()).count();
     let mut by_code: BTreeMap<&str, usize> = BTreeMap::new();
     for r in &records {
         *by_code.entry(r.outcome.as_str()).or_default() += 1;
@@ -632,7 +646,7 @@ pub fn run(
             let (a, b) = (m as f64 * 60.0, if m + 1 == minutes { f64::INFINITY } else { (m + 1) as f64 * 60.0 });
             let ss = window(a, b);
             let ended = records.iter().filter(|r| r.at_s > a && r.at_s <= b).count();
-            let errors = records.iter().filter(|r| r.at_s > a && r.at_s <= b && r.outcome != "OK").count();
+            let errors = records.iter().filter(|r| r.at_s > a && r.at_s <= b && !r.expected()).count();
             (
                 m + 1,
                 ended,
@@ -652,7 +666,7 @@ pub fn run(
                 "minutes": soak.minutes, "ran_s": ran_s, "clients": load.clients, "pid": pid,
                 "requests": records.len(), "lost": lost, "duplicated": duplicated,
                 "crashed": crashed, "unanswered_samples": unanswered_samples, "pids": pids,
-                "by_code": by_code,
+                "by_code": by_code, "unexpected": unexpected,
                 "actions": counts.iter().map(|(a, n)| (a.name(), *n)).collect::<BTreeMap<_, _>>(),
                 "killed_mid_stream": killed_mid_stream,
                 "latency_ms": kinds.iter().map(|&a| {
@@ -671,17 +685,33 @@ pub fn run(
             })
         );
     } else {
-        crate::out!("{:>6} {:>9} {:>7} {:>9} {:>6} {:>9}", "minute", "requests", "errors", "RSS MB", "fds", "sessions");
+        crate::out!(
+            "{:>6} {:>9} {:>10} {:>9} {:>6} {:>9}",
+            "minute",
+            "requests",
+            "unexpected",
+            "RSS MB",
+            "fds",
+            "sessions"
+        );
         for (m, n, e, rss, fds, ses) in &per_minute {
             crate::out!(
-                "{m:>6} {n:>9} {e:>7} {:>9} {:>6} {:>9}",
+                "{m:>6} {n:>9} {e:>10} {:>9} {:>6} {:>9}",
                 rss.map_or("-".into(), |r| format!("{:.1}", r as f64 / 1e6)),
                 fds.map_or("-".into(), |f| f.to_string()),
                 ses.map_or("-".into(), |s| s.to_string())
             );
         }
         crate::out!();
-        crate::out!("{:<10} {:>7} {:>10} {:>10} {:>10} {:>10}", "kind", "ended", "TTFT p50", "TTFT p99", "total p50", "total p99");
+        crate::out!(
+            "{:<10} {:>7} {:>10} {:>10} {:>10} {:>10}",
+            "kind",
+            "ended",
+            "TTFT p50",
+            "TTFT p99",
+            "total p50",
+            "total p99"
+        );
         for a in kinds {
             let (t, d) = lat(a);
             let n = records.iter().filter(|r| r.action == a).count();
@@ -696,7 +726,7 @@ pub fn run(
         }
         crate::out!("(latencies in ms, of requests that completed; a cancelled request ends CANCELLED)");
         crate::out!(
-            "answers by code: {}",
+            "answers by code: {}; {unexpected} not the kind's own (a cancel ends CANCELLED or OK, a request without a prompt INVALID_ARGUMENT, the rest OK)",
             by_code.iter().map(|(c, n)| format!("{c} {n}")).collect::<Vec<_>>().join(", ")
         );
         crate::out!(
