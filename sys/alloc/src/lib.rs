@@ -30,23 +30,13 @@ pub fn release_free_memory() -> bool {
 /// again). Past the first, allocations fail (Rust aborts the process); past the second, the
 /// kernel kills it. For a child process that runs untrusted work (a model file's chat template).
 pub fn limit_process(address_space: u64, cpu_seconds: u64) -> std::io::Result<()> {
-    #[repr(C)]
-    struct RLimit {
-        cur: std::ffi::c_ulong,
-        max: std::ffi::c_ulong,
-    }
-    extern "C" {
-        fn setrlimit(resource: std::ffi::c_int, rlim: *const RLimit) -> std::ffi::c_int;
-    }
-    // The same on every Linux architecture llmd targets (asm-generic and x86).
-    const RLIMIT_CPU: std::ffi::c_int = 0;
-    const RLIMIT_AS: std::ffi::c_int = 9;
-    for (resource, value) in [(RLIMIT_AS, address_space), (RLIMIT_CPU, cpu_seconds)] {
-        let v = std::ffi::c_ulong::try_from(value).unwrap_or(std::ffi::c_ulong::MAX);
-        let lim = RLimit { cur: v, max: v };
+    for (resource, value) in [(libc::RLIMIT_AS, address_space), (libc::RLIMIT_CPU, cpu_seconds)] {
+        // A value past rlim_t (32-bit targets) is the largest finite limit, never "unlimited".
+        let v = libc::rlim_t::try_from(value).unwrap_or(libc::RLIM_INFINITY - 1);
+        let lim = libc::rlimit { rlim_cur: v, rlim_max: v };
         // SAFETY: `lim` is a valid, initialised rlimit that outlives the call; setrlimit only
         // reads it.
-        if unsafe { setrlimit(resource, &lim) } != 0 {
+        if unsafe { libc::setrlimit(resource, &lim) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
     }
