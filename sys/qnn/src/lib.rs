@@ -14,8 +14,11 @@
 //!
 //! All `unsafe` of the NPU path lives in this crate, each block with its `// SAFETY:`.
 
-use std::ffi::{c_char, CStr};
+use std::ffi::{c_char, c_void, CStr};
 use std::path::Path;
+
+pub mod types;
+pub use types::*;
 
 /// `Qnn_ErrorHandle_t`: 0 is success; the low 16 bits are the error code.
 pub type ErrorHandle = u64;
@@ -62,6 +65,21 @@ const _: () = assert!(std::mem::size_of::<InterfaceHead>() == 40);
 
 /// `QnnInterface_getProviders(const QnnInterface_t*** providerList, uint32_t* numProviders)`.
 type GetProviders = unsafe extern "C" fn(*mut *mut *const InterfaceHead, *mut u32) -> ErrorHandle;
+
+/// The oldest core API whose function table [`FunctionTable`] declares in full (68 entries,
+/// ending `globalConfigSet`); older providers are refused rather than read past their table.
+pub const MIN_CORE_API: Version = Version { major: 2, minor: 27, patch: 0 };
+
+/// `QnnInterface_t` with the part of its function table llmd declares (the first 68 entries:
+/// later API versions only append).
+#[repr(C)]
+pub struct Interface {
+    pub head: InterfaceHead,
+    pub table: FunctionTable,
+}
+
+const _: () = assert!(std::mem::offset_of!(Interface, table) == 40);
+const _: () = assert!(std::mem::size_of::<FunctionTable>() == 68 * 8);
 
 /// What a provider says of itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,6 +151,23 @@ impl Library {
         Ok(Self { providers, _lib: lib })
     }
 
+    /// The first provider for `backend_id` whose core API is 2.x at or past [`MIN_CORE_API`],
+    /// with its function table (valid while `self` is loaded).
+    pub fn provider(&self, backend_id: u32) -> Option<&Interface> {
+        self.providers.iter().find_map(|&p| {
+            // SAFETY: `p` is a non-null record of the still-loaded library (see `open`); its
+            // head is read first, and the whole record only once its core API version says the
+            // table holds every entry `FunctionTable` declares.
+            let head = unsafe { &*p };
+            let core = head.api_version.core;
+            if head.backend_id != backend_id || core.major != MIN_CORE_API.major || core < MIN_CORE_API {
+                return None;
+            }
+            // SAFETY: as above: this provider's table holds at least the 68 entries declared.
+            Some(unsafe { &*(p as *const Interface) })
+        })
+    }
+
     /// What each provider says of itself.
     pub fn providers(&self) -> Vec<ProviderInfo> {
         self.providers
@@ -154,3 +189,12 @@ impl Library {
 
 /// `QNN_BACKEND_ID_HTP`: the Hexagon NPU backend.
 pub const BACKEND_ID_HTP: u32 = 6;
+
+/// A QNN handle (backend, device, context, graph, log, profile, signal, memory): opaque, never
+/// dereferenced (a device handle may be the value 1).
+pub type Handle = *mut c_void;
+
+/// The QNN error code of an error handle (its low 16 bits; the rest is reserved).
+pub fn error_code(e: ErrorHandle) -> u16 {
+    (e & 0xFFFF) as u16
+}
