@@ -15,6 +15,14 @@ if [ -f "$lib" ] && [ -f "$cache/.complete" ]; then
   echo "$cache/onnxruntime_qnn"
   exit 0
 fi
+# One fetch at a time (tests may ask at once); the second finds the cache whole.
+mkdir -p "$(dirname "$cache")"
+exec 9>"$cache.lock"
+flock 9
+if [ -f "$lib" ] && [ -f "$cache/.complete" ]; then
+  echo "$cache/onnxruntime_qnn"
+  exit 0
+fi
 case "$cache" in
   "$(cd "$(dirname "$0")/.." && pwd)"/*) echo "fetch-qnn: the cache must be outside the repository" >&2; exit 2 ;;
 esac

@@ -6,6 +6,11 @@ use std::path::PathBuf;
 /// Where Qualcomm's HTP library is: `LLMD_QNN_LIB`, else the cache `scripts/fetch-qnn.sh` fills
 /// (run here if it is not filled yet).
 fn htp_library() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(find_htp_library).clone()
+}
+
+fn find_htp_library() -> PathBuf {
     if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
         return p.into();
     }
