@@ -17,6 +17,7 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::path::Path;
 
+pub mod api;
 pub mod types;
 pub use types::*;
 

@@ -1,6 +1,8 @@
 //! Against Qualcomm's own HTP library built for x86-64 (`scripts/fetch-qnn.sh` fills the cache;
 //! `LLMD_QNN_LIB` names another copy).
 
+use qnn_sys::api::{Backend, Quantization, TensorSpec};
+use qnn_sys::data_type as dt;
 use std::path::PathBuf;
 
 /// Where Qualcomm's HTP library is: `LLMD_QNN_LIB`, else the cache `scripts/fetch-qnn.sh` fills
@@ -39,173 +41,94 @@ fn a_file_that_is_not_a_qnn_library_is_a_typed_error() {
     assert!(matches!(e, qnn_sys::LoadError::Open(_)), "{e}");
 }
 
-/// A QNN call's result, with the library's own message when it failed.
-fn check(t: &qnn_sys::FunctionTable, what: &str, e: qnn_sys::ErrorHandle) {
-    if e == qnn_sys::QNN_SUCCESS {
-        return;
-    }
-    let mut msg: *const std::ffi::c_char = std::ptr::null();
-    if let Some(f) = t.error_get_message {
-        // SAFETY: `msg` is valid for a write; the library points it at a static string.
-        unsafe { f(e, &mut msg) };
-    }
-    let text = if msg.is_null() {
-        String::new()
-    } else {
-        // SAFETY: a NUL-terminated string the library keeps.
-        unsafe { std::ffi::CStr::from_ptr(msg) }.to_string_lossy().into_owned()
-    };
-    panic!("{what} failed: QNN error {} ({text})", qnn_sys::error_code(e));
+/// SM8650 (Snapdragon 8 Gen 3), the chip the design's figures come from.
+const SM8650: u32 = 57;
+
+fn bytes_of_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// A float tensor description (no data yet).
-fn tensor(name: &std::ffi::CStr, kind: u32, dims: &mut [u32]) -> qnn_sys::Tensor {
-    quantized(name, kind, dims, qnn_sys::data_type::FLOAT_32, qnn_sys::QuantizeParams::NONE)
+fn f32_of_bytes(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
-/// A tensor description of any type (no data yet).
-fn quantized(
-    name: &std::ffi::CStr,
-    kind: u32,
-    dims: &mut [u32],
-    data_type: u32,
-    quantize_params: qnn_sys::QuantizeParams,
-) -> qnn_sys::Tensor {
-    qnn_sys::Tensor {
-        version: qnn_sys::TENSOR_VERSION_1,
-        v: qnn_sys::TensorVersions {
-            v1: qnn_sys::TensorV1 {
-                id: 0,
-                name: name.as_ptr(),
-                tensor_type: kind,
-                data_format: 0,
-                data_type,
-                quantize_params,
-                rank: dims.len() as u32,
-                dimensions: dims.as_mut_ptr(),
-                mem_type: qnn_sys::TENSOR_MEM_RAW,
-                memory: qnn_sys::TensorMemory {
-                    client_buf: qnn_sys::ClientBuffer { data: std::ptr::null_mut(), data_size: 0 },
-                },
-            },
-        },
-    }
-}
-
-fn with_data<T>(mut t: qnn_sys::Tensor, data: &mut [T]) -> qnn_sys::Tensor {
-    // Writing a union field is safe; `t` was made by `tensor` as version 1, and the caller keeps
-    // the buffer alive while QNN may read or write it.
-    t.v.v1.memory.client_buf =
-        qnn_sys::ClientBuffer { data: data.as_mut_ptr().cast(), data_size: std::mem::size_of_val(data) as u32 };
-    t
-}
-
-/// The declared layouts, end to end on Qualcomm's library: a float FullyConnected layer is
-/// built, finalized for SM8650, run, saved as a context binary, loaded back and run again.
-/// y = x·Wᵀ + b must match a direct computation (the library computes float graphs at fp16
-/// precision from SM8550 on: FP16_TOLERANCE) and the reloaded graph must give the same bytes.
+/// The declared layouts and the safe interface, end to end on Qualcomm's library: a float
+/// FullyConnected layer is built, finalized for SM8650, run, saved as a context binary, loaded
+/// into a new context and run again. y = x·Wᵀ + b must match a direct computation (float graphs
+/// compute at fp16 precision from SM8550 on: FP16_TOLERANCE), and the reloaded graph must give
+/// the same bytes.
 #[test]
 fn a_fully_connected_layer_runs_and_reloads_from_its_context_binary() {
     /// fp16 rounding of inputs, weights and result: ~1e-3 relative, with K = 8.
     const FP16_TOLERANCE: f32 = 4e-3;
     let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
-    let t = &lib.provider(qnn_sys::BACKEND_ID_HTP).expect("an HTP provider with API 2.27+").table;
-    let null = std::ptr::null_mut();
-    let (n_out, k) = (4usize, 8usize);
-    let mut w: Vec<f32> = (0..n_out * k).map(|i| ((i * 7 % 11) as f32 - 5.0) / 8.0).collect();
-    let mut b: Vec<f32> = (0..n_out).map(|i| i as f32 * 0.25 - 0.5).collect();
-    let mut x: Vec<f32> = (0..2 * k).map(|i| ((i * 5 % 9) as f32 - 4.0) / 4.0).collect();
-    let want: Vec<f32> = (0..2 * n_out)
+    let backend = Backend::htp(&lib, SM8650).expect("backend and device");
+    eprintln!("build {}", backend.build_id().expect("build id"));
+    let (m, k, n) = (2usize, 8usize, 4usize);
+    let w: Vec<f32> = (0..n * k).map(|i| ((i * 7 % 11) as f32 - 5.0) / 8.0).collect();
+    let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 0.5).collect();
+    let x: Vec<f32> = (0..m * k).map(|i| ((i * 5 % 9) as f32 - 4.0) / 4.0).collect();
+    let want: Vec<f32> = (0..m * n)
         .map(|i| {
-            let (r, o) = (i / n_out, i % n_out);
+            let (r, o) = (i / n, i % n);
             b[o] + (0..k).map(|j| x[r * k + j] * w[o * k + j]).sum::<f32>()
         })
         .collect();
-    let (mut backend, mut device, mut context, mut graph) = (null, null, null, null);
-    let soc = qnn_sys::HtpDeviceCustomConfig::soc(57);
-    let dev_cfg = qnn_sys::Config { option: qnn_sys::CONFIG_OPTION_CUSTOM, value: &soc as *const _ as *mut _ };
-    let dev_cfgs = [&dev_cfg as *const qnn_sys::Config, std::ptr::null()];
-    let (mut dx, mut dw, mut db, mut dy) = ([2u32, k as u32], [n_out as u32, k as u32], [n_out as u32], [2u32, n_out as u32]);
-    let mut y = vec![0f32; 2 * n_out];
-    // SAFETY: every call follows QNN's documented sequence with the table of a provider whose
-    // API version was checked; every pointer passed is valid for the call (out-pointers to
-    // locals, NULL-terminated config arrays, tensors and buffers that outlive the graph).
-    unsafe {
-        check(t, "backendCreate", t.backend_create.expect("backendCreate")(null, std::ptr::null(), &mut backend));
-        check(t, "deviceCreate", t.device_create.expect("deviceCreate")(null, dev_cfgs.as_ptr(), &mut device));
-        check(t, "contextCreate", t.context_create.expect("contextCreate")(backend, device, std::ptr::null(), &mut context));
-        check(t, "graphCreate", t.graph_create.expect("graphCreate")(context, c"fc".as_ptr(), std::ptr::null(), &mut graph));
-        let mut tx = tensor(c"x", qnn_sys::tensor_type::APP_WRITE, &mut dx);
-        let mut tw = with_data(tensor(c"w", qnn_sys::tensor_type::STATIC, &mut dw), &mut w);
-        let mut tb = with_data(tensor(c"b", qnn_sys::tensor_type::STATIC, &mut db), &mut b);
-        let mut ty = tensor(c"y", qnn_sys::tensor_type::APP_READ, &mut dy);
-        for (name, tn) in [("x", &mut tx), ("w", &mut tw), ("b", &mut tb), ("y", &mut ty)] {
-            check(t, name, t.tensor_create_graph_tensor.expect("tensorCreateGraphTensor")(graph, tn));
-        }
-        let mut ins = [tx, tw, tb];
-        let mut outs = [ty];
-        let op = qnn_sys::OpConfig {
-            version: qnn_sys::OPCONFIG_VERSION_1,
-            v1: qnn_sys::OpConfigV1 {
-                name: c"fc0".as_ptr(),
-                package_name: qnn_sys::OP_PACKAGE_QTI_AISW.as_ptr(),
-                type_name: c"FullyConnected".as_ptr(),
-                num_of_params: 0,
-                params: std::ptr::null_mut(),
-                num_of_inputs: 3,
-                input_tensors: ins.as_mut_ptr(),
-                num_of_outputs: 1,
-                output_tensors: outs.as_mut_ptr(),
-            },
-        };
-        check(t, "backendValidateOpConfig", t.backend_validate_op_config.expect("validate")(backend, op));
-        check(t, "graphAddNode", t.graph_add_node.expect("graphAddNode")(graph, op));
-        check(t, "graphFinalize", t.graph_finalize.expect("graphFinalize")(graph, null, null));
-        let mut run = |graph: qnn_sys::Handle, y: &mut [f32]| {
-            let input = with_data(tx, &mut x);
-            let mut output = with_data(ty, y);
-            check(
-                t,
-                "graphExecute",
-                t.graph_execute.expect("graphExecute")(graph, &input, 1, &mut output, 1, std::ptr::null_mut(), std::ptr::null_mut()),
-            );
-        };
-        run(graph, &mut y);
-        for (got, want) in y.iter().zip(&want) {
-            assert!((got - want).abs() <= FP16_TOLERANCE * want.abs().max(1.0), "{y:?} vs {want:?}");
-        }
-        // Save the finalized context, load it into a new one, and run the graph it holds.
-        let mut size = 0u64;
-        check(t, "contextGetBinarySize", t.context_get_binary_size.expect("size")(context, &mut size));
-        let mut blob = vec![0u8; size as usize];
-        let mut written = 0u64;
-        check(t, "contextGetBinary", t.context_get_binary.expect("binary")(context, blob.as_mut_ptr().cast(), size, &mut written));
-        blob.truncate(written as usize);
-        eprintln!("context binary: {written} bytes");
-        let mut loaded = null;
-        check(
-            t,
-            "contextCreateFromBinary",
-            t.context_create_from_binary.expect("fromBinary")(
-                backend,
-                device,
-                std::ptr::null(),
-                blob.as_ptr().cast(),
-                blob.len() as u64,
-                &mut loaded,
-                null,
-            ),
-        );
-        let mut again = null;
-        check(t, "graphRetrieve", t.graph_retrieve.expect("graphRetrieve")(loaded, c"fc".as_ptr(), &mut again));
-        let mut y2 = vec![0f32; 2 * n_out];
-        run(again, &mut y2);
-        assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), y2.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-        check(t, "contextFree", t.context_free.expect("contextFree")(loaded, null));
-        check(t, "contextFree", t.context_free.expect("contextFree")(context, null));
-        check(t, "deviceFree", t.device_free.expect("deviceFree")(device));
-        check(t, "backendFree", t.backend_free.expect("backendFree")(backend));
+    let f = |name: &str, dims: &[u32]| TensorSpec::new(name, dims, dt::FLOAT_32, Quantization::None);
+    let context = backend.context().expect("context");
+    let mut g = context.graph("fc").expect("graph");
+    let tx = g.input(&f("x", &[m as u32, k as u32])).expect("x");
+    let tw = g.constant(&f("w", &[n as u32, k as u32]), &bytes_of_f32(&w)).expect("w");
+    let tb = g.constant(&f("b", &[n as u32]), &bytes_of_f32(&b)).expect("b");
+    let ty = g.output(&f("y", &[m as u32, n as u32])).expect("y");
+    g.node("fc0", "FullyConnected", &[tx, tw, tb], &[ty], &[]).expect("node");
+    let mut graph = g.finalize().expect("finalize");
+    let mut y = vec![0u8; m * n * 4];
+    graph.execute(&[&bytes_of_f32(&x)], &mut [&mut y]).expect("execute");
+    let got = f32_of_bytes(&y);
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= FP16_TOLERANCE * w.abs().max(1.0), "{got:?} vs {want:?}");
     }
+    // Wrong buffers are refused before QNN sees them.
+    let e = graph.execute(&[&[0u8; 3]], &mut [&mut y]).expect_err("a short input");
+    assert_eq!((e.call, e.code), ("graphExecute", 0), "{e}");
+    // Save, load into a new context, and run the graph it holds.
+    let io = graph.io();
+    let binary = context.binary().expect("binary");
+    eprintln!("context binary: {} bytes", binary.len());
+    let loaded = backend.context_from_binary(&binary).expect("loads");
+    let mut again = loaded.retrieve("fc", &io).expect("graph retrieved");
+    let mut y2 = vec![0u8; m * n * 4];
+    again.execute(&[&bytes_of_f32(&x)], &mut [&mut y2]).expect("execute again");
+    assert_eq!(y, y2);
+    // A damaged binary is an error, not a crash.
+    let e = backend.context_from_binary(&binary[..binary.len() / 2]).err().expect("a truncated binary is refused");
+    assert_eq!(e.call, "contextCreateFromBinary", "{e}");
+    eprintln!("truncated binary: {e}");
+}
+
+/// QNN's own refusals arrive as typed errors with the call, the code and the library's words.
+/// (Qualcomm's x86 library accepts a FullyConnected whose weight's inner size differs from
+/// its input's, at addNode and at finalize: graphs must be checked by their builder, which
+/// is the engine's.)
+#[test]
+fn an_op_qnn_does_not_have_is_a_typed_error() {
+    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
+    let backend = Backend::htp(&lib, SM8650).expect("backend and device");
+    let context = backend.context().expect("context");
+    let f = |name: &str, dims: &[u32]| TensorSpec::new(name, dims, dt::FLOAT_32, Quantization::None);
+    let mut g = context.graph("bad").expect("graph");
+    let tx = g.input(&f("x", &[2, 8])).expect("x");
+    let ty = g.output(&f("y", &[2, 8])).expect("y");
+    // QNN takes the node and refuses it when the graph is finalized.
+    let e = g.node("op0", "NoSuchOp", &[tx], &[ty], &[]).and_then(|()| g.finalize().map(|_| ())).expect_err("refused");
+    eprintln!("{e}");
+    assert!(e.code != 0 && (e.call == "graphAddNode" || e.call == "graphFinalize"), "{e}");
+    // llmd's own checks come first: a second tensor of the same name.
+    let mut g = context.graph("dup").expect("graph");
+    g.input(&f("x", &[2, 8])).expect("x");
+    let e = g.input(&f("x", &[2, 8])).expect_err("a second x");
+    assert_eq!(e.code, 0, "{e}");
 }
 
 /// The W8A8 arithmetic the NPU path will use, on Qualcomm's library against ideal rounding of the
@@ -219,13 +142,11 @@ fn a_w8a8_fully_connected_layer_is_within_one_lsb_of_ideal_rounding() {
     /// Most outputs that may differ at all (the probe: 7-9%).
     const MAX_DIFFERING_SHARE: f64 = 0.25;
     let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
-    let t = &lib.provider(qnn_sys::BACKEND_ID_HTP).expect("an HTP provider").table;
-    let null = std::ptr::null_mut();
     let (m, k, n) = (8usize, 128usize, 64usize);
     // Deterministic data spread over the whole ranges.
-    let mut xq: Vec<u8> = (0..m * k).map(|i| ((i * 37 + 11) % 256) as u8).collect();
-    let mut wq: Vec<i8> = (0..n * k).map(|i| (((i * 53 + 7) % 255) as i32 - 127) as i8).collect();
-    let mut bq: Vec<i32> = (0..n).map(|i| (i as i32 - 32) * 150).collect();
+    let xq: Vec<u8> = (0..m * k).map(|i| ((i * 37 + 11) % 256) as u8).collect();
+    let wq: Vec<i8> = (0..n * k).map(|i| (((i * 53 + 7) % 255) as i32 - 127) as i8).collect();
+    let bq: Vec<i32> = (0..n).map(|i| (i as i32 - 32) * 150).collect();
     let (sx, zx) = (0.02f32, 128i32);
     let sw = 0.004f32;
     let (sy, zy) = (0.05f32, 128i32);
@@ -238,52 +159,21 @@ fn a_w8a8_fully_connected_layer_is_within_one_lsb_of_ideal_rounding() {
             ((real / f64::from(sy)).round() as i32 + zy).clamp(0, 255)
         })
         .collect();
-    let (mut backend, mut device, mut context, mut graph) = (null, null, null, null);
-    let soc = qnn_sys::HtpDeviceCustomConfig::soc(57);
-    let dev_cfg = qnn_sys::Config { option: qnn_sys::CONFIG_OPTION_CUSTOM, value: &soc as *const _ as *mut _ };
-    let dev_cfgs = [&dev_cfg as *const qnn_sys::Config, std::ptr::null()];
-    let (mut dx, mut dw, mut db, mut dy) = ([m as u32, k as u32], [n as u32, k as u32], [n as u32], [m as u32, n as u32]);
+    let backend = Backend::htp(&lib, SM8650).expect("backend and device");
+    let context = backend.context().expect("context");
+    let mut g = context.graph("w8a8").expect("graph");
+    // QNN's offset is the negated zero point: real = (q + offset) * scale.
+    let q = |scale: f32, offset: i32| Quantization::PerTensor { scale, offset };
+    let tx = g.input(&TensorSpec::new("x", &[m as u32, k as u32], dt::UFIXED_POINT_8, q(sx, -zx))).expect("x");
+    let w_bytes: Vec<u8> = wq.iter().map(|&v| v as u8).collect();
+    let tw = g.constant(&TensorSpec::new("w", &[n as u32, k as u32], dt::SFIXED_POINT_8, q(sw, 0)), &w_bytes).expect("w");
+    let b_bytes: Vec<u8> = bq.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let tb = g.constant(&TensorSpec::new("b", &[n as u32], dt::SFIXED_POINT_32, q(sx * sw, 0)), &b_bytes).expect("b");
+    let ty = g.output(&TensorSpec::new("y", &[m as u32, n as u32], dt::UFIXED_POINT_8, q(sy, -zy))).expect("y");
+    g.node("fc0", "FullyConnected", &[tx, tw, tb], &[ty], &[]).expect("node");
+    let mut graph = g.finalize().expect("finalize");
     let mut y = vec![0u8; m * n];
-    use qnn_sys::{data_type as dt, tensor_type as tt, QuantizeParams as Q};
-    // SAFETY: as in the float test: QNN's documented sequence, every pointer valid for its call.
-    unsafe {
-        check(t, "backendCreate", t.backend_create.expect("backendCreate")(null, std::ptr::null(), &mut backend));
-        check(t, "deviceCreate", t.device_create.expect("deviceCreate")(null, dev_cfgs.as_ptr(), &mut device));
-        check(t, "contextCreate", t.context_create.expect("contextCreate")(backend, device, std::ptr::null(), &mut context));
-        check(t, "graphCreate", t.graph_create.expect("graphCreate")(context, c"w8a8".as_ptr(), std::ptr::null(), &mut graph));
-        // QNN's offset is the negated zero point: real = (q + offset) * scale.
-        let mut tx = quantized(c"x", tt::APP_WRITE, &mut dx, dt::UFIXED_POINT_8, Q::per_tensor(sx, -zx));
-        let mut tw = with_data(quantized(c"w", tt::STATIC, &mut dw, dt::SFIXED_POINT_8, Q::per_tensor(sw, 0)), &mut wq);
-        let mut tb = with_data(quantized(c"b", tt::STATIC, &mut db, dt::SFIXED_POINT_32, Q::per_tensor(sx * sw, 0)), &mut bq);
-        let mut ty = quantized(c"y", tt::APP_READ, &mut dy, dt::UFIXED_POINT_8, Q::per_tensor(sy, -zy));
-        for (name, tn) in [("x", &mut tx), ("w", &mut tw), ("b", &mut tb), ("y", &mut ty)] {
-            check(t, name, t.tensor_create_graph_tensor.expect("tensorCreateGraphTensor")(graph, tn));
-        }
-        let mut ins = [tx, tw, tb];
-        let mut outs = [ty];
-        let op = qnn_sys::OpConfig {
-            version: qnn_sys::OPCONFIG_VERSION_1,
-            v1: qnn_sys::OpConfigV1 {
-                name: c"fc0".as_ptr(),
-                package_name: qnn_sys::OP_PACKAGE_QTI_AISW.as_ptr(),
-                type_name: c"FullyConnected".as_ptr(),
-                num_of_params: 0,
-                params: std::ptr::null_mut(),
-                num_of_inputs: 3,
-                input_tensors: ins.as_mut_ptr(),
-                num_of_outputs: 1,
-                output_tensors: outs.as_mut_ptr(),
-            },
-        };
-        check(t, "graphAddNode", t.graph_add_node.expect("graphAddNode")(graph, op));
-        check(t, "graphFinalize", t.graph_finalize.expect("graphFinalize")(graph, null, null));
-        let input = with_data(tx, &mut xq);
-        let mut output = with_data(ty, &mut y);
-        check(t, "graphExecute", t.graph_execute.expect("graphExecute")(graph, &input, 1, &mut output, 1, null, null));
-        check(t, "contextFree", t.context_free.expect("contextFree")(context, null));
-        check(t, "deviceFree", t.device_free.expect("deviceFree")(device));
-        check(t, "backendFree", t.backend_free.expect("backendFree")(backend));
-    }
+    graph.execute(&[&xq], &mut [&mut y]).expect("execute");
     let diffs: Vec<i32> = y.iter().zip(&ideal).map(|(&g, &w)| i32::from(g) - w).collect();
     let differing = diffs.iter().filter(|&&d| d != 0).count();
     let max = diffs.iter().map(|d| d.abs()).max().unwrap_or(0);

@@ -1,0 +1,566 @@
+//! A safe interface over a QNN provider's function table: a backend (with its device), its
+//! contexts, graphs built in a context and run. Lifetimes tie each object to what it was made
+//! from (a graph cannot outlive its context, nor a context its backend, nor any of them the
+//! library), `Drop` frees each handle once in the right order, and every failed call is a
+//! [`QnnError`] naming the call, the QNN error code and the library's message.
+//!
+//! Tensors are described by [`TensorSpec`] (name, shape, type, quantization); the builder
+//! keeps the names and shapes the QNN structs point to for as long as the graph lives.
+
+use crate::types::*;
+use crate::{error_code, ErrorHandle, FunctionTable, Handle, Library, BACKEND_ID_HTP, QNN_SUCCESS};
+use std::ffi::{c_char, CStr, CString};
+use std::marker::PhantomData;
+
+/// A QNN call that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QnnError {
+    /// The QNN function (`graphFinalize`, ...), or what llmd checked before calling it.
+    pub call: &'static str,
+    /// QNN's error code (0 when llmd refused before calling).
+    pub code: u16,
+    pub message: String,
+}
+
+impl std::fmt::Display for QnnError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.code == 0 {
+            write!(f, "{}: {}", self.call, self.message)
+        } else {
+            write!(f, "{} failed with QNN error {} ({})", self.call, self.code, self.message)
+        }
+    }
+}
+
+impl std::error::Error for QnnError {}
+
+pub type Result<T> = std::result::Result<T, QnnError>;
+
+fn refused(call: &'static str, message: impl Into<String>) -> QnnError {
+    QnnError { call, code: 0, message: message.into() }
+}
+
+/// The table's entry `f`, or an error naming it when the provider left it NULL.
+fn entry<F: Copy>(f: Option<F>, call: &'static str) -> Result<F> {
+    f.ok_or_else(|| refused(call, "the provider does not implement it"))
+}
+
+fn check(t: &FunctionTable, call: &'static str, e: ErrorHandle) -> Result<()> {
+    if e == QNN_SUCCESS {
+        return Ok(());
+    }
+    let mut msg: *const c_char = std::ptr::null();
+    let message = match t.error_get_message {
+        Some(f) => {
+            // SAFETY: `msg` is valid for a write; the library points it at a string it keeps.
+            let r = unsafe { f(e, &mut msg) };
+            if r == QNN_SUCCESS && !msg.is_null() {
+                // SAFETY: a NUL-terminated string owned by the library.
+                unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned()
+            } else {
+                String::new()
+            }
+        }
+        None => String::new(),
+    };
+    Err(QnnError { call, code: error_code(e), message })
+}
+
+/// How a tensor's values map to real numbers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Quantization {
+    /// A float (or plain integer) tensor.
+    None,
+    /// `real = (q + offset) * scale` for the whole tensor (QNN's offset is the negated zero point).
+    PerTensor { scale: f32, offset: i32 },
+}
+
+/// A tensor of a graph: its name (unique in the graph), shape, `data_type` and quantization.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dims: Vec<u32>,
+    pub data_type: u32,
+    pub quantization: Quantization,
+}
+
+impl TensorSpec {
+    pub fn new(name: &str, dims: &[u32], data_type: u32, quantization: Quantization) -> Self {
+        Self { name: name.to_owned(), dims: dims.to_vec(), data_type, quantization }
+    }
+
+    /// Bytes one element takes (the type's bit width is its low byte written in decimal).
+    pub fn element_bytes(&self) -> Option<usize> {
+        let low = self.data_type & 0xFF;
+        let bits = (low >> 4) * 10 + (low & 0xF);
+        matches!(bits, 8 | 16 | 32 | 64).then_some(bits as usize / 8)
+    }
+
+    /// Bytes the whole tensor takes.
+    pub fn bytes(&self) -> Option<usize> {
+        self.dims.iter().try_fold(self.element_bytes()?, |n, &d| n.checked_mul(d as usize))
+    }
+}
+
+/// A tensor as QNN knows it in one graph: the struct it filled (with its id), and the name and
+/// shape it points to.
+struct Described {
+    spec: TensorSpec,
+    tensor: Tensor,
+    _name: CString,
+    _dims: Box<[u32]>,
+}
+
+fn describe(spec: &TensorSpec, kind: u32) -> Result<Described> {
+    let name = CString::new(spec.name.as_str()).map_err(|_| refused("tensor", "a tensor name holds a NUL"))?;
+    let bytes = spec.bytes().ok_or_else(|| refused("tensor", format!("tensor {} has no size", spec.name)))?;
+    if u32::try_from(bytes).is_err() {
+        return Err(refused("tensor", format!("tensor {} is 4 GiB or more", spec.name)));
+    }
+    let mut dims: Box<[u32]> = spec.dims.clone().into_boxed_slice();
+    let quantize_params = match spec.quantization {
+        Quantization::None => QuantizeParams::NONE,
+        Quantization::PerTensor { scale, offset } => QuantizeParams::per_tensor(scale, offset),
+    };
+    let tensor = Tensor {
+        version: TENSOR_VERSION_1,
+        v: TensorVersions {
+            v1: TensorV1 {
+                id: 0,
+                name: name.as_ptr(),
+                tensor_type: kind,
+                data_format: 0,
+                data_type: spec.data_type,
+                quantize_params,
+                rank: dims.len() as u32,
+                dimensions: dims.as_mut_ptr(),
+                mem_type: TENSOR_MEM_RAW,
+                memory: TensorMemory { client_buf: ClientBuffer { data: std::ptr::null_mut(), data_size: 0 } },
+            },
+        },
+    };
+    Ok(Described { spec: spec.clone(), tensor, _name: name, _dims: dims })
+}
+
+/// A QNN backend and its device, for one chip (`soc`: QNN's `Qnn_SocModel_t`, e.g. SM8650 = 57).
+pub struct Backend<'l> {
+    t: &'l FunctionTable,
+    backend: Handle,
+    device: Handle,
+}
+
+// SAFETY: QNN handles may be used from any thread; `Backend` is not `Sync`, so calls on one
+// backend are never concurrent from safe code.
+unsafe impl Send for Backend<'_> {}
+
+impl<'l> Backend<'l> {
+    /// The HTP provider of `lib`, a backend and a device for `soc`.
+    pub fn htp(lib: &'l Library, soc: u32) -> Result<Self> {
+        let iface =
+            lib.provider(BACKEND_ID_HTP).ok_or_else(|| refused("QnnInterface_getProviders", "no HTP provider with core API 2.27 or newer"))?;
+        let t = &iface.table;
+        let mut backend: Handle = std::ptr::null_mut();
+        // SAFETY: a NULL logger and NULL config are allowed; `backend` is valid for a write.
+        check(t, "backendCreate", unsafe { entry(t.backend_create, "backendCreate")?(std::ptr::null_mut(), std::ptr::null(), &mut backend) })?;
+        let mut b = Self { t, backend, device: std::ptr::null_mut() };
+        let soc_cfg = HtpDeviceCustomConfig::soc(soc);
+        let cfg = Config { option: CONFIG_OPTION_CUSTOM, value: &soc_cfg as *const HtpDeviceCustomConfig as *mut _ };
+        let cfgs = [&cfg as *const Config, std::ptr::null()];
+        let mut device: Handle = std::ptr::null_mut();
+        // SAFETY: a NULL-terminated array of one config whose value outlives the call.
+        check(t, "deviceCreate", unsafe { entry(t.device_create, "deviceCreate")?(std::ptr::null_mut(), cfgs.as_ptr(), &mut device) })?;
+        b.device = device;
+        Ok(b)
+    }
+
+    /// The library's build id (`backendGetBuildId`).
+    pub fn build_id(&self) -> Result<String> {
+        let mut id: *const c_char = std::ptr::null();
+        // SAFETY: `id` is valid for a write; the library points it at a string it keeps.
+        check(self.t, "backendGetBuildId", unsafe { entry(self.t.backend_get_build_id, "backendGetBuildId")?(&mut id) })?;
+        Ok(if id.is_null() {
+            String::new()
+        } else {
+            // SAFETY: a NUL-terminated string owned by the library.
+            unsafe { CStr::from_ptr(id) }.to_string_lossy().into_owned()
+        })
+    }
+
+    /// A new, empty context.
+    pub fn context(&self) -> Result<Context<'_>> {
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: live backend and device handles; NULL config; `handle` valid for a write.
+        check(self.t, "contextCreate", unsafe {
+            entry(self.t.context_create, "contextCreate")?(self.backend, self.device, std::ptr::null(), &mut handle)
+        })?;
+        Ok(Context { t: self.t, handle, _backend: PhantomData })
+    }
+
+    /// A context made from a binary that [`Context::binary`] wrote.
+    pub fn context_from_binary(&self, binary: &[u8]) -> Result<Context<'_>> {
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: `binary` is readable for its length during the call (QNN copies what it
+        // keeps); live handles; `handle` valid for a write.
+        check(self.t, "contextCreateFromBinary", unsafe {
+            entry(self.t.context_create_from_binary, "contextCreateFromBinary")?(
+                self.backend,
+                self.device,
+                std::ptr::null(),
+                binary.as_ptr().cast(),
+                binary.len() as u64,
+                &mut handle,
+                std::ptr::null_mut(),
+            )
+        })?;
+        Ok(Context { t: self.t, handle, _backend: PhantomData })
+    }
+}
+
+impl Drop for Backend<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the handles were made by this backend, every context borrowing it is gone
+        // (lifetimes), and each is freed once.
+        unsafe {
+            if !self.device.is_null() {
+                if let Some(f) = self.t.device_free {
+                    f(self.device);
+                }
+            }
+            if let Some(f) = self.t.backend_free {
+                f(self.backend);
+            }
+        }
+    }
+}
+
+/// A QNN context: the graphs built or loaded in it, and what its binary holds.
+pub struct Context<'b> {
+    t: &'b FunctionTable,
+    handle: Handle,
+    _backend: PhantomData<&'b ()>,
+}
+
+impl<'b> Context<'b> {
+    /// Starts a graph called `name`.
+    pub fn graph(&self, name: &str) -> Result<GraphBuilder<'_>> {
+        let cname = CString::new(name).map_err(|_| refused("graphCreate", "a graph name holds a NUL"))?;
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: live context; NUL-terminated name; NULL config; `handle` valid for a write.
+        check(self.t, "graphCreate", unsafe {
+            entry(self.t.graph_create, "graphCreate")?(self.handle, cname.as_ptr(), std::ptr::null(), &mut handle)
+        })?;
+        Ok(GraphBuilder { t: self.t, handle, tensors: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), _context: PhantomData })
+    }
+
+    /// The context as a binary (every graph in it finalized), for [`Backend::context_from_binary`].
+    pub fn binary(&self) -> Result<Vec<u8>> {
+        let mut size = 0u64;
+        // SAFETY: live context; `size` valid for a write.
+        check(self.t, "contextGetBinarySize", unsafe {
+            entry(self.t.context_get_binary_size, "contextGetBinarySize")?(self.handle, &mut size)
+        })?;
+        let mut buf = vec![0u8; usize::try_from(size).map_err(|_| refused("contextGetBinarySize", "too large"))?];
+        let mut written = 0u64;
+        // SAFETY: `buf` is writable for `size` bytes; `written` valid for a write.
+        check(self.t, "contextGetBinary", unsafe {
+            entry(self.t.context_get_binary, "contextGetBinary")?(self.handle, buf.as_mut_ptr().cast(), size, &mut written)
+        })?;
+        buf.truncate(written.min(size) as usize);
+        Ok(buf)
+    }
+
+    /// A finalized graph of this context (made here or loaded with its binary), with the
+    /// inputs and outputs `io` describes (as [`Graph::io`] gave them when it was built).
+    pub fn retrieve(&self, name: &str, io: &GraphIo) -> Result<Graph<'_>> {
+        let cname = CString::new(name).map_err(|_| refused("graphRetrieve", "a graph name holds a NUL"))?;
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: live context; NUL-terminated name; `handle` valid for a write.
+        check(self.t, "graphRetrieve", unsafe {
+            entry(self.t.graph_retrieve, "graphRetrieve")?(self.handle, cname.as_ptr(), &mut handle)
+        })?;
+        let with_ids = |v: &[(TensorSpec, u32)], kind: u32| -> Result<Vec<Described>> {
+            v.iter()
+                .map(|(spec, id)| {
+                    let mut d = describe(spec, kind)?;
+                    d.tensor.v.v1.id = *id;
+                    Ok(d)
+                })
+                .collect()
+        };
+        Ok(Graph {
+            t: self.t,
+            handle,
+            inputs: with_ids(&io.inputs, tensor_type::APP_WRITE)?,
+            outputs: with_ids(&io.outputs, tensor_type::APP_READ)?,
+            _context: PhantomData,
+        })
+    }
+}
+
+impl Drop for Context<'_> {
+    fn drop(&mut self) {
+        if let Some(f) = self.t.context_free {
+            // SAFETY: made by this context's backend, freed once; its graphs borrow it, so
+            // none is alive (lifetimes).
+            unsafe { f(self.handle, std::ptr::null_mut()) };
+        }
+    }
+}
+
+/// A tensor of a graph being built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorRef(usize);
+
+/// A node's parameter.
+pub enum ParamSpec<'a> {
+    /// A scalar: `data_type` and its value's bits (as `Qnn_Scalar_t` holds them).
+    Scalar { name: &'a str, data_type: u32, value: u64 },
+    /// A static tensor parameter (`Conv2d`'s `stride`, ...) with its bytes.
+    Tensor { name: &'a str, spec: TensorSpec, data: &'a [u8] },
+}
+
+/// A graph being built: tensors, then nodes in order, then [`Self::finalize`].
+pub struct GraphBuilder<'c> {
+    t: &'c FunctionTable,
+    handle: Handle,
+    tensors: Vec<Described>,
+    inputs: Vec<usize>,
+    outputs: Vec<usize>,
+    _context: PhantomData<&'c ()>,
+}
+
+impl<'c> GraphBuilder<'c> {
+    fn create(&mut self, spec: &TensorSpec, kind: u32, data: Option<&[u8]>) -> Result<TensorRef> {
+        if self.tensors.iter().any(|d| d.spec.name == spec.name) {
+            return Err(refused("tensorCreateGraphTensor", format!("a second tensor named {}", spec.name)));
+        }
+        let mut d = describe(spec, kind)?;
+        if let Some(bytes) = data {
+            if Some(bytes.len()) != spec.bytes() {
+                return Err(refused(
+                    "tensorCreateGraphTensor",
+                    format!("tensor {} takes {:?} bytes, given {}", spec.name, spec.bytes(), bytes.len()),
+                ));
+            }
+            // QNN copies a static tensor's data when it is created and never writes it (the
+            // `*mut` is its API's).
+            d.tensor.v.v1.memory.client_buf = ClientBuffer { data: bytes.as_ptr() as *mut _, data_size: bytes.len() as u32 };
+        }
+        // SAFETY: live graph; `d.tensor` points to its name, shape and (for static data) bytes,
+        // all alive during the call; QNN writes the tensor's id into it.
+        check(self.t, "tensorCreateGraphTensor", unsafe {
+            entry(self.t.tensor_create_graph_tensor, "tensorCreateGraphTensor")?(self.handle, &mut d.tensor)
+        })?;
+        d.tensor.v.v1.memory.client_buf = ClientBuffer { data: std::ptr::null_mut(), data_size: 0 };
+        self.tensors.push(d);
+        Ok(TensorRef(self.tensors.len() - 1))
+    }
+
+    /// A graph input (written by the application at each run).
+    pub fn input(&mut self, spec: &TensorSpec) -> Result<TensorRef> {
+        let r = self.create(spec, tensor_type::APP_WRITE, None)?;
+        self.inputs.push(r.0);
+        Ok(r)
+    }
+
+    /// A graph output (read by the application after each run).
+    pub fn output(&mut self, spec: &TensorSpec) -> Result<TensorRef> {
+        let r = self.create(spec, tensor_type::APP_READ, None)?;
+        self.outputs.push(r.0);
+        Ok(r)
+    }
+
+    /// An intermediate tensor between two nodes.
+    pub fn intermediate(&mut self, spec: &TensorSpec) -> Result<TensorRef> {
+        self.create(spec, tensor_type::NATIVE, None)
+    }
+
+    /// Constant data (weights, biases), copied by QNN now.
+    pub fn constant(&mut self, spec: &TensorSpec, data: &[u8]) -> Result<TensorRef> {
+        self.create(spec, tensor_type::STATIC, Some(data))
+    }
+
+    /// A node of op `type_name` (QNN's built-in package) reading `inputs` and writing `outputs`.
+    pub fn node(
+        &mut self,
+        name: &str,
+        type_name: &str,
+        inputs: &[TensorRef],
+        outputs: &[TensorRef],
+        params: &[ParamSpec<'_>],
+    ) -> Result<()> {
+        let cname = CString::new(name).map_err(|_| refused("graphAddNode", "a node name holds a NUL"))?;
+        let ctype = CString::new(type_name).map_err(|_| refused("graphAddNode", "an op name holds a NUL"))?;
+        let pick = |r: &TensorRef| -> Result<Tensor> {
+            self.tensors.get(r.0).map(|d| d.tensor).ok_or_else(|| refused("graphAddNode", "a tensor of another graph"))
+        };
+        let mut ins: Vec<Tensor> = inputs.iter().map(pick).collect::<Result<_>>()?;
+        let mut outs: Vec<Tensor> = outputs.iter().map(pick).collect::<Result<_>>()?;
+        // Parameters: names and tensor parameters live until the node is added.
+        let mut names = Vec::new();
+        let mut tensor_params = Vec::new();
+        let mut qparams = Vec::new();
+        for p in params {
+            match p {
+                ParamSpec::Scalar { name, data_type, value } => {
+                    let n = CString::new(*name).map_err(|_| refused("graphAddNode", "a parameter name holds a NUL"))?;
+                    qparams.push(Param {
+                        param_type: PARAMTYPE_SCALAR,
+                        name: n.as_ptr(),
+                        value: ParamValue { scalar: Scalar { data_type: *data_type, value: ScalarValue { u64: *value } } },
+                    });
+                    names.push(n);
+                }
+                ParamSpec::Tensor { name, spec, data } => {
+                    let n = CString::new(*name).map_err(|_| refused("graphAddNode", "a parameter name holds a NUL"))?;
+                    // A tensor parameter is a static tensor of the graph, registered first.
+                    let r = self.constant(spec, data)?;
+                    tensor_params.push(r);
+                    qparams.push(Param {
+                        param_type: PARAMTYPE_TENSOR,
+                        name: n.as_ptr(),
+                        value: ParamValue { tensor: self.tensors[r.0].tensor },
+                    });
+                    names.push(n);
+                }
+            }
+        }
+        let op = OpConfig {
+            version: OPCONFIG_VERSION_1,
+            v1: OpConfigV1 {
+                name: cname.as_ptr(),
+                package_name: OP_PACKAGE_QTI_AISW.as_ptr(),
+                type_name: ctype.as_ptr(),
+                num_of_params: qparams.len() as u32,
+                params: if qparams.is_empty() { std::ptr::null_mut() } else { qparams.as_mut_ptr() },
+                num_of_inputs: ins.len() as u32,
+                input_tensors: ins.as_mut_ptr(),
+                num_of_outputs: outs.len() as u32,
+                output_tensors: outs.as_mut_ptr(),
+            },
+        };
+        // SAFETY: live graph; the op's strings, tensors and parameters are alive for the call
+        // (QNN copies what it keeps); the tensors were created in this graph.
+        check(self.t, "graphAddNode", unsafe { entry(self.t.graph_add_node, "graphAddNode")?(self.handle, op) })
+    }
+
+    /// Finalizes the graph (QNN prepares it for the chip): it can run from now on.
+    pub fn finalize(self) -> Result<Graph<'c>> {
+        // SAFETY: live graph; NULL profile and signal are allowed.
+        check(self.t, "graphFinalize", unsafe {
+            entry(self.t.graph_finalize, "graphFinalize")?(self.handle, std::ptr::null_mut(), std::ptr::null_mut())
+        })?;
+        let GraphBuilder { t, handle, mut tensors, inputs, outputs, .. } = self;
+        // Keep the inputs' and outputs' descriptions; the rest are QNN's now.
+        let mut take = |idx: &[usize]| -> Vec<Described> {
+            idx.iter().map(|&i| std::mem::replace(&mut tensors[i], placeholder())).collect()
+        };
+        let inputs = take(&inputs);
+        let outputs = take(&outputs);
+        Ok(Graph { t, handle, inputs, outputs, _context: PhantomData })
+    }
+}
+
+fn placeholder() -> Described {
+    Described {
+        spec: TensorSpec::new("", &[], data_type::UNDEFINED, Quantization::None),
+        tensor: Tensor { version: 0, v: TensorVersions { v1: empty_v1() } },
+        _name: CString::default(),
+        _dims: Box::new([]),
+    }
+}
+
+fn empty_v1() -> TensorV1 {
+    TensorV1 {
+        id: 0,
+        name: std::ptr::null(),
+        tensor_type: 0,
+        data_format: 0,
+        data_type: data_type::UNDEFINED,
+        quantize_params: QuantizeParams::NONE,
+        rank: 0,
+        dimensions: std::ptr::null_mut(),
+        mem_type: TENSOR_MEM_RAW,
+        memory: TensorMemory { client_buf: ClientBuffer { data: std::ptr::null_mut(), data_size: 0 } },
+    }
+}
+
+/// A graph's inputs and outputs with QNN's ids for them, to run it again after its context is
+/// loaded from a binary.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GraphIo {
+    pub inputs: Vec<(TensorSpec, u32)>,
+    pub outputs: Vec<(TensorSpec, u32)>,
+}
+
+/// A finalized graph.
+pub struct Graph<'c> {
+    t: &'c FunctionTable,
+    handle: Handle,
+    inputs: Vec<Described>,
+    outputs: Vec<Described>,
+    _context: PhantomData<&'c ()>,
+}
+
+impl Graph<'_> {
+    /// Its inputs and outputs, with QNN's ids.
+    pub fn io(&self) -> GraphIo {
+        let id = |d: &Described| {
+            // SAFETY: every description here was made as version 1, so `v1` is the field set.
+            unsafe { d.tensor.v.v1.id }
+        };
+        GraphIo {
+            inputs: self.inputs.iter().map(|d| (d.spec.clone(), id(d))).collect(),
+            outputs: self.outputs.iter().map(|d| (d.spec.clone(), id(d))).collect(),
+        }
+    }
+
+    /// Runs the graph: `inputs` and `outputs` in the order they were declared, each exactly its
+    /// tensor's size in bytes.
+    pub fn execute(&mut self, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
+        if inputs.len() != self.inputs.len() || outputs.len() != self.outputs.len() {
+            return Err(refused(
+                "graphExecute",
+                format!(
+                    "the graph has {} inputs and {} outputs, given {} and {}",
+                    self.inputs.len(),
+                    self.outputs.len(),
+                    inputs.len(),
+                    outputs.len()
+                ),
+            ));
+        }
+        let mut ins = Vec::with_capacity(inputs.len());
+        for (d, buf) in self.inputs.iter().zip(inputs) {
+            if Some(buf.len()) != d.spec.bytes() {
+                return Err(refused("graphExecute", format!("input {} takes {:?} bytes, given {}", d.spec.name, d.spec.bytes(), buf.len())));
+            }
+            let mut t = d.tensor;
+            // QNN reads an input's buffer; the cast to *mut is its API's, it does not write.
+            t.v.v1.memory.client_buf = ClientBuffer { data: buf.as_ptr() as *mut _, data_size: buf.len() as u32 };
+            ins.push(t);
+        }
+        let mut outs = Vec::with_capacity(outputs.len());
+        for (d, buf) in self.outputs.iter().zip(outputs.iter_mut()) {
+            if Some(buf.len()) != d.spec.bytes() {
+                return Err(refused("graphExecute", format!("output {} takes {:?} bytes, given {}", d.spec.name, d.spec.bytes(), buf.len())));
+            }
+            let mut t = d.tensor;
+            t.v.v1.memory.client_buf = ClientBuffer { data: buf.as_mut_ptr().cast(), data_size: buf.len() as u32 };
+            outs.push(t);
+        }
+        // SAFETY: live, finalized graph; every tensor points to a buffer of exactly its size,
+        // alive and (outputs) exclusively borrowed for the call, which is synchronous.
+        check(self.t, "graphExecute", unsafe {
+            entry(self.t.graph_execute, "graphExecute")?(
+                self.handle,
+                ins.as_ptr(),
+                ins.len() as u32,
+                outs.as_mut_ptr(),
+                outs.len() as u32,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
