@@ -156,19 +156,24 @@ unsafe impl Send for Backend<'_> {}
 impl<'l> Backend<'l> {
     /// The HTP provider of `lib`, a backend and a device for `soc`.
     pub fn htp(lib: &'l Library, soc: u32) -> Result<Self> {
-        let iface =
-            lib.provider(BACKEND_ID_HTP).ok_or_else(|| refused("QnnInterface_getProviders", "no HTP provider with core API 2.27 or newer"))?;
+        let iface = lib
+            .provider(BACKEND_ID_HTP)
+            .ok_or_else(|| refused("QnnInterface_getProviders", "no HTP provider with core API 2.27 or newer"))?;
         let t = &iface.table;
         let mut backend: Handle = std::ptr::null_mut();
         // SAFETY: a NULL logger and NULL config are allowed; `backend` is valid for a write.
-        check(t, "backendCreate", unsafe { entry(t.backend_create, "backendCreate")?(std::ptr::null_mut(), std::ptr::null(), &mut backend) })?;
+        check(t, "backendCreate", unsafe {
+            entry(t.backend_create, "backendCreate")?(std::ptr::null_mut(), std::ptr::null(), &mut backend)
+        })?;
         let mut b = Self { t, backend, device: std::ptr::null_mut() };
         let soc_cfg = HtpDeviceCustomConfig::soc(soc);
         let cfg = Config { option: CONFIG_OPTION_CUSTOM, value: &soc_cfg as *const HtpDeviceCustomConfig as *mut _ };
         let cfgs = [&cfg as *const Config, std::ptr::null()];
         let mut device: Handle = std::ptr::null_mut();
         // SAFETY: a NULL-terminated array of one config whose value outlives the call.
-        check(t, "deviceCreate", unsafe { entry(t.device_create, "deviceCreate")?(std::ptr::null_mut(), cfgs.as_ptr(), &mut device) })?;
+        check(t, "deviceCreate", unsafe {
+            entry(t.device_create, "deviceCreate")?(std::ptr::null_mut(), cfgs.as_ptr(), &mut device)
+        })?;
         b.device = device;
         Ok(b)
     }
@@ -177,7 +182,9 @@ impl<'l> Backend<'l> {
     pub fn build_id(&self) -> Result<String> {
         let mut id: *const c_char = std::ptr::null();
         // SAFETY: `id` is valid for a write; the library points it at a string it keeps.
-        check(self.t, "backendGetBuildId", unsafe { entry(self.t.backend_get_build_id, "backendGetBuildId")?(&mut id) })?;
+        check(self.t, "backendGetBuildId", unsafe {
+            entry(self.t.backend_get_build_id, "backendGetBuildId")?(&mut id)
+        })?;
         Ok(if id.is_null() {
             String::new()
         } else {
@@ -249,7 +256,14 @@ impl<'b> Context<'b> {
         check(self.t, "graphCreate", unsafe {
             entry(self.t.graph_create, "graphCreate")?(self.handle, cname.as_ptr(), std::ptr::null(), &mut handle)
         })?;
-        Ok(GraphBuilder { t: self.t, handle, tensors: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), _context: PhantomData })
+        Ok(GraphBuilder {
+            t: self.t,
+            handle,
+            tensors: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            _context: PhantomData,
+        })
     }
 
     /// The context as a binary (every graph in it finalized), for [`Backend::context_from_binary`].
@@ -263,7 +277,12 @@ impl<'b> Context<'b> {
         let mut written = 0u64;
         // SAFETY: `buf` is writable for `size` bytes; `written` valid for a write.
         check(self.t, "contextGetBinary", unsafe {
-            entry(self.t.context_get_binary, "contextGetBinary")?(self.handle, buf.as_mut_ptr().cast(), size, &mut written)
+            entry(self.t.context_get_binary, "contextGetBinary")?(
+                self.handle,
+                buf.as_mut_ptr().cast(),
+                size,
+                &mut written,
+            )
         })?;
         buf.truncate(written.min(size) as usize);
         Ok(buf)
@@ -344,7 +363,8 @@ impl<'c> GraphBuilder<'c> {
             }
             // QNN copies a static tensor's data when it is created and never writes it (the
             // `*mut` is its API's).
-            d.tensor.v.v1.memory.client_buf = ClientBuffer { data: bytes.as_ptr() as *mut _, data_size: bytes.len() as u32 };
+            d.tensor.v.v1.memory.client_buf =
+                ClientBuffer { data: bytes.as_ptr() as *mut _, data_size: bytes.len() as u32 };
         }
         // SAFETY: live graph; `d.tensor` points to its name, shape and (for static data) bytes,
         // all alive during the call; QNN writes the tensor's id into it.
@@ -407,7 +427,9 @@ impl<'c> GraphBuilder<'c> {
                     qparams.push(Param {
                         param_type: PARAMTYPE_SCALAR,
                         name: n.as_ptr(),
-                        value: ParamValue { scalar: Scalar { data_type: *data_type, value: ScalarValue { u64: *value } } },
+                        value: ParamValue {
+                            scalar: Scalar { data_type: *data_type, value: ScalarValue { u64: *value } },
+                        },
                     });
                     names.push(n);
                 }
@@ -533,7 +555,10 @@ impl Graph<'_> {
         let mut ins = Vec::with_capacity(inputs.len());
         for (d, buf) in self.inputs.iter().zip(inputs) {
             if Some(buf.len()) != d.spec.bytes() {
-                return Err(refused("graphExecute", format!("input {} takes {:?} bytes, given {}", d.spec.name, d.spec.bytes(), buf.len())));
+                return Err(refused(
+                    "graphExecute",
+                    format!("input {} takes {:?} bytes, given {}", d.spec.name, d.spec.bytes(), buf.len()),
+                ));
             }
             let mut t = d.tensor;
             // QNN reads an input's buffer; the cast to *mut is its API's, it does not write.
@@ -543,7 +568,10 @@ impl Graph<'_> {
         let mut outs = Vec::with_capacity(outputs.len());
         for (d, buf) in self.outputs.iter().zip(outputs.iter_mut()) {
             if Some(buf.len()) != d.spec.bytes() {
-                return Err(refused("graphExecute", format!("output {} takes {:?} bytes, given {}", d.spec.name, d.spec.bytes(), buf.len())));
+                return Err(refused(
+                    "graphExecute",
+                    format!("output {} takes {:?} bytes, given {}", d.spec.name, d.spec.bytes(), buf.len()),
+                ));
             }
             let mut t = d.tensor;
             t.v.v1.memory.client_buf = ClientBuffer { data: buf.as_mut_ptr().cast(), data_size: buf.len() as u32 };

@@ -371,7 +371,12 @@ pub struct FunctionTable {
     pub backend_validate_op_config: Option<unsafe extern "C" fn(backend: Handle, op: OpConfig) -> ErrorHandle>,
     pub backend_free: Option<unsafe extern "C" fn(backend: Handle) -> ErrorHandle>,
     pub context_create: Option<
-        unsafe extern "C" fn(backend: Handle, device: Handle, config: *const *const Config, context: *mut Handle) -> ErrorHandle,
+        unsafe extern "C" fn(
+            backend: Handle,
+            device: Handle,
+            config: *const *const Config,
+            context: *mut Handle,
+        ) -> ErrorHandle,
     >,
     pub context_set_config: Unused,
     pub context_get_binary_size: Option<unsafe extern "C" fn(context: Handle, size: *mut u64) -> ErrorHandle>,

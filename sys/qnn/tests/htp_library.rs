@@ -17,9 +17,8 @@ fn find_htp_library() -> PathBuf {
         return p.into();
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let out = std::process::Command::new(root.join("scripts/fetch-qnn.sh"))
-        .output()
-        .expect("scripts/fetch-qnn.sh runs");
+    let out =
+        std::process::Command::new(root.join("scripts/fetch-qnn.sh")).output().expect("scripts/fetch-qnn.sh runs");
     assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
 }
@@ -166,7 +165,8 @@ fn a_w8a8_fully_connected_layer_is_within_one_lsb_of_ideal_rounding() {
     let q = |scale: f32, offset: i32| Quantization::PerTensor { scale, offset };
     let tx = g.input(&TensorSpec::new("x", &[m as u32, k as u32], dt::UFIXED_POINT_8, q(sx, -zx))).expect("x");
     let w_bytes: Vec<u8> = wq.iter().map(|&v| v as u8).collect();
-    let tw = g.constant(&TensorSpec::new("w", &[n as u32, k as u32], dt::SFIXED_POINT_8, q(sw, 0)), &w_bytes).expect("w");
+    let tw =
+        g.constant(&TensorSpec::new("w", &[n as u32, k as u32], dt::SFIXED_POINT_8, q(sw, 0)), &w_bytes).expect("w");
     let b_bytes: Vec<u8> = bq.iter().flat_map(|v| v.to_le_bytes()).collect();
     let tb = g.constant(&TensorSpec::new("b", &[n as u32], dt::SFIXED_POINT_32, q(sx * sw, 0)), &b_bytes).expect("b");
     let ty = g.output(&TensorSpec::new("y", &[m as u32, n as u32], dt::UFIXED_POINT_8, q(sy, -zy))).expect("y");
