@@ -8,7 +8,8 @@
 //! serves model files (llmd, llmctl) sets a [`Sandbox`]: every template that is not one of the
 //! built-ins is then rendered in a child process of its own ([`sandbox_child_main`]) limited to
 //! [`SANDBOX_MEMORY`] bytes of address space beyond its start and [`SANDBOX_CPU_S`] seconds of
-//! CPU. A template that goes past them kills only that child, and the request gets
+//! CPU, and killed if it has not answered within [`SANDBOX_WALL`]. A template that goes past
+//! them kills only that child, and the request gets
 //! [`ChatTemplateError::Sandbox`]. Without a sandbox set (tests, the fuzz targets, library
 //! users) templates render in the calling process.
 //!
@@ -79,7 +80,10 @@ impl std::io::Write for Capped {
 
 /// A compiled chat template.
 pub struct ChatTemplate {
-    env: minijinja::Environment<'static>,
+    /// The compiled template; `None` for a model's template checked in the sandbox (compiling
+    /// runs minijinja's constant folding, itself unbounded: `'y' in ['x'] * 999999999` took
+    /// 56 s to compile), which is compiled only where it renders.
+    env: Option<minijinja::Environment<'static>>,
     pub source: String,
     /// One of the built-in templates (rendered in-process even with a sandbox set).
     builtin: bool,
@@ -105,12 +109,19 @@ pub fn set_sandbox(sandbox: Sandbox) -> bool {
 /// executable and libraries): real templates need well under a megabyte for any conversation a
 /// request can carry (256 KiB of messages, rendered at most three times over).
 pub const SANDBOX_MEMORY: u64 = 512 << 20;
-/// CPU seconds the sandbox process may use; fuel ends a looping template within about one.
-pub const SANDBOX_CPU_S: u64 = 10;
+/// CPU seconds the sandbox process may use: real templates render in milliseconds, and the
+/// worker waits for the sandbox, so a template that spins must cost it little.
+pub const SANDBOX_CPU_S: u64 = 2;
+/// How long the parent waits for the sandbox's answer before it kills it (a child that
+/// sleeps or is starved of CPU is stopped too).
+pub const SANDBOX_WALL: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// What the parent sends the sandbox process (JSON on its standard input).
 #[derive(Serialize, Deserialize)]
 struct RenderJob {
+    /// Only compile the template (its check when a model is loaded).
+    #[serde(default)]
+    compile_only: bool,
     source: String,
     messages: Vec<ChatMessage>,
     add_generation_prompt: bool,
@@ -152,6 +163,7 @@ pub fn sandbox_child_main() -> i32 {
     let reply = match ChatTemplate::compile(&job.source, false) {
         Err(ChatTemplateError::Compile(e)) => RenderReply::Compile(e),
         Err(e) => RenderReply::Render(e.to_string()),
+        Ok(_) if job.compile_only => RenderReply::Text(String::new()),
         Ok(t) => match t.render_here(&job.messages, job.add_generation_prompt, &job.bos_token, &job.eos_token) {
             Ok(text) => RenderReply::Text(text),
             Err(ChatTemplateError::OutOfFuel { fuel }) => RenderReply::OutOfFuel(fuel),
@@ -181,13 +193,29 @@ fn render_in(sandbox: &Sandbox, job: &RenderJob, limit: usize) -> Result<String,
         .stderr(std::process::Stdio::null())
         .spawn()
         .map_err(|e| fail(format!("cannot start {}: {e}", sandbox.program.display())))?;
+    // The answer is read on a thread of its own, so the child can be killed after SANDBOX_WALL
+    // however it stalls. An answer longer than the longest rendering allowed (plus its JSON
+    // escaping) is not read.
+    let stdout = child.stdout.take();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let r = stdout.map(|o| o.take(limit as u64 * 6 + 4096).read_to_end(&mut out));
+        let _ = tx.send(());
+        (r, out)
+    });
     // The child reads all of its input before it writes, so writing first cannot deadlock. A
     // child that died early makes this write fail; its status says why.
     let wrote = child.stdin.take().map(|mut i| i.write_all(&input));
-    let mut out = Vec::new();
-    // An answer longer than the longest rendering allowed (plus its JSON escaping) is not read.
-    let read = child.stdout.take().map(|o| o.take(limit as u64 * 6 + 4096).read_to_end(&mut out));
+    let timed_out = rx.recv_timeout(SANDBOX_WALL).is_err();
+    if timed_out {
+        let _ = child.kill();
+    }
     let status = child.wait().map_err(|e| fail(format!("waiting for it: {e}")))?;
+    let (read, out) = reader.join().map_err(|_| fail("its reader failed".into()))?;
+    if timed_out {
+        return Err(fail(format!("no answer within {} s: stopped", SANDBOX_WALL.as_secs())));
+    }
     if !status.success() {
         use std::os::unix::process::ExitStatusExt;
         return Err(fail(match (status.signal(), status.code()) {
@@ -284,6 +312,54 @@ fn format_utc(secs: u64, format: &str) -> String {
     out
 }
 
+/// Items (counted through nested sequences and maps) one printed value may hold: each prints
+/// as at least two bytes, so more than this cannot fit in any rendering allowed.
+pub const MAX_PRINTED_ITEMS: usize = 1 << 20;
+
+/// Whether `value` holds at most `budget` items, nested ones included, counted without walking
+/// more than that many (a sized sequence's length is read before its items).
+fn printable_within(value: &minijinja::Value, budget: &mut usize) -> bool {
+    use minijinja::value::ValueKind;
+    if !matches!(value.kind(), ValueKind::Seq | ValueKind::Map | ValueKind::Iterable) {
+        return true;
+    }
+    if value.len().is_some_and(|n| n > *budget) {
+        return false;
+    }
+    let Ok(items) = value.try_iter() else { return true };
+    for item in items {
+        if *budget == 0 {
+            return false;
+        }
+        *budget -= 1;
+        // A map's items are its keys: print their values too.
+        let v = if value.kind() == ValueKind::Map { value.get_item(&item).unwrap_or_default() } else { item };
+        if !printable_within(&v, budget) {
+            return false;
+        }
+    }
+    true
+}
+
+/// minijinja's own formatter, refusing first a value with more items than any rendering can
+/// hold: minijinja walks every item of a printed sequence even after the output has refused
+/// more, so `{{ ['x'] * 999999999 }}` ran for seconds past the output limit (found by the
+/// `chat_template` fuzzer).
+fn bounded_formatter(
+    out: &mut minijinja::Output<'_>,
+    state: &minijinja::State<'_, '_>,
+    value: &minijinja::Value,
+) -> Result<(), minijinja::Error> {
+    let mut budget = MAX_PRINTED_ITEMS;
+    if !printable_within(value, &mut budget) {
+        return Err(minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("a printed value holds more than {MAX_PRINTED_ITEMS} items"),
+        ));
+    }
+    minijinja::escape_formatter(out, state, value)
+}
+
 fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
     Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
 }
@@ -292,7 +368,22 @@ impl ChatTemplate {
     /// Compiles a Jinja template in the dialect HF chat templates use (a model file's: rendered
     /// in the [`Sandbox`] when one is set, unless it is a built-in template's exact text).
     pub fn new(source: &str) -> Result<Self, ChatTemplateError> {
-        Self::compile(source, source == CHATML || source == LLAMA3)
+        let builtin = source == CHATML || source == LLAMA3;
+        match SANDBOX.get() {
+            Some(sandbox) if !builtin => {
+                let job = RenderJob {
+                    compile_only: true,
+                    source: source.to_owned(),
+                    messages: Vec::new(),
+                    add_generation_prompt: false,
+                    bos_token: String::new(),
+                    eos_token: String::new(),
+                };
+                render_in(sandbox, &job, RENDER_BYTES)?;
+                Ok(Self { env: None, source: source.to_owned(), builtin })
+            }
+            _ => Self::compile(source, builtin),
+        }
     }
 
     fn compile(source: &str, builtin: bool) -> Result<Self, ChatTemplateError> {
@@ -302,8 +393,9 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.set_fuel(Some(RENDER_FUEL));
+        env.set_formatter(bounded_formatter);
         env.add_template_owned("chat", source.to_owned()).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
-        Ok(Self { env, source: source.to_owned(), builtin })
+        Ok(Self { env: Some(env), source: source.to_owned(), builtin })
     }
 
     /// A built-in template by name: `chatml` or `llama3`.
@@ -341,6 +433,7 @@ impl ChatTemplate {
         eos_token: &str,
     ) -> Result<String, ChatTemplateError> {
         let job = RenderJob {
+            compile_only: false,
             source: self.source.clone(),
             messages: messages.to_vec(),
             add_generation_prompt,
@@ -358,7 +451,11 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<String, ChatTemplateError> {
-        let tmpl = self.env.get_template("chat").map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        let Some(env) = &self.env else {
+            // Checked in the sandbox, rendered here on request: compile it now.
+            return Self::compile(&self.source, self.builtin)?.render_here(messages, add_generation_prompt, bos_token, eos_token);
+        };
+        let tmpl = env.get_template("chat").map_err(|e| ChatTemplateError::Render(e.to_string()))?;
         let limit = render_limit(messages);
         let mut out = Capped { out: Vec::new(), limit, over: false };
         let ctx = minijinja::context! {
@@ -413,6 +510,20 @@ mod tests {
     }
 
     #[test]
+    fn printing_a_sequence_repeated_a_billion_times_is_refused_at_once() {
+        // Found by the chat_template fuzzer: 12 s in minijinja's printing of the sequence.
+        for source in ["{{-['cod'] * 999999999 }}", "{{ [['x'] * 999999999] }}", "{{ {'a': ['x'] * 999999999} }}"] {
+            let t = ChatTemplate::new(source).expect("compiles");
+            let t0 = std::time::Instant::now();
+            assert!(t.render_here(&[], true, "", "").is_err(), "{source}");
+            assert!(t0.elapsed() < std::time::Duration::from_secs(1), "{source}: {:?}", t0.elapsed());
+        }
+        // Printing ordinary sequences and maps is unchanged.
+        let t = ChatTemplate::new("{{ [1, 'a', [2]] }} {{ {'k': 'v'} }} {{ ['x'] * 3 }}").expect("compiles");
+        assert_eq!(t.render_here(&[], true, "", "").expect("renders"), r#"[1, "a", [2]] {"k": "v"} ["x", "x", "x"]"#);
+    }
+
+    #[test]
     fn a_template_that_loops_for_long_runs_out_of_fuel() {
         // 10^8 iterations: minutes of work before fuel bounded it (found by fuzzing).
         let t = ChatTemplate::new("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}")
@@ -446,7 +557,7 @@ mod tests {
             (0..2000).map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "hello")).collect();
         for src in [smol, CHATML, LLAMA3] {
             let t = ChatTemplate::new(src).expect("compiles");
-            let tmpl = t.env.get_template("chat").expect("template");
+            let tmpl = t.env.as_ref().expect("compiled in-process").get_template("chat").expect("template");
             let rendered = tmpl
                 .render_captured(minijinja::context! { messages => &msgs, add_generation_prompt => true })
                 .expect("renders");
