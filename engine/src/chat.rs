@@ -453,7 +453,12 @@ impl ChatTemplate {
     ) -> Result<String, ChatTemplateError> {
         let Some(env) = &self.env else {
             // Checked in the sandbox, rendered here on request: compile it now.
-            return Self::compile(&self.source, self.builtin)?.render_here(messages, add_generation_prompt, bos_token, eos_token);
+            return Self::compile(&self.source, self.builtin)?.render_here(
+                messages,
+                add_generation_prompt,
+                bos_token,
+                eos_token,
+            );
         };
         let tmpl = env.get_template("chat").map_err(|e| ChatTemplateError::Render(e.to_string()))?;
         let limit = render_limit(messages);

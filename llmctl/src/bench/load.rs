@@ -31,7 +31,7 @@
 //! A request is lost if no terminal callback (completed or error) arrives, duplicated if a
 //! second one does (checked by draining every request's callback channel at the end).
 
-use super::LoadArgs;
+use super::{percentile, LoadArgs};
 use crate::client::{self, Connection, Event};
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use llmd_aidl::Priority::Priority;
@@ -56,17 +56,6 @@ struct Outcome {
     error: Option<String>,
     /// The daemon's own figures from `onCompleted`: (queue wait, time to first token) in ms.
     server: Option<(i64, i64)>,
-}
-
-fn percentile(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    // Nearest rank.
-    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
-    s[rank.min(s.len()) - 1]
 }
 
 fn prompt(foreground: bool, i: u64) -> String {

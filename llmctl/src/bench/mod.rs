@@ -27,6 +27,17 @@ blue sky. Visitors walked along the cliffs to watch the waves break on the rocks
 stopped at the small museum that told the story of the great storm of the last century, when the \
 sea had swallowed half the harbour wall in a single night. ";
 
+/// The nearest-rank `p`th percentile of `v` (NaN when empty), for `load` and `soak`.
+pub(crate) fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
+    s[rank.min(s.len()) - 1]
+}
+
 /// The options of `llmctl bench`.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {

@@ -35,7 +35,7 @@
 //! - **descriptors flat**: the daemon's descriptors once every client is gone, against the
 //!   count before the first client came (the sampler's own connection is open in both).
 
-use super::LoadArgs;
+use super::{percentile, LoadArgs};
 use crate::client::{self, Connection, Event};
 use llmd_aidl::ChatMessage::ChatMessage;
 use llmd_aidl::GenerateRequest::GenerateRequest;
@@ -178,16 +178,6 @@ fn sample(conn: &Connection, start: Instant) -> Sample {
     s.running = st.requestsRunning.into();
     s.queued = st.requestsQueued.into();
     s
-}
-
-fn percentile(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
-    s[rank.min(s.len()) - 1]
 }
 
 fn median_u64(mut v: Vec<u64>) -> Option<u64> {
