@@ -15,7 +15,8 @@
 # (fuzz/work/TARGET, not committed). Crashing inputs land in fuzz/artifacts/TARGET/: fix the
 # product, then store the (minimised: `cargo +nightly fuzz tmin TARGET FILE`) input in
 # fuzz/regressions/TARGET/ — `cargo test` replays those and the corpus on stable
-# (engine/tests/fuzz_replay.rs, daemon/tests/fuzz_replay.rs).
+# (daemon/tests/fuzz_replay.rs). Every target binary renders model files' chat templates in a
+# sandbox process, itself started with --render-chat-template (llmd_engine::fuzzing::init).
 # Targets are built with debug assertions (integer overflow panics, as in tests) and, by
 # default, no sanitizer: the targets run safe Rust almost only, and AddressSanitizer costs ~5x
 # the executions. FUZZ_SANITIZER=address runs with it (a build of its own, fuzz/target/address).

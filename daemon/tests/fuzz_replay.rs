@@ -1,16 +1,22 @@
-//! The daemon's fuzz targets replayed on the stable toolchain: every stored input of
-//! `fuzz/corpus/<target>/` and `fuzz/regressions/<target>/` goes through the target's body
-//! (`llmd_daemon::fuzzing`), which must return without a panic and well within the fuzzing
-//! time limit. `scripts/fuzz.sh` runs the targets themselves.
+//! Every fuzz target replayed on the stable toolchain: every stored input of
+//! `fuzz/corpus/<target>/` (the seeds and what libFuzzer's merge kept) and of
+//! `fuzz/regressions/<target>/` (inputs that once crashed, hung or ran out of memory) goes
+//! through the target's body (`llmd_engine::fuzzing`, `llmd_daemon::fuzzing`), which must return
+//! without a panic and well within the fuzzing time limit. As in the fuzz binaries
+//! (`llmd_engine::fuzzing::init`), model files' chat templates render in a sandbox process:
+//! here the llmd binary. `scripts/fuzz.sh` runs the targets themselves.
 //!
 //! `write_seeds` (ignored) regenerates the `aidl` seeds: one transaction per method of each
 //! interface, and each parcelable alone, encoded by rsbinder as a client encodes them.
 
 use llmd_daemon::fuzzing;
+use llmd_engine::chat::{set_sandbox, Sandbox, SANDBOX_ARG};
+use llmd_engine::fuzzing as engine;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// libFuzzer's `-timeout` in `scripts/fuzz.sh`.
+/// libFuzzer's `-timeout` in `scripts/fuzz.sh` is 10 s per input (with instrumentation); a
+/// replay takes a fraction of that.
 const PER_INPUT: Duration = Duration::from_secs(10);
 
 fn fuzz_dir() -> PathBuf {
@@ -25,7 +31,9 @@ fn inputs(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// Runs every stored input of `target` through `body`; returns how many there were.
 fn replay(target: &str, body: fn(&[u8])) -> usize {
+    set_sandbox(Sandbox { program: env!("CARGO_BIN_EXE_llmd").into(), args: vec![SANDBOX_ARG.into()] });
     let mut n = 0;
     for kind in ["corpus", "regressions"] {
         for path in inputs(&fuzz_dir().join(kind).join(target)) {
@@ -41,6 +49,31 @@ fn replay(target: &str, body: fn(&[u8])) -> usize {
     }
     assert!(n > 0, "no stored input for fuzz target {target} (fuzz/corpus/{target}/)");
     n
+}
+
+#[test]
+fn gguf_inputs_replay_without_a_panic() {
+    replay("gguf", engine::gguf);
+}
+
+#[test]
+fn llmd_inputs_replay_without_a_panic() {
+    replay("llmd", engine::llmd);
+}
+
+#[test]
+fn hf_inputs_replay_without_a_panic() {
+    replay("hf", engine::hf);
+}
+
+#[test]
+fn tokenizer_inputs_replay_without_a_panic() {
+    replay("tokenizer", engine::tokenizer);
+}
+
+#[test]
+fn chat_template_inputs_replay_without_a_panic() {
+    replay("chat_template", engine::chat_template);
 }
 
 #[test]

@@ -85,8 +85,9 @@ pub struct ChatTemplate {
     /// 56 s to compile), which is compiled only where it renders.
     env: Option<minijinja::Environment<'static>>,
     pub source: String,
-    /// One of the built-in templates (rendered in-process even with a sandbox set).
-    builtin: bool,
+    /// Rendered in this process even with a sandbox set: the built-in templates (ours, trusted),
+    /// and copies made by [`Self::in_process`].
+    in_process: bool,
 }
 
 /// How model files' templates are rendered out of process: `program` with `args` runs
@@ -96,6 +97,10 @@ pub struct Sandbox {
     pub program: std::path::PathBuf,
     pub args: Vec<String>,
 }
+
+/// The hidden first argument that makes llmd, llmctl or a fuzz binary the sandbox process
+/// ([`sandbox_child_main`]).
+pub const SANDBOX_ARG: &str = "--render-chat-template";
 
 static SANDBOX: std::sync::OnceLock<Sandbox> = std::sync::OnceLock::new();
 
@@ -380,13 +385,13 @@ impl ChatTemplate {
                     eos_token: String::new(),
                 };
                 render_in(sandbox, &job, RENDER_BYTES)?;
-                Ok(Self { env: None, source: source.to_owned(), builtin })
+                Ok(Self { env: None, source: source.to_owned(), in_process: false })
             }
             _ => Self::compile(source, builtin),
         }
     }
 
-    fn compile(source: &str, builtin: bool) -> Result<Self, ChatTemplateError> {
+    fn compile(source: &str, in_process: bool) -> Result<Self, ChatTemplateError> {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -395,7 +400,14 @@ impl ChatTemplate {
         env.set_fuel(Some(RENDER_FUEL));
         env.set_formatter(bounded_formatter);
         env.add_template_owned("chat", source.to_owned()).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
-        Ok(Self { env: Some(env), source: source.to_owned(), builtin })
+        Ok(Self { env: Some(env), source: source.to_owned(), in_process })
+    }
+
+    /// This template compiled to render in this process whatever the sandbox: for fuzzing, once
+    /// the sandbox has shown that the renderings to be made end within its bounds
+    /// (`crate::fuzzing::chat_template`).
+    pub(crate) fn in_process(&self) -> Result<Self, ChatTemplateError> {
+        Self::compile(&self.source, true)
     }
 
     /// A built-in template by name: `chatml` or `llama3`.
@@ -416,7 +428,7 @@ impl ChatTemplate {
         eos_token: &str,
     ) -> Result<String, ChatTemplateError> {
         match SANDBOX.get() {
-            Some(sandbox) if !self.builtin => {
+            Some(sandbox) if !self.in_process => {
                 self.render_sandboxed(sandbox, messages, add_generation_prompt, bos_token, eos_token)
             }
             _ => self.render_here(messages, add_generation_prompt, bos_token, eos_token),
@@ -453,7 +465,7 @@ impl ChatTemplate {
     ) -> Result<String, ChatTemplateError> {
         let Some(env) = &self.env else {
             // Checked in the sandbox, rendered here on request: compile it now.
-            return Self::compile(&self.source, self.builtin)?.render_here(
+            return Self::compile(&self.source, self.in_process)?.render_here(
                 messages,
                 add_generation_prompt,
                 bos_token,

@@ -1,13 +1,14 @@
 //! The bodies of the engine's fuzz targets (`fuzz/fuzz_targets/*.rs`, run with cargo-fuzz by
 //! `scripts/fuzz.sh`) and of the replay of their stored corpora on the stable toolchain
-//! (`engine/tests/fuzz_replay.rs`, part of `cargo test`).
+//! (`daemon/tests/fuzz_replay.rs`, part of `cargo test`, with llmd as the chat-template sandbox).
 //!
 //! Each body hands its bytes to the entry points the product uses on a model file — the same
 //! functions [`crate::Model::load`], [`crate::probe`] and `llmctl convert` call — and must return:
 //! never panic, hang, or allocate in proportion to a size the input claims rather than holds.
 //! Errors are the expected outcome for most inputs and are dropped.
 
-use crate::chat::{ChatMessage, ChatTemplate};
+use crate::chat::{ChatMessage, ChatTemplate, Sandbox, SANDBOX_ARG};
+use crate::error::{ChatTemplateError, GenerateError};
 use crate::format::gguf::{Array, GgufFile, Value};
 use crate::format::{hf, llmd, ModelBytes, TensorMap};
 use crate::model::weights::ModelWeights;
@@ -288,11 +289,34 @@ fn small_tokenizer() -> &'static Tokenizer {
     })
 }
 
+/// Called once by every fuzz binary before it fuzzes (`fuzz_target!(init: ...)`), and by the
+/// replay tests' own way (they set llmd as the sandbox). Started with [`SANDBOX_ARG`], the
+/// binary is the chat-template sandbox and exits with its status; otherwise it sets itself as
+/// the sandbox, so model files' templates render out of process as in llmd
+/// ([`crate::chat::set_sandbox`]). libFuzzer calls this before it reads its flags, and ignores
+/// flags that start with `--`.
+pub fn init() {
+    if std::env::args_os().nth(1).is_some_and(|a| a == SANDBOX_ARG) {
+        std::process::exit(crate::chat::sandbox_child_main());
+    }
+    if let Ok(program) = std::env::current_exe() {
+        crate::chat::set_sandbox(Sandbox { program, args: vec![SANDBOX_ARG.into()] });
+    }
+}
+
 /// Target `chat_template`: a chat template and a conversation, both hostile. The input is the
 /// template's source, then messages, each after a NUL byte as `role`, a newline and the
-/// content (no newline: a user message). The template is compiled ([`ChatTemplate::new`]),
-/// rendered, and the chat tokenized as a request's is ([`generate::chat_tokens`]: control
-/// tokens only from the template's own text) with a small ChatML tokenizer.
+/// content (no newline: a user message).
+///
+/// First as llmd takes a model's template: compiled ([`ChatTemplate::new`]) and the chat
+/// tokenized as a request's is ([`generate::chat_tokens`]: control tokens only from the
+/// template's own text, with a small ChatML tokenizer), both rendering in the sandbox set by
+/// [`init`]. A template that goes past the sandbox's CPU, memory or time is stopped there: the
+/// product's answer, and the end of this input (minijinja has no bound on some operations, such
+/// as printing a sequence repeated 10^10 times, so such a template would hang this process).
+/// A template the sandbox rendered within its bounds is then compiled and rendered again in
+/// this process (where the fuzzer sees its coverage) and must give the same tokens, or an
+/// error again.
 pub fn chat_template(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     let mut parts = text.split('\0');
@@ -304,6 +328,24 @@ pub fn chat_template(data: &[u8]) {
         })
         .collect();
     let Ok(tmpl) = ChatTemplate::new(source) else { return };
-    let _ = tmpl.render(&messages, false, "", "");
-    let _ = generate::chat_tokens(small_tokenizer(), &tmpl, &messages);
+    let sandboxed = generate::chat_tokens(small_tokenizer(), &tmpl, &messages);
+    if matches!(sandboxed, Err(GenerateError::ChatTemplate(ChatTemplateError::Sandbox(_)))) {
+        return;
+    }
+    let here = match tmpl.in_process() {
+        Ok(t) => generate::chat_tokens(small_tokenizer(), &t, &messages),
+        Err(e) => Err(e.into()),
+    };
+    match (&sandboxed, &here) {
+        (Ok(a), Ok(b)) => {
+            // The clock differs between the two renderings.
+            assert!(a == b || source.contains("strftime_now"), "the sandbox and this process tokenize differently")
+        }
+        (Err(_), Err(_)) => {}
+        _ => panic!(
+            "the sandbox and this process disagree: {:?} there, {:?} here",
+            sandboxed.map(|t| t.len()),
+            here.map(|t| t.len())
+        ),
+    }
 }

@@ -219,9 +219,7 @@ fn check_budget(
     Ok(())
 }
 
-/// The hidden first argument that makes this process the chat-template sandbox
-/// (`llmd_engine::chat::sandbox_child_main`), started by llmd itself.
-const RENDER_CHAT_TEMPLATE: &str = "--render-chat-template";
+use llmd_engine::chat::SANDBOX_ARG as RENDER_CHAT_TEMPLATE;
 
 fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == RENDER_CHAT_TEMPLATE) {

@@ -1,77 +1,16 @@
-//! The engine's fuzz targets replayed on the stable toolchain: every stored input of
-//! `fuzz/corpus/<target>/` (the seeds and what `cargo fuzz cmin` kept) and of
-//! `fuzz/regressions/<target>/` (inputs that once crashed, hung or ran out of memory) goes
-//! through the target's body (`llmd_engine::fuzzing`), which must return without a panic and
-//! well within the fuzzing time limit. `scripts/fuzz.sh` runs the targets themselves.
-//!
-//! `write_seeds` (ignored) regenerates the seeds Rust makes: llmd heads converted from the GGUF
-//! seeds, and HF `tokenizer.json` inputs of the tokenizer target. `fuzz/seeds.py` makes the rest.
+//! The engine's fuzz seeds: `write_seeds` (ignored) regenerates the seeds Rust makes (llmd heads
+//! converted from the GGUF seeds, and HF `tokenizer.json` inputs of the tokenizer target;
+//! `fuzz/seeds.py` makes the rest), and `the_model_seeds_load` checks the model seeds are whole
+//! models. Every target's stored inputs are replayed in `daemon/tests/fuzz_replay.rs`, where
+//! llmd is at hand as the chat-template sandbox.
 
-use llmd_engine::fuzzing;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
-
-/// libFuzzer's `-timeout` in `scripts/fuzz.sh` is 10 s per input (with sanitizers and
-/// instrumentation); a replay in release takes a fraction of that.
-const PER_INPUT: Duration = Duration::from_secs(10);
 
 fn fuzz_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
 }
 
-fn inputs(dir: &Path) -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect())
-        .unwrap_or_default();
-    files.sort();
-    files
-}
-
-/// Runs every stored input of `target` through `body`; returns how many there were.
-fn replay(target: &str, body: fn(&[u8])) -> usize {
-    let mut n = 0;
-    for kind in ["corpus", "regressions"] {
-        for path in inputs(&fuzz_dir().join(kind).join(target)) {
-            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            let t0 = Instant::now();
-            if std::panic::catch_unwind(|| body(&data)).is_err() {
-                panic!("fuzz target {target} panics on {}", path.display());
-            }
-            let took = t0.elapsed();
-            assert!(took < PER_INPUT, "fuzz target {target} took {took:?} on {}", path.display());
-            n += 1;
-        }
-    }
-    assert!(n > 0, "no stored input for fuzz target {target} (fuzz/corpus/{target}/)");
-    n
-}
-
-#[test]
-fn gguf_inputs_replay_without_a_panic() {
-    replay("gguf", fuzzing::gguf);
-}
-
-#[test]
-fn llmd_inputs_replay_without_a_panic() {
-    replay("llmd", fuzzing::llmd);
-}
-
-#[test]
-fn hf_inputs_replay_without_a_panic() {
-    replay("hf", fuzzing::hf);
-}
-
-#[test]
-fn tokenizer_inputs_replay_without_a_panic() {
-    replay("tokenizer", fuzzing::tokenizer);
-}
-
-#[test]
-fn chat_template_inputs_replay_without_a_panic() {
-    replay("chat_template", fuzzing::chat_template);
-}
-
-/// Regenerates the Rust-made seeds: `cargo test --release -p llmd-engine --test fuzz_replay --
+/// Regenerates the Rust-made seeds: `cargo test --release -p llmd-engine --test fuzz_seeds --
 /// --ignored write_seeds` (after `python3 fuzz/seeds.py`, whose GGUF seeds it converts).
 #[test]
 #[ignore = "writes fuzz/corpus; run by hand when the formats change"]
