@@ -142,6 +142,17 @@ pub enum BackendError {
     ModelFileTruncated(String),
 }
 
+/// The NPU path refused a graph or its numbers, or QNN failed a call.
+#[derive(Debug, Error)]
+pub enum NpuError {
+    #[error("NPU graph {graph}: {detail}")]
+    Shape { graph: String, detail: String },
+    #[error("NPU quantization: {0}")]
+    Quantization(String),
+    #[error(transparent)]
+    Qnn(#[from] qnn_sys::api::QnnError),
+}
+
 /// Any engine error, for callers that do not care which part failed.
 #[derive(Debug, Error)]
 pub enum EngineError {

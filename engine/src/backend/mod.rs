@@ -6,6 +6,7 @@ pub mod blocks;
 pub mod cpu;
 pub mod device_run;
 pub mod kv;
+pub mod npu;
 pub mod weight;
 
 use crate::backend::kv::{KvInput, KvLayer};

@@ -67,12 +67,14 @@ fn check(t: &FunctionTable, call: &'static str, e: ErrorHandle) -> Result<()> {
 }
 
 /// How a tensor's values map to real numbers.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Quantization {
     /// A float (or plain integer) tensor.
     None,
     /// `real = (q + offset) * scale` for the whole tensor (QNN's offset is the negated zero point).
     PerTensor { scale: f32, offset: i32 },
+    /// One scale and offset per index along `axis` (a weight's output channels, say).
+    PerAxis { axis: i32, scale_offsets: Vec<(f32, i32)> },
 }
 
 /// A tensor of a graph: its name (unique in the graph), shape, `data_type` and quantization.
@@ -109,6 +111,8 @@ struct Described {
     tensor: Tensor,
     _name: CString,
     _dims: Box<[u32]>,
+    /// A per-axis quantization's scales and offsets, which `tensor` points to.
+    _scale_offsets: Box<[ScaleOffset]>,
 }
 
 fn describe(spec: &TensorSpec, kind: u32) -> Result<Described> {
@@ -118,9 +122,21 @@ fn describe(spec: &TensorSpec, kind: u32) -> Result<Described> {
         return Err(refused("tensor", format!("tensor {} is 4 GiB or more", spec.name)));
     }
     let mut dims: Box<[u32]> = spec.dims.clone().into_boxed_slice();
-    let quantize_params = match spec.quantization {
+    let mut scale_offsets: Box<[ScaleOffset]> = Box::new([]);
+    let quantize_params = match &spec.quantization {
         Quantization::None => QuantizeParams::NONE,
-        Quantization::PerTensor { scale, offset } => QuantizeParams::per_tensor(scale, offset),
+        Quantization::PerTensor { scale, offset } => QuantizeParams::per_tensor(*scale, *offset),
+        Quantization::PerAxis { axis, scale_offsets: so } => {
+            let along = usize::try_from(*axis).ok().and_then(|a| spec.dims.get(a));
+            if along != Some(&(so.len() as u32)) {
+                return Err(refused(
+                    "tensor",
+                    format!("tensor {}: {} scales for axis {axis} of {:?}", spec.name, so.len(), spec.dims),
+                ));
+            }
+            scale_offsets = so.iter().map(|&(scale, offset)| ScaleOffset { scale, offset }).collect();
+            QuantizeParams::per_axis(*axis, &mut scale_offsets)
+        }
     };
     let tensor = Tensor {
         version: TENSOR_VERSION_1,
@@ -139,7 +155,7 @@ fn describe(spec: &TensorSpec, kind: u32) -> Result<Described> {
             },
         },
     };
-    Ok(Described { spec: spec.clone(), tensor, _name: name, _dims: dims })
+    Ok(Described { spec: spec.clone(), tensor, _name: name, _dims: dims, _scale_offsets: scale_offsets })
 }
 
 /// A QNN backend and its device, for one chip (`soc`: QNN's `Qnn_SocModel_t`, e.g. SM8650 = 57).
@@ -489,6 +505,7 @@ fn placeholder() -> Described {
         tensor: Tensor { version: 0, v: TensorVersions { v1: empty_v1() } },
         _name: CString::default(),
         _dims: Box::new([]),
+        _scale_offsets: Box::new([]),
     }
 }
 

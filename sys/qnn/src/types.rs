@@ -125,6 +125,20 @@ impl QuantizeParams {
         },
     };
 
+    /// One scale and offset per index along `axis`; the result points into `scale_offsets`, which
+    /// must outlive every use of it.
+    pub fn per_axis(axis: i32, scale_offsets: &mut [ScaleOffset]) -> Self {
+        let mut q = Self::NONE;
+        q.encoding_definition = quantization::DEFINED;
+        q.quantization_encoding = quantization::AXIS_SCALE_OFFSET;
+        q.encoding.axis_scale_offset = AxisScaleOffset {
+            axis,
+            num_scale_offsets: scale_offsets.len() as u32,
+            scale_offset: scale_offsets.as_mut_ptr(),
+        };
+        q
+    }
+
     /// One scale and offset for the whole tensor.
     pub fn per_tensor(scale: f32, offset: i32) -> Self {
         let mut q = Self::NONE;

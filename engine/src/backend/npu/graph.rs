@@ -1,0 +1,172 @@
+//! The NPU's graphs: a transformer layer's linear groups (QKV, O, gate/up, down) as QNN graphs of
+//! W8A8 `FullyConnected` nodes, one graph per group and chunk size (static shapes: a prompt is cut
+//! into chunks of the graph's size, llm.npu's chunked prefill).
+//!
+//! A group's projections share one input (the QKV projections read the same normed hidden
+//! state, gate and up too), so a group is one graph with one uint8 input `[chunk, k]` and one
+//! uint8 output `[chunk, n]` per projection. Norms, RoPE, attention and the SiLU·up product stay
+//! on the CPU in float (llm.npu's split): the graph's outputs are dequantized there.
+//!
+//! QNN's library accepts a `FullyConnected` whose weight does not match its input's width
+//! (seen with Qualcomm's x86-64 HTP library), so every shape is checked here before QNN sees it.
+
+use super::quant::{ActQuant, QuantWeights, WeightScales};
+use crate::error::NpuError;
+use qnn_sys::api::{Context, Graph, Quantization, TensorSpec};
+use qnn_sys::data_type as dt;
+
+/// One projection of a group: its weights, optional bias (int32 at input × weight scale), and
+/// the calibrated quantization of its output.
+#[derive(Clone, Debug)]
+pub struct Projection {
+    pub name: String,
+    pub weights: QuantWeights,
+    pub bias: Option<Vec<i32>>,
+    pub output: ActQuant,
+}
+
+/// Projections reading one input: the unit a graph is built for.
+#[derive(Clone, Debug)]
+pub struct LinearGroup {
+    pub name: String,
+    pub input: ActQuant,
+    pub projections: Vec<Projection>,
+}
+
+impl LinearGroup {
+    /// The input's width (every projection's weight columns).
+    pub fn k(&self) -> usize {
+        self.projections.first().map_or(0, |p| p.weights.cols)
+    }
+
+    /// Refuses a group whose projections do not fit together or whose numbers QNN cannot take.
+    pub fn check(&self) -> Result<(), NpuError> {
+        let bad = |detail: String| Err(NpuError::Shape { graph: self.name.clone(), detail });
+        if self.projections.is_empty() {
+            return bad("no projections".into());
+        }
+        let k = self.k();
+        check_quant(&self.name, "input", self.input)?;
+        for p in &self.projections {
+            let w = &p.weights;
+            if w.cols != k {
+                return bad(format!("{} takes {} inputs, the group's input has {k}", p.name, w.cols));
+            }
+            if w.q.len() != w.rows * w.cols {
+                return bad(format!("{} holds {} weights for {} × {}", p.name, w.q.len(), w.rows, w.cols));
+            }
+            if let WeightScales::PerChannel(s) = &w.scales {
+                if s.len() != w.rows {
+                    return bad(format!("{} has {} channel scales for {} channels", p.name, s.len(), w.rows));
+                }
+            }
+            let scales: Vec<f32> = (0..w.rows).map(|o| w.scales.of(o)).collect();
+            if let Some(s) = scales.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+                return bad(format!("{} has a weight scale of {s}", p.name));
+            }
+            if let Some(b) = &p.bias {
+                if b.len() != w.rows {
+                    return bad(format!("{} has {} biases for {} channels", p.name, b.len(), w.rows));
+                }
+            }
+            check_quant(&self.name, &p.name, p.output)?;
+            if u32::try_from(w.rows).is_err() || u32::try_from(k).is_err() {
+                return bad(format!("{} is too large", p.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The reference outputs (`super::quant::linear_reference`) for `m` rows of `x`.
+    pub fn reference(&self, x: &[u8], m: usize) -> Vec<Vec<u8>> {
+        self.projections
+            .iter()
+            .map(|p| super::quant::linear_reference(x, self.input, &p.weights, p.bias.as_deref(), p.output, m))
+            .collect()
+    }
+}
+
+fn check_quant(graph: &str, what: &str, q: ActQuant) -> Result<(), NpuError> {
+    if q.scale.is_finite() && q.scale > 0.0 && (0..=255).contains(&q.zero_point) {
+        Ok(())
+    } else {
+        Err(NpuError::Shape {
+            graph: graph.into(),
+            detail: format!("{what} has scale {} and zero point {}", q.scale, q.zero_point),
+        })
+    }
+}
+
+/// The graph name for `group` at `chunk` rows: what a context binary keeps it under.
+pub fn graph_name(group: &LinearGroup, chunk: usize) -> String {
+    format!("{}_c{chunk}", group.name)
+}
+
+/// Builds and finalizes `group`'s graph for chunks of `chunk` rows in `context`.
+pub fn build_linear_group<'c>(
+    context: &'c Context<'_>,
+    group: &LinearGroup,
+    chunk: usize,
+) -> Result<Graph<'c>, NpuError> {
+    group.check()?;
+    if chunk == 0 || u32::try_from(chunk).is_err() {
+        return Err(NpuError::Shape { graph: group.name.clone(), detail: format!("a chunk of {chunk} rows") });
+    }
+    let (m, k) = (chunk as u32, group.k() as u32);
+    let name = graph_name(group, chunk);
+    let mut g = context.graph(&name)?;
+    let act = |q: ActQuant| Quantization::PerTensor { scale: q.scale, offset: q.qnn_offset() };
+    let x = g.input(&TensorSpec::new("x", &[m, k], dt::UFIXED_POINT_8, act(group.input)))?;
+    for p in &group.projections {
+        let w = &p.weights;
+        let n = w.rows as u32;
+        let w_quant = match &w.scales {
+            WeightScales::PerTensor(s) => Quantization::PerTensor { scale: *s, offset: 0 },
+            WeightScales::PerChannel(s) => {
+                Quantization::PerAxis { axis: 0, scale_offsets: s.iter().map(|&s| (s, 0)).collect() }
+            }
+        };
+        let w_bytes: Vec<u8> = w.q.iter().map(|&v| v as u8).collect();
+        let tw =
+            g.constant(&TensorSpec::new(&format!("{}.w", p.name), &[n, k], dt::SFIXED_POINT_8, w_quant), &w_bytes)?;
+        let mut inputs = vec![x, tw];
+        if let Some(b) = &p.bias {
+            let b_quant = match &w.scales {
+                WeightScales::PerTensor(s) => Quantization::PerTensor { scale: group.input.scale * s, offset: 0 },
+                WeightScales::PerChannel(s) => Quantization::PerAxis {
+                    axis: 0,
+                    scale_offsets: s.iter().map(|&s| (group.input.scale * s, 0)).collect(),
+                },
+            };
+            let b_bytes: Vec<u8> = b.iter().flat_map(|v| v.to_le_bytes()).collect();
+            inputs.push(
+                g.constant(&TensorSpec::new(&format!("{}.b", p.name), &[n], dt::SFIXED_POINT_32, b_quant), &b_bytes)?,
+            );
+        }
+        let y = g.output(&TensorSpec::new(&p.name, &[m, n], dt::UFIXED_POINT_8, act(p.output)))?;
+        g.node(&format!("{}.fc", p.name), "FullyConnected", &inputs, &[y], &[])?;
+    }
+    Ok(g.finalize()?)
+}
+
+/// Runs `graph` (built by [`build_linear_group`] for `group` at `chunk` rows) on `x`, returning
+/// each projection's output.
+pub fn run_linear_group(
+    graph: &mut Graph<'_>,
+    group: &LinearGroup,
+    chunk: usize,
+    x: &[u8],
+) -> Result<Vec<Vec<u8>>, NpuError> {
+    if x.len() != chunk * group.k() {
+        return Err(NpuError::Shape {
+            graph: group.name.clone(),
+            detail: format!("an input of {} bytes for {chunk} rows of {}", x.len(), group.k()),
+        });
+    }
+    let mut outs: Vec<Vec<u8>> = group.projections.iter().map(|p| vec![0u8; chunk * p.weights.rows]).collect();
+    {
+        let mut refs: Vec<&mut [u8]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        graph.execute(&[x], &mut refs)?;
+    }
+    Ok(outs)
+}

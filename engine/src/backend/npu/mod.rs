@@ -1,0 +1,9 @@
+//! The NPU path (issue 28): prompt chunks' linear layers as quantized QNN graphs, run through
+//! `qnn-sys` on Qualcomm's HTP library (on a phone; on a host, its x86-64 build) or on our
+//! emulator provider.
+//!
+//! - [`quant`]: the W8A8 arithmetic and its reference.
+//! - [`graph`]: a layer's linear groups as QNN graphs, with every shape checked first.
+
+pub mod graph;
+pub mod quant;

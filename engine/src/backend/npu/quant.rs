@@ -1,0 +1,223 @@
+//! The NPU path's integer arithmetic, defined here once: how activations, weights and biases are
+//! quantized (llm.npu's per-tensor W8A8), and the reference a linear layer on the NPU is held to.
+//!
+//! - **Activations**: uint8, asymmetric, one scale and zero point per tensor, from the range a
+//!   calibration pass saw: `real = scale · (q − zero_point)`. (QNN writes the zero point negated,
+//!   as its `offset`: [`ActQuant::qnn_offset`].)
+//! - **Weights**: int8, symmetric (zero point 0, codes −127..=127), one scale per tensor —
+//!   llm.npu's choice, which the HTP runs fastest — or one per output channel
+//!   ([`WeightScales::PerChannel`], measured as an option).
+//! - **Bias**: int32 at the scale `activation scale × weight scale`, zero point 0: added to the
+//!   accumulator before requantization.
+//! - **Output**: uint8 again, with the output's calibrated scale and zero point.
+//!
+//! [`linear_reference`] computes `y = round(((Σ (x − zx)·w) + b) · sx·sw / sy) + zy`, clamped to
+//! 0..=255, with the sum exact (i64) and the requantization in f64 — ideal rounding of the exact
+//! result. Qualcomm's HTP requantizes with fixed-point multipliers and may land one code away
+//! (≤ 1 LSB, on a share of outputs that the tests bound); the emulator provider must equal this
+//! reference bit for bit.
+
+use crate::error::NpuError;
+
+/// A uint8 tensor's quantization: `real = scale · (q − zero_point)`, `zero_point` in 0..=255.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ActQuant {
+    pub scale: f32,
+    pub zero_point: i32,
+}
+
+impl ActQuant {
+    /// The quantization covering `min..=max` (widened to hold 0, so that zero is exact — padding
+    /// and ReLU-like zeros stay zeros), all 256 codes used.
+    pub fn from_range(min: f32, max: f32) -> Result<Self, NpuError> {
+        if !(min.is_finite() && max.is_finite() && min <= max) {
+            return Err(NpuError::Quantization(format!("activation range {min}..{max} is not a finite range")));
+        }
+        let (lo, hi) = (min.min(0.0), max.max(0.0));
+        // A range of only zeros still needs a valid (positive, normal) scale.
+        let scale = ((hi - lo) / 255.0).max(f32::MIN_POSITIVE * 256.0);
+        let zero_point = (-lo / scale).round().clamp(0.0, 255.0) as i32;
+        Ok(Self { scale, zero_point })
+    }
+
+    /// QNN's `offset` for this quantization (the negated zero point).
+    pub fn qnn_offset(&self) -> i32 {
+        -self.zero_point
+    }
+
+    /// `q = clamp(round(x / scale) + zero_point, 0, 255)` (rounding half away from zero).
+    pub fn quantize(&self, x: &[f32], out: &mut [u8]) {
+        let inv = 1.0 / self.scale;
+        for (q, &v) in out.iter_mut().zip(x) {
+            *q = ((v * inv).round() + self.zero_point as f32).clamp(0.0, 255.0) as u8;
+        }
+    }
+
+    pub fn dequantize(&self, q: &[u8], out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(q) {
+            *o = self.scale * (i32::from(v) - self.zero_point) as f32;
+        }
+    }
+}
+
+/// A weight matrix's scales: one for all of it, or one per output channel (row).
+#[derive(Clone, Debug, PartialEq)]
+pub enum WeightScales {
+    PerTensor(f32),
+    PerChannel(Vec<f32>),
+}
+
+impl WeightScales {
+    /// The scale of output channel `o`.
+    pub fn of(&self, o: usize) -> f32 {
+        match self {
+            Self::PerTensor(s) => *s,
+            Self::PerChannel(v) => v[o],
+        }
+    }
+}
+
+/// An int8 weight matrix of `rows` output channels by `cols` inputs, row-major (QNN's
+/// FullyConnected takes weights as `[out, in]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantWeights {
+    pub rows: usize,
+    pub cols: usize,
+    pub q: Vec<i8>,
+    pub scales: WeightScales,
+}
+
+/// Largest weight code: the int8 range is used symmetrically (−127..=127), so that negating a
+/// weight never overflows and the zero point is exactly 0.
+pub const WEIGHT_MAX_CODE: f32 = 127.0;
+
+impl QuantWeights {
+    /// Quantizes `w` (`rows × cols`, row-major) with one scale (`per_channel` false) or one per row.
+    pub fn quantize(w: &[f32], rows: usize, cols: usize, per_channel: bool) -> Result<Self, NpuError> {
+        if rows.checked_mul(cols) != Some(w.len()) || rows == 0 || cols == 0 {
+            return Err(NpuError::Quantization(format!("{} weights are not a {rows} × {cols} matrix", w.len())));
+        }
+        if let Some(bad) = w.iter().find(|v| !v.is_finite()) {
+            return Err(NpuError::Quantization(format!("a weight is {bad}")));
+        }
+        let scale_of = |vals: &[f32]| {
+            let amax = vals.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if amax > 0.0 {
+                amax / WEIGHT_MAX_CODE
+            } else {
+                1.0
+            }
+        };
+        let scales = if per_channel {
+            WeightScales::PerChannel(w.chunks_exact(cols).map(scale_of).collect())
+        } else {
+            WeightScales::PerTensor(scale_of(w))
+        };
+        let mut q = Vec::with_capacity(w.len());
+        for (o, row) in w.chunks_exact(cols).enumerate() {
+            let inv = 1.0 / scales.of(o);
+            q.extend(row.iter().map(|&v| (v * inv).round().clamp(-WEIGHT_MAX_CODE, WEIGHT_MAX_CODE) as i8));
+        }
+        Ok(Self { rows, cols, q, scales })
+    }
+}
+
+/// A bias quantized for `x_scale` and `w`'s scales: `round(b / (sx · sw[o]))` as int32.
+pub fn quantize_bias(b: &[f32], x_scale: f32, w: &QuantWeights) -> Result<Vec<i32>, NpuError> {
+    if b.len() != w.rows {
+        return Err(NpuError::Quantization(format!("{} biases for {} output channels", b.len(), w.rows)));
+    }
+    b.iter()
+        .enumerate()
+        .map(|(o, &v)| {
+            let q = (f64::from(v) / (f64::from(x_scale) * f64::from(w.scales.of(o)))).round();
+            if q.is_finite() && q.abs() <= f64::from(i32::MAX) {
+                Ok(q as i32)
+            } else {
+                Err(NpuError::Quantization(format!("bias {v} of channel {o} does not fit int32 at its scale")))
+            }
+        })
+        .collect()
+}
+
+/// The reference W8A8 linear layer: `m` rows of `x` (uint8, `x_q`) by `w`, plus `bias`, into uint8
+/// at `y_q` — the exact integer sum, requantized in f64 and rounded half away from zero.
+pub fn linear_reference(
+    x: &[u8],
+    x_q: ActQuant,
+    w: &QuantWeights,
+    bias: Option<&[i32]>,
+    y_q: ActQuant,
+    m: usize,
+) -> Vec<u8> {
+    let (k, n) = (w.cols, w.rows);
+    assert_eq!(x.len(), m * k, "x is not {m} × {k}");
+    let mut y = Vec::with_capacity(m * n);
+    for r in 0..m {
+        let xr = &x[r * k..(r + 1) * k];
+        for o in 0..n {
+            let wr = &w.q[o * k..(o + 1) * k];
+            let acc: i64 =
+                xr.iter().zip(wr).map(|(&a, &b)| (i64::from(a) - i64::from(x_q.zero_point)) * i64::from(b)).sum();
+            let acc = acc + bias.map_or(0, |b| i64::from(b[o]));
+            let real = acc as f64 * f64::from(x_q.scale) * f64::from(w.scales.of(o));
+            let q = (real / f64::from(y_q.scale)).round() + f64::from(y_q.zero_point);
+            y.push(q.clamp(0.0, 255.0) as u8);
+        }
+    }
+    y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_activation_range_keeps_zero_exact_and_uses_every_code() {
+        let q = ActQuant::from_range(-1.0, 3.0).expect("a range");
+        let mut out = [0u8; 3];
+        q.quantize(&[-1.0, 0.0, 3.0], &mut out);
+        assert_eq!(out, [0, q.zero_point as u8, 255]);
+        let mut back = [1.0f32; 1];
+        q.dequantize(&[q.zero_point as u8], &mut back);
+        assert_eq!(back[0], 0.0);
+        // A range on one side of zero is widened to hold it.
+        let pos = ActQuant::from_range(2.0, 5.0).expect("a range");
+        assert_eq!(pos.zero_point, 0);
+        assert!(ActQuant::from_range(f32::NAN, 1.0).is_err());
+        assert!(ActQuant::from_range(0.0, 0.0).expect("zeros").scale > 0.0);
+    }
+
+    #[test]
+    fn weights_use_the_symmetric_int8_range_per_tensor_or_per_channel() {
+        let w = [0.5, -1.0, 0.25, 0.1, -0.05, 0.0];
+        let t = QuantWeights::quantize(&w, 2, 3, false).expect("quantized");
+        assert_eq!(t.q, vec![64, -127, 32, 13, -6, 0]);
+        let c = QuantWeights::quantize(&w, 2, 3, true).expect("quantized");
+        assert_eq!(c.q, vec![64, -127, 32, 127, -64, 0]);
+        assert!(QuantWeights::quantize(&w, 4, 3, false).is_err());
+        assert!(QuantWeights::quantize(&[f32::INFINITY], 1, 1, false).is_err());
+    }
+
+    #[test]
+    fn the_reference_matches_float_arithmetic_within_its_quantization_steps() {
+        // 2 × 4 by 3 × 4: every output within one output step plus the inputs' rounding.
+        let x = [0.3f32, -0.7, 1.1, 0.0, -0.2, 0.9, -1.3, 0.5];
+        let w = [0.2f32, -0.1, 0.4, 0.05, -0.3, 0.25, 0.1, -0.2, 0.15, 0.15, -0.35, 0.3];
+        let b = [0.1f32, -0.2, 0.05];
+        let xq = ActQuant::from_range(-1.3, 1.1).expect("x");
+        let wq = QuantWeights::quantize(&w, 3, 4, false).expect("w");
+        let bq = quantize_bias(&b, xq.scale, &wq).expect("b");
+        let yq = ActQuant::from_range(-1.0, 1.0).expect("y");
+        let mut xs = [0u8; 8];
+        xq.quantize(&x, &mut xs);
+        let y = linear_reference(&xs, xq, &wq, Some(&bq), yq, 2);
+        for r in 0..2 {
+            for o in 0..3 {
+                let exact: f32 = (0..4).map(|j| x[r * 4 + j] * w[o * 4 + j]).sum::<f32>() + b[o];
+                let got = yq.scale * (i32::from(y[r * 3 + o]) - yq.zero_point) as f32;
+                assert!((got - exact).abs() < 2.0 * yq.scale, "{got} vs {exact}");
+            }
+        }
+    }
+}

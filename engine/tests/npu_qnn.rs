@@ -1,0 +1,153 @@
+//! The NPU path's graphs on Qualcomm's own HTP library built for x86-64 (`scripts/fetch-qnn.sh`
+//! fills the cache at set-up; `LLMD_QNN_LIB` names another copy): every kind of graph the backend
+//! builds — each linear group of a layer, at each chunk size, with and without bias, per-tensor
+//! and per-channel weights — against the engine's reference of the same integer arithmetic
+//! (`backend::npu::quant::linear_reference`).
+
+use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, LinearGroup, Projection};
+use llmd_engine::backend::npu::quant::{quantize_bias, ActQuant, QuantWeights};
+use std::path::PathBuf;
+
+/// Largest difference from the reference, in output codes: the HTP requantizes with fixed-point
+/// multipliers and may round to the neighbouring code (the design's first probe: 1 LSB).
+const MAX_LSB: i32 = 1;
+/// Most outputs that may differ from the reference at all (the design's probe saw 7–9% on its
+/// data; qnn-sys's own W8A8 test 0.8%).
+const MAX_DIFFERING_SHARE: f64 = 0.10;
+/// Chunk sizes the backend builds graphs for: llm.npu's C = 256 (its default on the Snapdragon 8
+/// Gen 3) and 32 for short prompts.
+const CHUNKS: [usize; 2] = [32, 256];
+/// SM8650 (Snapdragon 8 Gen 3), QNN's `Qnn_SocModel_t` 57.
+const SM8650: u32 = 57;
+
+fn htp_library() -> PathBuf {
+    if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
+        return p.into();
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out =
+        std::process::Command::new(root.join("scripts/fetch-qnn.sh")).output().expect("scripts/fetch-qnn.sh runs");
+    assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
+}
+
+/// Deterministic values with a roughly normal spread (sum of four uniforms), seeded.
+fn normal(seed: u64, n: usize, sd: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 40) as f32) / ((1u64 << 24) as f32) - 0.5
+    };
+    (0..n).map(|_| (next() + next() + next() + next()) * sd * 1.7).collect()
+}
+
+/// A linear group of SmolLM2-135M's shapes (hidden 576, 9 heads and 3 KV heads of 64, FFN 1536)
+/// with synthetic weights; each output's quantization calibrated on `x` as a calibration pass
+/// would (the float outputs' range).
+fn group(
+    name: &str,
+    k: usize,
+    outs: &[(&str, usize)],
+    bias: bool,
+    per_channel: bool,
+    x: &[f32],
+    m: usize,
+) -> LinearGroup {
+    let (lo, hi) = x.iter().fold((0.0f32, 0.0f32), |(a, b), &v| (a.min(v), b.max(v)));
+    let input = ActQuant::from_range(lo, hi).expect("input range");
+    let projections = outs
+        .iter()
+        .enumerate()
+        .map(|(i, &(pname, n))| {
+            let w = normal(1000 + i as u64 * 7 + k as u64, n * k, 0.05);
+            let b = bias.then(|| normal(2000 + i as u64, n, 0.2));
+            let weights = QuantWeights::quantize(&w, n, k, per_channel).expect("weights");
+            let bias_q = b.as_ref().map(|b| quantize_bias(b, input.scale, &weights).expect("bias"));
+            // The float outputs' range, for the output quantization.
+            let (mut ylo, mut yhi) = (0.0f32, 0.0f32);
+            for r in 0..m {
+                for o in 0..n {
+                    let v: f32 =
+                        (0..k).map(|j| x[r * k + j] * w[o * k + j]).sum::<f32>() + b.as_ref().map_or(0.0, |b| b[o]);
+                    ylo = ylo.min(v);
+                    yhi = yhi.max(v);
+                }
+            }
+            Projection {
+                name: pname.into(),
+                weights,
+                bias: bias_q,
+                output: ActQuant::from_range(ylo, yhi).expect("range"),
+            }
+        })
+        .collect();
+    LinearGroup { name: name.into(), input, projections }
+}
+
+/// A group's kind: its name, input width, and its projections' names and widths.
+type GroupKind<'a> = (&'a str, usize, Vec<(&'a str, usize)>);
+
+#[test]
+fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_of_the_reference() {
+    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
+    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
+    let (hidden, q, kv, ffn) = (576usize, 576usize, 192usize, 1536usize);
+    let kinds: [GroupKind; 4] = [
+        ("qkv", hidden, vec![("q", q), ("k", kv), ("v", kv)]),
+        ("o", q, vec![("o", hidden)]),
+        ("gate_up", hidden, vec![("gate", ffn), ("up", ffn)]),
+        ("down", ffn, vec![("down", hidden)]),
+    ];
+    let mut worst = (0i32, 0.0f64);
+    for &chunk in &CHUNKS {
+        for (kind, k, outs) in &kinds {
+            for (bias, per_channel) in [(false, false), (true, false), (false, true)] {
+                let x = normal(chunk as u64 + *k as u64, chunk * k, 1.0);
+                let g = group(kind, *k, outs, bias, per_channel, &x, chunk);
+                let mut xq = vec![0u8; x.len()];
+                g.input.quantize(&x, &mut xq);
+                let context = backend.context().expect("context");
+                let t0 = std::time::Instant::now();
+                let mut graph = build_linear_group(&context, &g, chunk).expect("graph builds and finalizes");
+                let built = t0.elapsed();
+                let t1 = std::time::Instant::now();
+                let got = run_linear_group(&mut graph, &g, chunk, &xq).expect("graph runs");
+                let ran = t1.elapsed();
+                let want = g.reference(&xq, chunk);
+                let (mut differing, mut total, mut max) = (0usize, 0usize, 0i32);
+                for (gp, wp) in got.iter().zip(&want) {
+                    for (&a, &b) in gp.iter().zip(wp) {
+                        let d = (i32::from(a) - i32::from(b)).abs();
+                        differing += usize::from(d != 0);
+                        max = max.max(d);
+                    }
+                    total += wp.len();
+                }
+                let share = differing as f64 / total as f64;
+                eprintln!(
+                    "{kind:8} chunk {chunk:3} bias {bias:5} per-channel {per_channel:5}: {differing:6} of {total:7} differ ({:.2}%), max {max} LSB; finalize {:.2} s, run {:.2} s",
+                    100.0 * share,
+                    built.as_secs_f64(),
+                    ran.as_secs_f64()
+                );
+                assert!(max <= MAX_LSB, "{kind} chunk {chunk}: {max} LSB");
+                assert!(share <= MAX_DIFFERING_SHARE, "{kind} chunk {chunk}: {:.2}% differ", 100.0 * share);
+                worst = (worst.0.max(max), worst.1.max(share));
+            }
+        }
+    }
+    eprintln!("worst: {} LSB, {:.2}% of outputs differing", worst.0, 100.0 * worst.1);
+}
+
+#[test]
+fn a_group_whose_shapes_do_not_fit_is_refused_before_qnn_sees_it() {
+    let x = normal(1, 4 * 8, 1.0);
+    let mut g = group("bad", 8, &[("a", 4), ("b", 4)], true, false, &x, 4);
+    // b's weights are 4 × 6: its input width is not the group's.
+    g.projections[1].weights = QuantWeights::quantize(&normal(2, 24, 0.1), 4, 6, false).expect("weights");
+    let e = g.check().expect_err("refused");
+    assert!(e.to_string().contains("b takes 6 inputs"), "{e}");
+    let mut g2 = group("bad2", 8, &[("a", 4)], true, false, &x, 4);
+    g2.projections[0].bias = Some(vec![0; 3]);
+    assert!(g2.check().expect_err("refused").to_string().contains("3 biases for 4 channels"));
+}
