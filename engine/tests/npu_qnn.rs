@@ -1,8 +1,11 @@
 //! The NPU path's graphs on Qualcomm's own HTP library built for x86-64 (`scripts/fetch-qnn.sh`
-//! fills the cache at set-up; `LLMD_QNN_LIB` names another copy): every kind of graph the backend
+//! fills the cache at set-up; `LLMD_QNN_LIB` names another copy) and on our emulator provider
+//! (`libllmd_qnn_emu.so`, built as this test's dependency): every kind of graph the backend
 //! builds — each linear group of a layer, at each chunk size, with and without bias, per-tensor
 //! and per-channel weights — against the engine's reference of the same integer arithmetic
-//! (`backend::npu::quant::linear_reference`).
+//! (`backend::npu::quant::linear_reference`). The emulator must equal the reference bit for bit;
+//! Qualcomm's library must stay within `MAX_LSB` of it on at most `MAX_DIFFERING_SHARE` of the
+//! outputs.
 
 use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, LinearGroup, Projection};
 use llmd_engine::backend::npu::quant::{quantize_bias, ActQuant, QuantWeights};
@@ -29,6 +32,16 @@ fn htp_library() -> PathBuf {
         std::process::Command::new(root.join("scripts/fetch-qnn.sh")).output().expect("scripts/fetch-qnn.sh runs");
     assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
+}
+
+/// The emulator provider, built beside this test (a dependency's cdylib lands in `deps/`).
+fn emulator_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's path");
+    let deps = exe.parent().expect("the test's directory");
+    [deps.join("libllmd_qnn_emu.so"), deps.join("../libllmd_qnn_emu.so")]
+        .into_iter()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("libllmd_qnn_emu.so is not built beside {}", deps.display()))
 }
 
 /// Deterministic values with a roughly normal spread (sum of four uniforms), seeded.
@@ -87,10 +100,38 @@ fn group(
 /// A group's kind: its name, input width, and its projections' names and widths.
 type GroupKind<'a> = (&'a str, usize, Vec<(&'a str, usize)>);
 
+/// Builds, finalizes and runs `g` at `chunk` rows on `lib`'s HTP provider; returns the outputs and
+/// the finalize and run times in seconds.
+fn run_on(lib: &qnn_sys::Library, g: &LinearGroup, chunk: usize, xq: &[u8]) -> (Vec<Vec<u8>>, f64, f64) {
+    let backend = qnn_sys::api::Backend::htp(lib, SM8650).expect("backend");
+    let context = backend.context().expect("context");
+    let t0 = std::time::Instant::now();
+    let mut graph = build_linear_group(&context, g, chunk).expect("graph builds and finalizes");
+    let built = t0.elapsed().as_secs_f64();
+    let t1 = std::time::Instant::now();
+    let got = run_linear_group(&mut graph, g, chunk, xq).expect("graph runs");
+    (got, built, t1.elapsed().as_secs_f64())
+}
+
+/// How many outputs differ, and by how much at most.
+fn compare(got: &[Vec<u8>], want: &[Vec<u8>]) -> (usize, usize, i32) {
+    let (mut differing, mut total, mut max) = (0usize, 0usize, 0i32);
+    for (gp, wp) in got.iter().zip(want) {
+        assert_eq!(gp.len(), wp.len());
+        for (&a, &b) in gp.iter().zip(wp) {
+            let d = (i32::from(a) - i32::from(b)).abs();
+            differing += usize::from(d != 0);
+            max = max.max(d);
+        }
+        total += wp.len();
+    }
+    (differing, total, max)
+}
+
 #[test]
-fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_of_the_reference() {
-    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
+fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_and_on_the_emulator_exactly() {
+    let htp = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
+    let emu = qnn_sys::Library::open(&emulator_library()).expect("libllmd_qnn_emu.so loads");
     let (hidden, q, kv, ffn) = (576usize, 576usize, 192usize, 1536usize);
     let kinds: [GroupKind; 4] = [
         ("qkv", hidden, vec![("q", q), ("k", kv), ("v", kv)]),
@@ -106,29 +147,15 @@ fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_of_the_reference(
                 let g = group(kind, *k, outs, bias, per_channel, &x, chunk);
                 let mut xq = vec![0u8; x.len()];
                 g.input.quantize(&x, &mut xq);
-                let context = backend.context().expect("context");
-                let t0 = std::time::Instant::now();
-                let mut graph = build_linear_group(&context, &g, chunk).expect("graph builds and finalizes");
-                let built = t0.elapsed();
-                let t1 = std::time::Instant::now();
-                let got = run_linear_group(&mut graph, &g, chunk, &xq).expect("graph runs");
-                let ran = t1.elapsed();
                 let want = g.reference(&xq, chunk);
-                let (mut differing, mut total, mut max) = (0usize, 0usize, 0i32);
-                for (gp, wp) in got.iter().zip(&want) {
-                    for (&a, &b) in gp.iter().zip(wp) {
-                        let d = (i32::from(a) - i32::from(b)).abs();
-                        differing += usize::from(d != 0);
-                        max = max.max(d);
-                    }
-                    total += wp.len();
-                }
+                let (on_emu, _, _) = run_on(&emu, &g, chunk, &xq);
+                assert!(on_emu == want, "{kind} chunk {chunk} bias {bias} per-channel {per_channel}: the emulator differs from the reference");
+                let (on_htp, built, ran) = run_on(&htp, &g, chunk, &xq);
+                let (differing, total, max) = compare(&on_htp, &want);
                 let share = differing as f64 / total as f64;
                 eprintln!(
-                    "{kind:8} chunk {chunk:3} bias {bias:5} per-channel {per_channel:5}: {differing:6} of {total:7} differ ({:.2}%), max {max} LSB; finalize {:.2} s, run {:.2} s",
+                    "{kind:8} chunk {chunk:3} bias {bias:5} per-channel {per_channel:5}: HTP {differing:6} of {total:7} differ ({:.2}%), max {max} LSB (emulator: exact); HTP finalize {built:.2} s, run {ran:.2} s",
                     100.0 * share,
-                    built.as_secs_f64(),
-                    ran.as_secs_f64()
                 );
                 assert!(max <= MAX_LSB, "{kind} chunk {chunk}: {max} LSB");
                 assert!(share <= MAX_DIFFERING_SHARE, "{kind} chunk {chunk}: {:.2}% differ", 100.0 * share);
@@ -136,7 +163,7 @@ fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_of_the_reference(
             }
         }
     }
-    eprintln!("worst: {} LSB, {:.2}% of outputs differing", worst.0, 100.0 * worst.1);
+    eprintln!("worst on Qualcomm's library: {} LSB, {:.2}% of outputs differing; the emulator equals the reference everywhere", worst.0, 100.0 * worst.1);
 }
 
 #[test]

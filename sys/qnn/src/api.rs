@@ -542,6 +542,11 @@ pub struct Graph<'c> {
 }
 
 impl Graph<'_> {
+    /// The graph's handle, for calls outside the function table (`Library::modelled_ns`).
+    pub(crate) fn raw(&self) -> Handle {
+        self.handle
+    }
+
     /// Its inputs and outputs, with QNN's ids.
     pub fn io(&self) -> GraphIo {
         let id = |d: &Described| {

@@ -113,9 +113,14 @@ impl std::fmt::Display for LoadError {
 
 impl std::error::Error for LoadError {}
 
+/// `LlmdQnnEmu_graphModelledNanos(graph, last, total)`: exported by llmd's emulator provider
+/// only (not QNN): the modelled duration of a graph's last execution and of all of them.
+type ModelledNanos = unsafe extern "C" fn(Handle, *mut u64, *mut u64) -> ErrorHandle;
+
 /// A loaded QNN backend library and its providers' records (valid while it stays loaded).
 pub struct Library {
     providers: Vec<*const InterfaceHead>,
+    modelled: Option<ModelledNanos>,
     // Last: the records above point into it.
     _lib: libloading::Library,
 }
@@ -149,7 +154,21 @@ impl Library {
             // SAFETY: on success `list` points to `n` provider pointers owned by the library.
             unsafe { std::slice::from_raw_parts(list, n as usize) }.iter().copied().filter(|p| !p.is_null()).collect()
         };
-        Ok(Self { providers, _lib: lib })
+        // SAFETY: the symbol, when present, is the emulator's with exactly this signature.
+        let modelled = unsafe { lib.get::<ModelledNanos>(b"LlmdQnnEmu_graphModelledNanos\0") }.ok().map(|s| *s);
+        Ok(Self { providers, modelled, _lib: lib })
+    }
+
+    /// The modelled duration of `graph`'s last execution and of all of them, in nanoseconds —
+    /// what a phone's NPU would take, from measured figures — if the library is llmd's emulator
+    /// provider (`None` for Qualcomm's library, which runs for real).
+    pub fn modelled_ns(&self, graph: &api::Graph<'_>) -> Option<(u64, u64)> {
+        let f = self.modelled?;
+        let (mut last, mut total) = (0u64, 0u64);
+        // SAFETY: `graph` is a live graph of a provider of this library; both out-pointers are
+        // valid for writes.
+        let code = unsafe { f(graph.raw(), &mut last, &mut total) };
+        (code == QNN_SUCCESS).then_some((last, total))
     }
 
     /// The first provider for `backend_id` whose core API is 2.x at or past [`MIN_CORE_API`],

@@ -373,6 +373,7 @@ pub type Unused = Option<unsafe extern "C" fn()>;
 /// `QNN_INTERFACE_VER_TYPE`: the function table of core API 2.27 (68 entries; later versions
 /// append). Any entry may be NULL.
 #[repr(C)]
+#[derive(Default)]
 pub struct FunctionTable {
     pub property_has_capability: Option<unsafe extern "C" fn(key: u32) -> ErrorHandle>,
     pub backend_create:

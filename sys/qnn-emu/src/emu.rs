@@ -1,0 +1,1178 @@
+//! The emulator itself, in safe Rust: backends, devices, contexts and graphs kept in one table
+//! behind a lock, the ops it runs, its context binaries, its memory cap and its cost model.
+//! `lib.rs` turns QNN's C structs into the descriptions here and back.
+
+use qnn_sys::{data_type as dt, tensor_type};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// QNN error codes the emulator returns (QNN's own values, so callers map them as they map
+/// Qualcomm's library's).
+pub mod code {
+    pub const NOT_SUPPORTED: u64 = 1000;
+    pub const MEM_ALLOC: u64 = 1002;
+    pub const INVALID_ARGUMENT: u64 = 1004;
+    pub const BACKEND_INVALID_HANDLE: u64 = 4011;
+    pub const CONTEXT_INVALID_HANDLE: u64 = 5002;
+    pub const CONTEXT_BINARY_VERSION: u64 = 5004;
+    pub const CONTEXT_CREATE_FROM_BINARY: u64 = 5005;
+    pub const GRAPH_INVALID_HANDLE: u64 = 6001;
+    pub const GRAPH_DOES_NOT_EXIST: u64 = 6002;
+    pub const GRAPH_INVALID_NAME: u64 = 6003;
+    pub const GRAPH_INVALID_TENSOR: u64 = 6004;
+    pub const GRAPH_INVALID_OP_CONFIG: u64 = 6005;
+    pub const GRAPH_FINALIZE_FAILED: u64 = 6022;
+    pub const GRAPH_NOT_FINALIZED: u64 = 6023;
+    pub const GRAPH_FINALIZED: u64 = 6024;
+    pub const GRAPH_DYNAMIC_TENSOR_SHAPE: u64 = 6036;
+    pub const TENSOR_ALREADY_EXISTS: u64 = 7003;
+    pub const DEVICE_INVALID_HANDLE: u64 = 14000;
+}
+
+/// An error: QNN's code and what went wrong (kept for `errorGetMessage`).
+#[derive(Debug)]
+pub struct EmuError {
+    pub code: u64,
+    pub message: String,
+}
+
+fn err<T>(code: u64, message: impl Into<String>) -> Result<T, EmuError> {
+    Err(EmuError { code, message: message.into() })
+}
+
+/// How a tensor's codes map to real numbers (QNN's convention: `real = (q + offset) · scale`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Quant {
+    None,
+    PerTensor { scale: f32, offset: i32 },
+    PerAxis { axis: i32, scale_offsets: Vec<(f32, i32)> },
+}
+
+impl Quant {
+    /// The scale and offset of index `i` along the quantized axis (or of the whole tensor).
+    fn at(&self, i: usize) -> Option<(f32, i32)> {
+        match self {
+            Quant::None => None,
+            Quant::PerTensor { scale, offset } => Some((*scale, *offset)),
+            Quant::PerAxis { scale_offsets, .. } => scale_offsets.get(i).copied(),
+        }
+    }
+}
+
+/// A tensor as a client described it.
+#[derive(Clone, Debug)]
+pub struct TensorDesc {
+    pub id: u32,
+    pub name: String,
+    pub kind: u32,
+    pub data_type: u32,
+    pub quant: Quant,
+    pub dims: Vec<u32>,
+    /// A static tensor's data.
+    pub data: Option<Vec<u8>>,
+}
+
+impl TensorDesc {
+    pub fn element_bytes(&self) -> Option<usize> {
+        let low = self.data_type & 0xFF;
+        let bits = (low >> 4) * 10 + (low & 0xF);
+        matches!(bits, 8 | 16 | 32 | 64).then_some(bits as usize / 8)
+    }
+
+    pub fn bytes(&self) -> Option<usize> {
+        self.dims.iter().try_fold(self.element_bytes()?, |n, &d| n.checked_mul(d as usize))
+    }
+}
+
+/// A node: an op of QNN's built-in package on tensors of its graph.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub name: String,
+    pub op: String,
+    pub inputs: Vec<u32>,
+    pub outputs: Vec<u32>,
+}
+
+/// What a FullyConnected node computes, checked at finalize.
+#[derive(Clone, Debug)]
+struct FcPlan {
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+struct GraphState {
+    context: u64,
+    name: String,
+    tensors: Vec<TensorDesc>,
+    nodes: Vec<Node>,
+    plans: Vec<FcPlan>,
+    finalized: bool,
+    /// Bytes it holds against its backend's cap once finalized.
+    bytes: u64,
+    last_modelled_ns: u64,
+    total_modelled_ns: u64,
+}
+
+impl GraphState {
+    fn tensor(&self, id: u32) -> Option<&TensorDesc> {
+        self.tensors.iter().find(|t| t.id == id)
+    }
+}
+
+struct ContextState {
+    backend: u64,
+    soc: u32,
+    graphs: Vec<u64>,
+}
+
+struct BackendState {
+    /// Addressable memory the backend's finalized graphs may hold.
+    cap: u64,
+    used: u64,
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    backends: HashMap<u64, BackendState>,
+    devices: HashMap<u64, u32>,
+    contexts: HashMap<u64, ContextState>,
+    graphs: HashMap<u64, GraphState>,
+    logs: Vec<u64>,
+}
+
+impl State {
+    fn id(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+fn with<T>(f: impl FnOnce(&mut State) -> Result<T, EmuError>) -> Result<T, EmuError> {
+    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    f(guard.get_or_insert_with(State::default))
+}
+
+/// The chip the emulator stands in for when a device names none: SM8650 (Snapdragon 8 Gen 3),
+/// QNN's `Qnn_SocModel_t` 57.
+pub const DEFAULT_SOC: u32 = 57;
+
+/// The addressable memory a backend's graphs may hold unless `LLMD_QNN_EMU_MEMORY_MB` says
+/// otherwise: a phone's HTP session, ~3.5 GB (llm.npu §4 gives 4 GB for the Hexagon NPU's
+/// address space; the rest is the runtime's own).
+pub const DEFAULT_MEMORY_CAP: u64 = 3584 << 20;
+
+/// The environment variable that sets the memory cap, in MiB.
+pub const MEMORY_ENV: &str = "LLMD_QNN_EMU_MEMORY_MB";
+
+pub fn backend_create() -> Result<u64, EmuError> {
+    let cap = match std::env::var(MEMORY_ENV) {
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(mb) if mb > 0 => mb << 20,
+            _ => return err(code::INVALID_ARGUMENT, format!("{MEMORY_ENV}={v:?} is not a positive number of MiB")),
+        },
+        Err(_) => DEFAULT_MEMORY_CAP,
+    };
+    backend_create_with_cap(cap)
+}
+
+/// A backend whose graphs may hold `cap` bytes.
+pub fn backend_create_with_cap(cap: u64) -> Result<u64, EmuError> {
+    with(|s| {
+        let id = s.id();
+        s.backends.insert(id, BackendState { cap, used: 0 });
+        Ok(id)
+    })
+}
+
+pub fn backend_free(backend: u64) -> Result<(), EmuError> {
+    with(|s| {
+        if s.contexts.values().any(|c| c.backend == backend) {
+            return err(code::INVALID_ARGUMENT, "the backend still has contexts");
+        }
+        s.backends
+            .remove(&backend)
+            .map(|_| ())
+            .ok_or(EmuError { code: code::BACKEND_INVALID_HANDLE, message: "no such backend".into() })
+    })
+}
+
+pub fn device_create(soc: Option<u32>) -> Result<u64, EmuError> {
+    with(|s| {
+        let id = s.id();
+        s.devices.insert(id, soc.unwrap_or(DEFAULT_SOC));
+        Ok(id)
+    })
+}
+
+pub fn device_free(device: u64) -> Result<(), EmuError> {
+    with(|s| {
+        s.devices
+            .remove(&device)
+            .map(|_| ())
+            .ok_or(EmuError { code: code::DEVICE_INVALID_HANDLE, message: "no such device".into() })
+    })
+}
+
+pub fn log_create() -> Result<u64, EmuError> {
+    with(|s| {
+        let id = s.id();
+        s.logs.push(id);
+        Ok(id)
+    })
+}
+
+pub fn log_free(log: u64) -> Result<(), EmuError> {
+    with(|s| {
+        s.logs.retain(|&l| l != log);
+        Ok(())
+    })
+}
+
+fn soc_of(s: &State, device: u64) -> Result<u32, EmuError> {
+    if device == 0 {
+        return Ok(DEFAULT_SOC);
+    }
+    s.devices
+        .get(&device)
+        .copied()
+        .ok_or(EmuError { code: code::DEVICE_INVALID_HANDLE, message: "no such device".into() })
+}
+
+pub fn context_create(backend: u64, device: u64) -> Result<u64, EmuError> {
+    with(|s| {
+        if !s.backends.contains_key(&backend) {
+            return err(code::BACKEND_INVALID_HANDLE, "no such backend");
+        }
+        let soc = soc_of(s, device)?;
+        let id = s.id();
+        s.contexts.insert(id, ContextState { backend, soc, graphs: Vec::new() });
+        Ok(id)
+    })
+}
+
+pub fn context_free(context: u64) -> Result<(), EmuError> {
+    with(|s| {
+        let c = s
+            .contexts
+            .remove(&context)
+            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        let mut freed = 0;
+        for g in c.graphs {
+            if let Some(g) = s.graphs.remove(&g) {
+                freed += g.bytes;
+            }
+        }
+        if let Some(b) = s.backends.get_mut(&c.backend) {
+            b.used = b.used.saturating_sub(freed);
+        }
+        Ok(())
+    })
+}
+
+pub fn graph_create(context: u64, name: &str) -> Result<u64, EmuError> {
+    with(|s| {
+        let c = s
+            .contexts
+            .get(&context)
+            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        if name.is_empty() || c.graphs.iter().any(|g| s.graphs.get(g).is_some_and(|g| g.name == name)) {
+            return err(code::GRAPH_INVALID_NAME, format!("graph name {name:?} is empty or taken in this context"));
+        }
+        let id = s.id();
+        s.graphs.insert(
+            id,
+            GraphState {
+                context,
+                name: name.to_owned(),
+                tensors: Vec::new(),
+                nodes: Vec::new(),
+                plans: Vec::new(),
+                finalized: false,
+                bytes: 0,
+                last_modelled_ns: 0,
+                total_modelled_ns: 0,
+            },
+        );
+        if let Some(c) = s.contexts.get_mut(&context) {
+            c.graphs.push(id);
+        }
+        Ok(id)
+    })
+}
+
+fn graph_mut(s: &mut State, graph: u64) -> Result<&mut GraphState, EmuError> {
+    s.graphs.get_mut(&graph).ok_or(EmuError { code: code::GRAPH_INVALID_HANDLE, message: "no such graph".into() })
+}
+
+/// Adds `t` to `graph`; returns the id it gets.
+pub fn tensor_create(graph: u64, mut t: TensorDesc) -> Result<u32, EmuError> {
+    with(|s| {
+        let g = graph_mut(s, graph)?;
+        if g.finalized {
+            return err(code::GRAPH_FINALIZED, "the graph is finalized: no new tensors");
+        }
+        if g.tensors.iter().any(|x| x.name == t.name) {
+            return err(code::TENSOR_ALREADY_EXISTS, format!("tensor {:?} exists in this graph", t.name));
+        }
+        let Some(bytes) = t.bytes() else {
+            return err(
+                code::GRAPH_INVALID_TENSOR,
+                format!("tensor {:?}: unknown data type {:#x} or too large", t.name, t.data_type),
+            );
+        };
+        if t.dims.is_empty() || t.dims.contains(&0) {
+            return err(code::GRAPH_INVALID_TENSOR, format!("tensor {:?} has dimensions {:?}", t.name, t.dims));
+        }
+        if let Quant::PerAxis { axis, scale_offsets } = &t.quant {
+            let along = usize::try_from(*axis).ok().and_then(|a| t.dims.get(a));
+            if along != Some(&(scale_offsets.len() as u32)) {
+                return err(
+                    code::GRAPH_INVALID_TENSOR,
+                    format!("tensor {:?}: {} scales for axis {axis}", t.name, scale_offsets.len()),
+                );
+            }
+        }
+        match (&t.data, t.kind) {
+            (Some(d), tensor_type::STATIC) if d.len() == bytes => {}
+            (Some(d), tensor_type::STATIC) => {
+                return err(
+                    code::GRAPH_INVALID_TENSOR,
+                    format!("static tensor {:?}: {} bytes for {bytes}", t.name, d.len()),
+                )
+            }
+            (None, tensor_type::STATIC) => {
+                return err(code::GRAPH_INVALID_TENSOR, format!("static tensor {:?} has no data", t.name))
+            }
+            (_, tensor_type::APP_WRITE | tensor_type::APP_READ | tensor_type::NATIVE) => t.data = None,
+            (_, kind) => {
+                return err(code::NOT_SUPPORTED, format!("tensor {:?}: tensor type {kind} is not emulated", t.name))
+            }
+        }
+        t.id = g.tensors.len() as u32 + 1;
+        let id = t.id;
+        g.tensors.push(t);
+        Ok(id)
+    })
+}
+
+/// The ops the emulator runs, all quantized: a float op has no place on the NPU path's graphs.
+pub const OPS: [&str; 1] = ["FullyConnected"];
+
+pub fn node_add(graph: u64, node: Node, params: &[(String, u64)]) -> Result<(), EmuError> {
+    with(|s| {
+        let g = graph_mut(s, graph)?;
+        if g.finalized {
+            return err(code::GRAPH_FINALIZED, "the graph is finalized: no new nodes");
+        }
+        if !OPS.contains(&node.op.as_str()) {
+            return err(code::GRAPH_INVALID_OP_CONFIG, format!("op {} is not emulated (only {OPS:?})", node.op));
+        }
+        // FullyConnected's one parameter, keep_dims, changes only the output's rank: allowed
+        // off (the default).
+        if let Some((name, v)) = params.iter().find(|(n, v)| n != "keep_dims" || *v != 0) {
+            return err(
+                code::GRAPH_INVALID_OP_CONFIG,
+                format!("parameter {name} = {v} of {} is not emulated", node.op),
+            );
+        }
+        for id in node.inputs.iter().chain(&node.outputs) {
+            if g.tensor(*id).is_none() {
+                return err(
+                    code::GRAPH_INVALID_TENSOR,
+                    format!("node {}: tensor id {id} is not of this graph", node.name),
+                );
+            }
+        }
+        g.nodes.push(node);
+        Ok(())
+    })
+}
+
+/// Checks a FullyConnected node: quantized types only, shapes that fit, a bias at the input's
+/// scale times the weight's.
+fn plan_fc(g: &GraphState, node: &Node) -> Result<FcPlan, EmuError> {
+    let bad = |m: String| err(code::GRAPH_INVALID_OP_CONFIG, format!("node {}: {m}", node.name));
+    if !(2..=3).contains(&node.inputs.len()) || node.outputs.len() != 1 {
+        return bad(format!(
+            "{} inputs and {} outputs (FullyConnected takes 2 or 3 and gives 1)",
+            node.inputs.len(),
+            node.outputs.len()
+        ));
+    }
+    let t = |id: u32| g.tensor(id).expect("checked when the node was added");
+    let (x, w, y) = (t(node.inputs[0]), t(node.inputs[1]), t(node.outputs[0]));
+    let b = node.inputs.get(2).map(|&id| t(id));
+    for (what, tensor, want) in
+        [("input", x, dt::UFIXED_POINT_8), ("weight", w, dt::SFIXED_POINT_8), ("output", y, dt::UFIXED_POINT_8)]
+    {
+        if tensor.data_type != want {
+            let kind =
+                if matches!(tensor.data_type, dt::FLOAT_16 | dt::FLOAT_32) { "a float" } else { "an unsupported" };
+            return bad(format!(
+                "{what} {:?} is {kind} type ({:#x}): the emulator runs W8A8 graphs only",
+                tensor.name, tensor.data_type
+            ));
+        }
+    }
+    if !matches!(x.quant, Quant::PerTensor { .. }) || !matches!(y.quant, Quant::PerTensor { .. }) {
+        return bad("input and output need one scale and offset each".into());
+    }
+    if w.kind != tensor_type::STATIC {
+        return bad(format!("weight {:?} is not static", w.name));
+    }
+    let k = *x.dims.last().unwrap_or(&0) as usize;
+    let m: usize = x.dims[..x.dims.len() - 1].iter().map(|&d| d as usize).product();
+    if w.dims.len() != 2 || w.dims[1] as usize != k {
+        return bad(format!("weight {:?} is {:?}, the input's rows are {k} wide", w.name, w.dims));
+    }
+    let n = w.dims[0] as usize;
+    match &w.quant {
+        Quant::PerTensor { .. } => {}
+        Quant::PerAxis { axis: 0, .. } => {}
+        q => return bad(format!("weight quantization {q:?}: per tensor or per output channel (axis 0)")),
+    }
+    if y.dims.len() != 2 || y.dims[0] as usize != m || y.dims[1] as usize != n {
+        return bad(format!("output {:?} is {:?}, the product is [{m}, {n}]", y.name, y.dims));
+    }
+    if let Some(b) = b {
+        if b.data_type != dt::SFIXED_POINT_32 || b.kind != tensor_type::STATIC || b.dims != [n as u32] {
+            return bad(format!("bias {:?} must be a static int32 tensor of [{n}]", b.name));
+        }
+        let (sx, _) = x.quant.at(0).expect("per tensor");
+        for o in 0..n {
+            let (sw, _) = w.quant.at(o).expect("checked");
+            let (sb, ob) = b.quant.at(o).ok_or(EmuError {
+                code: code::GRAPH_INVALID_OP_CONFIG,
+                message: format!("bias {:?} is not quantized", b.name),
+            })?;
+            // The bias is added to the integer accumulator, so it must be at its scale.
+            let want = sx * sw;
+            if ob != 0 || (sb - want).abs() > want * 1e-6 {
+                return bad(format!(
+                    "bias {:?} channel {o}: scale {sb} offset {ob}, needs scale {want} (input × weight) and offset 0",
+                    b.name
+                ));
+            }
+        }
+    }
+    for (what, tensor) in [("input", x), ("output", y)] {
+        if let Some((scale, _)) = tensor.quant.at(0) {
+            if !(scale.is_finite() && scale > 0.0) {
+                return bad(format!("{what} {:?} has scale {scale}", tensor.name));
+            }
+        }
+    }
+    for o in 0..n {
+        let (sw, _) = w.quant.at(o).expect("checked");
+        if !(sw.is_finite() && sw > 0.0) {
+            return bad(format!("weight {:?} channel {o} has scale {sw}", w.name));
+        }
+    }
+    Ok(FcPlan { m, k, n })
+}
+
+pub fn graph_finalize(graph: u64) -> Result<(), EmuError> {
+    with(|s| {
+        let g = graph_mut(s, graph)?;
+        if g.finalized {
+            return err(code::GRAPH_FINALIZED, "the graph is finalized already");
+        }
+        if g.nodes.is_empty() {
+            return err(code::GRAPH_FINALIZE_FAILED, "the graph has no nodes");
+        }
+        let plans = g.nodes.iter().map(|n| plan_fc(g, n)).collect::<Result<Vec<_>, _>>()?;
+        // Every intermediate is written before it is read.
+        let mut written: Vec<u32> = g
+            .tensors
+            .iter()
+            .filter(|t| matches!(t.kind, tensor_type::APP_WRITE | tensor_type::STATIC))
+            .map(|t| t.id)
+            .collect();
+        for n in &g.nodes {
+            if let Some(id) = n.inputs.iter().find(|id| !written.contains(id)) {
+                return err(
+                    code::GRAPH_FINALIZE_FAILED,
+                    format!("node {} reads tensor {id} before any node writes it", n.name),
+                );
+            }
+            written.extend(&n.outputs);
+        }
+        let bytes: u64 = g.tensors.iter().map(|t| t.bytes().unwrap_or(0) as u64).sum();
+        let backend = s.contexts.get(&s.graphs[&graph].context).map(|c| c.backend).unwrap_or(0);
+        let b = s
+            .backends
+            .get_mut(&backend)
+            .ok_or(EmuError { code: code::BACKEND_INVALID_HANDLE, message: "the graph's backend is gone".into() })?;
+        if b.used + bytes > b.cap {
+            return err(
+                code::MEM_ALLOC,
+                format!(
+                    "the graph needs {} MiB; {} of the NPU's {} MiB are held already ({MEMORY_ENV})",
+                    bytes >> 20,
+                    b.used >> 20,
+                    b.cap >> 20
+                ),
+            );
+        }
+        b.used += bytes;
+        let g = graph_mut(s, graph)?;
+        g.plans = plans;
+        g.bytes = bytes;
+        g.finalized = true;
+        Ok(())
+    })
+}
+
+pub fn graph_retrieve(context: u64, name: &str) -> Result<u64, EmuError> {
+    with(|s| {
+        let c = s
+            .contexts
+            .get(&context)
+            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        c.graphs
+            .iter()
+            .copied()
+            .find(|g| s.graphs.get(g).is_some_and(|g| g.name == name))
+            .ok_or(EmuError { code: code::GRAPH_DOES_NOT_EXIST, message: format!("no graph {name:?} in this context") })
+    })
+}
+
+/// A tensor a client passes to `graphExecute`: its id and shape as the client describes it, and
+/// its buffer's bytes (inputs) or size (outputs).
+pub struct IoTensor<'a> {
+    pub id: u32,
+    pub dims: Vec<u32>,
+    pub data_type: u32,
+    pub data: &'a [u8],
+}
+
+/// Runs `graph`: `inputs` are the client's input tensors; returns each output's bytes in the
+/// order of `outputs` (id, dims, type; their buffers' sizes in `data.len()`).
+pub fn graph_execute(graph: u64, inputs: &[IoTensor<'_>], outputs: &[IoTensor<'_>]) -> Result<Vec<Vec<u8>>, EmuError> {
+    with(|s| {
+        let soc = {
+            let g = s
+                .graphs
+                .get(&graph)
+                .ok_or(EmuError { code: code::GRAPH_INVALID_HANDLE, message: "no such graph".into() })?;
+            s.contexts.get(&g.context).map_or(DEFAULT_SOC, |c| c.soc)
+        };
+        let g = graph_mut(s, graph)?;
+        if !g.finalized {
+            return err(code::GRAPH_NOT_FINALIZED, "the graph is not finalized");
+        }
+        let mut values: HashMap<u32, Vec<u8>> = HashMap::new();
+        let check = |io: &IoTensor<'_>, kind: u32| -> Result<usize, EmuError> {
+            let Some(t) = g.tensor(io.id).filter(|t| t.kind == kind) else {
+                return err(
+                    code::GRAPH_INVALID_TENSOR,
+                    format!(
+                        "tensor id {} is not an {} of this graph",
+                        io.id,
+                        if kind == tensor_type::APP_WRITE { "input" } else { "output" }
+                    ),
+                );
+            };
+            if io.dims != t.dims || io.data_type != t.data_type {
+                return err(
+                    code::GRAPH_DYNAMIC_TENSOR_SHAPE,
+                    format!("tensor {:?} was finalized as {:?} of type {:#x}, given {:?} of {:#x}: shapes are fixed at finalize", t.name, t.dims, t.data_type, io.dims, io.data_type),
+                );
+            }
+            let bytes = t.bytes().unwrap_or(0);
+            if io.data.len() != bytes {
+                return err(
+                    code::GRAPH_INVALID_TENSOR,
+                    format!("tensor {:?} takes {bytes} bytes, its buffer has {}", t.name, io.data.len()),
+                );
+            }
+            Ok(bytes)
+        };
+        for io in inputs {
+            check(io, tensor_type::APP_WRITE)?;
+            values.insert(io.id, io.data.to_vec());
+        }
+        for io in outputs {
+            check(io, tensor_type::APP_READ)?;
+        }
+        let n_in = g.tensors.iter().filter(|t| t.kind == tensor_type::APP_WRITE).count();
+        let n_out = g.tensors.iter().filter(|t| t.kind == tensor_type::APP_READ).count();
+        if inputs.len() != n_in || outputs.len() != n_out {
+            return err(
+                code::GRAPH_INVALID_TENSOR,
+                format!(
+                    "the graph has {n_in} inputs and {n_out} outputs, given {} and {}",
+                    inputs.len(),
+                    outputs.len()
+                ),
+            );
+        }
+        let mut modelled = cost::launch_ns(soc);
+        for (node, plan) in g.nodes.iter().zip(&g.plans) {
+            let t = |id: u32| g.tensor(id).expect("finalized");
+            let (x, w, y) = (t(node.inputs[0]), t(node.inputs[1]), t(node.outputs[0]));
+            let b = node.inputs.get(2).map(|&id| t(id));
+            let xs = values.get(&x.id).expect("written before read (finalize)");
+            let out = fully_connected(xs, x, w, b, y, plan);
+            values.insert(y.id, out);
+            modelled += cost::fc_ns(soc, plan.m, plan.k, plan.n);
+        }
+        g.last_modelled_ns = modelled;
+        g.total_modelled_ns += modelled;
+        Ok(outputs.iter().map(|io| values.remove(&io.id).unwrap_or_default()).collect())
+    })
+}
+
+/// `y = round(((Σ (x + ox)·(w + ow)) + b) · sx·sw / sy) − oy`, clamped to 0..=255: the integer sum
+/// exact (i64), the requantization in f64 rounded half away from zero — ideal rounding, as
+/// `llmd_engine::backend::npu::quant::linear_reference` defines it.
+fn fully_connected(
+    xs: &[u8],
+    x: &TensorDesc,
+    w: &TensorDesc,
+    b: Option<&TensorDesc>,
+    y: &TensorDesc,
+    p: &FcPlan,
+) -> Vec<u8> {
+    let (sx, ox) = x.quant.at(0).expect("per tensor");
+    let (sy, oy) = y.quant.at(0).expect("per tensor");
+    let wd = w.data.as_deref().expect("static");
+    let bias: Option<Vec<i64>> = b.map(|b| {
+        b.data
+            .as_deref()
+            .expect("static")
+            .chunks_exact(4)
+            .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect()
+    });
+    // The sum is exact either way; in i32 (which the compiler vectorizes) when no sum can
+    // overflow it: |x + ox| ≤ 510 and |w + ow| ≤ 255 + |ow|, times k.
+    let max_ow = (0..p.n).map(|o| w.quant.at(o).map_or(0, |(_, ow)| i64::from(ow).abs())).max().unwrap_or(0);
+    let narrow =
+        510 * (255 + max_ow) * p.k as i64 <= i64::from(i32::MAX) && i64::from(ox).abs() <= 255 && max_ow <= 255;
+    let xi: Vec<i16> = xs.iter().map(|&a| (i32::from(a) + ox) as i16).collect();
+    let wi: Vec<i16> = if narrow {
+        (0..p.n)
+            .flat_map(|o| {
+                let ow = w.quant.at(o).map_or(0, |(_, ow)| ow);
+                wd[o * p.k..(o + 1) * p.k].iter().map(move |&c| (i32::from(c as i8) + ow) as i16)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut out = Vec::with_capacity(p.m * p.n);
+    for r in 0..p.m {
+        let xr = &xs[r * p.k..(r + 1) * p.k];
+        for o in 0..p.n {
+            let (sw, ow) = w.quant.at(o).expect("checked");
+            let acc: i64 = if narrow {
+                let (xr, wr) = (&xi[r * p.k..(r + 1) * p.k], &wi[o * p.k..(o + 1) * p.k]);
+                i64::from(xr.iter().zip(wr).map(|(&a, &c)| i32::from(a) * i32::from(c)).sum::<i32>())
+            } else {
+                let wr = &wd[o * p.k..(o + 1) * p.k];
+                xr.iter()
+                    .zip(wr)
+                    .map(|(&a, &c)| (i64::from(a) + i64::from(ox)) * (i64::from(c as i8) + i64::from(ow)))
+                    .sum()
+            };
+            let acc = acc + bias.as_ref().map_or(0, |b| b[o]);
+            let real = acc as f64 * f64::from(sx) * f64::from(sw);
+            let q = (real / f64::from(sy)).round() - f64::from(oy);
+            out.push(q.clamp(0.0, 255.0) as u8);
+        }
+    }
+    out
+}
+
+/// The modelled duration of `graph`'s last execution and of all of them, in nanoseconds.
+pub fn modelled_ns(graph: u64) -> Result<(u64, u64), EmuError> {
+    with(|s| {
+        let g = graph_mut(s, graph)?;
+        Ok((g.last_modelled_ns, g.total_modelled_ns))
+    })
+}
+
+/// What a phone's NPU would take for the work, from the papers' measured figures.
+pub mod cost {
+    /// Fixed cost of one graph execution (one launch): 0.355 ms, the intercept of the
+    /// least-squares fit `t = a + k·n/B` over llm.npu's Table 3 INT8 rows on the Snapdragon 8
+    /// Gen 3 (soc-profiles.toml `npu.matmul_int8.fit_intercept_ms`, [derived]).
+    pub const LAUNCH_NS: u64 = 355_000;
+    /// Weight bytes per second the INT8 matmuls stream: 12.66 GB/s, the slope of the same fit
+    /// (`fit_weight_gb_per_s`, [derived]); at m ≤ 64 latency follows weight bytes.
+    pub const WEIGHT_BYTES_PER_S: f64 = 12.66e9;
+    /// INT8 operations per second at prompt-chunk sizes: 1.97 TOPS, calibrated so that
+    /// Qwen1.5-1.8B's 256-token prompt takes llm.npu's measured 315 ms of NPU time
+    /// (`gaps.npu_int8_chunk_shapes.suggested_compute_tops`, an [assumption] on measured figures).
+    pub const OPS_PER_S: f64 = 1.97e12;
+
+    /// One execution's fixed cost on chip `soc` (the only profile: the Snapdragon 8 Gen 3's,
+    /// used for every chip until others are measured).
+    pub fn launch_ns(_soc: u32) -> u64 {
+        LAUNCH_NS
+    }
+
+    /// One W8A8 FullyConnected of `m × k` by `k × n`: the slower of streaming its weights and
+    /// computing it.
+    pub fn fc_ns(_soc: u32, m: usize, k: usize, n: usize) -> u64 {
+        let weights = (k * n) as f64 / WEIGHT_BYTES_PER_S;
+        let compute = 2.0 * (m * k * n) as f64 / OPS_PER_S;
+        (weights.max(compute) * 1e9).round() as u64
+    }
+}
+
+// --- Context binaries ------------------------------------------------------------------------
+
+/// The first bytes of the emulator's context binaries.
+pub const BINARY_MAGIC: &[u8; 8] = b"LLMDQEMU";
+/// Their layout's version: a binary of another version is refused (QNN's BINARY_VERSION).
+pub const BINARY_VERSION: u32 = 1;
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn i32(&mut self, v: i32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn f32(&mut self, v: f32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], EmuError> {
+        if self.0.len() < n {
+            return err(code::CONTEXT_CREATE_FROM_BINARY, "the context binary is truncated");
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u32(&mut self) -> Result<u32, EmuError> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn i32(&mut self) -> Result<i32, EmuError> {
+        Ok(self.u32()? as i32)
+    }
+    fn f32(&mut self) -> Result<f32, EmuError> {
+        Ok(f32::from_bits(self.u32()?))
+    }
+    fn bytes(&mut self) -> Result<Vec<u8>, EmuError> {
+        let n = self.u32()? as usize;
+        Ok(self.take(n)?.to_vec())
+    }
+    fn string(&mut self) -> Result<String, EmuError> {
+        String::from_utf8(self.bytes()?)
+            .map_err(|_| EmuError { code: code::CONTEXT_CREATE_FROM_BINARY, message: "a name is not UTF-8".into() })
+    }
+}
+
+/// `context` as a binary: magic, version, chip, then every graph (finalized ones only are
+/// kept, as QNN keeps them), and a CRC-32 of all of it.
+pub fn context_binary(context: u64) -> Result<Vec<u8>, EmuError> {
+    with(|s| {
+        let c = s
+            .contexts
+            .get(&context)
+            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        let graphs: Vec<&GraphState> =
+            c.graphs.iter().filter_map(|g| s.graphs.get(g)).filter(|g| g.finalized).collect();
+        let mut w = Writer(BINARY_MAGIC.to_vec());
+        w.u32(BINARY_VERSION);
+        w.u32(c.soc);
+        w.u32(graphs.len() as u32);
+        for g in graphs {
+            w.bytes(g.name.as_bytes());
+            w.u32(g.tensors.len() as u32);
+            for t in &g.tensors {
+                w.u32(t.id);
+                w.bytes(t.name.as_bytes());
+                w.u32(t.kind);
+                w.u32(t.data_type);
+                match &t.quant {
+                    Quant::None => w.u32(0),
+                    Quant::PerTensor { scale, offset } => {
+                        w.u32(1);
+                        w.f32(*scale);
+                        w.i32(*offset);
+                    }
+                    Quant::PerAxis { axis, scale_offsets } => {
+                        w.u32(2);
+                        w.i32(*axis);
+                        w.u32(scale_offsets.len() as u32);
+                        for &(sc, of) in scale_offsets {
+                            w.f32(sc);
+                            w.i32(of);
+                        }
+                    }
+                }
+                w.u32(t.dims.len() as u32);
+                for &d in &t.dims {
+                    w.u32(d);
+                }
+                match &t.data {
+                    Some(d) => {
+                        w.u32(1);
+                        w.bytes(d);
+                    }
+                    None => w.u32(0),
+                }
+            }
+            w.u32(g.nodes.len() as u32);
+            for n in &g.nodes {
+                w.bytes(n.name.as_bytes());
+                w.bytes(n.op.as_bytes());
+                for ids in [&n.inputs, &n.outputs] {
+                    w.u32(ids.len() as u32);
+                    for &id in ids {
+                        w.u32(id);
+                    }
+                }
+            }
+        }
+        let crc = crc32fast::hash(&w.0);
+        w.u32(crc);
+        Ok(w.0)
+    })
+}
+
+/// A context made from `binary` (see [`context_binary`]): checked whole (magic, version, CRC)
+/// before anything is made, then each graph rebuilt and finalized again (so its shapes and
+/// types are checked as a new graph's are).
+pub fn context_from_binary(backend: u64, device: u64, binary: &[u8]) -> Result<u64, EmuError> {
+    if binary.len() < 8 + 4 + 4 || &binary[..8] != BINARY_MAGIC {
+        return err(code::CONTEXT_CREATE_FROM_BINARY, "not an emulator context binary");
+    }
+    let (body, crc) = binary.split_at(binary.len() - 4);
+    if crc32fast::hash(body).to_le_bytes() != crc {
+        return err(code::CONTEXT_CREATE_FROM_BINARY, "the context binary is corrupt or truncated (CRC mismatch)");
+    }
+    let mut r = Reader(&body[8..]);
+    let version = r.u32()?;
+    if version != BINARY_VERSION {
+        return err(
+            code::CONTEXT_BINARY_VERSION,
+            format!("context binary version {version}, this emulator reads {BINARY_VERSION}"),
+        );
+    }
+    let soc = r.u32()?;
+    let wanted_soc = with(|s| soc_of(s, device))?;
+    if device != 0 && soc != wanted_soc {
+        return err(
+            code::CONTEXT_CREATE_FROM_BINARY,
+            format!("the binary was made for chip {soc}, the device is {wanted_soc}"),
+        );
+    }
+    let n_graphs = r.u32()?;
+    let mut graphs = Vec::new();
+    for _ in 0..n_graphs {
+        let name = r.string()?;
+        let n_tensors = r.u32()?;
+        let mut tensors = Vec::new();
+        for _ in 0..n_tensors {
+            let id = r.u32()?;
+            let tname = r.string()?;
+            let kind = r.u32()?;
+            let data_type = r.u32()?;
+            let quant = match r.u32()? {
+                0 => Quant::None,
+                1 => Quant::PerTensor { scale: r.f32()?, offset: r.i32()? },
+                2 => {
+                    let axis = r.i32()?;
+                    let n = r.u32()? as usize;
+                    if n > r.0.len() / 8 {
+                        return err(code::CONTEXT_CREATE_FROM_BINARY, "the context binary is truncated");
+                    }
+                    let so = (0..n).map(|_| Ok((r.f32()?, r.i32()?))).collect::<Result<Vec<_>, EmuError>>()?;
+                    Quant::PerAxis { axis, scale_offsets: so }
+                }
+                q => return err(code::CONTEXT_CREATE_FROM_BINARY, format!("unknown quantization {q}")),
+            };
+            let rank = r.u32()? as usize;
+            if rank > r.0.len() / 4 {
+                return err(code::CONTEXT_CREATE_FROM_BINARY, "the context binary is truncated");
+            }
+            let dims = (0..rank).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+            let data = if r.u32()? == 1 { Some(r.bytes()?) } else { None };
+            tensors.push(TensorDesc { id, name: tname, kind, data_type, quant, dims, data });
+        }
+        let n_nodes = r.u32()?;
+        let mut nodes = Vec::new();
+        for _ in 0..n_nodes {
+            let nname = r.string()?;
+            let op = r.string()?;
+            let mut ids = [Vec::new(), Vec::new()];
+            for list in &mut ids {
+                let n = r.u32()? as usize;
+                if n > r.0.len() / 4 {
+                    return err(code::CONTEXT_CREATE_FROM_BINARY, "the context binary is truncated");
+                }
+                *list = (0..n).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+            }
+            let [inputs, outputs] = ids;
+            nodes.push(Node { name: nname, op, inputs, outputs });
+        }
+        graphs.push((name, tensors, nodes));
+    }
+    if !r.0.is_empty() {
+        return err(code::CONTEXT_CREATE_FROM_BINARY, "the context binary has bytes past its last graph");
+    }
+    let context = context_create(backend, device)?;
+    with(|s| {
+        if let Some(c) = s.contexts.get_mut(&context) {
+            c.soc = soc;
+        }
+        Ok(())
+    })?;
+    let rebuilt = (|| {
+        for (name, tensors, nodes) in graphs {
+            let g = graph_create(context, &name)?;
+            for t in tensors {
+                let want = t.id;
+                if tensor_create(g, t)? != want {
+                    return err(code::CONTEXT_CREATE_FROM_BINARY, "the binary's tensor ids are not in order");
+                }
+            }
+            for n in nodes {
+                node_add(g, n, &[])?;
+            }
+            graph_finalize(g)?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = rebuilt {
+        let _ = context_free(context);
+        return Err(EmuError {
+            code: if e.code == code::MEM_ALLOC { e.code } else { code::CONTEXT_CREATE_FROM_BINARY },
+            message: e.message,
+        });
+    }
+    Ok(context)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(name: &str, kind: u32, data_type: u32, quant: Quant, dims: &[u32], data: Option<Vec<u8>>) -> TensorDesc {
+        TensorDesc { id: 0, name: name.into(), kind, data_type, quant, dims: dims.to_vec(), data }
+    }
+
+    /// A W8A8 FullyConnected graph of `m × k` by `n × k` with per-tensor scales; returns
+    /// (backend, context, graph, input id, output id).
+    fn fc_graph(cap: u64, m: u32, k: u32, n: u32) -> (u64, u64, u64, u32, u32) {
+        let b = backend_create_with_cap(cap).expect("backend");
+        let c = context_create(b, 0).expect("context");
+        let g = graph_create(c, "fc").expect("graph");
+        let q = |scale| Quant::PerTensor { scale, offset: -128 };
+        let x = tensor_create(g, tensor("x", tensor_type::APP_WRITE, dt::UFIXED_POINT_8, q(0.1), &[m, k], None))
+            .expect("x");
+        let w_data: Vec<u8> = (0..n * k).map(|i| (i % 7) as u8).collect();
+        let w = tensor_create(
+            g,
+            tensor(
+                "w",
+                tensor_type::STATIC,
+                dt::SFIXED_POINT_8,
+                Quant::PerTensor { scale: 0.01, offset: 0 },
+                &[n, k],
+                Some(w_data),
+            ),
+        )
+        .expect("w");
+        let y =
+            tensor_create(g, tensor("y", tensor_type::APP_READ, dt::UFIXED_POINT_8, q(0.2), &[m, n], None)).expect("y");
+        node_add(g, Node { name: "fc".into(), op: "FullyConnected".into(), inputs: vec![x, w], outputs: vec![y] }, &[])
+            .expect("node");
+        (b, c, g, x, y)
+    }
+
+    #[test]
+    fn shapes_are_fixed_once_a_graph_is_finalized() {
+        let (_, c, g, x, y) = fc_graph(DEFAULT_MEMORY_CAP, 4, 8, 2);
+        graph_finalize(g).expect("finalizes");
+        let more = tensor_create(
+            g,
+            tensor(
+                "z",
+                tensor_type::APP_WRITE,
+                dt::UFIXED_POINT_8,
+                Quant::PerTensor { scale: 1.0, offset: 0 },
+                &[1],
+                None,
+            ),
+        );
+        assert_eq!(more.expect_err("refused").code, code::GRAPH_FINALIZED);
+        let xs = [0u8; 32];
+        let ys = [0u8; 8];
+        let ok = graph_execute(
+            g,
+            &[IoTensor { id: x, dims: vec![4, 8], data_type: dt::UFIXED_POINT_8, data: &xs }],
+            &[IoTensor { id: y, dims: vec![4, 2], data_type: dt::UFIXED_POINT_8, data: &ys }],
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        // The same bytes as 8 rows of 4: a different shape.
+        let e = graph_execute(
+            g,
+            &[IoTensor { id: x, dims: vec![8, 4], data_type: dt::UFIXED_POINT_8, data: &xs }],
+            &[IoTensor { id: y, dims: vec![4, 2], data_type: dt::UFIXED_POINT_8, data: &ys }],
+        )
+        .expect_err("refused");
+        assert_eq!(e.code, code::GRAPH_DYNAMIC_TENSOR_SHAPE, "{}", e.message);
+        context_free(c).expect("freed");
+    }
+
+    #[test]
+    fn a_float_fully_connected_is_refused() {
+        let b = backend_create_with_cap(DEFAULT_MEMORY_CAP).expect("backend");
+        let c = context_create(b, 0).expect("context");
+        let g = graph_create(c, "float").expect("graph");
+        let x =
+            tensor_create(g, tensor("x", tensor_type::APP_WRITE, dt::FLOAT_32, Quant::None, &[1, 4], None)).expect("x");
+        let w =
+            tensor_create(g, tensor("w", tensor_type::STATIC, dt::FLOAT_32, Quant::None, &[2, 4], Some(vec![0; 32])))
+                .expect("w");
+        let y =
+            tensor_create(g, tensor("y", tensor_type::APP_READ, dt::FLOAT_32, Quant::None, &[1, 2], None)).expect("y");
+        node_add(g, Node { name: "fc".into(), op: "FullyConnected".into(), inputs: vec![x, w], outputs: vec![y] }, &[])
+            .expect("added");
+        let e = graph_finalize(g).expect_err("refused");
+        assert_eq!(e.code, code::GRAPH_INVALID_OP_CONFIG);
+        assert!(e.message.contains("float"), "{}", e.message);
+        let e = node_add(g, Node { name: "s".into(), op: "Softmax".into(), inputs: vec![x], outputs: vec![y] }, &[])
+            .expect_err("refused");
+        assert_eq!(e.code, code::GRAPH_INVALID_OP_CONFIG);
+        context_free(c).expect("freed");
+    }
+
+    #[test]
+    fn graphs_past_the_memory_cap_are_refused_and_freeing_gives_it_back() {
+        // Each graph holds 64×1024 + 1024×1024 + 64×1024 bytes = 1.125 MiB; the cap takes two.
+        let cap = 2_400_000;
+        let (b, c, g1, _, _) = fc_graph(cap, 64, 1024, 1024);
+        graph_finalize(g1).expect("the first fits");
+        let c2 = context_create(b, 0).expect("context");
+        let mk = |name: &str| {
+            let g = graph_create(c2, name).expect("graph");
+            let q = Quant::PerTensor { scale: 0.1, offset: 0 };
+            let x =
+                tensor_create(g, tensor("x", tensor_type::APP_WRITE, dt::UFIXED_POINT_8, q.clone(), &[64, 1024], None))
+                    .expect("x");
+            let w = tensor_create(
+                g,
+                tensor("w", tensor_type::STATIC, dt::SFIXED_POINT_8, q.clone(), &[1024, 1024], Some(vec![1; 1 << 20])),
+            )
+            .expect("w");
+            let y = tensor_create(g, tensor("y", tensor_type::APP_READ, dt::UFIXED_POINT_8, q, &[64, 1024], None))
+                .expect("y");
+            node_add(
+                g,
+                Node { name: "fc".into(), op: "FullyConnected".into(), inputs: vec![x, w], outputs: vec![y] },
+                &[],
+            )
+            .expect("node");
+            g
+        };
+        graph_finalize(mk("a")).expect("the second fits");
+        let e = graph_finalize(mk("b")).expect_err("the third does not");
+        assert_eq!(e.code, code::MEM_ALLOC, "{}", e.message);
+        context_free(c).expect("freed");
+        graph_finalize(mk("c")).expect("fits once the first context is freed");
+        context_free(c2).expect("freed");
+    }
+
+    #[test]
+    fn the_modelled_cost_follows_llm_npu_table_3() {
+        // llm.npu Table 3, NPU INT8 on the Redmi K70 Pro (Snapdragon 8 Gen 3): m, k, n, ms.
+        const ROWS: [(usize, usize, usize, f64); 6] = [
+            (64, 2048, 2048, 0.9),
+            (64, 2048, 8192, 1.5),
+            (64, 2048, 11008, 2.0),
+            (32, 4096, 4096, 1.7),
+            (32, 4096, 8192, 2.9),
+            (32, 4096, 11008, 4.1),
+        ];
+        /// The weight-bytes fit the model uses leaves residuals up to 0.21 ms on these rows.
+        const TOLERANCE_MS: f64 = 0.25;
+        for (m, k, n, ms) in ROWS {
+            let modelled = (cost::launch_ns(DEFAULT_SOC) + cost::fc_ns(DEFAULT_SOC, m, k, n)) as f64 / 1e6;
+            assert!((modelled - ms).abs() <= TOLERANCE_MS, "{m}x{k}x{n}: modelled {modelled:.3} ms, measured {ms} ms");
+        }
+        // At a 256-token chunk the compute term takes over for square layers.
+        assert!(cost::fc_ns(DEFAULT_SOC, 256, 4096, 4096) > cost::fc_ns(DEFAULT_SOC, 32, 4096, 4096));
+    }
+
+    fn io<'a>(id: u32, dims: &[u32], data: &'a [u8]) -> IoTensor<'a> {
+        IoTensor { id, dims: dims.to_vec(), data_type: dt::UFIXED_POINT_8, data }
+    }
+
+    /// The definition by hand, in i64: `round((Σ (x + ox)(w + ow)) · sx·sw / sy) − oy`.
+    fn by_hand(xs: &[u8], wd: &[i8], ow: i64, m: usize, k: usize, n: usize) -> Vec<u8> {
+        let mut want = Vec::new();
+        for r in 0..m {
+            for o in 0..n {
+                let acc: i64 = (0..k).map(|j| (i64::from(xs[r * k + j]) - 128) * (i64::from(wd[o * k + j]) + ow)).sum();
+                let q = (acc as f64 * f64::from(0.1f32) * f64::from(0.01f32) / f64::from(0.2f32)).round() + 128.0;
+                want.push(q.clamp(0.0, 255.0) as u8);
+            }
+        }
+        want
+    }
+
+    #[test]
+    fn the_vectorized_sum_and_the_wide_one_both_follow_the_definition() {
+        let (m, k, n) = (3usize, 40usize, 5usize);
+        let xs: Vec<u8> = (0..m * k).map(|i| (i * 37 % 256) as u8).collect();
+        let wd: Vec<i8> = (0..n * k).map(|i| (i % 7) as i8).collect();
+        // Offset 0: the i32 path.
+        let (_, c, g, x, y) = fc_graph(DEFAULT_MEMORY_CAP, m as u32, k as u32, n as u32);
+        graph_finalize(g).expect("finalizes");
+        let ys = vec![0u8; m * n];
+        let got = graph_execute(g, &[io(x, &[3, 40], &xs)], &[io(y, &[3, 5], &ys)]).expect("runs");
+        assert_eq!(got[0], by_hand(&xs, &wd, 0, m, k, n));
+        context_free(c).expect("freed");
+        // A weight offset of 300 cannot be summed in i16 products: the i64 path.
+        let b = backend_create_with_cap(DEFAULT_MEMORY_CAP).expect("backend");
+        let c = context_create(b, 0).expect("context");
+        let g = graph_create(c, "wide").expect("graph");
+        let q = |scale| Quant::PerTensor { scale, offset: -128 };
+        let x = tensor_create(g, tensor("x", tensor_type::APP_WRITE, dt::UFIXED_POINT_8, q(0.1), &[3, 40], None))
+            .expect("x");
+        let w_data: Vec<u8> = wd.iter().map(|&v| v as u8).collect();
+        let w = tensor_create(
+            g,
+            tensor(
+                "w",
+                tensor_type::STATIC,
+                dt::SFIXED_POINT_8,
+                Quant::PerTensor { scale: 0.01, offset: 300 },
+                &[5, 40],
+                Some(w_data),
+            ),
+        )
+        .expect("w");
+        let y =
+            tensor_create(g, tensor("y", tensor_type::APP_READ, dt::UFIXED_POINT_8, q(0.2), &[3, 5], None)).expect("y");
+        node_add(g, Node { name: "fc".into(), op: "FullyConnected".into(), inputs: vec![x, w], outputs: vec![y] }, &[])
+            .expect("node");
+        graph_finalize(g).expect("finalizes");
+        let got = graph_execute(g, &[io(x, &[3, 40], &xs)], &[io(y, &[3, 5], &ys)]).expect("runs");
+        assert_eq!(got[0], by_hand(&xs, &wd, 300, m, k, n));
+        context_free(c).expect("freed");
+    }
+}
