@@ -2,7 +2,7 @@
 //! fills the cache at set-up; `LLMD_QNN_LIB` names another copy) and on our emulator provider
 //! (`libllmd_qnn_emu.so`, built as this test's dependency): every kind of graph the backend
 //! builds — each linear group of a layer, at each chunk size, with and without bias, per-tensor
-//! and per-channel weights — against the engine's reference of the same integer arithmetic
+//! and per-channel weights, 8- and 16-bit outputs — against the engine's reference of the same integer arithmetic
 //! (`backend::npu::quant::linear_reference`). The emulator must equal the reference bit for bit;
 //! Qualcomm's library must stay within `MAX_LSB` of it on at most `MAX_DIFFERING_SHARE` of the
 //! outputs.
@@ -57,12 +57,14 @@ fn normal(seed: u64, n: usize, sd: f32) -> Vec<f32> {
 /// A linear group of SmolLM2-135M's shapes (hidden 576, 9 heads and 3 KV heads of 64, FFN 1536)
 /// with synthetic weights; each output's quantization calibrated on `x` as a calibration pass
 /// would (the float outputs' range).
+#[allow(clippy::too_many_arguments)]
 fn group(
     name: &str,
     k: usize,
     outs: &[(&str, usize)],
     bias: bool,
     per_channel: bool,
+    out_bits: u8,
     x: &[f32],
     m: usize,
 ) -> LinearGroup {
@@ -90,7 +92,7 @@ fn group(
                 name: pname.into(),
                 weights,
                 bias: bias_q,
-                output: ActQuant::from_range(ylo, yhi).expect("range"),
+                output: ActQuant::from_range_bits(ylo, yhi, out_bits).expect("range"),
             }
         })
         .collect();
@@ -102,7 +104,7 @@ type GroupKind<'a> = (&'a str, usize, Vec<(&'a str, usize)>);
 
 /// Builds, finalizes and runs `g` at `chunk` rows on `lib`'s HTP provider; returns the outputs and
 /// the finalize and run times in seconds.
-fn run_on(lib: &qnn_sys::Library, g: &LinearGroup, chunk: usize, xq: &[u8]) -> (Vec<Vec<u8>>, f64, f64) {
+fn run_on(lib: &qnn_sys::Library, g: &LinearGroup, chunk: usize, xq: &[u8]) -> (Vec<Vec<u16>>, f64, f64) {
     let backend = qnn_sys::api::Backend::htp(lib, SM8650).expect("backend");
     let context = backend.context().expect("context");
     let t0 = std::time::Instant::now();
@@ -114,7 +116,7 @@ fn run_on(lib: &qnn_sys::Library, g: &LinearGroup, chunk: usize, xq: &[u8]) -> (
 }
 
 /// How many outputs differ, and by how much at most.
-fn compare(got: &[Vec<u8>], want: &[Vec<u8>]) -> (usize, usize, i32) {
+fn compare(got: &[Vec<u16>], want: &[Vec<u16>]) -> (usize, usize, i32) {
     let (mut differing, mut total, mut max) = (0usize, 0usize, 0i32);
     for (gp, wp) in got.iter().zip(want) {
         assert_eq!(gp.len(), wp.len());
@@ -142,9 +144,11 @@ fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_and_on_the_emulat
     let mut worst = (0i32, 0.0f64);
     for &chunk in &CHUNKS {
         for (kind, k, outs) in &kinds {
-            for (bias, per_channel) in [(false, false), (true, false), (false, true)] {
+            for (bias, per_channel, out_bits) in
+                [(false, false, 8), (true, false, 8), (false, true, 8), (false, false, 16), (true, false, 16)]
+            {
                 let x = normal(chunk as u64 + *k as u64, chunk * k, 1.0);
-                let g = group(kind, *k, outs, bias, per_channel, &x, chunk);
+                let g = group(kind, *k, outs, bias, per_channel, out_bits, &x, chunk);
                 let mut xq = vec![0u8; x.len()];
                 g.input.quantize(&x, &mut xq);
                 let want = g.reference(&xq, chunk);
@@ -154,7 +158,7 @@ fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_and_on_the_emulat
                 let (differing, total, max) = compare(&on_htp, &want);
                 let share = differing as f64 / total as f64;
                 eprintln!(
-                    "{kind:8} chunk {chunk:3} bias {bias:5} per-channel {per_channel:5}: HTP {differing:6} of {total:7} differ ({:.2}%), max {max} LSB (emulator: exact); HTP finalize {built:.2} s, run {ran:.2} s",
+                    "{kind:8} chunk {chunk:3} bias {bias:5} per-channel {per_channel:5} out {out_bits:2}-bit: HTP {differing:6} of {total:7} differ ({:.2}%), max {max} LSB (emulator: exact); HTP finalize {built:.2} s, run {ran:.2} s",
                     100.0 * share,
                 );
                 assert!(max <= MAX_LSB, "{kind} chunk {chunk}: {max} LSB");
@@ -169,12 +173,15 @@ fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_and_on_the_emulat
 #[test]
 fn a_group_whose_shapes_do_not_fit_is_refused_before_qnn_sees_it() {
     let x = normal(1, 4 * 8, 1.0);
-    let mut g = group("bad", 8, &[("a", 4), ("b", 4)], true, false, &x, 4);
+    let mut g = group("bad", 8, &[("a", 4), ("b", 4)], true, false, 8, &x, 4);
     // b's weights are 4 × 6: its input width is not the group's.
     g.projections[1].weights = QuantWeights::quantize(&normal(2, 24, 0.1), 4, 6, false).expect("weights");
     let e = g.check().expect_err("refused");
     assert!(e.to_string().contains("b takes 6 inputs"), "{e}");
-    let mut g2 = group("bad2", 8, &[("a", 4)], true, false, &x, 4);
+    let mut g2 = group("bad2", 8, &[("a", 4)], true, false, 8, &x, 4);
     g2.projections[0].bias = Some(vec![0; 3]);
     assert!(g2.check().expect_err("refused").to_string().contains("3 biases for 4 channels"));
+    // Per-channel weights with 16-bit outputs: Qualcomm's library fails them at finalize.
+    let g3 = group("bad3", 8, &[("a", 4)], false, true, 16, &x, 4);
+    assert!(g3.check().expect_err("refused").to_string().contains("per-channel weights with 16-bit outputs"));
 }

@@ -161,6 +161,23 @@ pub fn ffn_token_block(ffn: usize, n: usize) -> usize {
 pub struct Pass<'a> {
     pub c: &'a BlockShape,
     pub planner: &'a Planner,
+    /// Runs the layers' linear groups instead of the planner (the NPU path), where it takes them.
+    pub linears: Option<&'a dyn Linears>,
+}
+
+/// A runner of a layer's linear groups — QKV, O, gate/up, down, without biases — in place of the
+/// planner's matmuls: the NPU path's quantized graphs (`backend::npu::prefill`).
+pub trait Linears: Sync {
+    /// Computes group `site` of layer `li` over `n` rows of `x` into `outs` (one per projection,
+    /// `n` rows each, f32), or returns false to leave it to the planner.
+    fn group(
+        &self,
+        li: usize,
+        site: CaptureSite,
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<bool, BackendError>;
 }
 
 impl Pass<'_> {
@@ -185,6 +202,27 @@ impl Pass<'_> {
         }
         let op = OpDesc { kind: OpKind::MatMul, weight_type: Some(ws[0].ty), n_tokens: n };
         self.planner.place(&op)?.matmul_many(&ws, x, n, &mut outs)
+    }
+
+    /// Group `site` of layer `li`: on [`Self::linears`] when it takes it, else the planner's.
+    fn group<const N: usize>(
+        &self,
+        li: usize,
+        site: CaptureSite,
+        ws: [&WeightMatrix; N],
+        x: &[f32],
+        n: usize,
+        mut outs: [&mut [f32]; N],
+    ) -> Result<(), BackendError> {
+        if let Some(l) = self.linears {
+            if l.group(li, site, x, n, &mut outs)? {
+                return Ok(());
+            }
+        }
+        if let [o] = &mut outs[..] {
+            return self.matmul(ws[0], x, n, o);
+        }
+        self.matmul_many(ws, x, n, outs)
     }
 
     fn op(&self, kind: OpKind, n: usize) -> Result<&dyn Backend, BackendError> {
@@ -285,7 +323,7 @@ impl Pass<'_> {
         if let Some(f) = capture.as_mut() {
             f(li, CaptureSite::Qkv, h, c.d_model);
         }
-        self.matmul_many([w.wq, w.wk, w.wv], h, n, [&mut q[..], &mut k[..], &mut v[..]])?;
+        self.group(li, CaptureSite::Qkv, [w.wq, w.wk, w.wv], h, n, [&mut q[..], &mut k[..], &mut v[..]])?;
         for (t, b) in [(&mut *q, w.bq), (&mut *k, w.bk), (&mut *v, w.bv)] {
             if let Some(b) = b {
                 for row in t.chunks_exact_mut(b.len()) {
@@ -327,7 +365,7 @@ impl Pass<'_> {
         if let Some(f) = capture.as_mut() {
             f(li, CaptureSite::O, attn, qd);
         }
-        self.matmul(w.wo, attn, n, o)?;
+        self.group(li, CaptureSite::O, [w.wo], attn, n, [&mut o[..]])?;
         x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
         Ok(())
     }
@@ -356,14 +394,21 @@ impl Pass<'_> {
         while t0 < n {
             let m = block.min(n - t0);
             let (gs, us) = (&mut g[t0 * f..(t0 + m) * f], &mut u[t0 * f..(t0 + m) * f]);
-            self.matmul_many([w.gate, w.up], &h[t0 * d..(t0 + m) * d], m, [&mut gs[..], &mut us[..]])?;
+            self.group(
+                li,
+                CaptureSite::GateUp,
+                [w.gate, w.up],
+                &h[t0 * d..(t0 + m) * d],
+                m,
+                [&mut gs[..], &mut us[..]],
+            )?;
             self.op(OpKind::SwiGlu, m)?.swiglu(gs, us)?;
             t0 += m;
         }
         if let Some(f) = capture.as_mut() {
             f(li, CaptureSite::Down, g, c.ffn_dim);
         }
-        self.matmul(w.down, g, n, down)?;
+        self.group(li, CaptureSite::Down, [w.down], g, n, [&mut down[..]])?;
         x.iter_mut().zip(down.iter()).for_each(|(x, o)| *x += o);
         Ok(())
     }

@@ -92,7 +92,7 @@ pub fn run_subgraph(
     weights: &[&HostCopy],
     io: HostIo<'_, '_>,
 ) -> Result<(), String> {
-    let pass = Pass { c: shape, planner };
+    let pass = Pass { c: shape, planner, linears: None };
     check_bindings(io.tokens, io.positions, io.seqs)?;
     let spans: Vec<_> = io.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
     let positions: Vec<usize> = io.positions.iter().map(|&p| p as usize).collect();

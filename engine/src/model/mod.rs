@@ -90,7 +90,7 @@ impl Transformer {
     }
 
     fn pass(&self) -> Pass<'_> {
-        Pass { c: &self.shape, planner: &self.planner }
+        Pass { c: &self.shape, planner: &self.planner, linears: None }
     }
 
     /// Runs `tokens` at the positions after what `kv` holds, appends their keys and values, and
@@ -202,6 +202,29 @@ impl Transformer {
         }
         let joined = PassState::join(self.config.d_model, states.into_iter().flatten());
         Some(p.finish(joined, batch, &w.output_norm, &w.output, which))
+    }
+
+    /// [`Self::forward`] for one sequence with its linear groups run by `linears` where it takes
+    /// them (the NPU path's prefill: `backend::npu::prefill`); the rest — norms, RoPE,
+    /// attention into `kv`, SwiGLU, the head — on the planner, so `kv` is the host cache the CPU
+    /// decodes from next, with no copy.
+    pub fn forward_with(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        linears: &dyn crate::backend::blocks::Linears,
+        which: Logits,
+    ) -> Result<Vec<f32>, BackendError> {
+        let p = Pass { linears: Some(linears), ..self.pass() };
+        let w = &self.weights;
+        let batch = &mut [(kv, tokens)];
+        let Some(mut st) = p.begin(batch, &w.token_embd)? else { return Ok(Vec::new()) };
+        for (li, l) in w.layers.iter().enumerate() {
+            p.layer(&mut st, batch, li, l.blocks(w.rope_freqs.as_deref()), None)?;
+        }
+        let out = p.finish(st, batch, &w.output_norm, &w.output, which)?.pop().unwrap_or_default();
+        w.check_files()?;
+        Ok(out)
     }
 
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`

@@ -167,7 +167,7 @@ impl Transformer {
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let p = Pass { c: &self.shape, planner: &self.planner };
+        let p = Pass { c: &self.shape, planner: &self.planner, linears: None };
         let w = &self.weights;
         let Some(mut st) = p.state(batch)? else {
             return Ok(vec![Vec::new(); batch.len()]);

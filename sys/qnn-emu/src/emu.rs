@@ -406,14 +406,16 @@ fn plan_fc(g: &GraphState, node: &Node) -> Result<FcPlan, EmuError> {
     let t = |id: u32| g.tensor(id).expect("checked when the node was added");
     let (x, w, y) = (t(node.inputs[0]), t(node.inputs[1]), t(node.outputs[0]));
     let b = node.inputs.get(2).map(|&id| t(id));
+    // The output may be 16-bit (int8 arithmetic, a finer requantization).
+    let y_want = if y.data_type == dt::UFIXED_POINT_16 { dt::UFIXED_POINT_16 } else { dt::UFIXED_POINT_8 };
     for (what, tensor, want) in
-        [("input", x, dt::UFIXED_POINT_8), ("weight", w, dt::SFIXED_POINT_8), ("output", y, dt::UFIXED_POINT_8)]
+        [("input", x, dt::UFIXED_POINT_8), ("weight", w, dt::SFIXED_POINT_8), ("output", y, y_want)]
     {
         if tensor.data_type != want {
             let kind =
                 if matches!(tensor.data_type, dt::FLOAT_16 | dt::FLOAT_32) { "a float" } else { "an unsupported" };
             return bad(format!(
-                "{what} {:?} is {kind} type ({:#x}): the emulator runs W8A8 graphs only",
+                "{what} {:?} is {kind} type ({:#x}): the emulator runs W8A8 graphs only (uint8 or uint16 out)",
                 tensor.name, tensor.data_type
             ));
         }
@@ -627,7 +629,7 @@ pub fn graph_execute(graph: u64, inputs: &[IoTensor<'_>], outputs: &[IoTensor<'_
     })
 }
 
-/// `y = round(((Σ (x + ox)·(w + ow)) + b) · sx·sw / sy) − oy`, clamped to 0..=255: the integer sum
+/// `y = round(((Σ (x + ox)·(w + ow)) + b) · sx·sw / sy) − oy`, clamped to the output's codes (8 or 16 bits): the integer sum
 /// exact (i64), the requantization in f64 rounded half away from zero — ideal rounding, as
 /// `llmd_engine::backend::npu::quant::linear_reference` defines it.
 fn fully_connected(
@@ -665,7 +667,8 @@ fn fully_connected(
     } else {
         Vec::new()
     };
-    let mut out = Vec::with_capacity(p.m * p.n);
+    let wide_out = y.data_type == dt::UFIXED_POINT_16;
+    let mut out = Vec::with_capacity(p.m * p.n * if wide_out { 2 } else { 1 });
     for r in 0..p.m {
         let xr = &xs[r * p.k..(r + 1) * p.k];
         for o in 0..p.n {
@@ -683,7 +686,11 @@ fn fully_connected(
             let acc = acc + bias.as_ref().map_or(0, |b| b[o]);
             let real = acc as f64 * f64::from(sx) * f64::from(sw);
             let q = (real / f64::from(sy)).round() - f64::from(oy);
-            out.push(q.clamp(0.0, 255.0) as u8);
+            if wide_out {
+                out.extend_from_slice(&(q.clamp(0.0, 65535.0) as u16).to_le_bytes());
+            } else {
+                out.push(q.clamp(0.0, 255.0) as u8);
+            }
         }
     }
     out

@@ -5,7 +5,7 @@
 //! What it emulates (the NPU path's needs, no more):
 //! - **W8A8 `FullyConnected` graphs** with exact integer arithmetic and ideal rounding
 //!   ([`emu`]'s `fully_connected`: the same definition as the engine's reference, bit for bit):
-//!   uint8 input and output with one scale and offset each, int8 weights per tensor or per output
+//!   uint8 input and uint8 or uint16 output with one scale and offset each, int8 weights per tensor or per output
 //!   channel, optional int32 bias at the input's scale times the weight's.
 //! - **What an NPU refuses**: float tensors on a node (the NPU path's graphs are quantized),
 //!   ops it does not emulate, new tensors or nodes after finalize, a tensor at execute whose

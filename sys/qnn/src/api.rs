@@ -541,6 +541,10 @@ pub struct Graph<'c> {
     _context: PhantomData<&'c ()>,
 }
 
+// SAFETY: QNN handles may be used from any thread; `Graph` is not `Sync` and `execute` takes
+// `&mut self`, so one graph never runs two executions at once from safe code.
+unsafe impl Send for Graph<'_> {}
+
 impl Graph<'_> {
     /// The graph's handle, for calls outside the function table (`Library::modelled_ns`).
     pub(crate) fn raw(&self) -> Handle {

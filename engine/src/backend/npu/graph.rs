@@ -4,7 +4,7 @@
 //!
 //! A group's projections share one input (the QKV projections read the same normed hidden
 //! state, gate and up too), so a group is one graph with one uint8 input `[chunk, k]` and one
-//! uint8 output `[chunk, n]` per projection. Norms, RoPE, attention and the SiLU·up product stay
+//! uint8 or uint16 output `[chunk, n]` per projection. Norms, RoPE, attention and the SiLU·up product stay
 //! on the CPU in float (llm.npu's split): the graph's outputs are dequantized there.
 //!
 //! QNN's library accepts a `FullyConnected` whose weight does not match its input's width
@@ -47,6 +47,9 @@ impl LinearGroup {
         }
         let k = self.k();
         check_quant(&self.name, "input", self.input)?;
+        if self.input.bits != 8 {
+            return bad(format!("{}-bit input: the NPU's matmuls take 8-bit activations", self.input.bits));
+        }
         for p in &self.projections {
             let w = &p.weights;
             if w.cols != k {
@@ -70,6 +73,10 @@ impl LinearGroup {
                 }
             }
             check_quant(&self.name, &p.name, p.output)?;
+            if p.output.bits == 16 && matches!(w.scales, WeightScales::PerChannel(_)) {
+                // Seen with Qualcomm's x86-64 HTP library (QAIRT 2.51): MEM_ALLOC at finalize.
+                return bad(format!("{}: per-channel weights with 16-bit outputs do not finalize on the HTP", p.name));
+            }
             if u32::try_from(w.rows).is_err() || u32::try_from(k).is_err() {
                 return bad(format!("{} is too large", p.name));
             }
@@ -78,7 +85,7 @@ impl LinearGroup {
     }
 
     /// The reference outputs (`super::quant::linear_reference`) for `m` rows of `x`.
-    pub fn reference(&self, x: &[u8], m: usize) -> Vec<Vec<u8>> {
+    pub fn reference(&self, x: &[u8], m: usize) -> Vec<Vec<u16>> {
         self.projections
             .iter()
             .map(|p| super::quant::linear_reference(x, self.input, &p.weights, p.bias.as_deref(), p.output, m))
@@ -87,7 +94,11 @@ impl LinearGroup {
 }
 
 fn check_quant(graph: &str, what: &str, q: ActQuant) -> Result<(), NpuError> {
-    if q.scale.is_finite() && q.scale > 0.0 && (0..=255).contains(&q.zero_point) {
+    if q.scale.is_finite()
+        && q.scale > 0.0
+        && (q.bits == 8 || q.bits == 16)
+        && (0..=q.max_code()).contains(&q.zero_point)
+    {
         Ok(())
     } else {
         Err(NpuError::Shape {
@@ -143,30 +154,32 @@ pub fn build_linear_group<'c>(
                 g.constant(&TensorSpec::new(&format!("{}.b", p.name), &[n], dt::SFIXED_POINT_32, b_quant), &b_bytes)?,
             );
         }
-        let y = g.output(&TensorSpec::new(&p.name, &[m, n], dt::UFIXED_POINT_8, act(p.output)))?;
+        let y_type = if p.output.bits == 16 { dt::UFIXED_POINT_16 } else { dt::UFIXED_POINT_8 };
+        let y = g.output(&TensorSpec::new(&p.name, &[m, n], y_type, act(p.output)))?;
         g.node(&format!("{}.fc", p.name), "FullyConnected", &inputs, &[y], &[])?;
     }
     Ok(g.finalize()?)
 }
 
 /// Runs `graph` (built by [`build_linear_group`] for `group` at `chunk` rows) on `x`, returning
-/// each projection's output.
+/// each projection's output codes.
 pub fn run_linear_group(
     graph: &mut Graph<'_>,
     group: &LinearGroup,
     chunk: usize,
     x: &[u8],
-) -> Result<Vec<Vec<u8>>, NpuError> {
+) -> Result<Vec<Vec<u16>>, NpuError> {
     if x.len() != chunk * group.k() {
         return Err(NpuError::Shape {
             graph: group.name.clone(),
             detail: format!("an input of {} bytes for {chunk} rows of {}", x.len(), group.k()),
         });
     }
-    let mut outs: Vec<Vec<u8>> = group.projections.iter().map(|p| vec![0u8; chunk * p.weights.rows]).collect();
+    let mut outs: Vec<Vec<u8>> =
+        group.projections.iter().map(|p| vec![0u8; chunk * p.weights.rows * p.output.code_bytes()]).collect();
     {
         let mut refs: Vec<&mut [u8]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
         graph.execute(&[x], &mut refs)?;
     }
-    Ok(outs)
+    Ok(group.projections.iter().zip(&outs).map(|(p, o)| p.output.codes(o)).collect())
 }

@@ -4,6 +4,9 @@
 //!
 //! - [`quant`]: the W8A8 arithmetic and its reference.
 //! - [`graph`]: a layer's linear groups as QNN graphs, with every shape checked first.
+//! - [`prefill`]: a model's groups calibrated, quantized and built, run in place of the CPU's
+//!   matmuls during prefill.
 
 pub mod graph;
+pub mod prefill;
 pub mod quant;

@@ -9,35 +9,75 @@
 //!   ([`WeightScales::PerChannel`], measured as an option).
 //! - **Bias**: int32 at the scale `activation scale × weight scale`, zero point 0: added to the
 //!   accumulator before requantization.
-//! - **Output**: uint8 again, with the output's calibrated scale and zero point.
+//! - **Output**: uint8 again (llm.npu's W8A8 end to end), or uint16 (`ActQuant::bits` 16), with
+//!   the output's calibrated scale and zero point. The arithmetic is int8 either way; 16-bit
+//!   outputs keep the precision the float operations after the graph (norms, attention) need,
+//!   and make the HTP's one-code rounding differences 256 times smaller.
 //!
 //! [`linear_reference`] computes `y = round(((Σ (x − zx)·w) + b) · sx·sw / sy) + zy`, clamped to
-//! 0..=255, with the sum exact (i64) and the requantization in f64 — ideal rounding of the exact
+//! the output's codes, with the sum exact (i64) and the requantization in f64 — ideal rounding of the exact
 //! result. Qualcomm's HTP requantizes with fixed-point multipliers and may land one code away
 //! (≤ 1 LSB, on a share of outputs that the tests bound); the emulator provider must equal this
 //! reference bit for bit.
 
 use crate::error::NpuError;
 
-/// A uint8 tensor's quantization: `real = scale · (q − zero_point)`, `zero_point` in 0..=255.
+/// An unsigned tensor's quantization: `real = scale · (q − zero_point)`, codes and
+/// `zero_point` in `0..=max_code()` (8 or 16 `bits`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ActQuant {
     pub scale: f32,
     pub zero_point: i32,
+    pub bits: u8,
 }
 
 impl ActQuant {
-    /// The quantization covering `min..=max` (widened to hold 0, so that zero is exact — padding
-    /// and ReLU-like zeros stay zeros), all 256 codes used.
+    /// The 8-bit quantization covering `min..=max` (see [`Self::from_range_bits`]).
     pub fn from_range(min: f32, max: f32) -> Result<Self, NpuError> {
+        Self::from_range_bits(min, max, 8)
+    }
+
+    /// The quantization of `bits` (8 or 16) covering `min..=max` (widened to hold 0, so that
+    /// zero is exact — padding and ReLU-like zeros stay zeros), every code used.
+    pub fn from_range_bits(min: f32, max: f32, bits: u8) -> Result<Self, NpuError> {
         if !(min.is_finite() && max.is_finite() && min <= max) {
             return Err(NpuError::Quantization(format!("activation range {min}..{max} is not a finite range")));
         }
+        if bits != 8 && bits != 16 {
+            return Err(NpuError::Quantization(format!("{bits}-bit activations (8 or 16)")));
+        }
+        let top = ((1u32 << bits) - 1) as f32;
         let (lo, hi) = (min.min(0.0), max.max(0.0));
         // A range of only zeros still needs a valid (positive, normal) scale.
-        let scale = ((hi - lo) / 255.0).max(f32::MIN_POSITIVE * 256.0);
-        let zero_point = (-lo / scale).round().clamp(0.0, 255.0) as i32;
-        Ok(Self { scale, zero_point })
+        let scale = ((hi - lo) / top).max(f32::MIN_POSITIVE * 65536.0);
+        let zero_point = (-lo / scale).round().clamp(0.0, top) as i32;
+        Ok(Self { scale, zero_point, bits })
+    }
+
+    /// The largest code.
+    pub fn max_code(&self) -> i32 {
+        (1i32 << self.bits) - 1
+    }
+
+    /// Bytes a code takes (little-endian).
+    pub fn code_bytes(&self) -> usize {
+        usize::from(self.bits / 8)
+    }
+
+    /// Codes from their little-endian bytes.
+    pub fn codes(&self, bytes: &[u8]) -> Vec<u16> {
+        if self.bits == 16 {
+            bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+        } else {
+            bytes.iter().map(|&b| u16::from(b)).collect()
+        }
+    }
+
+    /// Real values of `codes`.
+    pub fn dequantize_codes(&self, codes: &[u16], out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(codes) {
+            *o = self.scale * (i32::from(v) - self.zero_point) as f32;
+        }
     }
 
     /// QNN's `offset` for this quantization (the negated zero point).
@@ -45,7 +85,8 @@ impl ActQuant {
         -self.zero_point
     }
 
-    /// `q = clamp(round(x / scale) + zero_point, 0, 255)` (rounding half away from zero).
+    /// `q = clamp(round(x / scale) + zero_point, 0, 255)` (rounding half away from zero): an
+    /// 8-bit quantization's codes.
     pub fn quantize(&self, x: &[f32], out: &mut [u8]) {
         let inv = 1.0 / self.scale;
         for (q, &v) in out.iter_mut().zip(x) {
@@ -140,8 +181,8 @@ pub fn quantize_bias(b: &[f32], x_scale: f32, w: &QuantWeights) -> Result<Vec<i3
         .collect()
 }
 
-/// The reference W8A8 linear layer: `m` rows of `x` (uint8, `x_q`) by `w`, plus `bias`, into uint8
-/// at `y_q` — the exact integer sum, requantized in f64 and rounded half away from zero.
+/// The reference W8A8 linear layer: `m` rows of `x` (uint8, `x_q`) by `w`, plus `bias`, into the
+/// codes of `y_q` — the exact integer sum, requantized in f64 and rounded half away from zero.
 pub fn linear_reference(
     x: &[u8],
     x_q: ActQuant,
@@ -149,7 +190,8 @@ pub fn linear_reference(
     bias: Option<&[i32]>,
     y_q: ActQuant,
     m: usize,
-) -> Vec<u8> {
+) -> Vec<u16> {
+    let top = f64::from(y_q.max_code());
     let (k, n) = (w.cols, w.rows);
     assert_eq!(x.len(), m * k, "x is not {m} × {k}");
     let mut y = Vec::with_capacity(m * n);
@@ -162,7 +204,7 @@ pub fn linear_reference(
             let acc = acc + bias.map_or(0, |b| i64::from(b[o]));
             let real = acc as f64 * f64::from(x_q.scale) * f64::from(w.scales.of(o));
             let q = (real / f64::from(y_q.scale)).round() + f64::from(y_q.zero_point);
-            y.push(q.clamp(0.0, 255.0) as u8);
+            y.push(q.clamp(0.0, top) as u16);
         }
     }
     y
@@ -218,6 +260,16 @@ mod tests {
                 let got = yq.scale * (i32::from(y[r * 3 + o]) - yq.zero_point) as f32;
                 assert!((got - exact).abs() < 2.0 * yq.scale, "{got} vs {exact}");
             }
+        }
+        // 16-bit outputs: the same values, 257 times finer.
+        let y16q = ActQuant::from_range_bits(-1.0, 1.0, 16).expect("y16");
+        let y16 = linear_reference(&xs, xq, &wq, Some(&bq), y16q, 2);
+        for (a, b) in y.iter().zip(&y16) {
+            let (fa, fb) = (
+                yq.scale * (i32::from(*a) - yq.zero_point) as f32,
+                y16q.scale * (i32::from(*b) - y16q.zero_point) as f32,
+            );
+            assert!((fa - fb).abs() <= yq.scale * 0.51, "{fa} vs {fb}");
         }
     }
 }
