@@ -123,12 +123,12 @@ pub fn build_linear_group<'c>(
     if chunk == 0 || u32::try_from(chunk).is_err() {
         return Err(NpuError::Shape { graph: group.name.clone(), detail: format!("a chunk of {chunk} rows") });
     }
-    let (m, k) = (chunk as u32, group.k() as u32);
+    let k = group.k() as u32;
     let name = graph_name(group, chunk);
     let mut g = context.graph(&name)?;
-    let act = |q: ActQuant| Quantization::PerTensor { scale: q.scale, offset: q.qnn_offset() };
-    let x = g.input(&TensorSpec::new("x", &[m, k], dt::UFIXED_POINT_8, act(group.input)))?;
-    for p in &group.projections {
+    let (x_spec, y_specs) = io_specs(group, chunk);
+    let x = g.input(&x_spec)?;
+    for (p, y_spec) in group.projections.iter().zip(&y_specs) {
         let w = &p.weights;
         let n = w.rows as u32;
         let w_quant = match &w.scales {
@@ -154,11 +154,54 @@ pub fn build_linear_group<'c>(
                 g.constant(&TensorSpec::new(&format!("{}.b", p.name), &[n], dt::SFIXED_POINT_32, b_quant), &b_bytes)?,
             );
         }
-        let y_type = if p.output.bits == 16 { dt::UFIXED_POINT_16 } else { dt::UFIXED_POINT_8 };
-        let y = g.output(&TensorSpec::new(&p.name, &[m, n], y_type, act(p.output)))?;
+        let y = g.output(y_spec)?;
         g.node(&format!("{}.fc", p.name), "FullyConnected", &inputs, &[y], &[])?;
     }
     Ok(g.finalize()?)
+}
+
+fn act(q: ActQuant) -> Quantization {
+    Quantization::PerTensor { scale: q.scale, offset: q.qnn_offset() }
+}
+
+/// The input and outputs of `group`'s graph at `chunk` rows, as [`build_linear_group`] declares
+/// them (and [`retrieve_linear_group`] finds them again).
+pub fn io_specs(group: &LinearGroup, chunk: usize) -> (TensorSpec, Vec<TensorSpec>) {
+    let (m, k) = (chunk as u32, group.k() as u32);
+    let x = TensorSpec::new("x", &[m, k], dt::UFIXED_POINT_8, act(group.input));
+    let ys = group
+        .projections
+        .iter()
+        .map(|p| {
+            let y_type = if p.output.bits == 16 { dt::UFIXED_POINT_16 } else { dt::UFIXED_POINT_8 };
+            TensorSpec::new(&p.name, &[m, p.weights.rows as u32], y_type, act(p.output))
+        })
+        .collect();
+    (x, ys)
+}
+
+/// `group`'s graph at `chunk` rows in a context loaded from a binary, by the tensor ids QNN gave
+/// its input and outputs when it was built (`input_id`, `output_ids` in projection order).
+pub fn retrieve_linear_group<'c>(
+    context: &'c Context<'_>,
+    group: &LinearGroup,
+    chunk: usize,
+    input_id: u32,
+    output_ids: &[u32],
+) -> Result<Graph<'c>, NpuError> {
+    group.check()?;
+    let (x, ys) = io_specs(group, chunk);
+    if ys.len() != output_ids.len() {
+        return Err(NpuError::Shape {
+            graph: group.name.clone(),
+            detail: format!("{} output ids for {} projections", output_ids.len(), ys.len()),
+        });
+    }
+    let io = qnn_sys::api::GraphIo {
+        inputs: vec![(x, input_id)],
+        outputs: ys.into_iter().zip(output_ids.iter().copied()).collect(),
+    };
+    Ok(context.retrieve(&graph_name(group, chunk), &io)?)
 }
 
 /// Runs `graph` (built by [`build_linear_group`] for `group` at `chunk` rows) on `x`, returning

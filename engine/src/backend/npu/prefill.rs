@@ -208,6 +208,31 @@ impl<'c> NpuLinears<'c> {
         Ok(Self { chunk, layers, lib, executions: AtomicU64::new(0), modelled_ns: AtomicU64::new(0) })
     }
 
+    /// Wraps graphs already in a context (`cache::graphs`), one per group in layer-major order.
+    pub fn from_graphs(
+        lib: &'c qnn_sys::Library,
+        groups: Vec<[LinearGroup; 4]>,
+        graphs: Vec<qnn_sys::api::Graph<'c>>,
+        chunk: usize,
+    ) -> Result<Self, NpuError> {
+        if graphs.len() != groups.len() * 4 {
+            return Err(NpuError::Quantization(format!("{} graphs for {} groups", graphs.len(), groups.len() * 4)));
+        }
+        let mut graphs = graphs.into_iter();
+        let mut layers = Vec::with_capacity(groups.len());
+        for layer in groups {
+            let built: Vec<Built<'c>> = layer
+                .into_iter()
+                .filter_map(|group| graphs.next().map(|g| Built { group, graph: Mutex::new(g) }))
+                .collect();
+            match built.try_into() {
+                Ok(b) => layers.push(b),
+                Err(_) => return Err(NpuError::Quantization("four groups per layer".into())),
+            }
+        }
+        Ok(Self { chunk, layers, lib, executions: AtomicU64::new(0), modelled_ns: AtomicU64::new(0) })
+    }
+
     /// The chunk size its graphs take.
     pub fn chunk(&self) -> usize {
         self.chunk

@@ -1,0 +1,212 @@
+//! Finalized NPU contexts cached on disk: a QNN context binary per model, quantization, chunk
+//! size, chip and QNN library, so that a later start loads its graphs instead of finalizing them
+//! (finalize and warm-up time is the first complaint about NPU runtimes).
+//!
+//! A cache file (`npu-<crc of the key>.qnnctx`) holds a header — magic, format version, the
+//! whole key as JSON, and each graph's tensor ids — then the library's context binary and a
+//! CRC-32 of everything before it. It is served only when its key equals the one asked for
+//! field by field (the file name is only a hint) and its CRC holds; a stale, truncated or corrupt
+//! file is rebuilt and replaced (written to a temporary name, synced, renamed), never loaded.
+//!
+//! The key: the library (provider name, build id, core and backend API versions), the chip, the
+//! chunk size, and a CRC-32 over every group's name, quantization and int8 weights — so a
+//! changed model, calibration or quantization option changes it.
+
+use super::graph::{build_linear_group, graph_name, retrieve_linear_group, LinearGroup};
+use super::quant::WeightScales;
+use crate::error::NpuError;
+use qnn_sys::api::{Backend, Context, Graph};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 8] = b"LLMDNPUC";
+/// The cache file's layout; bump on any change.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What a cached context was made for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheKey {
+    pub provider: String,
+    pub build_id: String,
+    pub core_api: String,
+    pub backend_api: String,
+    pub soc: u32,
+    pub chunk: usize,
+    pub groups: usize,
+    /// CRC-32 of every group's name, quantization parameters and weights.
+    pub groups_crc: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    key: CacheKey,
+    /// Per graph, in layer-major group order: the input's tensor id and the outputs'.
+    ids: Vec<(u32, Vec<u32>)>,
+}
+
+/// Where a context came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheOutcome {
+    /// Loaded from the cache file.
+    Loaded,
+    /// Built and finalized, then stored (why: no file, another key, or a damaged file).
+    Built { reason: String },
+}
+
+/// The key for `groups` at `chunk` rows on `backend` of `lib` for chip `soc`.
+pub fn key_for(
+    lib: &qnn_sys::Library,
+    backend: &Backend<'_>,
+    soc: u32,
+    groups: &[LinearGroup],
+    chunk: usize,
+) -> Result<CacheKey, NpuError> {
+    let p = lib
+        .provider(qnn_sys::BACKEND_ID_HTP)
+        .ok_or_else(|| NpuError::Quantization("the library has no HTP provider".into()))?;
+    let info = lib
+        .providers()
+        .into_iter()
+        .find(|i| i.backend_id == p.head.backend_id)
+        .ok_or_else(|| NpuError::Quantization("no provider record".into()))?;
+    let mut h = crc32fast::Hasher::new();
+    for g in groups {
+        h.update(g.name.as_bytes());
+        for q in std::iter::once(g.input).chain(g.projections.iter().map(|p| p.output)) {
+            h.update(&q.scale.to_le_bytes());
+            h.update(&q.zero_point.to_le_bytes());
+            h.update(&[q.bits]);
+        }
+        for p in &g.projections {
+            h.update(p.name.as_bytes());
+            h.update(&(p.weights.rows as u64).to_le_bytes());
+            h.update(&(p.weights.cols as u64).to_le_bytes());
+            match &p.weights.scales {
+                WeightScales::PerTensor(s) => h.update(&s.to_le_bytes()),
+                WeightScales::PerChannel(v) => v.iter().for_each(|s| h.update(&s.to_le_bytes())),
+            }
+            h.update(&p.weights.q.iter().map(|&v| v as u8).collect::<Vec<u8>>());
+            if let Some(b) = &p.bias {
+                b.iter().for_each(|v| h.update(&v.to_le_bytes()));
+            }
+        }
+    }
+    Ok(CacheKey {
+        provider: info.name,
+        build_id: backend.build_id()?,
+        core_api: info.api.core.to_string(),
+        backend_api: info.api.backend.to_string(),
+        soc,
+        chunk,
+        groups: groups.len(),
+        groups_crc: h.finalize(),
+    })
+}
+
+/// The cache file for `key` in `dir`.
+pub fn path_for(dir: &Path, key: &CacheKey) -> Result<PathBuf, NpuError> {
+    let json = serde_json::to_vec(key).map_err(|e| NpuError::Quantization(e.to_string()))?;
+    Ok(dir.join(format!("npu-{:08x}.qnnctx", crc32fast::hash(&json))))
+}
+
+/// Reads a cache file: its header if the key matches and the CRC holds, and the binary.
+fn read(path: &Path, key: &CacheKey) -> Result<(Header, Vec<u8>), String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("no cache file ({e})"))?;
+    if bytes.len() < 8 + 4 + 4 + 4 || &bytes[..8] != MAGIC {
+        return Err("not an NPU cache file".into());
+    }
+    let (body, crc) = bytes.split_at(bytes.len() - 4);
+    if crc32fast::hash(body).to_le_bytes() != crc {
+        return Err("the cache file is truncated or corrupt (CRC mismatch)".into());
+    }
+    let version = u32::from_le_bytes([body[8], body[9], body[10], body[11]]);
+    if version != FORMAT_VERSION {
+        return Err(format!("cache format {version}, this build reads {FORMAT_VERSION}"));
+    }
+    let hlen = u32::from_le_bytes([body[12], body[13], body[14], body[15]]) as usize;
+    let header_bytes = body.get(16..16 + hlen).ok_or("the header runs past the file")?;
+    let header: Header = serde_json::from_slice(header_bytes).map_err(|e| format!("an unreadable header: {e}"))?;
+    if header.key != *key {
+        return Err("made for another model, quantization, chunk size, chip or QNN library".into());
+    }
+    Ok((header, body[16 + hlen..].to_vec()))
+}
+
+/// Writes a cache file atomically (temporary name, fsync, rename).
+fn write(path: &Path, header: &Header, binary: &[u8]) -> Result<(), NpuError> {
+    let io = |e: std::io::Error| NpuError::Quantization(format!("writing the NPU cache {}: {e}", path.display()));
+    let json = serde_json::to_vec(header).map_err(|e| NpuError::Quantization(e.to_string()))?;
+    let mut out = Vec::with_capacity(16 + json.len() + binary.len() + 4);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(&json);
+    out.extend_from_slice(binary);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let r = (|| {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&out)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r.map_err(io)
+}
+
+/// A context holding `groups`' graphs at `chunk` rows: loaded from `dir`'s cache file for `key`
+/// when there is a sound one, else built, finalized and stored there.
+pub fn load_or_build<'b>(
+    backend: &'b Backend<'_>,
+    dir: &Path,
+    key: &CacheKey,
+    groups: &[LinearGroup],
+    chunk: usize,
+) -> Result<(Context<'b>, Vec<(u32, Vec<u32>)>, CacheOutcome), NpuError> {
+    let path = path_for(dir, key)?;
+    let reason = match read(&path, key) {
+        Ok((header, binary)) if header.ids.len() == groups.len() => match backend.context_from_binary(&binary) {
+            Ok(context) => return Ok((context, header.ids, CacheOutcome::Loaded)),
+            Err(e) => format!("the library refused the cached binary: {e}"),
+        },
+        Ok(_) => "the cache file lists another number of graphs".into(),
+        Err(why) => why,
+    };
+    let context = backend.context()?;
+    let mut ids = Vec::with_capacity(groups.len());
+    for g in groups {
+        let graph = build_linear_group(&context, g, chunk)?;
+        let io = graph.io();
+        let input = io.inputs.first().map(|i| i.1).unwrap_or(0);
+        ids.push((input, io.outputs.iter().map(|o| o.1).collect()));
+    }
+    let binary = context.binary()?;
+    write(&path, &Header { key: key.clone(), ids: ids.clone() }, &binary)?;
+    Ok((context, ids, CacheOutcome::Built { reason }))
+}
+
+/// The graphs of a context from [`load_or_build`], by the ids it returned.
+pub fn graphs<'c>(
+    context: &'c Context<'_>,
+    groups: &[LinearGroup],
+    chunk: usize,
+    ids: &[(u32, Vec<u32>)],
+) -> Result<Vec<Graph<'c>>, NpuError> {
+    groups
+        .iter()
+        .zip(ids)
+        .map(|(g, (input, outputs))| {
+            retrieve_linear_group(context, g, chunk, *input, outputs).map_err(|e| match e {
+                NpuError::Qnn(q) => NpuError::Shape { graph: graph_name(g, chunk), detail: q.to_string() },
+                e => e,
+            })
+        })
+        .collect()
+}
