@@ -44,6 +44,9 @@ struct Header {
     ids: Vec<(u32, Vec<u32>)>,
 }
 
+/// Each graph's tensor ids, in layer-major group order: the input's and the outputs'.
+pub type GraphIds = Vec<(u32, Vec<u32>)>;
+
 /// Where a context came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheOutcome {
@@ -169,7 +172,7 @@ pub fn load_or_build<'b>(
     key: &CacheKey,
     groups: &[LinearGroup],
     chunk: usize,
-) -> Result<(Context<'b>, Vec<(u32, Vec<u32>)>, CacheOutcome), NpuError> {
+) -> Result<(Context<'b>, GraphIds, CacheOutcome), NpuError> {
     let path = path_for(dir, key)?;
     let reason = match read(&path, key) {
         Ok((header, binary)) if header.ids.len() == groups.len() => match backend.context_from_binary(&binary) {
