@@ -122,6 +122,8 @@ pub enum GenerateError {
     ChatTemplate(#[from] ChatTemplateError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error(transparent)]
+    Npu(#[from] NpuError),
 }
 
 /// A backend refused or failed a unit of work.
@@ -166,6 +168,8 @@ pub enum EngineError {
     Generate(#[from] GenerateError),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error(transparent)]
+    Npu(#[from] NpuError),
 }
 
 /// The name ggml gives type id `id` (for errors about types llmd does not read), or "unknown".

@@ -191,11 +191,27 @@ impl Model {
         kv: &mut KvCache,
         prompt: &[u32],
         req: &GenerateRequest,
+        on_text: impl FnMut(&str, &[u32]) -> Flow,
+    ) -> Result<GenerationStats, GenerateError> {
+        self.generate_in_with(kv, prompt, req, None, on_text)
+    }
+
+    /// [`Self::generate_in`] with the prompt's linear groups on `prefill` (the NPU path, in
+    /// chunks of its graphs' size) and the decode on the CPU from the same cache.
+    pub fn generate_in_with(
+        &self,
+        kv: &mut KvCache,
+        prompt: &[u32],
+        req: &GenerateRequest,
+        prefill: Option<(&dyn crate::backend::blocks::Linears, usize)>,
         mut on_text: impl FnMut(&str, &[u32]) -> Flow,
     ) -> Result<GenerationStats, GenerateError> {
         let mut g = Generation::new(self, kv, prompt.to_vec(), req)?;
+        if let Some((_, chunk)) = prefill {
+            g = g.with_prefill_chunk(chunk);
+        }
         loop {
-            let out = g.step(self, kv)?;
+            let out = g.step_with(self, kv, prefill.map(|p| p.0))?;
             if (!out.ids.is_empty() || !out.text.is_empty()) && on_text(&out.text, &out.ids) == Flow::Stop {
                 return Ok(g.cancel());
             }
@@ -391,9 +407,22 @@ impl Generation {
 
     /// Runs one unit of work.
     pub fn step(&mut self, model: &Model, kv: &mut KvCache) -> Result<StepOutput, GenerateError> {
+        self.step_with(model, kv, None)
+    }
+
+    /// [`Self::step`] with prefill chunks' linear groups on `prefill` when given.
+    pub fn step_with(
+        &mut self,
+        model: &Model,
+        kv: &mut KvCache,
+        prefill: Option<&dyn crate::backend::blocks::Linears>,
+    ) -> Result<StepOutput, GenerateError> {
         if let Some(chunk) = self.prefill_chunk_tokens() {
             let n = chunk.len();
-            let logits = model.transformer.forward(kv, chunk, Logits::Last)?;
+            let logits = match prefill {
+                Some(l) => model.transformer.forward_with(kv, chunk, l, Logits::Last)?,
+                None => model.transformer.forward(kv, chunk, Logits::Last)?,
+            };
             self.accept_prefill(n, logits);
             return Ok(StepOutput::default());
         }

@@ -9,7 +9,7 @@
 mod common;
 
 use llmd_engine::backend::blocks::Logits;
-use llmd_engine::backend::npu::prefill::{calibrate, quantized_groups, NpuLinears};
+use llmd_engine::backend::npu::prefill::{calibrate, quantized_groups, NpuLinears, CALIBRATION_TEXT};
 use llmd_engine::chat::ChatMessage;
 use std::path::PathBuf;
 
@@ -35,21 +35,6 @@ const MAX_SPREAD: f32 = 1.0;
 const OUT_BITS: u8 = 16;
 /// SM8650 (Snapdragon 8 Gen 3).
 const SM8650: u32 = 57;
-
-/// Calibration text (not the prompt): plain English prose of a few hundred tokens.
-const CALIBRATION: &str = "The history of computing is a story of machines that grew smaller while their reach grew \
-larger. Early computers filled whole rooms, drew enough power to light a street, and were tended by teams who fed \
-them punched cards. Each new generation of hardware traded vacuum tubes for transistors, transistors for integrated \
-circuits, and circuits for chips holding billions of switches. Software followed the same path: programs once written \
-in machine code for a single model of computer became portable, layered and shared. Today a phone in a pocket holds \
-more processing power than the machines that guided the first missions to the moon. It carries a central processor, \
-a graphics processor and a neural processor, each suited to different work. The neural processor multiplies small \
-integers very quickly, which is exactly what a quantized language model needs when it reads a long prompt. Reading \
-the prompt is called prefill; producing the answer one word at a time is called decoding. Prefill is limited by \
-arithmetic, decoding by memory bandwidth. A good system puts each part of the work where it runs best, keeps the \
-data where it is needed, and never makes the user wait longer than necessary. Questions about gardens, recipes, \
-travel, history and science all reach the same model, so the calibration should look like ordinary conversation: \
-greetings, requests for help, explanations of how things work, and short answers that are polite and clear.";
 
 fn htp_library() -> PathBuf {
     if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
@@ -125,7 +110,7 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
     )
     .expect("the prompt");
     assert!(prompt.len() >= 32, "the prompt has {} tokens", prompt.len());
-    let cal_tokens = m.tokenizer.encode(CALIBRATION, false, false).expect("calibration text");
+    let cal_tokens = m.tokenizer.encode(CALIBRATION_TEXT, false, false).expect("calibration text");
     let t0 = std::time::Instant::now();
     let cal = calibrate(&m.transformer, &cal_tokens).expect("calibrates");
     let calibrated = t0.elapsed().as_secs_f64();

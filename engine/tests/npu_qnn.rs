@@ -181,6 +181,15 @@ fn a_group_whose_shapes_do_not_fit_is_refused_before_qnn_sees_it() {
     let mut g2 = group("bad2", 8, &[("a", 4)], true, false, 8, &x, 4);
     g2.projections[0].bias = Some(vec![0; 3]);
     assert!(g2.check().expect_err("refused").to_string().contains("3 biases for 4 channels"));
+    // A 16-bit output zero point of 32768: Qualcomm's library computes garbage there.
+    let mut g4 = group("bad4", 8, &[("a", 4)], false, false, 16, &x, 4);
+    g4.projections[0].output.zero_point = 32768;
+    assert!(g4.check().expect_err("refused").to_string().contains("32768"));
+    assert_ne!(
+        ActQuant::from_range_bits(-1.0, 1.0, 16).expect("range").zero_point,
+        32768,
+        "a symmetric range avoids it"
+    );
     // Per-channel weights with 16-bit outputs: Qualcomm's library fails them at finalize.
     let g3 = group("bad3", 8, &[("a", 4)], false, true, 16, &x, 4);
     assert!(g3.check().expect_err("refused").to_string().contains("per-channel weights with 16-bit outputs"));

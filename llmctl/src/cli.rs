@@ -105,6 +105,12 @@ pub struct RunArgs {
     /// With --local: KV cache storage, f16 or q8 (int8: half the memory).
     #[arg(long, default_value = "f16")]
     pub kv_type: llmd_engine::model::kv::KvType,
+    /// With --local: where the prompt's linear layers run — cpu, or npu (W8A8 QNN graphs on
+    /// the library --qnn-lib names, calibrated at load; decode stays on the CPU).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: crate::npu::BackendChoice,
+    #[command(flatten)]
+    pub npu: crate::npu::NpuArgs,
     /// The prompt; "-" reads it from standard input.
     pub prompt: String,
 }
@@ -203,11 +209,16 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     if tokens.len() >= ctx {
         return Err(format!("the prompt has {} tokens; the model's context holds {ctx}", tokens.len()));
     }
+    let npu = match args.backend {
+        crate::npu::BackendChoice::Npu => Some(crate::npu::prepare(&model, &args.npu)?),
+        crate::npu::BackendChoice::Cpu => None,
+    };
+    let prefill = npu.as_ref().map(|(n, chunk)| (n as &dyn llmd_engine::backend::blocks::Linears, *chunk));
     let mut kv = model.transformer.new_kv();
     let mut out = std::io::stdout().lock();
     let mut write_err = None;
     let stats = model
-        .generate_in(&mut kv, &tokens, &req, |text, _| {
+        .generate_in_with(&mut kv, &tokens, &req, prefill, |text, _| {
             if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
                 write_err = Some(e);
                 return Flow::Stop;
@@ -229,6 +240,17 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
         stats.time_to_first_token.as_secs_f64() * 1e3,
         stats.finish,
     );
+    if let Some((n, _)) = &npu {
+        let (execs, modelled) = n.stats();
+        if modelled > 0 {
+            eprintln!(
+                "npu: {execs} graph executions; modelled NPU time {:.1} ms on the emulated chip (a model of the phone, not measured)",
+                modelled as f64 / 1e6
+            );
+        } else {
+            eprintln!("npu: {execs} graph executions");
+        }
+    }
     Ok(())
 }
 

@@ -8,4 +8,5 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod modeltools;
+pub mod npu;
 pub mod output;

@@ -45,6 +45,9 @@ enum Command {
     Convert(modeltools::ConvertArgs),
     /// Perplexity of a model on a text file (windows of `--ctx` tokens).
     Perplexity(modeltools::PerplexityArgs),
+    /// The QNN library for the NPU path: its provider, API versions and build id, the context
+    /// cache, and a one-layer self-check against llmd's reference arithmetic (no daemon needed).
+    NpuInfo(llmctl::npu::NpuArgs),
 }
 
 use llmd_engine::chat::SANDBOX_ARG as RENDER_CHAT_TEMPLATE;
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
         Command::Convert(args) => modeltools::convert(args),
         Command::Models(cli::ModelsArgs { local: Some(path) }) => cli::models_local(path),
         Command::Perplexity(args) => modeltools::perplexity(args),
+        Command::NpuInfo(args) => llmctl::npu::info(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
             Command::Run(args) => cli::run_remote(&conn, args),
             Command::Chat(args) => cli::chat(&conn, args),
@@ -97,7 +101,7 @@ fn main() -> ExitCode {
             Command::Prefetch { model } => cli::prefetch(&conn, model),
             Command::Dump => cli::dump(&conn),
             // Handled above, without this connection.
-            Command::Bench(_) | Command::Convert(_) | Command::Perplexity(_) => Ok(()),
+            Command::Bench(_) | Command::Convert(_) | Command::Perplexity(_) | Command::NpuInfo(_) => Ok(()),
         }),
     };
     match result {

@@ -838,6 +838,7 @@ pub fn read_peak_bytes_per_s(bytes: usize, threads: usize) -> f64 {
 /// The wrapping sum of `c` (eight lanes, so it vectorizes), prefetching ahead if asked.
 fn sum_words(c: &[u64], prefetch: bool) -> u64 {
     let mut acc = [0u64; 8];
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     for (i, w) in c.chunks_exact(8).enumerate() {
         #[cfg(target_arch = "x86_64")]
         if prefetch {

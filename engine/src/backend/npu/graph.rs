@@ -73,6 +73,12 @@ impl LinearGroup {
                 }
             }
             check_quant(&self.name, &p.name, p.output)?;
+            if p.output.bits == 16 && p.output.zero_point == super::quant::HTP_BAD_ZERO_POINT_16 {
+                return bad(format!(
+                    "{}: a 16-bit output zero point of 32768 computes wrong outputs on the HTP",
+                    p.name
+                ));
+            }
             if p.output.bits == 16 && matches!(w.scales, WeightScales::PerChannel(_)) {
                 // Seen with Qualcomm's x86-64 HTP library (QAIRT 2.51): MEM_ALLOC at finalize.
                 return bad(format!("{}: per-channel weights with 16-bit outputs do not finalize on the HTP", p.name));

@@ -26,6 +26,24 @@ use crate::model::Transformer;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+/// The calibration text used when none is given: plain English prose, the register of ordinary
+/// requests (llm.npu calibrates on a general corpus; any text of a few hundred tokens of the
+/// kind the model will be asked about serves).
+pub const CALIBRATION_TEXT: &str =
+    "The history of computing is a story of machines that grew smaller while their reach grew \
+larger. Early computers filled whole rooms, drew enough power to light a street, and were tended by teams who fed \
+them punched cards. Each new generation of hardware traded vacuum tubes for transistors, transistors for integrated \
+circuits, and circuits for chips holding billions of switches. Software followed the same path: programs once written \
+in machine code for a single model of computer became portable, layered and shared. Today a phone in a pocket holds \
+more processing power than the machines that guided the first missions to the moon. It carries a central processor, \
+a graphics processor and a neural processor, each suited to different work. The neural processor multiplies small \
+integers very quickly, which is exactly what a quantized language model needs when it reads a long prompt. Reading \
+the prompt is called prefill; producing the answer one word at a time is called decoding. Prefill is limited by \
+arithmetic, decoding by memory bandwidth. A good system puts each part of the work where it runs best, keeps the \
+data where it is needed, and never makes the user wait longer than necessary. Questions about gardens, recipes, \
+travel, history and science all reach the same model, so the calibration should look like ordinary conversation: \
+greetings, requests for help, explanations of how things work, and short answers that are polite and clear.";
+
 /// The four groups of a layer, in [`CaptureSite`] order.
 pub const SITES: [CaptureSite; 4] = [CaptureSite::Qkv, CaptureSite::O, CaptureSite::GateUp, CaptureSite::Down];
 
@@ -233,6 +251,28 @@ impl<'c> NpuLinears<'c> {
         Ok(Self { chunk, layers, lib, executions: AtomicU64::new(0), modelled_ns: AtomicU64::new(0) })
     }
 
+    /// The graphs of `context` (from [`prepare`]) for `groups` (flat, layer-major, as `prepare`
+    /// returns them), by the tensor ids `ids`.
+    pub fn from_context(
+        lib: &'c qnn_sys::Library,
+        context: &'c qnn_sys::api::Context<'_>,
+        groups: Vec<LinearGroup>,
+        ids: &[(u32, Vec<u32>)],
+        chunk: usize,
+    ) -> Result<Self, NpuError> {
+        let graphs = super::cache::graphs(context, &groups, chunk, ids)?;
+        let mut layers = Vec::with_capacity(groups.len() / 4);
+        let mut it = groups.into_iter();
+        loop {
+            let layer: Vec<LinearGroup> = it.by_ref().take(4).collect();
+            if layer.is_empty() {
+                break;
+            }
+            layers.push(layer.try_into().map_err(|_| NpuError::Quantization("four groups per layer".into()))?);
+        }
+        Self::from_graphs(lib, layers, graphs, chunk)
+    }
+
     /// The chunk size its graphs take.
     pub fn chunk(&self) -> usize {
         self.chunk
@@ -293,4 +333,66 @@ impl Linears for NpuLinears<'_> {
         }
         Ok(true)
     }
+}
+
+/// What [`prepare`] did and how long it took.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    pub calibration_tokens: usize,
+    pub calibrate_s: f64,
+    pub quantize_s: f64,
+    /// Building and finalizing (and storing), or loading from the cache.
+    pub context_s: f64,
+    pub cache: super::cache::CacheOutcome,
+    pub cache_file: Option<std::path::PathBuf>,
+}
+
+/// A model's NPU context, ready for [`NpuLinears::from_context`]: calibrated on
+/// `calibration` (tokens), quantized (`out_bits` outputs, per-tensor weights), and its graphs at
+/// `chunk` rows loaded from `cache_dir`'s cache file when a sound one is there, else built,
+/// finalized and stored there (no cache without a directory).
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+pub fn prepare<'b>(
+    lib: &qnn_sys::Library,
+    backend: &'b qnn_sys::api::Backend<'_>,
+    soc: u32,
+    t: &Transformer,
+    calibration: &[u32],
+    chunk: usize,
+    out_bits: u8,
+    cache_dir: Option<&std::path::Path>,
+) -> Result<(qnn_sys::api::Context<'b>, Vec<LinearGroup>, super::cache::GraphIds, Prepared), EngineError> {
+    let t0 = std::time::Instant::now();
+    let cal = calibrate(t, calibration)?;
+    let calibrate_s = t0.elapsed().as_secs_f64();
+    let t1 = std::time::Instant::now();
+    let groups: Vec<LinearGroup> = quantized_groups(t, &cal, false, out_bits)?.into_iter().flatten().collect();
+    let quantize_s = t1.elapsed().as_secs_f64();
+    let t2 = std::time::Instant::now();
+    let (context, ids, cache, cache_file) = match cache_dir {
+        Some(dir) => {
+            let key = super::cache::key_for(lib, backend, soc, &groups, chunk)?;
+            let file = super::cache::path_for(dir, &key)?;
+            let (c, ids, outcome) = super::cache::load_or_build(backend, dir, &key, &groups, chunk)?;
+            (c, ids, outcome, Some(file))
+        }
+        None => {
+            let context = backend.context().map_err(NpuError::from)?;
+            let mut ids = Vec::with_capacity(groups.len());
+            for g in &groups {
+                let io = build_linear_group(&context, g, chunk)?.io();
+                ids.push((io.inputs.first().map_or(0, |i| i.1), io.outputs.iter().map(|o| o.1).collect()));
+            }
+            (context, ids, super::cache::CacheOutcome::Built { reason: "no cache directory".into() }, None)
+        }
+    };
+    let prepared = Prepared {
+        calibration_tokens: calibration.len(),
+        calibrate_s,
+        quantize_s,
+        context_s: t2.elapsed().as_secs_f64(),
+        cache,
+        cache_file,
+    };
+    Ok((context, groups, ids, prepared))
 }

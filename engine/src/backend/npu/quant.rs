@@ -22,6 +22,14 @@
 
 use crate::error::NpuError;
 
+/// A 16-bit zero point Qualcomm's HTP library mishandles: a uint16 output with QNN offset −32768
+/// comes out wrong by up to the whole range on layers of real size (seen with QAIRT 2.51's x86-64
+/// HTP library at 32 × 576 by 64: 2,016 of 2,048 outputs wrong, while 32,767 and 32,769 are
+/// within 1 LSB; `qnn-sys`'s test `a_16_bit_output_with_zero_point_32768_comes_out_wrong_on_the_htp`). A symmetric range would land
+/// on it exactly, so [`ActQuant::from_range_bits`] moves it one code down and the graph builder
+/// refuses it.
+pub const HTP_BAD_ZERO_POINT_16: i32 = 32768;
+
 /// An unsigned tensor's quantization: `real = scale · (q − zero_point)`, codes and
 /// `zero_point` in `0..=max_code()` (8 or 16 `bits`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,7 +58,12 @@ impl ActQuant {
         let (lo, hi) = (min.min(0.0), max.max(0.0));
         // A range of only zeros still needs a valid (positive, normal) scale.
         let scale = ((hi - lo) / top).max(f32::MIN_POSITIVE * 65536.0);
-        let zero_point = (-lo / scale).round().clamp(0.0, top) as i32;
+        let mut zero_point = (-lo / scale).round().clamp(0.0, top) as i32;
+        if bits == 16 && zero_point == HTP_BAD_ZERO_POINT_16 {
+            // Qualcomm's HTP computes wrong outputs at this zero point (see the constant): one
+            // code lower moves the range up by one step.
+            zero_point -= 1;
+        }
         Ok(Self { scale, zero_point, bits })
     }
 

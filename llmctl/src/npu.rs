@@ -1,0 +1,228 @@
+//! `llmctl`'s NPU path: `run --local --backend npu` (prefill's linear groups as W8A8 QNN graphs,
+//! decode on the CPU) and `npu-info` (the QNN library, its API versions, the context cache, and
+//! a one-layer self-check against the engine's reference arithmetic).
+
+use llmd_engine::backend::npu::cache::CacheOutcome;
+use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, LinearGroup, Projection};
+use llmd_engine::backend::npu::prefill::{self, NpuLinears, CALIBRATION_TEXT};
+use llmd_engine::backend::npu::quant::{ActQuant, QuantWeights};
+use std::path::{Path, PathBuf};
+
+/// Where prefill's linear layers run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendChoice {
+    Cpu,
+    Npu,
+}
+
+/// The NPU options of `run --local` and `npu-info`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct NpuArgs {
+    /// The QNN backend library: Qualcomm's libQnnHtp.so, or llmd's emulator provider (the
+    /// default: libllmd_qnn_emu.so next to llmctl).
+    #[arg(long, env = "LLMD_QNN_LIB", value_name = "PATH")]
+    pub qnn_lib: Option<PathBuf>,
+    /// The chip graphs are built for (QNN's SoC model: 57 = Snapdragon 8 Gen 3, 43 = 8 Gen 2).
+    #[arg(long, default_value_t = 57)]
+    pub soc: u32,
+    /// Rows of each NPU graph: prompts run in chunks of this many tokens, the last padded
+    /// (llm.npu's default is 256).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub npu_chunk: u64,
+    /// Directory of finalized NPU contexts, so later runs load instead of finalizing ("none":
+    /// no cache). Default: $XDG_CACHE_HOME/llmd/npu, else ~/.cache/llmd/npu.
+    #[arg(long, value_name = "DIR")]
+    pub npu_cache: Option<String>,
+    /// Calibration text file for the activations' scales (default: a built-in English text).
+    #[arg(long, value_name = "FILE")]
+    pub calibration: Option<PathBuf>,
+}
+
+/// The QNN library to load: `--qnn-lib`/`LLMD_QNN_LIB`, else the emulator provider beside llmctl.
+pub fn library_path(args: &NpuArgs) -> Result<PathBuf, String> {
+    if let Some(p) = &args.qnn_lib {
+        return Ok(p.clone());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find llmctl's own path: {e}"))?;
+    let beside = exe.parent().map(|d| d.join("libllmd_qnn_emu.so"));
+    match beside {
+        Some(p) if p.exists() => Ok(p),
+        _ => Err("no QNN library: pass --qnn-lib PATH or set LLMD_QNN_LIB (llmd's emulator provider, \
+                  libllmd_qnn_emu.so, is built beside llmctl by `cargo build --release -p qnn-emu-sys`)"
+            .into()),
+    }
+}
+
+/// The cache directory, or None when disabled.
+pub fn cache_dir(args: &NpuArgs) -> Option<PathBuf> {
+    match args.npu_cache.as_deref() {
+        Some("none") => None,
+        Some(d) => Some(PathBuf::from(d)),
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .map(|c| c.join("llmd/npu")),
+    }
+}
+
+fn open(path: &Path, soc: u32) -> Result<(&'static qnn_sys::Library, &'static qnn_sys::api::Backend<'static>), String> {
+    let lib = qnn_sys::Library::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // llmctl is a one-shot process: the library, backend and context live until it exits.
+    let lib: &'static qnn_sys::Library = Box::leak(Box::new(lib));
+    let backend = qnn_sys::api::Backend::htp(lib, soc)
+        .map_err(|e| format!("{}: the HTP backend did not start: {e}", path.display()))?;
+    Ok((lib, Box::leak(Box::new(backend))))
+}
+
+/// The NPU prefill for `model`: the library opened, the model calibrated and quantized, its
+/// graphs loaded from the cache or built. Prints what it did on standard error.
+pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears<'static>, usize), String> {
+    let path = library_path(args)?;
+    let (lib, backend) = open(&path, args.soc)?;
+    let text = match &args.calibration {
+        Some(f) => std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
+        None => CALIBRATION_TEXT.to_owned(),
+    };
+    let tokens = model.tokenizer.encode(&text, false, false).map_err(|e| e.to_string())?;
+    if tokens.is_empty() {
+        return Err("the calibration text has no tokens".into());
+    }
+    let chunk = args.npu_chunk as usize;
+    let dir = cache_dir(args);
+    let (context, groups, ids, p) =
+        prefill::prepare(lib, backend, args.soc, &model.transformer, &tokens, chunk, 16, dir.as_deref())
+            .map_err(|e| format!("preparing the NPU graphs: {e}"))?;
+    let context: &'static qnn_sys::api::Context<'static> = Box::leak(Box::new(context));
+    let npu = NpuLinears::from_context(lib, context, groups, &ids, chunk).map_err(|e| e.to_string())?;
+    let provider = lib.providers().first().map(|p| p.name.clone()).unwrap_or_default();
+    let how = match &p.cache {
+        CacheOutcome::Loaded => {
+            format!("loaded from {}", p.cache_file.as_ref().map_or(String::new(), |f| f.display().to_string()))
+        }
+        CacheOutcome::Built { reason } => format!("built and finalized ({reason})"),
+    };
+    eprintln!(
+        "npu: {provider} ({}), {} graphs of {chunk} rows {how} in {:.2} s; calibration {} tokens {:.2} s, requantization {:.2} s",
+        path.display(),
+        npu.graph_names().len(),
+        p.context_s,
+        p.calibration_tokens,
+        p.calibrate_s,
+        p.quantize_s
+    );
+    Ok((npu, chunk))
+}
+
+/// `llmctl npu-info`.
+pub fn info(args: &NpuArgs) -> Result<(), String> {
+    let path = library_path(args)?;
+    let lib = qnn_sys::Library::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    println!("library        {}", path.display());
+    for p in lib.providers() {
+        println!(
+            "provider       {} (backend id {}), core API {}, backend API {}",
+            p.name, p.backend_id, p.api.core, p.api.backend
+        );
+    }
+    let Some(_) = lib.provider(qnn_sys::BACKEND_ID_HTP) else {
+        return Err(format!("no HTP provider with core API {} or newer", qnn_sys::MIN_CORE_API));
+    };
+    let backend =
+        qnn_sys::api::Backend::htp(&lib, args.soc).map_err(|e| format!("the HTP backend did not start: {e}"))?;
+    println!("build id       {}", backend.build_id().map_err(|e| e.to_string())?);
+    println!("chip           {} (QNN SoC model)", args.soc);
+    match cache_dir(args) {
+        None => println!("context cache  off"),
+        Some(d) => {
+            let mut files: Vec<(String, u64)> = std::fs::read_dir(&d)
+                .map(|r| {
+                    r.filter_map(|e| e.ok())
+                        .filter(|e| e.file_name().to_string_lossy().ends_with(".qnnctx"))
+                        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.metadata().map_or(0, |m| m.len())))
+                        .collect()
+                })
+                .unwrap_or_default();
+            files.sort();
+            println!(
+                "context cache  {} ({} files, {:.1} MB)",
+                d.display(),
+                files.len(),
+                files.iter().map(|f| f.1).sum::<u64>() as f64 / 1e6
+            );
+            for (name, size) in files {
+                println!("               {name}  {:.1} MB", size as f64 / 1e6);
+            }
+        }
+    }
+    // The self-check: one layer of SmolLM2-135M's shapes (hidden 576, Q 576, K/V 192, FFN 1536)
+    // with fixed pseudo-random weights, every group at 32 rows, against the reference.
+    let context = backend.context().map_err(|e| e.to_string())?;
+    let (d, q, kv, f) = (576usize, 576usize, 192usize, 1536usize);
+    let chunk = 32;
+    let mut worst = (0i32, 0usize, 0usize);
+    let t = std::time::Instant::now();
+    for (name, k, outs) in [
+        ("qkv", d, vec![("q", q), ("k", kv), ("v", kv)]),
+        ("o", q, vec![("o", d)]),
+        ("gate_up", d, vec![("gate", f), ("up", f)]),
+        ("down", f, vec![("down", d)]),
+    ] {
+        let g = synthetic_group(name, k, &outs);
+        let x: Vec<u8> = (0..chunk * k).map(|i| (i.wrapping_mul(2654435761) >> 7) as u8).collect();
+        let mut graph = build_linear_group(&context, &g, chunk).map_err(|e| format!("self-check {name}: {e}"))?;
+        let got = run_linear_group(&mut graph, &g, chunk, &x).map_err(|e| format!("self-check {name}: {e}"))?;
+        for (gp, wp) in got.iter().zip(g.reference(&x, chunk)) {
+            for (&a, &b) in gp.iter().zip(&wp) {
+                let diff = (i32::from(a) - i32::from(b)).abs();
+                worst.0 = worst.0.max(diff);
+                worst.1 += usize::from(diff != 0);
+            }
+            worst.2 += wp.len();
+        }
+    }
+    println!(
+        "self-check     one layer (4 groups, 32 rows): {} of {} outputs differ from the reference ({:.2}%), at most {} LSB; {:.2} s",
+        worst.1,
+        worst.2,
+        100.0 * worst.1 as f64 / worst.2.max(1) as f64,
+        worst.0,
+        t.elapsed().as_secs_f64()
+    );
+    if worst.0 > 1 {
+        return Err(format!(
+            "the self-check is off by {} LSB (more than 1): this library does not compute what llmd expects",
+            worst.0
+        ));
+    }
+    Ok(())
+}
+
+/// A group with fixed pseudo-random weights and ranges that use the output codes.
+fn synthetic_group(name: &str, k: usize, outs: &[(&str, usize)]) -> LinearGroup {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ k as u64;
+    let mut next = move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 40) as f32) / ((1u64 << 24) as f32) - 0.5
+    };
+    let input = ActQuant { scale: 4.0 / 255.0, zero_point: 128, bits: 8 };
+    let projections = outs
+        .iter()
+        .map(|&(p, n)| {
+            let w: Vec<f32> = (0..n * k).map(|_| next() * 0.1).collect();
+            let weights = QuantWeights::quantize(&w, n, k, false).unwrap_or_else(|_| QuantWeights {
+                rows: n,
+                cols: k,
+                q: vec![0; n * k],
+                scales: llmd_engine::backend::npu::quant::WeightScales::PerTensor(1.0),
+            });
+            let range = 0.05 * (k as f32).sqrt();
+            Projection {
+                name: p.into(),
+                weights,
+                bias: None,
+                output: ActQuant { scale: 2.0 * range / 65535.0, zero_point: 32767, bits: 16 },
+            }
+        })
+        .collect();
+    LinearGroup { name: format!("selfcheck_{name}"), input, projections }
+}
