@@ -112,8 +112,9 @@ pub fn path_for(dir: &Path, key: &CacheKey) -> Result<PathBuf, NpuError> {
     Ok(dir.join(format!("npu-{:08x}.qnnctx", crc32fast::hash(&json))))
 }
 
-/// Reads a cache file: its header if the key matches and the CRC holds, and the binary.
-fn read(path: &Path, key: &CacheKey) -> Result<(Header, Vec<u8>), String> {
+/// Reads a cache file: its header if the key matches and the CRC holds, the file's bytes, and
+/// where the binary starts and ends in them.
+fn read(path: &Path, key: &CacheKey) -> Result<(Header, Vec<u8>, std::ops::Range<usize>), String> {
     let bytes = std::fs::read(path).map_err(|e| format!("no cache file ({e})"))?;
     if bytes.len() < 8 + 4 + 4 + 4 || &bytes[..8] != MAGIC {
         return Err("not an NPU cache file".into());
@@ -132,7 +133,8 @@ fn read(path: &Path, key: &CacheKey) -> Result<(Header, Vec<u8>), String> {
     if header.key != *key {
         return Err("made for another model, quantization, chunk size, chip or QNN library".into());
     }
-    Ok((header, body[16 + hlen..].to_vec()))
+    let end = body.len();
+    Ok((header, bytes, 16 + hlen..end))
 }
 
 /// Writes a cache file atomically (temporary name, fsync, rename).
@@ -175,7 +177,7 @@ pub fn load_or_build<'b>(
 ) -> Result<(Context<'b>, GraphIds, CacheOutcome), NpuError> {
     let path = path_for(dir, key)?;
     let reason = match read(&path, key) {
-        Ok((header, binary)) if header.ids.len() == groups.len() => match backend.context_from_binary(&binary) {
+        Ok((header, bytes, at)) if header.ids.len() == groups.len() => match backend.context_from_binary(&bytes[at]) {
             Ok(context) => return Ok((context, header.ids, CacheOutcome::Loaded)),
             Err(e) => format!("the library refused the cached binary: {e}"),
         },

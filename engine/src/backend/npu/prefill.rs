@@ -187,6 +187,14 @@ pub fn site_name(site: CaptureSite) -> &'static str {
     }
 }
 
+/// A group whose graph holds its weights: only its shapes and quantization stay on the host.
+fn without_weights(mut g: LinearGroup) -> LinearGroup {
+    for p in &mut g.projections {
+        p.weights.q = Vec::new();
+    }
+    g
+}
+
 struct Built<'c> {
     group: LinearGroup,
     graph: Mutex<qnn_sys::api::Graph<'c>>,
@@ -215,7 +223,7 @@ impl<'c> NpuLinears<'c> {
             let mut built = Vec::with_capacity(4);
             for group in layer {
                 let graph = build_linear_group(context, &group, chunk)?;
-                built.push(Built { group, graph: Mutex::new(graph) });
+                built.push(Built { group: without_weights(group), graph: Mutex::new(graph) });
             }
             let built: [Built<'c>; 4] = match built.try_into() {
                 Ok(b) => b,
@@ -241,7 +249,9 @@ impl<'c> NpuLinears<'c> {
         for layer in groups {
             let built: Vec<Built<'c>> = layer
                 .into_iter()
-                .filter_map(|group| graphs.next().map(|g| Built { group, graph: Mutex::new(g) }))
+                .filter_map(|group| {
+                    graphs.next().map(|g| Built { group: without_weights(group), graph: Mutex::new(g) })
+                })
                 .collect();
             match built.try_into() {
                 Ok(b) => layers.push(b),
