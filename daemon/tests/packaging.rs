@@ -92,6 +92,10 @@ fn every_crate_and_binary_has_a_soong_module_with_its_dependencies() {
         let manifest: toml::Value =
             toml::from_str(&std::fs::read_to_string(dir.join("Cargo.toml")).expect("manifest")).expect("toml");
         let name = manifest["package"]["name"].as_str().expect("name");
+        // The Rust crate's name: `[lib] name` when the manifest sets one (qnn-emu-sys builds
+        // libllmd_qnn_emu), else the package's.
+        let crate_name =
+            manifest.get("lib").and_then(|l| l.get("name")).and_then(|n| n.as_str()).unwrap_or(name).replace('-', "_");
         let declared: BTreeSet<String> = manifest
             .get("dependencies")
             .and_then(|d| d.as_table())
@@ -101,7 +105,7 @@ fn every_crate_and_binary_has_a_soong_module_with_its_dependencies() {
         let lib = soong_lib(name);
         let (m, file) = modules.get(&lib).unwrap_or_else(|| panic!("crate {name} has no module {lib}"));
         assert_eq!(m.typ, "rust_library", "{lib} in {}", file.display());
-        assert_eq!(prop(&bps, m, "crate_name").as_deref(), Some(name.replace('-', "_").as_str()), "{lib}: crate_name");
+        assert_eq!(prop(&bps, m, "crate_name").as_deref(), Some(crate_name.as_str()), "{lib}: crate_name");
         let have = deps(&bps, m);
         let missing: Vec<_> = declared.difference(&have).collect();
         assert!(missing.is_empty(), "{lib} lacks {missing:?} (declared in {}/Cargo.toml)", dir.display());
@@ -117,8 +121,9 @@ fn every_crate_and_binary_has_a_soong_module_with_its_dependencies() {
         }
         // A test module for crates with tests.
         assert!(
-            bps.iter().flat_map(|(_, b)| &b.modules).any(|m| m.typ == "rust_test"
-                && prop(&bps, m, "crate_name").as_deref() == Some(name.replace('-', "_").as_str()))
+            bps.iter()
+                .flat_map(|(_, b)| &b.modules)
+                .any(|m| m.typ == "rust_test" && prop(&bps, m, "crate_name").as_deref() == Some(crate_name.as_str()))
                 || name == "llmd-aidl",
             "crate {name} has no rust_test module"
         );

@@ -122,8 +122,6 @@ pub enum GenerateError {
     ChatTemplate(#[from] ChatTemplateError),
     #[error(transparent)]
     Backend(#[from] BackendError),
-    #[error(transparent)]
-    Npu(#[from] NpuError),
 }
 
 /// A backend refused or failed a unit of work.
