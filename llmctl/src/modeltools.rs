@@ -145,6 +145,12 @@ pub struct PerplexityArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Where the linear layers run: cpu, or npu (the NPU path's W8A8 QNN graphs, as `run
+    /// --backend npu`; windows then run in chunks of --npu-chunk tokens).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: crate::npu::BackendChoice,
+    #[command(flatten)]
+    pub npu: crate::npu::NpuArgs,
 }
 
 /// `−log p(target)` from one row of logits, in f64.
@@ -171,6 +177,11 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
     if windows == 0 {
         return Err(format!("the text has {} tokens, fewer than one window of {per}", toks.len()));
     }
+    let npu = match a.backend {
+        crate::npu::BackendChoice::Npu => Some(crate::npu::prepare(&model, &a.npu)?),
+        crate::npu::BackendChoice::Cpu => None,
+    };
+    let step = npu.as_ref().map_or(128, |(_, chunk)| *chunk);
     let start = Instant::now();
     let pb = bar(windows as u64, "perplexity");
     let (mut total, mut count) = (0f64, 0usize);
@@ -179,10 +190,14 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
         let mut win: Vec<u32> = bos.into_iter().collect();
         win.extend_from_slice(&toks[w * per..(w + 1) * per]);
         let mut kv = model.transformer.new_kv();
-        for (ci, chunk) in win.chunks(128).enumerate() {
-            let logits = model.transformer.forward(&mut kv, chunk, Logits::All).map_err(|e| e.to_string())?;
+        for (ci, chunk) in win.chunks(step).enumerate() {
+            let logits = match &npu {
+                Some((n, _)) => model.transformer.forward_with(&mut kv, chunk, n, Logits::All),
+                None => model.transformer.forward(&mut kv, chunk, Logits::All),
+            }
+            .map_err(|e| e.to_string())?;
             for (i, row) in logits.chunks_exact(vocab).enumerate() {
-                let pos = ci * 128 + i;
+                let pos = ci * step + i;
                 if let Some(&next) = win.get(pos + 1) {
                     total += nll(row, next);
                     count += 1;
@@ -207,13 +222,15 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
                 "ctx": a.ctx,
                 "offset": a.offset,
                 "seconds": secs,
+                "backend": format!("{:?}", a.backend).to_lowercase(),
             })
         );
     } else {
         crate::out!(
-            "perplexity {ppl:.4} over {count} tokens ({windows} windows of {}) of {} in {secs:.1} s",
+            "perplexity {ppl:.4} over {count} tokens ({windows} windows of {}) of {} in {secs:.1} s ({:?})",
             a.ctx,
-            a.text.display()
+            a.text.display(),
+            a.backend
         );
     }
     Ok(())
