@@ -149,6 +149,12 @@ pub enum NpuError {
     Shape { graph: String, detail: String },
     #[error("NPU quantization: {0}")]
     Quantization(String),
+    /// The QNN library lacks what the NPU path needs.
+    #[error("NPU library: {0}")]
+    Library(String),
+    /// The context cache could not be read or written.
+    #[error("NPU context cache: {0}")]
+    Cache(String),
     #[error(transparent)]
     Qnn(#[from] qnn_sys::api::QnnError),
 }

@@ -389,7 +389,9 @@ impl Pass<'_> {
         }
         // Gate, up and SwiGLU in token blocks (each token's values are the same either way).
         let (d, f) = (c.d_model, c.ffn_dim);
-        let block = ffn_token_block(f, n);
+        // On `linears` (the NPU path) gate/up runs over the whole pass at once: its graphs take
+        // fixed chunks, and a CPU token block would be padded up to one.
+        let block = if self.linears.is_some() { n.max(1) } else { ffn_token_block(f, n) };
         let mut t0 = 0;
         while t0 < n {
             let m = block.min(n - t0);

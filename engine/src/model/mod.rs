@@ -215,6 +215,11 @@ impl Transformer {
         linears: &dyn crate::backend::blocks::Linears,
         which: Logits,
     ) -> Result<Vec<f32>, BackendError> {
+        if self.devices.is_some() || kv.has_device_layers() {
+            return Err(BackendError::Device(
+                "the NPU prefill runs on the host's caches: detach the devices first".into(),
+            ));
+        }
         let p = Pass { linears: Some(linears), ..self.pass() };
         let w = &self.weights;
         let batch = &mut [(kv, tokens)];

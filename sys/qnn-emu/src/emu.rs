@@ -423,6 +423,12 @@ fn plan_fc(g: &GraphState, node: &Node) -> Result<FcPlan, EmuError> {
     if !matches!(x.quant, Quant::PerTensor { .. }) || !matches!(y.quant, Quant::PerTensor { .. }) {
         return bad("input and output need one scale and offset each".into());
     }
+    if !matches!(x.kind, tensor_type::APP_WRITE | tensor_type::NATIVE) {
+        return bad(format!("input {:?} must be a graph input or another node's output", x.name));
+    }
+    if !matches!(y.kind, tensor_type::APP_READ | tensor_type::NATIVE) {
+        return bad(format!("output {:?} must be a graph output or an intermediate", y.name));
+    }
     if w.kind != tensor_type::STATIC {
         return bad(format!("weight {:?} is not static", w.name));
     }
@@ -453,7 +459,7 @@ fn plan_fc(g: &GraphState, node: &Node) -> Result<FcPlan, EmuError> {
             })?;
             // The bias is added to the integer accumulator, so it must be at its scale.
             let want = sx * sw;
-            if ob != 0 || (sb - want).abs() > want * 1e-6 {
+            if ob != 0 || !sb.is_finite() || (sb - want).abs() > want * 1e-6 {
                 return bad(format!(
                     "bias {:?} channel {o}: scale {sb} offset {ob}, needs scale {want} (input × weight) and offset 0",
                     b.name
@@ -596,10 +602,17 @@ pub fn graph_execute(graph: u64, inputs: &[IoTensor<'_>], outputs: &[IoTensor<'_
         };
         for io in inputs {
             check(io, tensor_type::APP_WRITE)?;
-            values.insert(io.id, io.data.to_vec());
+            if values.insert(io.id, io.data.to_vec()).is_some() {
+                return err(code::GRAPH_INVALID_TENSOR, format!("input tensor id {} is given twice", io.id));
+            }
         }
+        let mut seen = Vec::with_capacity(outputs.len());
         for io in outputs {
             check(io, tensor_type::APP_READ)?;
+            if seen.contains(&io.id) {
+                return err(code::GRAPH_INVALID_TENSOR, format!("output tensor id {} is given twice", io.id));
+            }
+            seen.push(io.id);
         }
         let n_in = g.tensors.iter().filter(|t| t.kind == tensor_type::APP_WRITE).count();
         let n_out = g.tensors.iter().filter(|t| t.kind == tensor_type::APP_READ).count();
@@ -618,7 +631,12 @@ pub fn graph_execute(graph: u64, inputs: &[IoTensor<'_>], outputs: &[IoTensor<'_
             let t = |id: u32| g.tensor(id).expect("finalized");
             let (x, w, y) = (t(node.inputs[0]), t(node.inputs[1]), t(node.outputs[0]));
             let b = node.inputs.get(2).map(|&id| t(id));
-            let xs = values.get(&x.id).expect("written before read (finalize)");
+            let Some(xs) = values.get(&x.id) else {
+                return err(
+                    code::GRAPH_INVALID_TENSOR,
+                    format!("node {} reads {:?}, which nothing wrote", node.name, x.name),
+                );
+            };
             let out = fully_connected(xs, x, w, b, y, plan);
             values.insert(y.id, out);
             modelled += cost::fc_ns(soc, plan.m, plan.k, plan.n);
@@ -654,8 +672,9 @@ fn fully_connected(
     // The sum is exact either way; in i32 (which the compiler vectorizes) when no sum can
     // overflow it: |x + ox| ≤ 510 and |w + ow| ≤ 255 + |ow|, times k.
     let max_ow = (0..p.n).map(|o| w.quant.at(o).map_or(0, |(_, ow)| i64::from(ow).abs())).max().unwrap_or(0);
-    let narrow =
-        510 * (255 + max_ow) * p.k as i64 <= i64::from(i32::MAX) && i64::from(ox).abs() <= 255 && max_ow <= 255;
+    let narrow = max_ow <= 255
+        && i64::from(ox).abs() <= 255
+        && (p.k as i64).checked_mul(510 * (255 + max_ow)).is_some_and(|b| b <= i64::from(i32::MAX));
     let xi: Vec<i16> = xs.iter().map(|&a| (i32::from(a) + ox) as i16).collect();
     let wi: Vec<i16> = if narrow {
         (0..p.n)

@@ -538,10 +538,18 @@ unsafe extern "C" fn graph_add_node(graph: Handle, op: OpConfig) -> ErrorHandle 
                     message: format!("tensor parameter {pname} is not emulated"),
                 });
             }
-            // SAFETY: a scalar parameter's value is its scalar; every member is plain bits, read
-            // as the widest.
-            let value = unsafe { p.value.scalar.value.u8 };
-            params.push((pname, u64::from(value)));
+            // SAFETY: a scalar parameter's value is its scalar; the member read is the one its
+            // data type names (every member is plain bits).
+            let value = unsafe {
+                let sc = p.value.scalar;
+                match sc.data_type & 0xFF {
+                    0x08 => u64::from(sc.value.u8),
+                    0x16 => u64::from(sc.value.u32 & 0xFFFF),
+                    0x32 => u64::from(sc.value.u32),
+                    _ => sc.value.u64,
+                }
+            };
+            params.push((pname, value));
         }
         emu::node_add(graph as u64, Node { name, op: type_name, inputs, outputs }, &params)
     })();
@@ -573,11 +581,18 @@ unsafe extern "C" fn graph_execute(
         let ins = (0..num_inputs as usize).map(|i| io(inputs, i)).collect::<Result<Vec<_>, _>>()?;
         let outs = (0..num_outputs as usize).map(|i| io(outputs, i)).collect::<Result<Vec<_>, _>>()?;
         let results = emu::graph_execute(graph as u64, &ins, &outs)?;
+        drop(outs);
         for (i, bytes) in results.iter().enumerate() {
-            // SAFETY: output `i` was read above; its client buffer is writable and exactly
-            // `bytes.len()` long (checked by `graph_execute` against the tensor's size).
+            // SAFETY: output `i` was described above (a raw client buffer); the slices read from
+            // the buffers are dropped, and the copy is bounded by the buffer's own size.
             unsafe {
                 let buf = (*outputs.add(i)).v.v1.memory.client_buf;
+                if buf.data.is_null() || bytes.len() > buf.data_size as usize {
+                    return Err(EmuError {
+                        code: emu::code::GRAPH_INVALID_TENSOR,
+                        message: format!("output {i}'s buffer is too small"),
+                    });
+                }
                 std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.data.cast::<u8>(), bytes.len());
             }
         }

@@ -33,8 +33,10 @@ pub struct CacheKey {
     pub soc: u32,
     pub chunk: usize,
     pub groups: usize,
-    /// CRC-32 of every group's name, quantization parameters and weights.
+    /// CRC-32 and FNV-1a 64 of every group's name, quantization parameters and weights (96 bits:
+    /// two models or calibrations of the same shapes do not share a key by chance).
     pub groups_crc: u32,
+    pub groups_fnv: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -66,13 +68,22 @@ pub fn key_for(
 ) -> Result<CacheKey, NpuError> {
     let p = lib
         .provider(qnn_sys::BACKEND_ID_HTP)
-        .ok_or_else(|| NpuError::Quantization("the library has no HTP provider".into()))?;
+        .ok_or_else(|| NpuError::Library("the library has no HTP provider of core API 2.27 or newer".into()))?;
     let info = lib
         .providers()
         .into_iter()
         .find(|i| i.backend_id == p.head.backend_id)
-        .ok_or_else(|| NpuError::Quantization("no provider record".into()))?;
-    let mut h = crc32fast::Hasher::new();
+        .ok_or_else(|| NpuError::Library("no provider record".into()))?;
+    struct Both(crc32fast::Hasher, u64);
+    impl Both {
+        fn update(&mut self, b: &[u8]) {
+            self.0.update(b);
+            for &x in b {
+                self.1 = (self.1 ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01B3);
+            }
+        }
+    }
+    let mut h = Both(crc32fast::Hasher::new(), 0xCBF2_9CE4_8422_2325);
     for g in groups {
         h.update(g.name.as_bytes());
         for q in std::iter::once(g.input).chain(g.projections.iter().map(|p| p.output)) {
@@ -102,13 +113,14 @@ pub fn key_for(
         soc,
         chunk,
         groups: groups.len(),
-        groups_crc: h.finalize(),
+        groups_crc: h.0.finalize(),
+        groups_fnv: h.1,
     })
 }
 
 /// The cache file for `key` in `dir`.
 pub fn path_for(dir: &Path, key: &CacheKey) -> Result<PathBuf, NpuError> {
-    let json = serde_json::to_vec(key).map_err(|e| NpuError::Quantization(e.to_string()))?;
+    let json = serde_json::to_vec(key).map_err(|e| NpuError::Cache(e.to_string()))?;
     Ok(dir.join(format!("npu-{:08x}.qnnctx", crc32fast::hash(&json))))
 }
 
@@ -139,8 +151,8 @@ fn read(path: &Path, key: &CacheKey) -> Result<(Header, Vec<u8>, std::ops::Range
 
 /// Writes a cache file atomically (temporary name, fsync, rename).
 fn write(path: &Path, header: &Header, binary: &[u8]) -> Result<(), NpuError> {
-    let io = |e: std::io::Error| NpuError::Quantization(format!("writing the NPU cache {}: {e}", path.display()));
-    let json = serde_json::to_vec(header).map_err(|e| NpuError::Quantization(e.to_string()))?;
+    let io = |e: std::io::Error| NpuError::Cache(format!("writing {}: {e}", path.display()));
+    let json = serde_json::to_vec(header).map_err(|e| NpuError::Cache(e.to_string()))?;
     let mut out = Vec::with_capacity(16 + json.len() + binary.len() + 4);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -193,7 +205,12 @@ pub fn load_or_build<'b>(
         ids.push((input, io.outputs.iter().map(|o| o.1).collect()));
     }
     let binary = context.binary()?;
-    write(&path, &Header { key: key.clone(), ids: ids.clone() }, &binary)?;
+    // A cache that cannot be written (a read-only or full disk) costs the next start a
+    // finalize, not this one its graphs.
+    let reason = match write(&path, &Header { key: key.clone(), ids: ids.clone() }, &binary) {
+        Ok(()) => reason,
+        Err(e) => format!("{reason}; not stored: {e}"),
+    };
     Ok((context, ids, CacheOutcome::Built { reason }))
 }
 
@@ -209,7 +226,9 @@ pub fn graphs<'c>(
         .zip(ids)
         .map(|(g, (input, outputs))| {
             retrieve_linear_group(context, g, chunk, *input, outputs).map_err(|e| match e {
-                NpuError::Qnn(q) => NpuError::Shape { graph: graph_name(g, chunk), detail: q.to_string() },
+                NpuError::Qnn(q) => {
+                    NpuError::Shape { graph: graph_name(g, chunk), detail: format!("not retrieved: {q}") }
+                }
                 e => e,
             })
         })

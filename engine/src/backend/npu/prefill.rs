@@ -312,10 +312,13 @@ impl Linears for NpuLinears<'_> {
         let Some(b) = self.layers.get(li).map(|l| &l[site as usize]) else { return Ok(false) };
         let g = &b.group;
         let (k, chunk) = (g.k(), self.chunk);
-        if x.len() != n * k || outs.len() != g.projections.len() {
+        if x.len() != n * k
+            || outs.len() != g.projections.len()
+            || outs.iter().zip(&g.projections).any(|(o, p)| o.len() != n * p.weights.rows)
+        {
             return Err(BackendError::Shape {
                 op: "npu linear group",
-                detail: format!("{} values for {n} rows of {k}", x.len()),
+                detail: format!("{} values for {n} rows of {k}, or outputs not {n} rows each", x.len()),
             });
         }
         let zero = g.input.zero_point as u8;
