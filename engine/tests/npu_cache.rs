@@ -8,7 +8,7 @@ mod common;
 
 use llmd_engine::backend::npu::cache::{graphs, key_for, load_or_build, path_for, CacheOutcome};
 use llmd_engine::backend::npu::graph::{run_linear_group, LinearGroup};
-use llmd_engine::backend::npu::prefill::{calibrate, quantized_groups};
+use llmd_engine::prefill::{calibrate, quantized_groups};
 use std::path::PathBuf;
 
 const SM8650: u32 = 57;

@@ -9,8 +9,8 @@
 mod common;
 
 use llmd_engine::backend::blocks::Logits;
-use llmd_engine::backend::npu::prefill::{calibrate, quantized_groups, NpuLinears, CALIBRATION_TEXT};
 use llmd_engine::chat::ChatMessage;
+use llmd_engine::prefill::{calibrate, quantized_groups, NpuLinears, CALIBRATION_TEXT};
 use std::path::PathBuf;
 
 /// Greedy tokens decoded after the prompt.

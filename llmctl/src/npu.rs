@@ -4,8 +4,8 @@
 
 use llmd_engine::backend::npu::cache::CacheOutcome;
 use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, LinearGroup, Projection};
-use llmd_engine::backend::npu::prefill::{self, NpuLinears, CALIBRATION_TEXT};
 use llmd_engine::backend::npu::quant::{ActQuant, QuantWeights};
+use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
 use std::path::{Path, PathBuf};
 
 /// Where prefill's linear layers run.

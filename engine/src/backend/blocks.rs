@@ -166,7 +166,7 @@ pub struct Pass<'a> {
 }
 
 /// A runner of a layer's linear groups — QKV, O, gate/up, down, without biases — in place of the
-/// planner's matmuls: the NPU path's quantized graphs (`backend::npu::prefill`).
+/// planner's matmuls: the NPU path's quantized graphs (`prefill`).
 pub trait Linears: Sync {
     /// Computes group `site` of layer `li` over `n` rows of `x` into `outs` (one per projection,
     /// `n` rows each, f32), or returns false to leave it to the planner.

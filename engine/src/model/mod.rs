@@ -205,7 +205,7 @@ impl Transformer {
     }
 
     /// [`Self::forward`] for one sequence with its linear groups run by `linears` where it takes
-    /// them (the NPU path's prefill: `backend::npu::prefill`); the rest — norms, RoPE,
+    /// them (the NPU path's prefill: `prefill`); the rest — norms, RoPE,
     /// attention into `kv`, SwiGLU, the head — on the planner, so `kv` is the host cache the CPU
     /// decodes from next, with no copy.
     pub fn forward_with(

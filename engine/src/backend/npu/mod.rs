@@ -4,12 +4,11 @@
 //!
 //! - [`quant`]: the W8A8 arithmetic and its reference.
 //! - [`graph`]: a layer's linear groups as QNN graphs, with every shape checked first.
-//! - [`prefill`]: a model's groups calibrated, quantized and built, run in place of the CPU's
-//!   matmuls during prefill.
+//! - [`crate::prefill`] (outside `backend`: it reads the model): a model's groups calibrated,
+//!   quantized and built, run in place of the CPU's matmuls during prefill.
 //! - [`cache`]: finalized contexts kept on disk as QNN context binaries, keyed by model,
 //!   quantization, chunk size, chip and library.
 
 pub mod cache;
 pub mod graph;
-pub mod prefill;
 pub mod quant;

@@ -16,9 +16,9 @@
 //! outliers outright); biases stay on the CPU in float (added after the graph, as for the CPU's
 //! matmuls), so the graphs the model uses are bias-free even for Qwen2's QKV.
 
-use super::graph::{build_linear_group, graph_name, run_linear_group, LinearGroup, Projection};
-use super::quant::{ActQuant, QuantWeights};
 use crate::backend::blocks::{CaptureSite, Linears};
+use crate::backend::npu::graph::{build_linear_group, graph_name, run_linear_group, LinearGroup, Projection};
+use crate::backend::npu::quant::{ActQuant, QuantWeights};
 use crate::backend::weight::WeightMatrix;
 use crate::backend::{OpDesc, OpKind};
 use crate::error::{BackendError, EngineError, NpuError};
@@ -270,7 +270,7 @@ impl<'c> NpuLinears<'c> {
         ids: &[(u32, Vec<u32>)],
         chunk: usize,
     ) -> Result<Self, NpuError> {
-        let graphs = super::cache::graphs(context, &groups, chunk, ids)?;
+        let graphs = crate::backend::npu::cache::graphs(context, &groups, chunk, ids)?;
         let mut layers = Vec::with_capacity(groups.len() / 4);
         let mut it = groups.into_iter();
         loop {
@@ -356,7 +356,7 @@ pub struct Prepared {
     pub quantize_s: f64,
     /// Building and finalizing (and storing), or loading from the cache.
     pub context_s: f64,
-    pub cache: super::cache::CacheOutcome,
+    pub cache: crate::backend::npu::cache::CacheOutcome,
     pub cache_file: Option<std::path::PathBuf>,
 }
 
@@ -374,7 +374,8 @@ pub fn prepare<'b>(
     chunk: usize,
     out_bits: u8,
     cache_dir: Option<&std::path::Path>,
-) -> Result<(qnn_sys::api::Context<'b>, Vec<LinearGroup>, super::cache::GraphIds, Prepared), EngineError> {
+) -> Result<(qnn_sys::api::Context<'b>, Vec<LinearGroup>, crate::backend::npu::cache::GraphIds, Prepared), EngineError>
+{
     let t0 = std::time::Instant::now();
     let cal = calibrate(t, calibration)?;
     let calibrate_s = t0.elapsed().as_secs_f64();
@@ -384,9 +385,9 @@ pub fn prepare<'b>(
     let t2 = std::time::Instant::now();
     let (context, ids, cache, cache_file) = match cache_dir {
         Some(dir) => {
-            let key = super::cache::key_for(lib, backend, soc, &groups, chunk)?;
-            let file = super::cache::path_for(dir, &key)?;
-            let (c, ids, outcome) = super::cache::load_or_build(backend, dir, &key, &groups, chunk)?;
+            let key = crate::backend::npu::cache::key_for(lib, backend, soc, &groups, chunk)?;
+            let file = crate::backend::npu::cache::path_for(dir, &key)?;
+            let (c, ids, outcome) = crate::backend::npu::cache::load_or_build(backend, dir, &key, &groups, chunk)?;
             (c, ids, outcome, Some(file))
         }
         None => {
@@ -396,7 +397,12 @@ pub fn prepare<'b>(
                 let io = build_linear_group(&context, g, chunk)?.io();
                 ids.push((io.inputs.first().map_or(0, |i| i.1), io.outputs.iter().map(|o| o.1).collect()));
             }
-            (context, ids, super::cache::CacheOutcome::Built { reason: "no cache directory".into() }, None)
+            (
+                context,
+                ids,
+                crate::backend::npu::cache::CacheOutcome::Built { reason: "no cache directory".into() },
+                None,
+            )
         }
     };
     let prepared = Prepared {
