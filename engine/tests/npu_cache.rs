@@ -14,26 +14,6 @@ use std::path::PathBuf;
 const SM8650: u32 = 57;
 const CHUNK: usize = 32;
 
-fn htp_library() -> PathBuf {
-    if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
-        return p.into();
-    }
-    let out = std::process::Command::new(common::repo_root().join("scripts/fetch-qnn.sh"))
-        .output()
-        .expect("scripts/fetch-qnn.sh runs");
-    assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
-}
-
-fn emulator_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's path");
-    let deps = exe.parent().expect("the test's directory");
-    [deps.join("libllmd_qnn_emu.so"), deps.join("../libllmd_qnn_emu.so")]
-        .into_iter()
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("libllmd_qnn_emu.so is not built beside {}", deps.display()))
-}
-
 /// The default model's groups, calibrated on a short text.
 fn model_groups(out_bits: u8) -> Vec<LinearGroup> {
     let m = common::default_model();
@@ -63,7 +43,7 @@ fn outputs(context: &qnn_sys::api::Context<'_>, groups: &[LinearGroup], ids: &[(
 fn a_second_start_loads_the_graphs_and_anything_changed_or_damaged_is_rebuilt() {
     let groups = model_groups(16);
     let dir = scratch("emu");
-    let lib = qnn_sys::Library::open(&emulator_library()).expect("loads");
+    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("loads");
     let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
     let key = key_for(&lib, &backend, SM8650, &groups, CHUNK).expect("key");
 
@@ -131,7 +111,7 @@ fn a_second_start_loads_the_graphs_and_anything_changed_or_damaged_is_rebuilt() 
 fn qualcomms_library_loads_the_cached_graphs_faster_than_it_finalizes_them() {
     let groups = model_groups(16);
     let dir = scratch("htp");
-    let lib = qnn_sys::Library::open(&htp_library()).expect("loads");
+    let lib = qnn_sys::Library::open(&common::htp_library()).expect("loads");
     let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
     let key = key_for(&lib, &backend, SM8650, &groups, CHUNK).expect("key");
     let t = std::time::Instant::now();

@@ -11,7 +11,6 @@ mod common;
 use llmd_engine::backend::blocks::Logits;
 use llmd_engine::chat::ChatMessage;
 use llmd_engine::prefill::{calibrate, quantized_groups, NpuLinears, CALIBRATION_TEXT};
-use std::path::PathBuf;
 
 /// Greedy tokens decoded after the prompt.
 const DECODED: usize = 16;
@@ -35,26 +34,6 @@ const MAX_SPREAD: f32 = 1.0;
 const OUT_BITS: u8 = 16;
 /// SM8650 (Snapdragon 8 Gen 3).
 const SM8650: u32 = 57;
-
-fn htp_library() -> PathBuf {
-    if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
-        return p.into();
-    }
-    let out = std::process::Command::new(common::repo_root().join("scripts/fetch-qnn.sh"))
-        .output()
-        .expect("scripts/fetch-qnn.sh runs");
-    assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
-}
-
-fn emulator_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's path");
-    let deps = exe.parent().expect("the test's directory");
-    [deps.join("libllmd_qnn_emu.so"), deps.join("../libllmd_qnn_emu.so")]
-        .into_iter()
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("libllmd_qnn_emu.so is not built beside {}", deps.display()))
-}
 
 fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
     let (mut best, mut second) = ((0usize, f32::NEG_INFINITY), f32::NEG_INFINITY);
@@ -132,7 +111,7 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
     // The emulator decodes freely; Qualcomm's library is then fed the emulator's tokens, so each
     // of its steps can be compared with the emulator's.
     let mut emulator: Option<(Vec<u32>, Vec<f32>, Vec<f32>)> = None;
-    for (name, path) in [("emulator", emulator_library()), ("Qualcomm HTP", htp_library())] {
+    for (name, path) in [("emulator", common::emulator_library()), ("Qualcomm HTP", common::htp_library())] {
         let lib = qnn_sys::Library::open(&path).expect("the library loads");
         let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
         let context = backend.context().expect("context");

@@ -7,9 +7,10 @@
 //! Qualcomm's library must stay within `MAX_LSB` of it on at most `MAX_DIFFERING_SHARE` of the
 //! outputs.
 
+mod common;
+
 use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, LinearGroup, Projection};
 use llmd_engine::backend::npu::quant::{quantize_bias, ActQuant, QuantWeights};
-use std::path::PathBuf;
 
 /// Largest difference from the reference, in output codes: the HTP requantizes with fixed-point
 /// multipliers and may round to the neighbouring code (the design's first probe: 1 LSB).
@@ -22,27 +23,6 @@ const MAX_DIFFERING_SHARE: f64 = 0.10;
 const CHUNKS: [usize; 2] = [32, 256];
 /// SM8650 (Snapdragon 8 Gen 3), QNN's `Qnn_SocModel_t` 57.
 const SM8650: u32 = 57;
-
-fn htp_library() -> PathBuf {
-    if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
-        return p.into();
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out =
-        std::process::Command::new(root.join("scripts/fetch-qnn.sh")).output().expect("scripts/fetch-qnn.sh runs");
-    assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
-}
-
-/// The emulator provider, built beside this test (a dependency's cdylib lands in `deps/`).
-fn emulator_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's path");
-    let deps = exe.parent().expect("the test's directory");
-    [deps.join("libllmd_qnn_emu.so"), deps.join("../libllmd_qnn_emu.so")]
-        .into_iter()
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("libllmd_qnn_emu.so is not built beside {}", deps.display()))
-}
 
 /// Deterministic values with a roughly normal spread (sum of four uniforms), seeded.
 fn normal(seed: u64, n: usize, sd: f32) -> Vec<f32> {
@@ -132,8 +112,8 @@ fn compare(got: &[Vec<u16>], want: &[Vec<u16>]) -> (usize, usize, i32) {
 
 #[test]
 fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_and_on_the_emulator_exactly() {
-    let htp = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
-    let emu = qnn_sys::Library::open(&emulator_library()).expect("libllmd_qnn_emu.so loads");
+    let htp = qnn_sys::Library::open(&common::htp_library()).expect("libQnnHtp.so loads");
+    let emu = qnn_sys::Library::open(&common::emulator_library()).expect("libllmd_qnn_emu.so loads");
     let (hidden, q, kv, ffn) = (576usize, 576usize, 192usize, 1536usize);
     let kinds: [GroupKind; 4] = [
         ("qkv", hidden, vec![("q", q), ("k", kv), ("v", kv)]),

@@ -108,3 +108,26 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Qualcomm's x86-64 HTP library: `LLMD_QNN_LIB`, else the cache `scripts/fetch-qnn.sh` fills
+/// (run here if it is not filled yet).
+pub fn htp_library() -> PathBuf {
+    if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
+        return p.into();
+    }
+    let out = std::process::Command::new(repo_root().join("scripts/fetch-qnn.sh"))
+        .output()
+        .expect("scripts/fetch-qnn.sh runs");
+    assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
+}
+
+/// llmd's emulator provider, built beside the test (a dependency's cdylib lands in `deps/`).
+pub fn emulator_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's path");
+    let deps = exe.parent().expect("the test's directory");
+    [deps.join("libllmd_qnn_emu.so"), deps.join("../libllmd_qnn_emu.so")]
+        .into_iter()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("libllmd_qnn_emu.so is not built beside {}", deps.display()))
+}
