@@ -74,9 +74,7 @@ pub struct TensorDesc {
 
 impl TensorDesc {
     pub fn element_bytes(&self) -> Option<usize> {
-        let low = self.data_type & 0xFF;
-        let bits = (low >> 4) * 10 + (low & 0xF);
-        matches!(bits, 8 | 16 | 32 | 64).then_some(bits as usize / 8)
+        dt::element_bytes(self.data_type)
     }
 
     pub fn bytes(&self) -> Option<usize> {
@@ -256,10 +254,7 @@ pub fn context_create(backend: u64, device: u64) -> Result<u64, EmuError> {
 
 pub fn context_free(context: u64) -> Result<(), EmuError> {
     with(|s| {
-        let c = s
-            .contexts
-            .remove(&context)
-            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        let c = s.contexts.remove(&context).ok_or_else(no_context)?;
         let mut freed = 0;
         for g in c.graphs {
             if let Some(g) = s.graphs.remove(&g) {
@@ -275,10 +270,7 @@ pub fn context_free(context: u64) -> Result<(), EmuError> {
 
 pub fn graph_create(context: u64, name: &str) -> Result<u64, EmuError> {
     with(|s| {
-        let c = s
-            .contexts
-            .get(&context)
-            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        let c = context_ref(s, context)?;
         if name.is_empty() || c.graphs.iter().any(|g| s.graphs.get(g).is_some_and(|g| g.name == name)) {
             return err(code::GRAPH_INVALID_NAME, format!("graph name {name:?} is empty or taken in this context"));
         }
@@ -302,6 +294,14 @@ pub fn graph_create(context: u64, name: &str) -> Result<u64, EmuError> {
         }
         Ok(id)
     })
+}
+
+fn no_context() -> EmuError {
+    EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() }
+}
+
+fn context_ref(s: &State, context: u64) -> Result<&ContextState, EmuError> {
+    s.contexts.get(&context).ok_or_else(no_context)
 }
 
 fn graph_mut(s: &mut State, graph: u64) -> Result<&mut GraphState, EmuError> {
@@ -537,10 +537,7 @@ pub fn graph_finalize(graph: u64) -> Result<(), EmuError> {
 
 pub fn graph_retrieve(context: u64, name: &str) -> Result<u64, EmuError> {
     with(|s| {
-        let c = s
-            .contexts
-            .get(&context)
-            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        let c = context_ref(s, context)?;
         c.graphs
             .iter()
             .copied()
@@ -812,10 +809,7 @@ impl Reader<'_> {
 /// kept, as QNN keeps them), and a CRC-32 of all of it.
 pub fn context_binary(context: u64) -> Result<Vec<u8>, EmuError> {
     with(|s| {
-        let c = s
-            .contexts
-            .get(&context)
-            .ok_or(EmuError { code: code::CONTEXT_INVALID_HANDLE, message: "no such context".into() })?;
+        let c = context_ref(s, context)?;
         let graphs: Vec<&GraphState> =
             c.graphs.iter().filter_map(|g| s.graphs.get(g)).filter(|g| g.finalized).collect();
         let mut w = Writer(BINARY_MAGIC.to_vec());

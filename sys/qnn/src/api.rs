@@ -91,11 +91,9 @@ impl TensorSpec {
         Self { name: name.to_owned(), dims: dims.to_vec(), data_type, quantization }
     }
 
-    /// Bytes one element takes (the type's bit width is its low byte written in decimal).
+    /// Bytes one element takes ([`data_type::element_bytes`]).
     pub fn element_bytes(&self) -> Option<usize> {
-        let low = self.data_type & 0xFF;
-        let bits = (low >> 4) * 10 + (low & 0xF);
-        matches!(bits, 8 | 16 | 32 | 64).then_some(bits as usize / 8)
+        data_type::element_bytes(self.data_type)
     }
 
     /// Bytes the whole tensor takes.

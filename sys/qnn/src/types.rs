@@ -22,6 +22,14 @@ pub mod data_type {
     pub const UFIXED_POINT_16: u32 = 0x0416;
     pub const BOOL_8: u32 = 0x0508;
     pub const UNDEFINED: u32 = 0x7FFF_FFFF;
+
+    /// Bytes one element of `data_type` takes (its bit width is its low byte written in
+    /// decimal: 0x08, 0x16, 0x32, 0x64), None for a width that is not a whole number of bytes.
+    pub fn element_bytes(data_type: u32) -> Option<usize> {
+        let low = data_type & 0xFF;
+        let bits = (low >> 4) * 10 + (low & 0xF);
+        matches!(bits, 8 | 16 | 32 | 64).then_some(bits as usize / 8)
+    }
 }
 
 /// `Qnn_TensorType_t` values.
