@@ -35,6 +35,45 @@ impl KvCacheType {
     }
 }
 
+/// Where prompts' linear layers run (`backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillBackend {
+    #[default]
+    Cpu,
+    /// Prompt chunks' linear groups as W8A8 graphs on the NPU (llm.npu's split: norms, RoPE,
+    /// attention on the CPU), decode on the CPU.
+    Npu,
+}
+
+/// The NPU path (`[npu]`, used with `backend = "npu"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NpuConfig {
+    /// The QNN backend library. Default: on Android the system's `libQnnHtp.so`; elsewhere
+    /// llmd's emulator provider, `libllmd_qnn_emu.so` beside the llmd binary. `LLMD_QNN_LIB`
+    /// overrides both.
+    pub library: Option<PathBuf>,
+    /// The chip graphs are built for (QNN's SoC model: 57 = Snapdragon 8 Gen 3).
+    pub soc: u32,
+    /// Rows of each graph: the NPU takes prompts in chunks of this many tokens, the last one
+    /// padded (llm.npu's default 256).
+    pub chunk: usize,
+    /// Finalized contexts, so later starts load instead of finalizing. Default:
+    /// `<residency.state_dir>/npu`; none without a state directory.
+    pub cache_dir: Option<PathBuf>,
+    /// Calibration text for the activations' scales (default: a built-in English text).
+    pub calibration: Option<PathBuf>,
+    /// Bits of the graphs' outputs: 8 or 16.
+    pub output_bits: u8,
+}
+
+impl Default for NpuConfig {
+    fn default() -> Self {
+        Self { library: None, soc: 57, chunk: 256, cache_dir: None, calibration: None, output_bits: 16 }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -59,6 +98,10 @@ pub struct Config {
     pub prefill_chunk: usize,
     /// KV cache storage: "f16" or "q8".
     pub kv_cache_type: KvCacheType,
+    /// Where prompts' linear layers run: "cpu", or "npu" (QNN, configured in `[npu]`; a
+    /// library that cannot start leaves the daemon on the CPU, saying why in `llmctl status`).
+    pub backend: PrefillBackend,
+    pub npu: NpuConfig,
     pub limits: Limits,
     pub permissions: Permissions,
     pub scheduler: SchedulerConfig,
@@ -280,6 +323,8 @@ impl Default for Config {
             shutdown_grace_ms: 3000,
             prefill_chunk: llmd_engine::generate::DEFAULT_PREFILL_CHUNK,
             kv_cache_type: KvCacheType::F16,
+            backend: PrefillBackend::Cpu,
+            npu: NpuConfig::default(),
             limits: Limits::default(),
             permissions: Permissions::default(),
             scheduler: SchedulerConfig::default(),
@@ -336,6 +381,13 @@ impl Config {
         }
         if self.prefill_chunk == 0 {
             return bad("prefill_chunk must be at least 1".into());
+        }
+        let n = &self.npu;
+        if !(1..=4096).contains(&n.chunk) {
+            return bad(format!("npu.chunk {} must be 1..=4096", n.chunk));
+        }
+        if !matches!(n.output_bits, 8 | 16) {
+            return bad(format!("npu.output_bits {} must be 8 or 16", n.output_bits));
         }
         let sc = &self.scheduler;
         for (name, v) in

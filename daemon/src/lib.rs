@@ -41,6 +41,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod integrity;
 pub mod models;
+pub mod npu;
 pub mod permission;
 pub mod policy;
 pub mod pressure;

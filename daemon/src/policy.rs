@@ -149,13 +149,7 @@ impl Policy {
         if entries.is_empty() {
             return Plan::default();
         }
-        let active_min = entries.iter().filter_map(|e| self.vtime.get(&e.uid).copied()).fold(f64::INFINITY, f64::min);
-        let active_min = if active_min.is_finite() { active_min } else { 0.0 };
-        // Bring uids that were idle up to the active minimum.
-        for e in entries {
-            let v = self.vtime_of(e.uid, active_min);
-            self.vtime.insert(e.uid, v);
-        }
+        self.join_uids(entries);
         // Rank (with aging), then the request's own class — an aged background request does
         // not overtake foreground ones until it is starving — then fair share, then arrival.
         let key = |e: &Entry| (self.rank(e, now_ms), e.class, self.vtime[&e.uid], e.arrived_ms, e.id);
@@ -207,6 +201,28 @@ impl Policy {
             }
         }
         Plan { decode, prefill, more_prefill }
+    }
+
+    /// Brings uids that were idle up to the smallest virtual time among `entries`' uids.
+    fn join_uids(&mut self, entries: &[Entry]) {
+        let active_min = entries.iter().filter_map(|e| self.vtime.get(&e.uid).copied()).fold(f64::INFINITY, f64::min);
+        let active_min = if active_min.is_finite() { active_min } else { 0.0 };
+        for e in entries {
+            let v = self.vtime_of(e.uid, active_min);
+            self.vtime.insert(e.uid, v);
+        }
+    }
+
+    /// The prompt among `entries` that a pass would read first (rank, class, fair share,
+    /// arrival: the order [`Self::plan`] uses) — the one an accelerator takes when it is idle.
+    pub fn best_prompt(&mut self, now_ms: u64, entries: &[Entry]) -> Option<u64> {
+        self.join_uids(entries);
+        let key = |e: &Entry| (self.rank(e, now_ms), e.class, self.vtime[&e.uid], e.arrived_ms, e.id);
+        entries
+            .iter()
+            .filter(|e| e.prefill_left > 0)
+            .min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal))
+            .map(|e| e.id)
     }
 
     /// Accounts `tokens` of work done for `uid`.

@@ -27,6 +27,8 @@ pub struct Shared {
     pub scheduler: Scheduler<Turn>,
     /// The socket's open connections per uid and their caps (the accept loop's gate).
     pub connections: Arc<crate::connections::Gate>,
+    /// The NPU (`backend = "npu"`), or off.
+    pub npu: Arc<crate::npu::Npu>,
 }
 
 impl Shared {
@@ -39,8 +41,8 @@ impl Shared {
             quota_tokens: sc.quota_tokens_per_uid,
             quota_window_ms: sc.quota_window_s * 1000,
         }));
-        let engine =
-            ModelEngine { prefill_chunk: config.prefill_chunk, max_prompt_tokens: config.limits.max_prompt_tokens };
+        let npu = crate::npu::Npu::from_config(&config);
+        let engine = ModelEngine::new(config.prefill_chunk, config.limits.max_prompt_tokens, npu.clone());
         let scheduler = Scheduler::start(
             admission,
             engine,
@@ -65,6 +67,7 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),
             scheduler,
+            npu,
         });
         shared.spawn_idle_sweep()?;
         shared.spawn_model_check()?;
@@ -151,10 +154,9 @@ impl Shared {
             if !fits {
                 continue;
             }
-            if let Err(e) =
-                self.residency.acquire(&id, if pinned { "pinned" } else { "loaded at start" }, self.kv_bytes())
-            {
-                tracing::error!(model = %id, "model not loaded: {e}");
+            match self.residency.acquire(&id, if pinned { "pinned" } else { "loaded at start" }, self.kv_bytes()) {
+                Ok(m) => self.npu.prepare(&m),
+                Err(e) => tracing::error!(model = %id, "model not loaded: {e}"),
             }
         }
     }
@@ -194,6 +196,7 @@ impl Shared {
             Some(m) => m,
             None => self.residency.acquire(id, &format!("request (uid {uid})"), self.kv_bytes())?,
         };
+        self.npu.prepare(&m);
         if !record {
             return Ok(m);
         }

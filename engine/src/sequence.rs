@@ -71,4 +71,22 @@ impl Transformer {
         let mut kvs: Vec<(&mut KvCache, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
         self.forward_batch(&mut kvs, which)
     }
+
+    /// Runs `tokens` after what `seq` holds with the linear groups on `linears` (the NPU
+    /// prefill, `crate::prefill::NpuLinears`) and everything else on the CPU, into the same
+    /// host cache the CPU decodes from; returns the last token's logits. On an error the
+    /// sequence is cut back to what it held before.
+    pub fn forward_sequence_with(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        linears: &dyn crate::backend::blocks::Linears,
+    ) -> Result<Vec<f32>, BackendError> {
+        let before = seq.kv.len();
+        let r = self.forward_with(&mut seq.kv, tokens, linears, Logits::Last);
+        if r.is_err() {
+            seq.kv.truncate(before);
+        }
+        r
+    }
 }

@@ -37,6 +37,21 @@ struct Args {
     /// Where the usage history and spilled KV caches live; overrides the config.
     #[arg(long, value_name = "DIR")]
     state_dir: Option<std::path::PathBuf>,
+    /// Where prompts' linear layers run: cpu, or npu (QNN; `[npu]` in the config). Overrides
+    /// the config's `backend`.
+    #[arg(long, value_enum)]
+    backend: Option<BackendArg>,
+    /// The QNN backend library for `--backend npu` (Qualcomm's libQnnHtp.so, or llmd's
+    /// emulator provider, the default off Android: libllmd_qnn_emu.so beside llmd); overrides
+    /// `npu.library`. `LLMD_QNN_LIB` overrides both.
+    #[arg(long, value_name = "PATH")]
+    qnn_lib: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum BackendArg {
+    Cpu,
+    Npu,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -80,6 +95,15 @@ fn run(args: Args) -> Result<(), String> {
     }
     if let Some(d) = args.state_dir {
         config.residency.state_dir = Some(d);
+    }
+    if let Some(b) = args.backend {
+        config.backend = match b {
+            BackendArg::Cpu => llmd_daemon::config::PrefillBackend::Cpu,
+            BackendArg::Npu => llmd_daemon::config::PrefillBackend::Npu,
+        };
+    }
+    if let Some(l) = args.qnn_lib {
+        config.npu.library = Some(l);
     }
     config.validate().map_err(|e| e.to_string())?;
     let kernel = match config.kernel_binder {

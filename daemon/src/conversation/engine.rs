@@ -5,10 +5,13 @@
 
 use super::{forward_batch, SessionCore, SessionInner, TurnInput};
 use crate::error::ServiceError;
+use crate::npu::Npu;
 use crate::scheduler::{Engine, Fed};
 use llmd_engine::generate::{GenerateRequest, Generation, GenerationStats, StepOutput};
 use llmd_engine::Model;
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// What a job carries for [`ModelEngine`].
 pub struct Turn {
@@ -31,19 +34,64 @@ pub struct Started {
     context: Vec<u32>,
 }
 
+/// A prompt chunk back from the NPU: how many tokens, and the logits after the last (or why
+/// the NPU could not run it; the cache is then as before).
+pub struct NpuChunk {
+    tokens: usize,
+    logits: Result<Vec<f32>, String>,
+}
+
+/// A request's chunk back from the NPU.
+type Finished = (u64, NpuChunk);
+
+/// Sends an NPU job's result to the worker exactly once: a job that never sends it (it
+/// panicked) still reports, from `Drop`, so its request is not left waiting.
+struct Reply {
+    id: u64,
+    tokens: usize,
+    tx: Option<Sender<Finished>>,
+}
+
+impl Reply {
+    fn send(&mut self, logits: Result<Vec<f32>, String>) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send((self.id, NpuChunk { tokens: self.tokens, logits }));
+        }
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        self.send(Err("the NPU job ended without a result".into()));
+    }
+}
+
 /// The engine the daemon's worker runs.
 pub struct ModelEngine {
     /// Tokens per prefill unit.
     pub prefill_chunk: usize,
     /// Most new prompt tokens a turn may feed.
     pub max_prompt_tokens: usize,
+    /// The NPU (prompt chunks of models whose graphs are ready), or off.
+    npu: Arc<Npu>,
+    npu_done: (Sender<Finished>, Receiver<Finished>),
+}
+
+impl ModelEngine {
+    pub fn new(prefill_chunk: usize, max_prompt_tokens: usize, npu: Arc<Npu>) -> Self {
+        Self { prefill_chunk, max_prompt_tokens, npu, npu_done: std::sync::mpsc::channel() }
+    }
 }
 
 impl Engine for ModelEngine {
     type Turn = Turn;
     type Seq = Started;
+    type Offloaded = NpuChunk;
 
     fn start(&mut self, t: &Turn) -> Result<Started, ServiceError> {
+        // A model that came back after an eviction gets its NPU graphs again (no-op when it
+        // has them, or when there is no NPU).
+        self.npu.prepare(&t.model);
         let mut inner = t.session.lock();
         // A cache spilled or dropped under memory pressure comes back first.
         inner.restore(&t.model);
@@ -92,6 +140,43 @@ impl Engine for ModelEngine {
             }
         }
         Ok(())
+    }
+
+    fn offload_chunk(&self, t: &Turn) -> Option<usize> {
+        self.npu.ready(&t.model)
+    }
+
+    fn offload(&mut self, id: u64, t: &Turn, tokens: Vec<u32>) -> Result<(), ServiceError> {
+        let (session, model) = (t.session.clone(), t.model.clone());
+        let n = tokens.len();
+        let mut reply = Reply { id, tokens: n, tx: Some(self.npu_done.0.clone()) };
+        let job: crate::npu::Job = Box::new(move |graphs| {
+            // The worker plans nothing of this session until the reply: the lock is free.
+            let logits =
+                graphs.and_then(|l| session.lock().forward_with(&model, &tokens, l).map_err(|e| e.to_string()));
+            reply.send(logits);
+        });
+        self.npu.submit(&t.model, id, n, job).map_err(|_| ServiceError::Internal("the NPU thread has stopped".into()))
+    }
+
+    fn offloaded(&mut self, wait: Duration) -> Vec<Finished> {
+        let rx = &self.npu_done.1;
+        let first = if wait.is_zero() { rx.try_recv().ok() } else { rx.recv_timeout(wait).ok() };
+        first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())).collect()
+    }
+
+    fn accept_offloaded(&mut self, t: &Turn, s: &mut Started, done: NpuChunk) -> Result<usize, ServiceError> {
+        match done.logits {
+            Ok(logits) => {
+                s.gen.accept_prefill(done.tokens, logits);
+                Ok(done.tokens)
+            }
+            Err(reason) => {
+                // The chunk is still to read: the CPU reads it (and the model's later prompts).
+                self.npu.fail(&t.model, &reason);
+                Ok(0)
+            }
+        }
     }
 
     fn end(&mut self, t: &Turn, mut started: Option<Started>, outcome: &Result<GenerationStats, ServiceError>) {

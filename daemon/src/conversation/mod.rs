@@ -220,6 +220,21 @@ pub fn remove_stale_spills(state_dir: &Path) -> usize {
 }
 
 impl SessionInner {
+    /// Feeds `tokens` with the linear groups on `linears` (the NPU's graphs) and the rest on
+    /// the CPU, into the cache the CPU decodes from; the logits after the last token. On an
+    /// error the cache is as it was.
+    pub fn forward_with(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        linears: &dyn llmd_engine::backend::blocks::Linears,
+    ) -> Result<Vec<f32>, ServiceError> {
+        model
+            .transformer
+            .forward_sequence_with(&mut self.kv, tokens, linears)
+            .map_err(|e| ServiceError::Internal(e.to_string()))
+    }
+
     /// Positions the KV cache holds.
     pub fn kv_len(&self) -> usize {
         self.kv.len()

@@ -54,6 +54,37 @@ pub trait Engine {
     /// The request ended (`seq` is `None` if it never started): commit the turn to its
     /// session on success, roll it back otherwise, and free the session for its next turn.
     fn end(&mut self, turn: &Self::Turn, seq: Option<Self::Seq>, outcome: &Result<GenerationStats, ServiceError>);
+
+    // An accelerator (the NPU) that reads prompt chunks on a thread of its own while the
+    // worker runs other requests' units: one chunk at a time. An engine without one keeps the
+    // defaults.
+
+    /// The most prompt tokens of `turn` the accelerator takes in one job, when it can take
+    /// this turn's prompt now (its model's graphs are ready); else None.
+    fn offload_chunk(&self, _turn: &Self::Turn) -> Option<usize> {
+        None
+    }
+    /// Hands `tokens` (the turn's next prompt tokens) of request `id` to the accelerator; it
+    /// returns at once. An error leaves the chunk to the CPU.
+    fn offload(&mut self, _id: u64, _turn: &Self::Turn, _tokens: Vec<u32>) -> Result<(), ServiceError> {
+        Err(ServiceError::Internal("no accelerator".into()))
+    }
+    /// Chunks the accelerator finished, by request id, waiting up to `wait` for the first.
+    fn offloaded(&mut self, _wait: Duration) -> Vec<(u64, Self::Offloaded)> {
+        Vec::new()
+    }
+    /// Takes a finished chunk into the request's generation; returns how many prompt tokens
+    /// it fed (0: the accelerator failed and the chunk is still to feed, on the CPU).
+    fn accept_offloaded(
+        &mut self,
+        _turn: &Self::Turn,
+        _seq: &mut Self::Seq,
+        _done: Self::Offloaded,
+    ) -> Result<usize, ServiceError> {
+        Ok(0)
+    }
+    /// What a finished accelerator job hands back.
+    type Offloaded: Send;
 }
 
 /// One sequence's share of a forward pass.
@@ -74,6 +105,9 @@ struct Running<E: Engine> {
     last_served_ms: u64,
     /// When it first got a unit (its queue wait ends there).
     first_served: Option<Instant>,
+    /// A prompt chunk of it is on the accelerator (the request waits for it: it is neither
+    /// planned nor ended until the chunk comes back).
+    offloaded: bool,
 }
 
 /// One sequence's share of an engine pass.
@@ -158,9 +192,11 @@ impl<E: Engine> Worker<E> {
             }
             worked = true;
             if !self.pass() {
-                // Nothing could run (requests waiting on their clients): wait a little for
-                // new work rather than spin.
-                if let Ok(job) = self.rx.recv_timeout(Duration::from_millis(2)) {
+                // Nothing could run (requests waiting on their clients or on the
+                // accelerator): wait a little for new work rather than spin.
+                if self.active.values().any(|r| r.offloaded) {
+                    self.take_offloaded(Duration::from_millis(2));
+                } else if let Ok(job) = self.rx.recv_timeout(Duration::from_millis(2)) {
                     self.start(job);
                 }
             }
@@ -182,7 +218,15 @@ impl<E: Engine> Worker<E> {
                 let arrived_ms = now.saturating_sub(waited);
                 self.active.insert(
                     job.id,
-                    Running { job, seq, started, arrived_ms, last_served_ms: arrived_ms, first_served: None },
+                    Running {
+                        job,
+                        seq,
+                        started,
+                        arrived_ms,
+                        last_served_ms: arrived_ms,
+                        first_served: None,
+                        offloaded: false,
+                    },
                 );
             }
             Err(e) => self.end_unstarted(job, e),
@@ -195,11 +239,16 @@ impl<E: Engine> Worker<E> {
     /// batched forward. Returns whether it fed any (none: every request is waiting).
     fn pass(&mut self) -> bool {
         let t0 = Instant::now();
+        self.take_offloaded(Duration::ZERO);
         let now_ms = self.admission.now_ms();
         let ids: Vec<u64> = self.active.keys().copied().collect();
         for id in ids {
             let Some(r) = self.active.get(&id) else { continue };
-            let ending = if r.job.stopped() {
+            let ending = if r.offloaded {
+                // Its chunk is on the accelerator, its session in use there: it ends (if it
+                // must) once the chunk is back.
+                None
+            } else if r.job.stopped() {
                 Some(ServiceError::Cancelled)
             } else if policy::deadline_passed(r.job.admitted_ms, r.job.deadline_ms, now_ms) {
                 Some(ServiceError::DeadlineExceeded(r.job.deadline_ms))
@@ -222,9 +271,16 @@ impl<E: Engine> Worker<E> {
         if self.active.is_empty() {
             return false;
         }
-        // A request whose client is not taking its callbacks waits (see the outbox).
-        let entries: Vec<Entry> =
-            self.active.values().filter(|r| !r.job.outbox.backlogged()).map(|r| self.entry(r)).collect();
+        // A request whose client is not taking its callbacks waits (see the outbox), and one
+        // whose chunk is on the accelerator.
+        let mut entries: Vec<Entry> = self
+            .active
+            .values()
+            .filter(|r| !r.job.outbox.backlogged() && !r.offloaded)
+            .map(|r| self.entry(r))
+            .collect();
+        let offloaded = self.offload(now_ms, &entries);
+        entries.retain(|e| Some(e.id) != offloaded);
         let plan = self.policy.plan(now_ms, &entries);
         let mut feeds: Vec<Feed> = Vec::new();
         for id in plan.decode {
@@ -281,7 +337,59 @@ impl<E: Engine> Worker<E> {
         self.passes += 1;
         self.avg_pass_us = if self.avg_pass_us == 0 { us } else { (self.avg_pass_us * 7 + us) / 8 };
         self.publish(batch);
-        batch > 0
+        batch > 0 || offloaded.is_some()
+    }
+
+    /// Gives the accelerator, when it is idle, the best waiting prompt it can take (the
+    /// policy's choice among them, as for the CPU's prefill): its next chunk goes there.
+    /// Returns that request's id.
+    fn offload(&mut self, now_ms: u64, entries: &[Entry]) -> Option<u64> {
+        if self.active.values().any(|r| r.offloaded) {
+            return None;
+        }
+        let able: Vec<(Entry, usize)> = entries
+            .iter()
+            .filter(|e| e.prefill_left > 0)
+            .filter_map(|e| {
+                let r = self.active.get(&e.id)?;
+                self.engine.offload_chunk(&r.job.turn).map(|n| (e.clone(), n))
+            })
+            .collect();
+        let candidates: Vec<Entry> = able.iter().map(|(e, _)| e.clone()).collect();
+        let id = self.policy.best_prompt(now_ms, &candidates)?;
+        let n = able.iter().find(|(e, _)| e.id == id).map(|(_, n)| *n)?;
+        let r = self.active.get_mut(&id)?;
+        let tokens = self.engine.prompt_chunk(&r.seq, n)?;
+        let fed = tokens.len();
+        match self.engine.offload(id, &r.job.turn, tokens) {
+            Ok(()) => {
+                r.offloaded = true;
+                r.last_served_ms = now_ms;
+                r.first_served.get_or_insert_with(Instant::now);
+                self.policy.charge(r.job.uid, fed);
+                Some(id)
+            }
+            Err(e) => {
+                tracing::debug!(request = id, "the accelerator did not take a chunk: {e}");
+                None
+            }
+        }
+    }
+
+    /// Takes back the chunks the accelerator finished (waiting up to `wait` for one): each
+    /// goes into its request's generation, which is planned again from the next pass.
+    fn take_offloaded(&mut self, wait: Duration) {
+        for (id, done) in self.engine.offloaded(wait) {
+            let Some(r) = self.active.get_mut(&id) else { continue };
+            r.offloaded = false;
+            match self.engine.accept_offloaded(&r.job.turn, &mut r.seq, done) {
+                Ok(n) => self.admission.charge(r.job.uid, n),
+                Err(e) => {
+                    let r = self.active.remove(&id).expect("present");
+                    self.end(r, Err(e));
+                }
+            }
+        }
     }
 
     fn entry(&self, r: &Running<E>) -> Entry {
@@ -434,6 +542,8 @@ mod tests {
         fail_forward: bool,
         /// Its model (the batch key).
         model: usize,
+        /// The accelerator takes its prompt in chunks of this many tokens.
+        accel: Option<usize>,
     }
 
     fn script(prompt: usize, n: u32) -> Script {
@@ -459,6 +569,15 @@ mod tests {
         /// Per forward pass: (turn, tokens, prefill).
         forwards: Vec<Vec<(&'static str, usize, bool)>>,
         sampled: BTreeMap<&'static str, usize>,
+        /// Chunks handed to the accelerator: (turn, tokens).
+        offloads: Vec<(&'static str, usize)>,
+        /// Chunks on the accelerator: (request, tokens).
+        on_accel: Vec<(u64, usize)>,
+        /// The accelerator keeps its chunks until this is cleared.
+        accel_hold: bool,
+        /// Its chunks fail (then it is taken for failed, as the daemon's NPU is).
+        accel_fails: bool,
+        accel_failed: bool,
     }
 
     #[derive(Clone, Default)]
@@ -538,6 +657,43 @@ mod tests {
         fn end(&mut self, t: &FakeTurn, seq: Option<FakeSeq>, outcome: &Result<GenerationStats, ServiceError>) {
             let o = outcome.as_ref().map(|s| s.finish).map_err(ServiceError::code);
             self.log().ended.push((t.name, seq.is_some(), o));
+        }
+
+        type Offloaded = (usize, bool);
+
+        fn offload_chunk(&self, t: &FakeTurn) -> Option<usize> {
+            t.script.accel.filter(|_| !self.log().accel_failed)
+        }
+
+        fn offload(&mut self, id: u64, t: &FakeTurn, tokens: Vec<u32>) -> Result<(), ServiceError> {
+            let mut log = self.log();
+            assert!(log.on_accel.is_empty(), "one chunk at a time on the accelerator");
+            log.offloads.push((t.name, tokens.len()));
+            log.on_accel.push((id, tokens.len()));
+            Ok(())
+        }
+
+        fn offloaded(&mut self, _wait: Duration) -> Vec<(u64, (usize, bool))> {
+            let mut log = self.log();
+            if log.accel_hold {
+                return Vec::new();
+            }
+            let ok = !log.accel_fails;
+            log.on_accel.drain(..).map(|(id, n)| (id, (n, ok))).collect()
+        }
+
+        fn accept_offloaded(
+            &mut self,
+            _t: &FakeTurn,
+            s: &mut FakeSeq,
+            (n, ok): (usize, bool),
+        ) -> Result<usize, ServiceError> {
+            if !ok {
+                self.log().accel_failed = true;
+                return Ok(0);
+            }
+            s.prompt_left -= n;
+            Ok(n)
         }
     }
 
@@ -663,6 +819,60 @@ mod tests {
             vec![vec![("a", 5, true)], vec![("a", 1, false)], vec![("a", 1, false)]],
             "the prompt in one chunk, then each sampled token fed but the last"
         );
+    }
+
+    /// The forwards' entries of `name`: (tokens, prefill).
+    fn forwards_of(h: &Harness, name: &str) -> Vec<(usize, bool)> {
+        h.fake.log().forwards.iter().flatten().filter(|f| f.0 == name).map(|f| (f.1, f.2)).collect()
+    }
+
+    #[test]
+    fn a_prompt_on_the_accelerator_waits_for_it_while_others_decode_on_the_cpu() {
+        let mut h = default_harness();
+        let b = h.start("b", script(1, 20), 2);
+        h.worker.pass();
+        h.fake.log().accel_hold = true;
+        let a = h.start("a", Script { accel: Some(32), ..script(70, 2) }, 1);
+        for _ in 0..4 {
+            h.worker.pass();
+        }
+        assert_eq!(h.fake.log().offloads, vec![("a", 32)], "a's first chunk went to the accelerator, once");
+        assert!(forwards_of(&h, "a").is_empty(), "nothing of a on the CPU while its chunk is out");
+        assert_eq!(forwards_of(&h, "b").iter().filter(|f| !f.1).count(), 4, "b decoded meanwhile, one step a pass");
+        h.fake.log().accel_hold = false;
+        h.run(60);
+        assert_eq!(h.fake.log().offloads, vec![("a", 32), ("a", 32), ("a", 6)], "a's whole prompt on it");
+        assert_eq!(forwards_of(&h, "a"), vec![(1, false)], "a decodes on the CPU");
+        assert_ended_once(&h, "a", &a, true, Ok(FinishReason::Length));
+        assert_ended_once(&h, "b", &b, true, Ok(FinishReason::Length));
+    }
+
+    #[test]
+    fn a_request_cancelled_while_its_chunk_is_on_the_accelerator_ends_once_when_it_is_back() {
+        let mut h = default_harness();
+        h.fake.log().accel_hold = true;
+        let a = h.start("a", Script { accel: Some(32), ..script(70, 2) }, 1);
+        h.worker.pass();
+        a.cancel.store(true, Ordering::Release);
+        for _ in 0..3 {
+            h.worker.pass();
+        }
+        assert!(h.ended("a").is_empty(), "not ended while the accelerator holds its session");
+        h.fake.log().accel_hold = false;
+        h.run(5);
+        assert_ended_once(&h, "a", &a, true, Err(ErrorCode::CANCELLED));
+        assert_eq!(h.fake.log().offloads.len(), 1, "no chunk after the cancel");
+    }
+
+    #[test]
+    fn a_chunk_the_accelerator_fails_is_read_on_the_cpu() {
+        let mut h = default_harness();
+        h.fake.log().accel_fails = true;
+        let a = h.start("a", Script { accel: Some(32), ..script(70, 2) }, 1);
+        h.run(20);
+        assert_eq!(h.fake.log().offloads, vec![("a", 32)], "one try; then the accelerator is taken for failed");
+        assert_eq!(forwards_of(&h, "a"), vec![(70, true), (1, false)], "the whole prompt read on the CPU");
+        assert_ended_once(&h, "a", &a, true, Ok(FinishReason::Length));
     }
 
     #[test]

@@ -1,0 +1,462 @@
+//! The NPU as one more processor of the daemon: one thread (`llmd-npu`) owns the QNN library,
+//! its HTP backend and every resident model's finalized graphs (`llmd_engine::prefill`:
+//! W8A8 linear groups; norms, RoPE and attention stay on the CPU, as in llm.npu), and runs the
+//! prompt chunks the engine worker hands it while the worker goes on with other requests'
+//! decode steps on the CPU.
+//!
+//! - **Start:** [`Npu::start`] never fails. A library that does not load, has no HTP provider of
+//!   a core API we support, or whose backend does not start leaves the NPU `unavailable` with
+//!   the reason, logged once and shown in `dump` / `llmctl status`; the daemon serves on the CPU.
+//! - **Models:** [`Npu::prepare`] (when a model becomes resident) has the thread calibrate it,
+//!   requantize its weights and load its graphs from the context cache or build and finalize
+//!   them (`[npu]`: chip, chunk, cache directory). Until that is done, and if it fails, the
+//!   model's prompts run on the CPU. A model's graphs go when the model is dropped (evicted).
+//! - **Jobs:** [`Npu::submit`] hands the thread a closure that runs with the model's graphs
+//!   (the daemon's: one prompt chunk of one session, `conversation::engine`). QNN is called
+//!   from this one thread only. Each job's wall-clock span is kept for `dump` (the last
+//!   [`RECENT_JOBS`]).
+//!
+//! **Decision:** one chunk at a time, on one thread. An NPU runs one graph at a time, a prompt's
+//! chunks depend on each other through its KV cache, and a chunk is the unit at which a
+//! foreground prompt can take the NPU from a background one (llm.npu's chunk, 256 tokens).
+
+use llmd_engine::backend::blocks::Linears;
+use llmd_engine::backend::npu::cache::CacheOutcome;
+use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
+use llmd_engine::Model;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Jobs whose spans `dump` lists.
+pub const RECENT_JOBS: usize = 64;
+
+type LinearsOf<'c> = NpuLinears<'c>;
+
+self_cell::self_cell!(
+    /// A model's finalized QNN context and the graphs in it.
+    struct Graphs<'b> {
+        owner: qnn_sys::api::Context<'b>,
+        #[not_covariant]
+        dependent: LinearsOf,
+    }
+);
+
+/// Work for the NPU thread: called with the model's graphs, or with why there are none (the
+/// model was dropped, or its graphs failed).
+pub type Job = Box<dyn FnOnce(Result<&dyn Linears, String>) + Send>;
+
+enum Msg {
+    Prepare { key: usize, model: Weak<Model> },
+    Run { key: usize, job: Job },
+}
+
+/// What the NPU is doing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    /// `backend = "cpu"`.
+    Off,
+    /// The library is being opened.
+    Starting,
+    Serving {
+        provider: String,
+        library: PathBuf,
+        build_id: String,
+    },
+    /// It cannot be used: the daemon serves on the CPU.
+    Unavailable {
+        reason: String,
+    },
+}
+
+/// A model's graphs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GraphState {
+    Preparing,
+    Ready { graphs: usize, how: String, seconds: f64 },
+    Failed { reason: String },
+}
+
+#[derive(Clone, Debug)]
+struct ModelEntry {
+    name: String,
+    key: usize,
+    model: Weak<Model>,
+    graphs: GraphState,
+}
+
+/// One chunk the NPU ran (wall-clock milliseconds since the Unix epoch, so another process
+/// can compare them with its own clock).
+#[derive(Clone, Debug)]
+pub struct JobSpan {
+    pub request: u64,
+    pub tokens: usize,
+    pub start_ms: u64,
+    pub end_ms: u64,
+    pub ok: bool,
+}
+
+#[derive(Debug)]
+struct Status {
+    state: State,
+    models: Vec<ModelEntry>,
+    jobs: u64,
+    tokens: u64,
+    busy: Duration,
+    recent: VecDeque<JobSpan>,
+}
+
+/// The daemon's handle of the NPU thread (see the module doc).
+pub struct Npu {
+    tx: Option<Mutex<Sender<Msg>>>,
+    status: Arc<Mutex<Status>>,
+    chunk: usize,
+    soc: u32,
+}
+
+/// What the NPU thread needs from the config.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub library: PathBuf,
+    pub soc: u32,
+    pub chunk: usize,
+    pub cache_dir: Option<PathBuf>,
+    pub calibration: Option<PathBuf>,
+    pub output_bits: u8,
+}
+
+/// The QNN library when the config names none: on Android the system's `libQnnHtp.so` (found
+/// by the dynamic linker in the vendor's library paths); elsewhere llmd's emulator provider
+/// beside the llmd binary.
+pub fn default_library() -> PathBuf {
+    if cfg!(target_os = "android") {
+        return PathBuf::from("libQnnHtp.so");
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("libllmd_qnn_emu.so")))
+        .unwrap_or_else(|| PathBuf::from("libllmd_qnn_emu.so"))
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Npu {
+    /// No NPU (`backend = "cpu"`).
+    pub fn off() -> Arc<Self> {
+        Arc::new(Self { tx: None, status: Arc::new(Mutex::new(Status::new(State::Off))), chunk: 0, soc: 0 })
+    }
+
+    /// The NPU the config asks for: off with `backend = "cpu"`, else started over `[npu]`'s
+    /// library (`LLMD_QNN_LIB` overrides it; see [`default_library`]).
+    pub fn from_config(config: &crate::config::Config) -> Arc<Self> {
+        if config.backend != crate::config::PrefillBackend::Npu {
+            return Self::off();
+        }
+        let n = &config.npu;
+        let library = std::env::var_os("LLMD_QNN_LIB")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| n.library.clone())
+            .unwrap_or_else(default_library);
+        let cache_dir = n.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("npu")));
+        Self::start(Settings {
+            library,
+            soc: n.soc,
+            chunk: n.chunk,
+            cache_dir,
+            calibration: n.calibration.clone(),
+            output_bits: n.output_bits,
+        })
+    }
+
+    /// Starts the NPU thread over `settings.library`. Never fails: see the module doc.
+    pub fn start(settings: Settings) -> Arc<Self> {
+        let status = Arc::new(Mutex::new(Status::new(State::Starting)));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (chunk, soc) = (settings.chunk, settings.soc);
+        let st = status.clone();
+        let spawned = std::thread::Builder::new().name("llmd-npu".into()).spawn(move || serve(settings, &st, rx));
+        let tx = match spawned {
+            Ok(_) => Some(Mutex::new(tx)),
+            Err(e) => {
+                let reason = format!("the NPU thread did not start: {e}");
+                tracing::warn!("NPU unavailable, prompts run on the CPU: {reason}");
+                lock(&status).state = State::Unavailable { reason };
+                None
+            }
+        };
+        Arc::new(Self { tx, status, chunk, soc })
+    }
+
+    fn status(&self) -> MutexGuard<'_, Status> {
+        lock(&self.status)
+    }
+
+    /// The NPU's state.
+    pub fn state(&self) -> State {
+        self.status().state.clone()
+    }
+
+    /// Has the NPU thread prepare `model`'s graphs, unless it has them or is at it.
+    pub fn prepare(&self, model: &Arc<Model>) {
+        let Some(tx) = &self.tx else { return };
+        let key = Arc::as_ptr(model) as usize;
+        {
+            let mut s = self.status();
+            if matches!(s.state, State::Off | State::Unavailable { .. }) {
+                return;
+            }
+            s.models.retain(|m| m.model.strong_count() > 0);
+            if s.models.iter().any(|m| m.key == key) {
+                return;
+            }
+            s.models.push(ModelEntry {
+                name: model.name.clone(),
+                key,
+                model: Arc::downgrade(model),
+                graphs: GraphState::Preparing,
+            });
+        }
+        let _ = lock(tx).send(Msg::Prepare { key, model: Arc::downgrade(model) });
+    }
+
+    /// The rows of a job for `model` when its graphs are ready (a chunk of at most this many
+    /// prompt tokens), else None.
+    pub fn ready(&self, model: &Arc<Model>) -> Option<usize> {
+        let key = Arc::as_ptr(model) as usize;
+        let s = self.status();
+        let ready = matches!(s.state, State::Serving { .. })
+            && s.models
+                .iter()
+                .any(|m| m.key == key && m.model.strong_count() > 0 && matches!(m.graphs, GraphState::Ready { .. }));
+        ready.then_some(self.chunk)
+    }
+
+    /// Queues `job` (request `request`'s chunk of `tokens` prompt tokens) for `model`'s
+    /// graphs. Gives the job back if the NPU thread is gone.
+    pub fn submit(&self, model: &Arc<Model>, request: u64, tokens: usize, job: Job) -> Result<(), Job> {
+        let Some(tx) = &self.tx else { return Err(job) };
+        let key = Arc::as_ptr(model) as usize;
+        let status = self.status.clone();
+        let timed: Job = Box::new(move |graphs| {
+            let (start, t0) = (SystemTime::now(), Instant::now());
+            let ok = graphs.is_ok();
+            job(graphs);
+            let mut s = lock(&status);
+            s.jobs += 1;
+            s.tokens += tokens as u64;
+            s.busy += t0.elapsed();
+            if s.recent.len() == RECENT_JOBS {
+                s.recent.pop_front();
+            }
+            s.recent.push_back(JobSpan {
+                request,
+                tokens,
+                start_ms: unix_ms(start),
+                end_ms: unix_ms(SystemTime::now()),
+                ok,
+            });
+        });
+        lock(tx).send(Msg::Run { key, job: timed }).map_err(|e| match e.0 {
+            Msg::Run { job, .. } => job,
+            Msg::Prepare { .. } => unreachable!("a Run was sent"),
+        })
+    }
+
+    /// Marks `model`'s graphs failed (a job on them failed): its prompts go back to the CPU.
+    pub fn fail(&self, model: &Arc<Model>, reason: &str) {
+        let key = Arc::as_ptr(model) as usize;
+        let mut s = self.status();
+        for m in s.models.iter_mut().filter(|m| m.key == key) {
+            if !matches!(m.graphs, GraphState::Failed { .. }) {
+                tracing::warn!(model = %m.name, "NPU graphs failed, its prompts run on the CPU: {reason}");
+                m.graphs = GraphState::Failed { reason: reason.to_owned() };
+            }
+        }
+    }
+
+    /// The `NPU` section of `dump` (and `llmctl status`).
+    pub fn dump(&self) -> String {
+        let s = self.status();
+        let mut out = String::from("\nNPU\n");
+        match &s.state {
+            State::Off => out.push_str("  state off (backend = \"cpu\"): prompts run on the CPU\n"),
+            State::Starting => out.push_str("  state starting\n"),
+            State::Unavailable { reason } => {
+                out.push_str(&format!("  state unavailable: prompts run on the CPU: {reason}\n"))
+            }
+            State::Serving { provider, library, build_id } => out.push_str(&format!(
+                "  state serving\n  provider {provider} ({}), build {build_id:?}, chip {}, chunk {} rows\n",
+                library.display(),
+                self.soc,
+                self.chunk
+            )),
+        }
+        for m in s.models.iter().filter(|m| m.model.strong_count() > 0) {
+            let what = match &m.graphs {
+                GraphState::Preparing => "preparing".to_owned(),
+                GraphState::Ready { graphs, how, seconds } => {
+                    format!("ready: {graphs} graphs, {how} in {seconds:.2} s")
+                }
+                GraphState::Failed { reason } => format!("failed, on the CPU: {reason}"),
+            };
+            out.push_str(&format!("  model {} {what}\n", m.name));
+        }
+        if !matches!(s.state, State::Off) {
+            out.push_str(&format!(
+                "  jobs {} ({} prompt tokens), busy {:.2} s\n",
+                s.jobs,
+                s.tokens,
+                s.busy.as_secs_f64()
+            ));
+            for j in &s.recent {
+                out.push_str(&format!(
+                    "  npu_job request={} tokens={} start_ms={} end_ms={} ok={}\n",
+                    j.request, j.tokens, j.start_ms, j.end_ms, j.ok
+                ));
+            }
+        }
+        out
+    }
+}
+
+impl Status {
+    fn new(state: State) -> Self {
+        Self { state, models: Vec::new(), jobs: 0, tokens: 0, busy: Duration::ZERO, recent: VecDeque::new() }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A model's graphs on the NPU thread.
+struct Resident<'b> {
+    key: usize,
+    model: Weak<Model>,
+    graphs: Graphs<'b>,
+}
+
+/// The NPU thread: opens the library and its backend, then serves messages until the daemon
+/// drops its handle.
+fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
+    let unavailable = |reason: String| {
+        tracing::warn!("NPU unavailable, prompts run on the CPU: {reason}");
+        lock(status).state = State::Unavailable { reason };
+    };
+    let path = &settings.library;
+    let lib = match qnn_sys::Library::open(path) {
+        Ok(l) => l,
+        Err(e) => return unavailable(format!("{}: {e}", path.display())),
+    };
+    let htp = lib.providers().into_iter().find(|p| p.backend_id == qnn_sys::BACKEND_ID_HTP).map(|p| p.name);
+    let (Some(provider), Some(_)) = (htp, lib.provider(qnn_sys::BACKEND_ID_HTP)) else {
+        let found: Vec<String> = lib
+            .providers()
+            .iter()
+            .map(|p| format!("{} (backend {}, core API {})", p.name, p.backend_id, p.api.core))
+            .collect();
+        return unavailable(format!(
+            "{}: no HTP provider with core API {} or newer (found: {})",
+            path.display(),
+            qnn_sys::MIN_CORE_API,
+            if found.is_empty() { "none".to_owned() } else { found.join(", ") }
+        ));
+    };
+    let backend = match qnn_sys::api::Backend::htp(&lib, settings.soc) {
+        Ok(b) => b,
+        Err(e) => return unavailable(format!("{}: the HTP backend did not start: {e}", path.display())),
+    };
+    let build_id = backend.build_id().unwrap_or_default();
+    tracing::info!(provider = %provider, library = %path.display(), "NPU serving");
+    lock(status).state = State::Serving { provider, library: path.clone(), build_id };
+    let mut resident: Vec<Resident<'_>> = Vec::new();
+    loop {
+        let msg = match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok(m) => Some(m),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        // A dropped (evicted) model's graphs go.
+        resident.retain(|r| r.model.strong_count() > 0);
+        match msg {
+            None => {}
+            Some(Msg::Prepare { key, model }) => {
+                let Some(m) = model.upgrade() else { continue };
+                if resident.iter().any(|r| r.key == key) {
+                    continue;
+                }
+                let t = Instant::now();
+                let outcome = prepare(&lib, &backend, &settings, &m);
+                let mut s = lock(status);
+                let entry = s.models.iter_mut().find(|e| e.key == key && e.model.ptr_eq(&model));
+                match outcome {
+                    Ok((graphs, how)) => {
+                        let n = graphs.with_dependent(|_, l| l.graph_names().len());
+                        tracing::info!(model = %m.name, graphs = n, "NPU graphs {how}");
+                        if let Some(e) = entry {
+                            e.graphs = GraphState::Ready { graphs: n, how, seconds: t.elapsed().as_secs_f64() };
+                        }
+                        resident.push(Resident { key, model, graphs });
+                    }
+                    Err(reason) => {
+                        tracing::warn!(model = %m.name, "NPU graphs not prepared, its prompts run on the CPU: {reason}");
+                        if let Some(e) = entry {
+                            e.graphs = GraphState::Failed { reason };
+                        }
+                    }
+                }
+            }
+            Some(Msg::Run { key, job }) => {
+                let r = resident.iter().find(|r| r.key == key && r.model.strong_count() > 0);
+                // A job that panics loses only itself (its own guard reports it).
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match r {
+                    Some(r) => r.graphs.with_dependent(|_, l| job(Ok(l as &dyn Linears))),
+                    None => job(Err("the model's NPU graphs are not loaded".into())),
+                }));
+            }
+        }
+    }
+}
+
+/// Calibrates `model`, requantizes it, and loads its graphs from the cache or builds them.
+fn prepare<'b>(
+    lib: &'b qnn_sys::Library,
+    backend: &'b qnn_sys::api::Backend<'_>,
+    s: &Settings,
+    model: &Model,
+) -> Result<(Graphs<'b>, String), String> {
+    let text = match &s.calibration {
+        Some(f) => std::fs::read_to_string(f).map_err(|e| format!("calibration text {}: {e}", f.display()))?,
+        None => CALIBRATION_TEXT.to_owned(),
+    };
+    let tokens = model.tokenizer.encode(&text, false, false).map_err(|e| format!("calibration text: {e}"))?;
+    if tokens.is_empty() {
+        return Err("the calibration text has no tokens".into());
+    }
+    let (context, groups, ids, p) = prefill::prepare(
+        lib,
+        backend,
+        s.soc,
+        &model.transformer,
+        &tokens,
+        s.chunk,
+        s.output_bits,
+        s.cache_dir.as_deref(),
+    )
+    .map_err(|e| e.to_string())?;
+    let how = match &p.cache {
+        CacheOutcome::Loaded => format!(
+            "loaded from {}",
+            p.cache_file.as_ref().map_or_else(|| "the cache".to_owned(), |f| f.display().to_string())
+        ),
+        CacheOutcome::Built { reason } => format!("built and finalized ({reason})"),
+    };
+    let graphs = Graphs::try_new(context, |c| NpuLinears::from_context(lib, c, groups, &ids, s.chunk))
+        .map_err(|e| e.to_string())?;
+    Ok((graphs, how))
+}
