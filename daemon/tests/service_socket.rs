@@ -1046,3 +1046,215 @@ fn closed_sessions_kv_is_given_back_while_idle() {
         (after as f64 - kept).max(0.0)
     );
 }
+
+// ---- The NPU as a processor of the daemon (`backend = "npu"`, the emulator provider) ----
+
+/// Rows of the NPU graphs in these tests: a prompt of ~100 tokens runs as several chunks.
+const NPU_CHUNK: usize = 32;
+/// The QNN SoC model the daemon builds for by default (SM8650, Snapdragon 8 Gen 3).
+const SM8650: u32 = 57;
+/// Longest the daemon may take to calibrate the model and build its graphs.
+const NPU_READY: Duration = Duration::from_secs(120);
+/// A prompt a greedy reply keeps counting after, for 1,500 tokens and more (measured).
+const COUNTING: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,";
+
+fn npu_config(library: &std::path::Path) -> String {
+    format!("backend = \"npu\"\n[npu]\nlibrary = {:?}\nchunk = {NPU_CHUNK}\n", library.display().to_string())
+}
+
+/// The `NPU` section of the daemon's dump.
+fn npu_dump(conn: &Connection) -> String {
+    let d = conn.admin().expect("admin").dumpState().expect("dump");
+    let start = d.find("\nNPU\n").expect("dump has an NPU section");
+    let rest = &d[start + 1..];
+    rest[..rest.find("\n\n").unwrap_or(rest.len())].to_owned()
+}
+
+/// Waits until the NPU section says `what` (or the bound passes).
+fn wait_npu(conn: &Connection, what: &str) -> String {
+    let t = Instant::now();
+    loop {
+        let s = npu_dump(conn);
+        if s.contains(what) {
+            return s;
+        }
+        assert!(t.elapsed() < NPU_READY, "the NPU section never said {what:?}:\n{s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64
+}
+
+/// A request's events, each with the wall-clock millisecond it arrived.
+struct Timed {
+    id: i64,
+    events: Vec<(u64, Event)>,
+}
+
+impl Timed {
+    fn ids(&self) -> Vec<i32> {
+        self.events.iter().flat_map(|(_, e)| if let Event::Tokens(_, i) = e { i.clone() } else { vec![] }).collect()
+    }
+    fn stats(&self) -> &llmd_aidl::GenerationStats::GenerationStats {
+        match self.events.last() {
+            Some((_, Event::Completed(s))) => s,
+            other => panic!("the request did not complete: {other:?}"),
+        }
+    }
+}
+
+/// Collects a request's events until it ends; `first_tokens` is told when its first tokens come.
+fn collect_timed(rx: std::sync::mpsc::Receiver<Event>, first_tokens: Option<std::sync::mpsc::Sender<()>>) -> Timed {
+    let mut t = Timed { id: -1, events: Vec::new() };
+    let mut first_tokens = first_tokens;
+    loop {
+        let e = rx.recv_timeout(Duration::from_secs(180)).expect("the request ends");
+        let end = matches!(e, Event::Completed(_) | Event::Error(..));
+        match &e {
+            Event::Started(id) => t.id = *id,
+            Event::Tokens(..) => {
+                if let Some(tx) = first_tokens.take() {
+                    let _ = tx.send(());
+                }
+            }
+            _ => {}
+        }
+        t.events.push((unix_ms(), e));
+        if end {
+            return t;
+        }
+    }
+}
+
+/// The greedy tokens llmd_engine gives in-process with the NPU prefill on the emulator, as the
+/// daemon configures it (default calibration text, 16-bit outputs, SM8650, `NPU_CHUNK` rows).
+fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
+    use llmd_engine::generate::{Flow, GenerateRequest, Prompt};
+    use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+        .expect("model loads");
+    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator loads");
+    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
+    let cal = m.tokenizer.encode(CALIBRATION_TEXT, false, false).expect("calibration tokens");
+    let (ctx, groups, ids, _) =
+        prefill::prepare(&lib, &backend, SM8650, &m.transformer, &cal, NPU_CHUNK, 16, None).expect("graphs");
+    let npu = NpuLinears::from_context(&lib, &ctx, groups, &ids, NPU_CHUNK).expect("linears");
+    let p = Prompt::Text(prompt.into());
+    let tokens = m.prompt_tokens(&p).expect("tokens");
+    let req = GenerateRequest {
+        prompt: p,
+        sampling: llmd_engine::sampling::SamplingParams::greedy(),
+        max_tokens,
+        stop: Vec::new(),
+    };
+    let mut kv = m.transformer.new_kv();
+    let mut out = Vec::new();
+    m.generate_in_with(&mut kv, &tokens, &req, Some((&npu, NPU_CHUNK)), |_, ids| {
+        out.extend(ids.iter().map(|&i| i as i32));
+        Flow::Continue
+    })
+    .expect("generates");
+    out
+}
+
+#[test]
+fn one_client_prefills_on_the_npu_while_another_decodes_on_the_cpu() {
+    let d = Daemon::start(&npu_config(&common::emulator_library()));
+    let (conn_a, conn_b) = (d.connect(), d.connect());
+    let ready = wait_npu(&conn_a, "ready:");
+    assert!(ready.contains("state serving") && ready.contains("LLMD_HTP_EMULATOR"), "{ready}");
+    // B decodes a long reply; once its first tokens arrive, A sends a prompt of several chunks.
+    let (sa, sb) = (session(&conn_a), session(&conn_b));
+    let (cb_b, _keep_b, rx_b) = client::callback();
+    let (first_tx, first_rx) = std::sync::mpsc::channel();
+    sb.generate(&greedy(COUNTING, 1200), &cb_b).expect("b submitted");
+    let b_thread = std::thread::spawn(move || collect_timed(rx_b, Some(first_tx)));
+    first_rx.recv_timeout(Duration::from_secs(60)).expect("b streams");
+    let long_prompt = "The history of computing is long and varied, and it began with counting. ".repeat(7);
+    let (cb_a, _keep_a, rx_a) = client::callback();
+    sa.generate(&greedy(&long_prompt, 8), &cb_a).expect("a submitted");
+    let a = collect_timed(rx_a, None);
+    let b = b_thread.join().expect("b's collector");
+    let npu = npu_dump(&conn_a);
+    // A's prompt went to the NPU, chunk by chunk.
+    let spans: Vec<(u64, u64, usize)> = npu
+        .lines()
+        .filter(|l| l.contains(&format!("npu_job request={} ", a.id)))
+        .map(|l| {
+            let field = |k: &str| -> u64 {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix(k))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("{k} in {l:?}"))
+            };
+            (field("start_ms="), field("end_ms="), field("tokens=") as usize)
+        })
+        .collect();
+    let prompt_tokens = a.stats().promptTokens as usize;
+    assert_eq!(spans.iter().map(|s| s.2).sum::<usize>(), prompt_tokens, "all of a's prompt on the NPU:\n{npu}");
+    assert_eq!(spans.len(), prompt_tokens.div_ceil(NPU_CHUNK), "in chunks of {NPU_CHUNK}:\n{npu}");
+    // B's tokens kept coming while A's chunks were on the NPU.
+    let b_tokens: Vec<u64> =
+        b.events.iter().filter(|(_, e)| matches!(e, Event::Tokens(..))).map(|(t, _)| *t).collect();
+    let inside = |t: u64| spans.iter().any(|&(s, e, _)| s <= t && t <= e);
+    let during = b_tokens.iter().filter(|&&t| inside(t)).count();
+    let (first, last) = (spans.iter().map(|s| s.0).min().unwrap_or(0), spans.iter().map(|s| s.1).max().unwrap_or(0));
+    eprintln!(
+        "a: {prompt_tokens} prompt tokens in {} NPU chunks from {first} to {last} ms ({} ms); b: {} token callbacks, {during} of them inside a's NPU chunks",
+        spans.len(),
+        last - first,
+        b_tokens.len()
+    );
+    for (s, e, n) in &spans {
+        let k = b_tokens.iter().filter(|&&t| *s <= t && t <= *e).count();
+        eprintln!("  npu chunk {n} tokens {s}..{e} ({} ms): b streamed {k} callbacks", e - s);
+    }
+    assert!(during >= 10, "b streamed only {during} token callbacks while a's prompt was on the NPU");
+    assert!(b_tokens.last().is_some_and(|&t| t > last), "b was still decoding after a's prefill");
+    // Both replies are what the engine gives in-process with the same NPU path.
+    assert_eq!(a.ids(), npu_reference(&long_prompt, 8), "a's reply");
+    assert_eq!(b.ids(), npu_reference(COUNTING, 1200), "b's reply");
+}
+
+#[test]
+fn without_a_usable_qnn_library_the_daemon_serves_on_the_cpu_and_status_says_why() {
+    let dir = std::env::temp_dir().join(format!("llmd-npu-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let not_elf = dir.join("libQnnHtp.so");
+    std::fs::write(&not_elf, b"not a shared library").expect("written");
+    // (config, set-up, what the NPU section says, the reason, the line logged once)
+    let cases: [(String, Option<&str>, &str, &str, &str); 3] = [
+        (
+            npu_config(&dir.join("missing/libQnnHtp.so")),
+            None,
+            "state unavailable",
+            "No such file",
+            "NPU unavailable",
+        ),
+        (npu_config(&not_elf), None, "state unavailable", "libQnnHtp.so", "NPU unavailable"),
+        // The emulator with a 1 MB memory cap: the graphs cannot be finalized (MEM_ALLOC).
+        (
+            npu_config(&common::emulator_library()),
+            Some("export LLMD_QNN_EMU_MEMORY_MB=1"),
+            "failed, on the CPU",
+            "MEM",
+            "NPU graphs not prepared",
+        ),
+    ];
+    let golden = golden_capital_ids(8);
+    for (config, setup, says, reason, logged) in cases {
+        let d = Daemon::start_after(&config, setup);
+        let conn = d.connect();
+        let npu = wait_npu(&conn, says);
+        eprintln!("{npu}");
+        assert!(npu.contains(reason), "the reason ({reason:?}) is shown:\n{npu}");
+        let o = run(&session(&conn), &greedy("The capital of France is", 8));
+        assert_eq!(o.error, None);
+        assert_eq!(o.ids, golden, "served on the CPU: the CPU's greedy tokens");
+        assert_eq!(npu_dump(&conn).matches("npu_job").count(), 0, "no NPU job");
+        assert_eq!(d.log().matches(logged).count(), 1, "the reason is logged once:\n{}", d.log());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
