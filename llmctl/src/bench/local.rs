@@ -69,13 +69,31 @@ fn figures_json(f: &Figures) -> serde_json::Map<String, Value> {
     o
 }
 
-fn ours_prefill(model: &Model, tokens: &[u32]) -> Result<f64, String> {
+/// Seconds to prefill `tokens`; on the NPU path (`npu`: its linear groups and chunk rows) also
+/// the modelled NPU seconds of its graphs (0 on a library that models none).
+fn ours_prefill(
+    model: &Model,
+    tokens: &[u32],
+    npu: Option<&(llmd_engine::prefill::NpuLinears<'static>, usize)>,
+) -> Result<(f64, f64), String> {
     let mut kv = model.transformer.new_kv();
+    let modelled_before = npu.map_or(0, |(l, _)| l.stats().1);
     let t0 = Instant::now();
-    for c in tokens.chunks(DEFAULT_PREFILL_CHUNK) {
-        model.transformer.forward(&mut kv, c, Logits::Last).map_err(|e| e.to_string())?;
+    match npu {
+        None => {
+            for c in tokens.chunks(DEFAULT_PREFILL_CHUNK) {
+                model.transformer.forward(&mut kv, c, Logits::Last).map_err(|e| e.to_string())?;
+            }
+        }
+        Some((l, chunk)) => {
+            for c in tokens.chunks(*chunk) {
+                model.transformer.forward_with(&mut kv, c, l, Logits::Last).map_err(|e| e.to_string())?;
+            }
+        }
     }
-    Ok(t0.elapsed().as_secs_f64())
+    let secs = t0.elapsed().as_secs_f64();
+    let modelled = npu.map_or(0, |(l, _)| l.stats().1) - modelled_before;
+    Ok((secs, modelled as f64 / 1e9))
 }
 
 fn ours_decode(model: &Model, prompt: &[u32], steps: &[u32]) -> Result<f64, String> {
@@ -134,6 +152,10 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     )
     .map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
+    let npu = match args.backend {
+        crate::npu::BackendChoice::Npu => Some(crate::npu::prepare(&model, &args.npu)?),
+        crate::npu::BackendChoice::Cpu => None,
+    };
     let c = model.config().clone();
     let longest = args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_prompt + args.decode_tokens);
     if longest > c.context_length {
@@ -178,13 +200,17 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let (dec, bat, gain) = (args.prefill.len(), args.prefill.len() + 1, args.prefill.len() + 2);
     let mut ours: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 3];
     let mut theirs: Vec<Vec<f64>> = vec![Vec::new(); args.prefill.len() + 3];
+    // On the NPU path: each prompt's modelled NPU milliseconds (the same every run).
+    let mut modelled_ms: Vec<f64> = vec![0.0; args.prefill.len()];
     for rep in 0..=reps {
         // Alternate which engine goes first, so neither always runs on a warmer machine.
         for side in if rep % 2 == 0 { [0, 1] } else { [1, 0] } {
             for (i, &n) in args.prefill.iter().enumerate() {
                 let toks = &ids[..n];
                 let secs = if side == 0 {
-                    Some(ours_prefill(&model, toks)?)
+                    let (s, m) = ours_prefill(&model, toks, npu.as_ref())?;
+                    modelled_ms[i] = m * 1e3;
+                    Some(s)
                 } else if let Some((p, _)) = peer.as_mut() {
                     Some(Peer::seconds(&p.call(json!({"op": "prefill", "tokens": toks}))?)?)
                 } else {
@@ -274,6 +300,12 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     if args.json {
         let mut o = figures_json(&mine);
         o.insert("threads".into(), json!(threads));
+        o.insert("backend".into(), json!(format!("{:?}", args.backend).to_lowercase()));
+        if npu.is_some() {
+            for (&n, m) in args.prefill.iter().zip(&modelled_ms) {
+                o.insert(format!("npu_modelled_prefill_{n}_ms"), json!(m));
+            }
+        }
         o.insert("weight_bytes_in_memory".into(), json!(model.transformer.weights.size_bytes()));
         o.insert("weight_bytes_per_token".into(), json!(weight_bytes_per_token));
         o.insert("macs_per_token".into(), json!(macs_per_token));
@@ -328,7 +360,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     };
     let row = |name: String, a: f64, b: Option<f64>, ceil: Option<f64>| row_digits(name, a, b, ceil, 1);
     for (i, &(n, v)) in mine.prefill.iter().enumerate() {
-        row(format!("prefill@{n} tok/s"), v, pf.as_ref().map(|f| f.prefill[i].1), Some(prefill_ceiling));
+        match npu {
+            // The CPU's int8 ceiling says nothing of a path through a QNN library.
+            Some(_) => row(format!("prefill@{n} tok/s npu"), v, pf.as_ref().map(|f| f.prefill[i].1), None),
+            None => row(format!("prefill@{n} tok/s"), v, pf.as_ref().map(|f| f.prefill[i].1), Some(prefill_ceiling)),
+        }
     }
     row(
         format!("decode tok/s ({}+{})", args.decode_prompt, args.decode_tokens),
@@ -343,6 +379,16 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     }
     row("peak RSS MB (model)".into(), mine.peak_rss_mb, pf.as_ref().map(|f| f.peak_rss_mb), None);
     row("VmHWM MB (process)".into(), mine.hwm_mb, pf.as_ref().map(|f| f.hwm_mb), None);
+    if let Some((l, chunk)) = &npu {
+        for (&n, m) in args.prefill.iter().zip(&modelled_ms) {
+            if *m > 0.0 {
+                crate::out!(
+                    "prefill@{n} on the NPU, modelled: {m:.1} ms of NPU graphs ({} graphs of {chunk} rows per chunk; the emulator's SoC model, not a measurement; the CPU's share is not in it)",
+                    l.graph_names().len()
+                );
+            }
+        }
+    }
     crate::out!(
         "ceilings: decode {:.0} tok/s = {:.1} GB/s (best read bandwidth over a buffer that size) / {:.1} MB of weights per token; \
          prefill {:.0} tok/s = {:.0} G int8 MAC/s ({}) / {:.1} M MAC per token",

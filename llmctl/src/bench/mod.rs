@@ -113,6 +113,14 @@ pub struct BenchArgs {
     /// output head) — compare resident memory and decode speed with and without.
     #[arg(long)]
     pub embeddings_on_flash: bool,
+    /// With --local: where prompts' linear layers run — cpu, or npu (W8A8 QNN graphs on the
+    /// library --qnn-lib names; decode stays on the CPU). With npu, prefill rows are the host's
+    /// time through the library (on the emulator: emulation, not a phone) and each prompt's
+    /// modelled NPU time for its graphs is printed beside them, labelled modelled.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: crate::npu::BackendChoice,
+    #[command(flatten)]
+    pub npu: crate::npu::NpuArgs,
     /// Python interpreter for --compare-llamacpp.
     #[arg(long, default_value = "python3", env = "LLMD_BENCH_PYTHON")]
     pub python: String,
