@@ -307,3 +307,22 @@ fn an_app_sees_only_its_own_sessions_in_status() {
     let other = status_as(Some("65534"));
     assert!(other.contains("sessions_open 0") && other.contains("kv_cache_bytes 0"), "{other}");
 }
+
+#[test]
+fn status_says_why_the_npu_is_not_used_and_the_daemon_serves_on_the_cpu() {
+    let missing = std::env::temp_dir().join(format!("llmd-no-qnn-{}/libQnnHtp.so", std::process::id()));
+    let d = Daemon::start(&format!("backend = \"npu\"\n[npu]\nlibrary = {:?}\n", missing.display().to_string()));
+    let out = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+        .args(["--socket", d.socket.to_str().expect("path"), "status"])
+        .output()
+        .expect("llmctl status runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let npu = text.lines().skip_while(|l| *l != "NPU").take(2).collect::<Vec<_>>().join("\n");
+    assert!(
+        npu.contains("state unavailable: prompts run on the CPU") && npu.contains(&missing.display().to_string()),
+        "llmctl status names the NPU's state and why:\n{text}"
+    );
+    let conn = d.connect();
+    assert_eq!(run_ids(&session(&conn), &greedy("The capital of France is", 4)), golden_capital_ids(4));
+}
