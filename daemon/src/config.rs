@@ -483,4 +483,20 @@ mod tests {
                 .expect("parses");
         assert!(both.validate().is_err());
     }
+
+    #[test]
+    fn the_npu_keys_parse_and_bad_values_are_refused() {
+        let parse = |extra: &str| -> Config {
+            toml::from_str(&format!("models = [\"m.gguf\"]\n{extra}")).expect("parses")
+        };
+        let c = parse("backend = \"npu\"\n[npu]\nlibrary = \"/vendor/lib64/libQnnHtp.so\"\nchunk = 128\n");
+        assert_eq!(c.backend, PrefillBackend::Npu);
+        assert_eq!((c.npu.chunk, c.npu.soc, c.npu.output_bits), (128, 57, 16));
+        c.validate().expect("valid");
+        assert_eq!(parse("").backend, PrefillBackend::Cpu, "the CPU unless asked");
+        for bad in ["[npu]\nchunk = 0\n", "[npu]\nchunk = 4097\n", "[npu]\noutput_bits = 12\n"] {
+            assert!(matches!(parse(bad).validate(), Err(ConfigError::Invalid(_))), "{bad}");
+        }
+        assert!(toml::from_str::<Config>("backend = \"gpu\"\n").is_err(), "an unknown backend is a parse error");
+    }
 }

@@ -23,7 +23,8 @@
 //! 7. `policy` (pure rules, clock injected), then the leaves: `error` (the one error → code
 //!    map), `config`, `permission`, `residency`, `integrity` (model files against their
 //!    fingerprints), `models`, `connections` (the socket's accept loop and its per-uid
-//!    connection caps).
+//!    connection caps), `npu` (the `llmd-npu` thread: the QNN library, each resident model's
+//!    graphs, the prompt chunks the worker hands it).
 //!
 //! Above them all, `fuzzing` holds the fuzz targets' bodies (`fuzz/`, and the replay of their
 //! corpora in `daemon/tests/fuzz_replay.rs`): parcels into the generated AIDL stubs with the
