@@ -163,6 +163,8 @@ pub const DEFAULT_SOC: u32 = 57;
 /// address space; the rest is the runtime's own).
 pub const DEFAULT_MEMORY_CAP: u64 = 3584 << 20;
 
+const MIB: f64 = (1u64 << 20) as f64;
+
 /// The environment variable that sets the memory cap, in MiB.
 pub const MEMORY_ENV: &str = "LLMD_QNN_EMU_MEMORY_MB";
 
@@ -519,10 +521,10 @@ pub fn graph_finalize(graph: u64) -> Result<(), EmuError> {
             return err(
                 code::MEM_ALLOC,
                 format!(
-                    "the graph needs {} MiB; {} of the NPU's {} MiB are held already ({MEMORY_ENV})",
-                    bytes >> 20,
-                    b.used >> 20,
-                    b.cap >> 20
+                    "the graph needs {:.2} MiB; {:.2} of the NPU's {:.2} MiB are held already ({MEMORY_ENV})",
+                    bytes as f64 / MIB,
+                    b.used as f64 / MIB,
+                    b.cap as f64 / MIB
                 ),
             );
         }
