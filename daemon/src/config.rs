@@ -486,9 +486,8 @@ mod tests {
 
     #[test]
     fn the_npu_keys_parse_and_bad_values_are_refused() {
-        let parse = |extra: &str| -> Config {
-            toml::from_str(&format!("models = [\"m.gguf\"]\n{extra}")).expect("parses")
-        };
+        let parse =
+            |extra: &str| -> Config { toml::from_str(&format!("models = [\"m.gguf\"]\n{extra}")).expect("parses") };
         let c = parse("backend = \"npu\"\n[npu]\nlibrary = \"/vendor/lib64/libQnnHtp.so\"\nchunk = 128\n");
         assert_eq!(c.backend, PrefillBackend::Npu);
         assert_eq!((c.npu.chunk, c.npu.soc, c.npu.output_bits), (128, 57, 16));

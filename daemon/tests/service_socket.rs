@@ -1196,8 +1196,7 @@ fn one_client_prefills_on_the_npu_while_another_decodes_on_the_cpu() {
     assert_eq!(spans.iter().map(|s| s.2).sum::<usize>(), prompt_tokens, "all of a's prompt on the NPU:\n{npu}");
     assert_eq!(spans.len(), prompt_tokens.div_ceil(NPU_CHUNK), "in chunks of {NPU_CHUNK}:\n{npu}");
     // B's tokens kept coming while A's chunks were on the NPU.
-    let b_tokens: Vec<u64> =
-        b.events.iter().filter(|(_, e)| matches!(e, Event::Tokens(..))).map(|(t, _)| *t).collect();
+    let b_tokens: Vec<u64> = b.events.iter().filter(|(_, e)| matches!(e, Event::Tokens(..))).map(|(t, _)| *t).collect();
     let inside = |t: u64| spans.iter().any(|&(s, e, _)| s <= t && t <= e);
     let during = b_tokens.iter().filter(|&&t| inside(t)).count();
     let (first, last) = (spans.iter().map(|s| s.0).min().unwrap_or(0), spans.iter().map(|s| s.1).max().unwrap_or(0));
@@ -1226,13 +1225,7 @@ fn without_a_usable_qnn_library_the_daemon_serves_on_the_cpu_and_status_says_why
     std::fs::write(&not_elf, b"not a shared library").expect("written");
     // (config, set-up, what the NPU section says, the reason, the line logged once)
     let cases: [(String, Option<&str>, &str, &str, &str); 3] = [
-        (
-            npu_config(&dir.join("missing/libQnnHtp.so")),
-            None,
-            "state unavailable",
-            "No such file",
-            "NPU unavailable",
-        ),
+        (npu_config(&dir.join("missing/libQnnHtp.so")), None, "state unavailable", "No such file", "NPU unavailable"),
         (npu_config(&not_elf), None, "state unavailable", "libQnnHtp.so", "NPU unavailable"),
         // The emulator with a 1 MB memory cap: the graphs cannot be finalized (MEM_ALLOC).
         (

@@ -127,7 +127,10 @@ pub fn path_for(dir: &Path, key: &CacheKey) -> Result<PathBuf, NpuError> {
 /// Reads a cache file: its header if the key matches and the CRC holds, the file's bytes, and
 /// where the binary starts and ends in them.
 fn read(path: &Path, key: &CacheKey) -> Result<(Header, Vec<u8>, std::ops::Range<usize>), String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("no cache file ({e})"))?;
+    let bytes = std::fs::read(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => "no cache file yet".to_owned(),
+        _ => format!("the cache file could not be read ({e})"),
+    })?;
     if bytes.len() < 8 + 4 + 4 + 4 || &bytes[..8] != MAGIC {
         return Err("not an NPU cache file".into());
     }
