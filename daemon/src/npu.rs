@@ -346,7 +346,9 @@ struct Resident<'b> {
 fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
     let unavailable = |reason: String| {
         tracing::warn!("NPU unavailable, prompts run on the CPU: {reason}");
-        lock(status).state = State::Unavailable { reason };
+        let mut s = lock(status);
+        s.state = State::Unavailable { reason };
+        s.models.clear();
     };
     let path = &settings.library;
     let lib = match qnn_sys::Library::open(path) {

@@ -380,7 +380,8 @@ impl<E: Engine> Worker<E> {
     /// goes into its request's generation, which is planned again from the next pass.
     fn take_offloaded(&mut self, wait: Duration) {
         for (id, done) in self.engine.offloaded(wait) {
-            let Some(r) = self.active.get_mut(&id) else { continue };
+            // (A job the accelerator never took reports too: it is not this request's.)
+            let Some(r) = self.active.get_mut(&id).filter(|r| r.offloaded) else { continue };
             r.offloaded = false;
             match self.engine.accept_offloaded(&r.job.turn, &mut r.seq, done) {
                 Ok(n) => self.admission.charge(r.job.uid, n),
