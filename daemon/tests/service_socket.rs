@@ -1224,9 +1224,17 @@ fn without_a_usable_qnn_library_the_daemon_serves_on_the_cpu_and_status_says_why
     let not_elf = dir.join("libQnnHtp.so");
     std::fs::write(&not_elf, b"not a shared library").expect("written");
     // (config, set-up, what the NPU section says, the reason, the line logged once)
-    let cases: [(String, Option<&str>, &str, &str, &str); 3] = [
+    let cases: [(String, Option<&str>, &str, &str, &str); 4] = [
         (npu_config(&dir.join("missing/libQnnHtp.so")), None, "state unavailable", "No such file", "NPU unavailable"),
         (npu_config(&not_elf), None, "state unavailable", "libQnnHtp.so", "NPU unavailable"),
+        // The emulator announcing the core API of an SDK older than qnn-sys's table.
+        (
+            npu_config(&common::emulator_library()),
+            Some("export LLMD_QNN_EMU_CORE_API=2.20"),
+            "state unavailable",
+            "core API 2.20.0",
+            "NPU unavailable",
+        ),
         // The emulator with a 1 MB memory cap: the graphs cannot be finalized (MEM_ALLOC).
         (
             npu_config(&common::emulator_library()),

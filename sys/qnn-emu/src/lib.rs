@@ -37,6 +37,28 @@ use std::sync::{Mutex, OnceLock};
 pub const PROVIDER_NAME: &CStr = c"LLMD_HTP_EMULATOR";
 /// The core API version whose table the provider fills.
 pub const CORE_API: Version = Version { major: 2, minor: 27, patch: 0 };
+/// Environment variable: the core API version the provider announces instead of
+/// [`CORE_API`] ("MAJOR.MINOR[.PATCH]"; its table stays 2.27's), to check that a client refuses
+/// a library of an SDK older than it supports, as Qualcomm's of that SDK would announce.
+pub const CORE_API_ENV: &str = "LLMD_QNN_EMU_CORE_API";
+
+/// The core API version announced: [`CORE_API`] unless [`CORE_API_ENV`] names a valid one.
+fn announced_core_api() -> Version {
+    static V: OnceLock<Version> = OnceLock::new();
+    *V.get_or_init(|| std::env::var(CORE_API_ENV).ok().and_then(|v| parse_version(&v)).unwrap_or(CORE_API))
+}
+
+/// "2.20" or "2.20.1" as a version.
+pub fn parse_version(v: &str) -> Option<Version> {
+    let mut parts = v.trim().split('.').map(|p| p.parse::<u32>().ok());
+    let (major, minor) = (parts.next()??, parts.next()??);
+    let patch = match parts.next() {
+        Some(p) => p?,
+        None => 0,
+    };
+    parts.next().is_none().then_some(Version { major, minor, patch })
+}
+
 /// The emulator's own "backend API" version.
 pub const BACKEND_API: Version = Version { major: 0, minor: 1, patch: 0 };
 
@@ -83,7 +105,7 @@ fn provider() -> &'static Provider {
                 head: InterfaceHead {
                     backend_id: BACKEND_ID_HTP,
                     provider_name: PROVIDER_NAME.as_ptr(),
-                    api_version: ApiVersion { core: CORE_API, backend: BACKEND_API },
+                    api_version: ApiVersion { core: announced_core_api(), backend: BACKEND_API },
                 },
                 table,
             },
@@ -217,7 +239,7 @@ unsafe extern "C" fn backend_get_api_version(version: *mut ApiVersion) -> ErrorH
         return emu::code::INVALID_ARGUMENT;
     }
     // SAFETY: checked non-null; the caller passes it for a write.
-    unsafe { *version = ApiVersion { core: CORE_API, backend: BACKEND_API } };
+    unsafe { *version = ApiVersion { core: announced_core_api(), backend: BACKEND_API } };
     QNN_SUCCESS
 }
 

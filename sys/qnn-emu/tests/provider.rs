@@ -109,3 +109,14 @@ fn each_execution_is_charged_its_modelled_duration() {
     let want = llmd_qnn_emu::emu::cost::launch_ns(SM8650) + llmd_qnn_emu::emu::cost::fc_ns(SM8650, 32, 256, 512);
     assert_eq!(lib.modelled_ns(&g), Some((want, 2 * want)));
 }
+
+#[test]
+fn an_announced_core_api_version_parses_only_when_well_formed() {
+    use llmd_qnn_emu::parse_version;
+    use qnn_sys::Version;
+    assert_eq!(parse_version("2.20"), Some(Version { major: 2, minor: 20, patch: 0 }));
+    assert_eq!(parse_version(" 2.40.1 "), Some(Version { major: 2, minor: 40, patch: 1 }));
+    for bad in ["", "2", "2.", "2.x", "2.20.1.0", "-1.2"] {
+        assert_eq!(parse_version(bad), None, "{bad:?}");
+    }
+}
