@@ -1210,6 +1210,22 @@ fn one_client_prefills_on_the_npu_while_another_decodes_on_the_cpu() {
         let k = b_tokens.iter().filter(|&&t| *s <= t && t <= *e).count();
         eprintln!("  npu chunk {n} tokens {s}..{e} ({} ms): b streamed {k} callbacks", e - s);
     }
+    // B's decode rate while A's chunks were on the NPU and while they were not (on this host
+    // the emulator computes on the same two cores; on a phone the NPU's share would not).
+    let b_ids: Vec<(u64, usize)> = b
+        .events
+        .iter()
+        .filter_map(|(t, e)| if let Event::Tokens(_, i) = e { Some((*t, i.len())) } else { None })
+        .collect();
+    let (b0, b1) = (b_ids.first().map_or(0, |x| x.0), b_ids.last().map_or(0, |x| x.0));
+    let in_spans: u64 = spans.iter().map(|&(s, e, _)| e - s).sum();
+    let tok_in: usize = b_ids.iter().filter(|x| inside(x.0)).map(|x| x.1).sum();
+    let tok_out: usize = b_ids.iter().filter(|x| !inside(x.0)).map(|x| x.1).sum();
+    eprintln!(
+        "  b decoded {:.0} tok/s during a's NPU chunks, {:.0} tok/s the rest of its reply",
+        tok_in as f64 * 1e3 / in_spans.max(1) as f64,
+        tok_out as f64 * 1e3 / (b1 - b0).saturating_sub(in_spans).max(1) as f64
+    );
     assert!(during >= 10, "b streamed only {during} token callbacks while a's prompt was on the NPU");
     assert!(b_tokens.last().is_some_and(|&t| t > last), "b was still decoding after a's prefill");
     // Both replies are what the engine gives in-process with the same NPU path.
