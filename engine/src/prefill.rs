@@ -258,6 +258,11 @@ impl<'c> NpuLinears<'c> {
                 Err(_) => return Err(NpuError::Quantization("four groups per layer".into())),
             }
         }
+        // The host's int8 weights are gone into the graphs, and calibration's passes and the
+        // context binary were freed before: give their pages back (the daemon's RSS with the
+        // graphs ready: 250 MB with this, 361–369 MB without, 140 MB on the CPU alone; the
+        // emulator holds the 106 MB of int8 weights).
+        llmd_alloc_sys::release_free_memory();
         Ok(Self { chunk, layers, lib, executions: AtomicU64::new(0), modelled_ns: AtomicU64::new(0) })
     }
 
