@@ -51,8 +51,8 @@ pub enum PrefillBackend {
 #[serde(deny_unknown_fields, default)]
 pub struct NpuConfig {
     /// The QNN backend library. Default: on Android the system's `libQnnHtp.so`; elsewhere
-    /// llmd's emulator provider, `libllmd_qnn_emu.so` beside the llmd binary. `LLMD_QNN_LIB`
-    /// overrides both.
+    /// llmd's emulator provider, `libllmd_qnn_emu.so` beside the llmd binary. `llmd --qnn-lib`
+    /// and then `LLMD_QNN_LIB` override it.
     pub library: Option<PathBuf>,
     /// The chip graphs are built for (QNN's SoC model: 57 = Snapdragon 8 Gen 3).
     pub soc: u32,

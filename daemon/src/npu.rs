@@ -45,12 +45,22 @@ self_cell::self_cell!(
 );
 
 /// Work for the NPU thread: called with the model's graphs, or with why there are none (the
-/// model was dropped, or its graphs failed).
-pub type Job = Box<dyn FnOnce(Result<&dyn Linears, String>) + Send>;
+/// model was dropped, or its graphs failed); returns whether it succeeded (for `dump`).
+pub type Job = Box<dyn FnOnce(Result<&dyn Linears, String>) -> bool + Send>;
 
 enum Msg {
-    Prepare { key: usize, model: Weak<Model> },
-    Run { key: usize, job: Job },
+    Prepare {
+        key: usize,
+        model: Weak<Model>,
+    },
+    Run {
+        key: usize,
+        job: Job,
+    },
+    /// A model's graphs failed: let them go.
+    Forget {
+        key: usize,
+    },
 }
 
 /// What the NPU is doing.
@@ -101,6 +111,8 @@ pub struct JobSpan {
 #[derive(Debug)]
 struct Status {
     state: State,
+    /// The thread is preparing a model's graphs: a job now would wait for that.
+    preparing: bool,
     models: Vec<ModelEntry>,
     jobs: u64,
     tokens: u64,
@@ -151,17 +163,14 @@ impl Npu {
     }
 
     /// The NPU the config asks for: off with `backend = "cpu"`, else started over `[npu]`'s
-    /// library (`LLMD_QNN_LIB` overrides it; see [`default_library`]).
+    /// library (see [`default_library`] when it names none; `llmd` puts `--qnn-lib` or
+    /// `LLMD_QNN_LIB` there).
     pub fn from_config(config: &crate::config::Config) -> Arc<Self> {
         if config.backend != crate::config::PrefillBackend::Npu {
             return Self::off();
         }
         let n = &config.npu;
-        let library = std::env::var_os("LLMD_QNN_LIB")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-            .or_else(|| n.library.clone())
-            .unwrap_or_else(default_library);
+        let library = n.library.clone().unwrap_or_else(default_library);
         let cache_dir = n.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("npu")));
         Self::start(Settings {
             library,
@@ -224,12 +233,13 @@ impl Npu {
         let _ = lock(tx).send(Msg::Prepare { key, model: Arc::downgrade(model) });
     }
 
-    /// The rows of a job for `model` when its graphs are ready (a chunk of at most this many
-    /// prompt tokens), else None.
+    /// The rows of a job for `model` when its graphs are ready and the thread is not busy
+    /// preparing another model's (a chunk of at most this many prompt tokens), else None.
     pub fn ready(&self, model: &Arc<Model>) -> Option<usize> {
         let key = Arc::as_ptr(model) as usize;
         let s = self.status();
         let ready = matches!(s.state, State::Serving { .. })
+            && !s.preparing
             && s.models
                 .iter()
                 .any(|m| m.key == key && m.model.strong_count() > 0 && matches!(m.graphs, GraphState::Ready { .. }));
@@ -244,8 +254,7 @@ impl Npu {
         let status = self.status.clone();
         let timed: Job = Box::new(move |graphs| {
             let (start, t0) = (SystemTime::now(), Instant::now());
-            let ok = graphs.is_ok();
-            job(graphs);
+            let ok = job(graphs);
             let mut s = lock(&status);
             s.jobs += 1;
             s.tokens += tokens as u64;
@@ -260,22 +269,29 @@ impl Npu {
                 end_ms: unix_ms(SystemTime::now()),
                 ok,
             });
+            ok
         });
         lock(tx).send(Msg::Run { key, job: timed }).map_err(|e| match e.0 {
             Msg::Run { job, .. } => job,
-            Msg::Prepare { .. } => unreachable!("a Run was sent"),
+            _ => unreachable!("a Run was sent"),
         })
     }
 
-    /// Marks `model`'s graphs failed (a job on them failed): its prompts go back to the CPU.
+    /// Marks `model`'s graphs failed (a job on them failed): its prompts go back to the CPU,
+    /// and the NPU thread lets the graphs go.
     pub fn fail(&self, model: &Arc<Model>, reason: &str) {
         let key = Arc::as_ptr(model) as usize;
-        let mut s = self.status();
-        for m in s.models.iter_mut().filter(|m| m.key == key) {
-            if !matches!(m.graphs, GraphState::Failed { .. }) {
-                tracing::warn!(model = %m.name, "NPU graphs failed, its prompts run on the CPU: {reason}");
-                m.graphs = GraphState::Failed { reason: reason.to_owned() };
+        {
+            let mut s = self.status();
+            for m in s.models.iter_mut().filter(|m| m.key == key) {
+                if !matches!(m.graphs, GraphState::Failed { .. }) {
+                    tracing::warn!(model = %m.name, "NPU graphs failed, its prompts run on the CPU: {reason}");
+                    m.graphs = GraphState::Failed { reason: reason.to_owned() };
+                }
             }
+        }
+        if let Some(tx) = &self.tx {
+            let _ = lock(tx).send(Msg::Forget { key });
         }
     }
 
@@ -326,7 +342,15 @@ impl Npu {
 
 impl Status {
     fn new(state: State) -> Self {
-        Self { state, models: Vec::new(), jobs: 0, tokens: 0, busy: Duration::ZERO, recent: VecDeque::new() }
+        Self {
+            state,
+            preparing: false,
+            models: Vec::new(),
+            jobs: 0,
+            tokens: 0,
+            busy: Duration::ZERO,
+            recent: VecDeque::new(),
+        }
     }
 }
 
@@ -341,9 +365,25 @@ struct Resident<'b> {
     graphs: Graphs<'b>,
 }
 
+/// Marks the NPU unavailable if its thread ends while serving (a panic outside a job): every
+/// model's prompts then run on the CPU instead of waiting for a thread that is gone.
+struct ExitGuard<'a>(&'a Mutex<Status>);
+
+impl Drop for ExitGuard<'_> {
+    fn drop(&mut self) {
+        let mut s = lock(self.0);
+        if std::thread::panicking() && matches!(s.state, State::Serving { .. } | State::Starting) {
+            tracing::error!("the NPU thread stopped: prompts run on the CPU");
+            s.state = State::Unavailable { reason: "the NPU thread stopped".into() };
+            s.models.clear();
+        }
+    }
+}
+
 /// The NPU thread: opens the library and its backend, then serves messages until the daemon
 /// drops its handle.
 fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
+    let _guard = ExitGuard(status);
     let unavailable = |reason: String| {
         tracing::warn!("NPU unavailable, prompts run on the CPU: {reason}");
         let mut s = lock(status);
@@ -393,8 +433,12 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                     continue;
                 }
                 let t = Instant::now();
-                let outcome = prepare(&lib, &backend, &settings, &m);
+                lock(status).preparing = true;
+                let outcome =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prepare(&lib, &backend, &settings, &m)))
+                        .unwrap_or_else(|_| Err("preparing the graphs panicked".into()));
                 let mut s = lock(status);
+                s.preparing = false;
                 let entry = s.models.iter_mut().find(|e| e.key == key && e.model.ptr_eq(&model));
                 match outcome {
                     Ok((graphs, how)) => {
@@ -413,6 +457,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                     }
                 }
             }
+            Some(Msg::Forget { key }) => resident.retain(|r| r.key != key),
             Some(Msg::Run { key, job }) => {
                 let r = resident.iter().find(|r| r.key == key && r.model.strong_count() > 0);
                 // A job that panics loses only itself (its own guard reports it).

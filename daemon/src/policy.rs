@@ -146,6 +146,15 @@ impl Policy {
 
     /// Chooses the next pass over `entries` (the requests ready to run).
     pub fn plan(&mut self, now_ms: u64, entries: &[Entry]) -> Plan {
+        self.plan_beside(now_ms, entries, false)
+    }
+
+    /// [`Self::plan`] while an accelerator reads a prompt of another request: when that one is
+    /// foreground (`foreground_elsewhere`), the pass is planned as if it carried that prompt —
+    /// only foreground decode steps and prompts — since the accelerator's chunk also needs the
+    /// CPU (llm.npu's norms and attention) and a foreground prompt's time to first token is
+    /// what a foreground pass protects.
+    pub fn plan_beside(&mut self, now_ms: u64, entries: &[Entry], foreground_elsewhere: bool) -> Plan {
         if entries.is_empty() {
             return Plan::default();
         }
@@ -158,10 +167,11 @@ impl Policy {
         let best_prompt = entries
             .iter()
             .filter(|e| e.prefill_left > 0)
+            .filter(|e| !foreground_elsewhere || e.class == Class::Foreground)
             .min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal));
         // A foreground prompt's pass carries only foreground decode steps: its time to first
         // token is then what it would be on an idle daemon, plus at most the pass in flight.
-        let fg_prompt = best_prompt.is_some_and(|e| e.class == Class::Foreground);
+        let fg_prompt = best_prompt.is_some_and(|e| e.class == Class::Foreground) || foreground_elsewhere;
         if fg_prompt {
             decoders.retain(|e| self.effective_class(e, now_ms) == Class::Foreground);
         }
@@ -213,14 +223,15 @@ impl Policy {
         }
     }
 
-    /// The prompt among `entries` that a pass would read first (rank, class, fair share,
-    /// arrival: the order [`Self::plan`] uses) — the one an accelerator takes when it is idle.
-    pub fn best_prompt(&mut self, now_ms: u64, entries: &[Entry]) -> Option<u64> {
+    /// The prompt among `entries` for which `eligible` holds that a pass would read first
+    /// (rank, class, fair share, arrival: the order [`Self::plan`] uses) — the one an
+    /// accelerator takes when it is idle. Uids join the fair share over all of `entries`.
+    pub fn best_prompt(&mut self, now_ms: u64, entries: &[Entry], eligible: impl Fn(&Entry) -> bool) -> Option<u64> {
         self.join_uids(entries);
         let key = |e: &Entry| (self.rank(e, now_ms), e.class, self.vtime[&e.uid], e.arrived_ms, e.id);
         entries
             .iter()
-            .filter(|e| e.prefill_left > 0)
+            .filter(|e| e.prefill_left > 0 && eligible(e))
             .min_by(|a, b| key(a).partial_cmp(&key(b)).unwrap_or(std::cmp::Ordering::Equal))
             .map(|e| e.id)
     }
@@ -369,6 +380,21 @@ mod tests {
 
     fn entry(id: u64, uid: u32, class: Class, at: u64, prefill_left: usize) -> Entry {
         Entry { id, uid, class, arrived_ms: at, last_served_ms: at, prefill_left }
+    }
+
+    #[test]
+    fn a_prompt_chosen_for_an_accelerator_joins_the_fair_share_at_the_active_minimum() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let decoding = entry(1, 10, Class::Foreground, 0, 0);
+        p.plan(0, std::slice::from_ref(&decoding));
+        p.charge(10, 100);
+        let prompt = entry(2, 20, Class::Foreground, 5, 50);
+        assert_eq!(p.best_prompt(5, &[decoding, prompt], |e| e.id == 2), Some(2));
+        assert_eq!(
+            p.vtimes(),
+            vec![(10, 100.0), (20, 100.0)],
+            "the new uid starts where the active ones are, not at 0"
+        );
     }
 
     /// Runs passes of `ms_per_pass` simulated milliseconds, serving and charging as the worker

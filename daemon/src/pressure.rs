@@ -103,7 +103,9 @@ impl Pressure {
                 let me = shared.clone();
                 std::thread::spawn(move || {
                     for id in back {
-                        let _ = me.residency.acquire(&id, "back after memory pressure", me.kv_bytes());
+                        if let Ok(m) = me.residency.acquire(&id, "back after memory pressure", me.kv_bytes()) {
+                            me.npu.prepare(&m);
+                        }
                     }
                 });
                 return;
@@ -130,8 +132,9 @@ impl Pressure {
                     let me = shared.clone();
                     std::thread::spawn(move || {
                         let why = format!("predicted for hour {hour}");
-                        if let Err(e) = me.residency.acquire(&id, &why, me.kv_bytes()) {
-                            me.residency.event(format!("prefetch of {id} failed: {e}"));
+                        match me.residency.acquire(&id, &why, me.kv_bytes()) {
+                            Ok(m) => me.npu.prepare(&m),
+                            Err(e) => me.residency.event(format!("prefetch of {id} failed: {e}")),
                         }
                     });
                 }

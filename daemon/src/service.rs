@@ -233,7 +233,9 @@ impl LlmAdmin {
     fn prefetch(&self, model_id: &str) -> Result<(), ServiceError> {
         self.shared.probe(model_id)?;
         // Loads it now (or waits for a load under way); not recorded as a use.
-        self.shared.residency.acquire(model_id, "prefetch (admin)", self.shared.kv_bytes()).map(|_| ())
+        let m = self.shared.residency.acquire(model_id, "prefetch (admin)", self.shared.kv_bytes())?;
+        self.shared.npu.prepare(&m);
+        Ok(())
     }
 }
 

@@ -71,6 +71,7 @@ impl Daemon {
                 socket.to_str().expect("path"),
             ])
             .args(["--kernel-binder", "off", "--threads", "2"])
+            .env_remove("LLMD_QNN_LIB")
             .env("LLMD_LOG", std::env::var("TEST_LLMD_LOG").unwrap_or("warn".into()))
             .stdin(Stdio::null())
             .stderr(std::fs::File::create(dir.join("llmd.log")).expect("log file"))
@@ -1242,7 +1243,7 @@ fn without_a_usable_qnn_library_the_daemon_serves_on_the_cpu_and_status_says_why
     // (config, set-up, what the NPU section says, the reason, the line logged once)
     let cases: [(String, Option<&str>, &str, &str, &str); 4] = [
         (npu_config(&dir.join("missing/libQnnHtp.so")), None, "state unavailable", "No such file", "NPU unavailable"),
-        (npu_config(&not_elf), None, "state unavailable", "libQnnHtp.so", "NPU unavailable"),
+        (npu_config(&not_elf), None, "state unavailable", "did not load", "NPU unavailable"),
         // The emulator announcing the core API of an SDK older than qnn-sys's table.
         (
             npu_config(&common::emulator_library()),
@@ -1274,4 +1275,44 @@ fn without_a_usable_qnn_library_the_daemon_serves_on_the_cpu_and_status_says_why
         assert_eq!(d.log().matches(logged).count(), 1, "the reason is logged once:\n{}", d.log());
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Longest a cancel may take to land while the request's chunk is on the NPU: the chunk stops
+/// before its next graph (one group of one layer: ~5–90 ms on the emulator here), against
+/// ~3.5 s for the whole 256-row chunk; the bound leaves room for a loaded machine.
+const NPU_CANCEL_BOUND: Duration = Duration::from_millis(1500);
+
+#[test]
+fn a_cancel_withdraws_a_chunk_from_the_npu_and_the_session_goes_on() {
+    let d = Daemon::start(&format!(
+        "backend = \"npu\"\n[npu]\nlibrary = {:?}\nchunk = 256\n",
+        common::emulator_library().display().to_string()
+    ));
+    let conn = d.connect();
+    wait_npu(&conn, "ready:");
+    let s = session(&conn);
+    let (cb, _tx, rx) = client::callback();
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(12);
+    let id = s.generate(&greedy(&prompt, 8), &cb).expect("queued");
+    // Let the chunk get under way on the NPU (it takes seconds on the emulator).
+    std::thread::sleep(Duration::from_millis(800));
+    let t = Instant::now();
+    s.cancel(id).expect("cancel accepted");
+    let (end, after) = until_the_end(&rx);
+    let took = t.elapsed();
+    eprintln!("the cancel landed {} ms after it was sent", took.as_millis());
+    assert_eq!((end, after), (ErrorCode::CANCELLED, 0));
+    assert!(took < NPU_CANCEL_BOUND, "the cancel took {took:?}: it waited for the whole chunk");
+    let npu = npu_dump(&conn);
+    assert!(npu.contains(&format!("npu_job request={id} ")), "the chunk was on the NPU:\n{npu}");
+    assert!(npu.contains("ready:"), "a withdrawn chunk does not fail the model's graphs:\n{npu}");
+    let status = conn.service.getStatus().expect("status");
+    assert_eq!(status.requestsRunning + status.requestsQueued, 0);
+    // The session's cache was cut back: the next turn (on the NPU too) is the model's reply
+    // to it alone, as the engine gives it in-process.
+    assert_eq!(
+        run(&s, &greedy("The capital of France is", 4)).ids,
+        npu_reference("The capital of France is", 4),
+        "the next turn after the withdrawn chunk"
+    );
 }

@@ -51,6 +51,7 @@ impl Daemon {
                 socket.to_str().expect("path"),
             ])
             .args(["--kernel-binder", "off", "--threads", "2"])
+            .env_remove("LLMD_QNN_LIB")
             .env("LLMD_LOG", "warn")
             .stdin(Stdio::null())
             .spawn()
@@ -320,7 +321,10 @@ fn status_says_why_the_npu_is_not_used_and_the_daemon_serves_on_the_cpu() {
     assert!(out.status.success(), "{text}");
     let npu = text.lines().skip_while(|l| *l != "NPU").take(2).collect::<Vec<_>>().join("\n");
     assert!(
-        npu.contains("state unavailable: prompts run on the CPU") && npu.contains(&missing.display().to_string()),
+        npu.contains("state unavailable: prompts run on the CPU")
+            && npu.contains(&missing.display().to_string())
+            && npu.contains("did not load")
+            && npu.contains("No such file"),
         "llmctl status names the NPU's state and why:\n{text}"
     );
     let conn = d.connect();

@@ -42,8 +42,8 @@ struct Args {
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
     /// The QNN backend library for `--backend npu` (Qualcomm's libQnnHtp.so, or llmd's
-    /// emulator provider, the default off Android: libllmd_qnn_emu.so beside llmd); overrides
-    /// `npu.library`. `LLMD_QNN_LIB` overrides both.
+    /// emulator provider, the default off Android: libllmd_qnn_emu.so beside llmd). Without it,
+    /// `LLMD_QNN_LIB`, then the config's `npu.library`.
     #[arg(long, value_name = "PATH")]
     qnn_lib: Option<PathBuf>,
 }
@@ -102,7 +102,10 @@ fn run(args: Args) -> Result<(), String> {
             BackendArg::Npu => llmd_daemon::config::PrefillBackend::Npu,
         };
     }
-    if let Some(l) = args.qnn_lib {
+    // The QNN library: --qnn-lib, else LLMD_QNN_LIB, else the config's, else the default.
+    if let Some(l) =
+        args.qnn_lib.or_else(|| std::env::var_os("LLMD_QNN_LIB").filter(|v| !v.is_empty()).map(PathBuf::from))
+    {
         config.npu.library = Some(l);
     }
     config.validate().map_err(|e| e.to_string())?;

@@ -7,8 +7,10 @@ use super::{forward_batch, SessionCore, SessionInner, TurnInput};
 use crate::error::ServiceError;
 use crate::npu::Npu;
 use crate::scheduler::{Engine, Fed};
+use llmd_engine::backend::blocks::Linears;
 use llmd_engine::generate::{GenerateRequest, Generation, GenerationStats, StepOutput};
 use llmd_engine::Model;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,11 +36,22 @@ pub struct Started {
     context: Vec<u32>,
 }
 
-/// A prompt chunk back from the NPU: how many tokens, and the logits after the last (or why
-/// the NPU could not run it; the cache is then as before).
+/// How an NPU chunk ended.
+enum ChunkOutcome {
+    /// The logits after its last token.
+    Logits(Vec<f32>),
+    /// Withdrawn (its request ended meanwhile): stopped at a graph, or never started.
+    Withdrawn,
+    /// The NPU could not run it: why.
+    Failed(String),
+}
+
+/// A prompt chunk back from the NPU: how many tokens, the cache's length before it (where a
+/// chunk that did not complete leaves it), and how it ended.
 pub struct NpuChunk {
     tokens: usize,
-    logits: Result<Vec<f32>, String>,
+    before: usize,
+    outcome: ChunkOutcome,
 }
 
 /// A request's chunk back from the NPU.
@@ -49,20 +62,43 @@ type Finished = (u64, NpuChunk);
 struct Reply {
     id: u64,
     tokens: usize,
+    before: usize,
     tx: Option<Sender<Finished>>,
 }
 
 impl Reply {
-    fn send(&mut self, logits: Result<Vec<f32>, String>) {
+    fn send(&mut self, outcome: ChunkOutcome) {
         if let Some(tx) = self.tx.take() {
-            let _ = tx.send((self.id, NpuChunk { tokens: self.tokens, logits }));
+            let _ = tx.send((self.id, NpuChunk { tokens: self.tokens, before: self.before, outcome }));
         }
     }
 }
 
 impl Drop for Reply {
     fn drop(&mut self) {
-        self.send(Err("the NPU job ended without a result".into()));
+        self.send(ChunkOutcome::Failed("the NPU job ended without a result".into()));
+    }
+}
+
+/// The NPU's graphs, stopping at the next group once the chunk is withdrawn.
+struct Withdrawable<'a> {
+    graphs: &'a dyn Linears,
+    withdraw: &'a AtomicBool,
+}
+
+impl Linears for Withdrawable<'_> {
+    fn group(
+        &self,
+        li: usize,
+        site: llmd_engine::backend::blocks::CaptureSite,
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<bool, llmd_engine::error::BackendError> {
+        if self.withdraw.load(Ordering::Acquire) {
+            return Err(llmd_engine::error::BackendError::Device("the chunk was withdrawn".into()));
+        }
+        self.graphs.group(li, site, x, n, outs)
     }
 }
 
@@ -146,15 +182,31 @@ impl Engine for ModelEngine {
         self.npu.ready(&t.model)
     }
 
-    fn offload(&mut self, id: u64, t: &Turn, tokens: Vec<u32>) -> Result<(), ServiceError> {
+    fn offload(&mut self, id: u64, t: &Turn, tokens: Vec<u32>, withdraw: Arc<AtomicBool>) -> Result<(), ServiceError> {
         let (session, model) = (t.session.clone(), t.model.clone());
         let n = tokens.len();
-        let mut reply = Reply { id, tokens: n, tx: Some(self.npu_done.0.clone()) };
+        let before = session.lock().kv_len();
+        let mut reply = Reply { id, tokens: n, before, tx: Some(self.npu_done.0.clone()) };
         let job: crate::npu::Job = Box::new(move |graphs| {
-            // The worker plans nothing of this session until the reply: the lock is free.
-            let logits =
-                graphs.and_then(|l| session.lock().forward_with(&model, &tokens, l).map_err(|e| e.to_string()));
-            reply.send(logits);
+            if withdraw.load(Ordering::Acquire) {
+                reply.send(ChunkOutcome::Withdrawn);
+                return true;
+            }
+            let outcome = match graphs {
+                Err(e) => ChunkOutcome::Failed(e),
+                // The worker plans nothing of this session until the reply: the lock is free.
+                Ok(graphs) => {
+                    let w = Withdrawable { graphs, withdraw: &withdraw };
+                    match session.lock().forward_with(&model, &tokens, &w) {
+                        Ok(logits) => ChunkOutcome::Logits(logits),
+                        Err(_) if withdraw.load(Ordering::Acquire) => ChunkOutcome::Withdrawn,
+                        Err(e) => ChunkOutcome::Failed(e.to_string()),
+                    }
+                }
+            };
+            let ok = !matches!(outcome, ChunkOutcome::Failed(_));
+            reply.send(outcome);
+            ok
         });
         self.npu.submit(&t.model, id, n, job).map_err(|_| ServiceError::Internal("the NPU thread has stopped".into()))
     }
@@ -166,13 +218,19 @@ impl Engine for ModelEngine {
     }
 
     fn accept_offloaded(&mut self, t: &Turn, s: &mut Started, done: NpuChunk) -> Result<usize, ServiceError> {
-        match done.logits {
-            Ok(logits) => {
+        match done.outcome {
+            ChunkOutcome::Logits(logits) => {
                 s.gen.accept_prefill(done.tokens, logits);
                 Ok(done.tokens)
             }
-            Err(reason) => {
-                // The chunk is still to read: the CPU reads it (and the model's later prompts).
+            ChunkOutcome::Withdrawn => {
+                t.session.lock().truncate_kv(done.before);
+                Ok(0)
+            }
+            ChunkOutcome::Failed(reason) => {
+                // The chunk is still to read: the CPU reads it (and the model's later prompts),
+                // after whatever of it the cache took (none, unless the job panicked) is cut off.
+                t.session.lock().truncate_kv(done.before);
                 self.npu.fail(&t.model, &reason);
                 Ok(0)
             }

@@ -220,6 +220,11 @@ pub fn remove_stale_spills(state_dir: &Path) -> usize {
 }
 
 impl SessionInner {
+    /// Cuts the cache back to `len` positions (a prompt chunk that did not complete).
+    pub fn truncate_kv(&mut self, len: usize) {
+        self.kv.truncate(len);
+    }
+
     /// Feeds `tokens` with the linear groups on `linears` (the NPU's graphs) and the rest on
     /// the CPU, into the cache the CPU decodes from; the logits after the last token. On an
     /// error the cache is as it was.

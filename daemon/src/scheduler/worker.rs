@@ -22,6 +22,7 @@ use crate::policy::{self, Entry, Policy, PolicyConfig};
 use llmd_aidl::GenerationStats::GenerationStats as WireStats;
 use llmd_engine::generate::{FinishReason, GenerationStats, StepOutput};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -65,8 +66,16 @@ pub trait Engine {
         None
     }
     /// Hands `tokens` (the turn's next prompt tokens) of request `id` to the accelerator; it
-    /// returns at once. An error leaves the chunk to the CPU.
-    fn offload(&mut self, _id: u64, _turn: &Self::Turn, _tokens: Vec<u32>) -> Result<(), ServiceError> {
+    /// returns at once. An error leaves the chunk to the CPU. Once `withdraw` is set the
+    /// accelerator stops the chunk at its next graph and reports it withdrawn (the turn's
+    /// cache as before the chunk).
+    fn offload(
+        &mut self,
+        _id: u64,
+        _turn: &Self::Turn,
+        _tokens: Vec<u32>,
+        _withdraw: Arc<AtomicBool>,
+    ) -> Result<(), ServiceError> {
         Err(ServiceError::Internal("no accelerator".into()))
     }
     /// Chunks the accelerator finished, by request id, waiting up to `wait` for the first.
@@ -108,6 +117,9 @@ struct Running<E: Engine> {
     /// A prompt chunk of it is on the accelerator (the request waits for it: it is neither
     /// planned nor ended until the chunk comes back).
     offloaded: bool,
+    /// Set to withdraw that chunk (the request was cancelled, its session closed, its
+    /// deadline passed or its client stalled): the accelerator stops it at its next graph.
+    withdraw: Arc<AtomicBool>,
 }
 
 /// One sequence's share of an engine pass.
@@ -226,6 +238,7 @@ impl<E: Engine> Worker<E> {
                         last_served_ms: arrived_ms,
                         first_served: None,
                         offloaded: false,
+                        withdraw: Arc::new(AtomicBool::new(false)),
                     },
                 );
             }
@@ -244,11 +257,11 @@ impl<E: Engine> Worker<E> {
         let ids: Vec<u64> = self.active.keys().copied().collect();
         for id in ids {
             let Some(r) = self.active.get(&id) else { continue };
-            let ending = if r.offloaded {
-                // Its chunk is on the accelerator, its session in use there: it ends (if it
-                // must) once the chunk is back.
-                None
-            } else if r.job.stopped() {
+            if r.offloaded && r.withdraw.load(Ordering::Acquire) {
+                // Withdrawn already: it ends once its chunk is back.
+                continue;
+            }
+            let ending = if r.job.stopped() {
                 Some(ServiceError::Cancelled)
             } else if policy::deadline_passed(r.job.admitted_ms, r.job.deadline_ms, now_ms) {
                 Some(ServiceError::DeadlineExceeded(r.job.deadline_ms))
@@ -264,6 +277,14 @@ impl<E: Engine> Worker<E> {
                 None
             };
             if let Some(e) = ending {
+                if r.offloaded {
+                    // Its chunk is on the accelerator, its session in use there: the chunk is
+                    // withdrawn (it stops at its next graph, its KV positions cut off) and the
+                    // request ends once it is back, as whatever ends it now.
+                    r.withdraw.store(true, Ordering::Release);
+                    tracing::debug!(request = id, "withdrawing its chunk from the accelerator: {e}");
+                    continue;
+                }
                 let r = self.active.remove(&id).expect("present");
                 self.end(r, Err(e));
             }
@@ -281,7 +302,9 @@ impl<E: Engine> Worker<E> {
             .collect();
         let offloaded = self.offload(now_ms, &entries);
         entries.retain(|e| Some(e.id) != offloaded);
-        let plan = self.policy.plan(now_ms, &entries);
+        let fg_on_accelerator =
+            self.active.values().any(|r| r.offloaded && r.job.class == crate::policy::Class::Foreground);
+        let plan = self.policy.plan_beside(now_ms, &entries, fg_on_accelerator);
         let mut feeds: Vec<Feed> = Vec::new();
         for id in plan.decode {
             let Some(r) = self.active.get_mut(&id) else { continue };
@@ -347,23 +370,24 @@ impl<E: Engine> Worker<E> {
         if self.active.values().any(|r| r.offloaded) {
             return None;
         }
-        let able: Vec<(Entry, usize)> = entries
+        let able: Vec<(u64, usize)> = entries
             .iter()
             .filter(|e| e.prefill_left > 0)
             .filter_map(|e| {
                 let r = self.active.get(&e.id)?;
-                self.engine.offload_chunk(&r.job.turn).map(|n| (e.clone(), n))
+                self.engine.offload_chunk(&r.job.turn).map(|n| (e.id, n))
             })
             .collect();
-        let candidates: Vec<Entry> = able.iter().map(|(e, _)| e.clone()).collect();
-        let id = self.policy.best_prompt(now_ms, &candidates)?;
-        let n = able.iter().find(|(e, _)| e.id == id).map(|(_, n)| *n)?;
+        let id = self.policy.best_prompt(now_ms, entries, |e| able.iter().any(|a| a.0 == e.id))?;
+        let n = able.iter().find(|a| a.0 == id).map(|a| a.1)?;
         let r = self.active.get_mut(&id)?;
         let tokens = self.engine.prompt_chunk(&r.seq, n)?;
         let fed = tokens.len();
-        match self.engine.offload(id, &r.job.turn, tokens) {
+        let withdraw = Arc::new(AtomicBool::new(false));
+        match self.engine.offload(id, &r.job.turn, tokens, withdraw.clone()) {
             Ok(()) => {
                 r.offloaded = true;
+                r.withdraw = withdraw;
                 r.last_served_ms = now_ms;
                 r.first_served.get_or_insert_with(Instant::now);
                 self.policy.charge(r.job.uid, fed);
@@ -572,8 +596,8 @@ mod tests {
         sampled: BTreeMap<&'static str, usize>,
         /// Chunks handed to the accelerator: (turn, tokens).
         offloads: Vec<(&'static str, usize)>,
-        /// Chunks on the accelerator: (request, tokens).
-        on_accel: Vec<(u64, usize)>,
+        /// Chunks on the accelerator: (request, tokens, its withdraw flag).
+        on_accel: Vec<(u64, usize, Arc<AtomicBool>)>,
         /// The accelerator keeps its chunks until this is cleared.
         accel_hold: bool,
         /// Its chunks fail (then it is taken for failed, as the daemon's NPU is).
@@ -666,11 +690,17 @@ mod tests {
             t.script.accel.filter(|_| !self.log().accel_failed)
         }
 
-        fn offload(&mut self, id: u64, t: &FakeTurn, tokens: Vec<u32>) -> Result<(), ServiceError> {
+        fn offload(
+            &mut self,
+            id: u64,
+            t: &FakeTurn,
+            tokens: Vec<u32>,
+            withdraw: Arc<AtomicBool>,
+        ) -> Result<(), ServiceError> {
             let mut log = self.log();
             assert!(log.on_accel.is_empty(), "one chunk at a time on the accelerator");
             log.offloads.push((t.name, tokens.len()));
-            log.on_accel.push((id, tokens.len()));
+            log.on_accel.push((id, tokens.len(), withdraw));
             Ok(())
         }
 
@@ -680,7 +710,11 @@ mod tests {
                 return Vec::new();
             }
             let ok = !log.accel_fails;
-            log.on_accel.drain(..).map(|(id, n)| (id, (n, ok))).collect()
+            // A withdrawn chunk comes back having fed nothing.
+            log.on_accel
+                .drain(..)
+                .map(|(id, n, w)| (id, if w.load(Ordering::Acquire) { (0, true) } else { (n, ok) }))
+                .collect()
         }
 
         fn accept_offloaded(
@@ -859,10 +893,56 @@ mod tests {
             h.worker.pass();
         }
         assert!(h.ended("a").is_empty(), "not ended while the accelerator holds its session");
+        assert!(withdrawn(&h), "the cancel withdrew the chunk");
         h.fake.log().accel_hold = false;
         h.run(5);
         assert_ended_once(&h, "a", &a, true, Err(ErrorCode::CANCELLED));
         assert_eq!(h.fake.log().offloads.len(), 1, "no chunk after the cancel");
+    }
+
+    /// Whether the chunk on the accelerator has been withdrawn.
+    fn withdrawn(h: &Harness) -> bool {
+        h.fake.log().on_accel.iter().any(|c| c.2.load(Ordering::Acquire))
+    }
+
+    #[test]
+    fn a_request_past_its_deadline_withdraws_its_chunk_and_ends_when_it_is_back() {
+        let mut h = default_harness();
+        h.fake.log().accel_hold = true;
+        let mut t = ticket(1, 1);
+        t.deadline_ms = 100;
+        let (job, a) = h.admit("a", Script { accel: Some(32), ..script(70, 2) }, Recorder::new(), t);
+        h.worker.start(job);
+        h.worker.pass();
+        assert!(!withdrawn(&h));
+        h.clock.store(150, Ordering::Relaxed);
+        h.worker.pass();
+        assert!(withdrawn(&h), "the deadline withdrew the chunk");
+        assert!(h.ended("a").is_empty(), "not ended while the accelerator holds its session");
+        h.fake.log().accel_hold = false;
+        h.run(5);
+        assert_ended_once(&h, "a", &a, true, Err(ErrorCode::DEADLINE_EXCEEDED));
+        assert!(forwards_of(&h, "a").is_empty(), "nothing of it on the CPU after the withdrawal");
+    }
+
+    #[test]
+    fn while_a_foreground_prompt_is_on_the_accelerator_only_foreground_work_runs_on_the_cpu() {
+        let mut h = default_harness();
+        let (job, bg) =
+            h.admit("bg", script(1, 40), Recorder::new(), Ticket { class: Class::Background, ..ticket(2, 2) });
+        h.worker.start(job);
+        h.worker.pass();
+        h.fake.log().accel_hold = true;
+        let fg = h.start("fg", Script { accel: Some(32), ..script(70, 2) }, 1);
+        let before = forwards_of(&h, "bg").len();
+        for _ in 0..3 {
+            h.worker.pass();
+        }
+        assert_eq!(forwards_of(&h, "bg").len(), before, "no background step beside a foreground prompt's chunk");
+        h.fake.log().accel_hold = false;
+        h.run(120);
+        assert_ended_once(&h, "fg", &fg, true, Ok(FinishReason::Length));
+        assert_ended_once(&h, "bg", &bg, true, Ok(FinishReason::Length));
     }
 
     #[test]
