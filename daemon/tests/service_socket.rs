@@ -1180,7 +1180,7 @@ fn one_client_prefills_on_the_npu_while_another_decodes_on_the_cpu() {
     let b = b_thread.join().expect("b's collector");
     let npu = npu_dump(&conn_a);
     // A's prompt went to the NPU, chunk by chunk.
-    let spans: Vec<(u64, u64, usize)> = npu
+    let spans: Vec<(u64, u64, usize, f64)> = npu
         .lines()
         .filter(|l| l.contains(&format!("npu_job request={} ", a.id)))
         .map(|l| {
@@ -1190,15 +1190,22 @@ fn one_client_prefills_on_the_npu_while_another_decodes_on_the_cpu() {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or_else(|| panic!("{k} in {l:?}"))
             };
-            (field("start_ms="), field("end_ms="), field("tokens=") as usize)
+            let modelled: f64 = l
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("modelled_ms="))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("modelled_ms in {l:?}"));
+            (field("start_ms="), field("end_ms="), field("tokens=") as usize, modelled)
         })
         .collect();
+    // The emulator charges each chunk its modelled NPU time: 120 graphs of 32 rows.
+    assert!(spans.iter().all(|s| s.3 > 0.0), "every chunk has a modelled NPU time:\n{npu}");
     let prompt_tokens = a.stats().promptTokens as usize;
     assert_eq!(spans.iter().map(|s| s.2).sum::<usize>(), prompt_tokens, "all of a's prompt on the NPU:\n{npu}");
     assert_eq!(spans.len(), prompt_tokens.div_ceil(NPU_CHUNK), "in chunks of {NPU_CHUNK}:\n{npu}");
     // B's tokens kept coming while A's chunks were on the NPU.
     let b_tokens: Vec<u64> = b.events.iter().filter(|(_, e)| matches!(e, Event::Tokens(..))).map(|(t, _)| *t).collect();
-    let inside = |t: u64| spans.iter().any(|&(s, e, _)| s <= t && t <= e);
+    let inside = |t: u64| spans.iter().any(|&(s, e, _, _)| s <= t && t <= e);
     let during = b_tokens.iter().filter(|&&t| inside(t)).count();
     let (first, last) = (spans.iter().map(|s| s.0).min().unwrap_or(0), spans.iter().map(|s| s.1).max().unwrap_or(0));
     eprintln!(
@@ -1207,9 +1214,9 @@ fn one_client_prefills_on_the_npu_while_another_decodes_on_the_cpu() {
         last - first,
         b_tokens.len()
     );
-    for (s, e, n) in &spans {
+    for (s, e, n, m) in &spans {
         let k = b_tokens.iter().filter(|&&t| *s <= t && t <= *e).count();
-        eprintln!("  npu chunk {n} tokens {s}..{e} ({} ms): b streamed {k} callbacks", e - s);
+        eprintln!("  npu chunk {n} tokens {s}..{e} ({} ms; modelled NPU {m:.1} ms): b streamed {k} callbacks", e - s);
     }
     // B's decode rate while A's chunks were on the NPU and while they were not (on this host
     // the emulator computes on the same two cores; on a phone the NPU's share would not).
@@ -1219,7 +1226,7 @@ fn one_client_prefills_on_the_npu_while_another_decodes_on_the_cpu() {
         .filter_map(|(t, e)| if let Event::Tokens(_, i) = e { Some((*t, i.len())) } else { None })
         .collect();
     let (b0, b1) = (b_ids.first().map_or(0, |x| x.0), b_ids.last().map_or(0, |x| x.0));
-    let in_spans: u64 = spans.iter().map(|&(s, e, _)| e - s).sum();
+    let in_spans: u64 = spans.iter().map(|&(s, e, _, _)| e - s).sum();
     let tok_in: usize = b_ids.iter().filter(|x| inside(x.0)).map(|x| x.1).sum();
     let tok_out: usize = b_ids.iter().filter(|x| !inside(x.0)).map(|x| x.1).sum();
     eprintln!(
