@@ -267,7 +267,7 @@ fn status(shared: &Shared, only: Option<u32>) -> ServiceStatus {
         sessionsOpen: sessions.len() as i32,
         requestsQueued: jobs.iter().filter(|(_, j)| !j.running).count() as i32,
         requestsRunning: jobs.iter().filter(|(_, j)| j.running).count() as i32,
-        kvCacheBytes: sessions.iter().map(|s| s.lock().kv_bytes() as i64).sum(),
+        kvCacheBytes: sessions.iter().map(|s| s.view().0.kv_bytes as i64).sum(),
         weightBytes: shared.residency.model_bytes() as i64,
     }
 }
@@ -311,18 +311,20 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
     let sessions = shared.session_list();
     let _ = writeln!(out, "\nSESSIONS ({})", sessions.len());
     for s in &sessions {
-        let inner = s.lock();
+        // Never waits for a pass or an NPU chunk: a busy session shows its last figures.
+        let (v, now) = s.view();
         let _ = writeln!(
             out,
-            "  session {}: uid {} pid {} model {} kv_tokens {} kv_bytes {} messages {} active_request {}",
+            "  session {}: uid {} pid {} model {} kv_tokens {} kv_bytes {} messages {} active_request {}{}",
             s.id,
             s.owner.uid,
             s.owner.pid,
             s.model_id,
-            inner.kv_len(),
-            inner.kv_bytes(),
-            inner.messages.len(),
-            inner.active_request.map_or("-".to_string(), |r| r.to_string())
+            v.kv_len,
+            v.kv_bytes,
+            v.messages,
+            v.active_request.map_or("-".to_string(), |r| r.to_string()),
+            if now { "" } else { " (in use: as of its last unlock)" }
         );
     }
     let admission = &shared.scheduler.admission;

@@ -178,7 +178,9 @@ impl Shared {
 
     /// Bytes every session's KV cache holds now.
     pub fn kv_bytes(&self) -> u64 {
-        self.session_list().iter().map(|s| s.lock().kv_bytes() as u64).sum()
+        // Without waiting for a session a pass or an NPU chunk holds (its bytes as of its last
+        // unlock: at most one chunk's positions behind).
+        self.session_list().iter().map(|s| s.view().0.kv_bytes as u64).sum()
     }
 
     /// The model `id`, loaded if it is not resident (waiting for a load under way), for a

@@ -1303,11 +1303,23 @@ fn a_cancel_withdraws_a_chunk_from_the_npu_and_the_session_goes_on() {
     let id = s.generate(&greedy(&prompt, 8), &cb).expect("queued");
     // Let the chunk get under way on the NPU (it takes seconds on the emulator).
     std::thread::sleep(Duration::from_millis(800));
+    // Status and dump do not wait for the chunk: the session shows its figures as of its last
+    // unlock.
+    let t = Instant::now();
+    conn.service.getStatus().expect("status");
+    let dump = conn.admin().expect("admin").dumpState().expect("dump");
+    let status_took = t.elapsed();
+    assert!(status_took < NPU_CANCEL_BOUND, "status and dump waited {status_took:?} for the NPU chunk");
+    assert!(dump.contains("(in use: as of its last unlock)"), "the session is shown as in use:\n{dump}");
     let t = Instant::now();
     s.cancel(id).expect("cancel accepted");
     let (end, after) = until_the_end(&rx);
     let took = t.elapsed();
-    eprintln!("the cancel landed {} ms after it was sent", took.as_millis());
+    eprintln!(
+        "status and dump answered in {} ms during the chunk; the cancel landed {} ms after it was sent",
+        status_took.as_millis(),
+        took.as_millis()
+    );
     assert_eq!((end, after), (ErrorCode::CANCELLED, 0));
     assert!(took < NPU_CANCEL_BOUND, "the cancel took {took:?}: it waited for the whole chunk");
     let npu = npu_dump(&conn);

@@ -50,6 +50,44 @@ pub struct SessionCore {
     used: Mutex<Instant>,
     /// Closed for having gone unused this many seconds (0: not that way), for its owner's error.
     expired_after_s: AtomicU64,
+    /// What the session held when its lock was last let go (see [`SessionGuard`]): what status
+    /// and dump show while the lock is held (a pass, or a prompt chunk on the NPU).
+    seen: Mutex<SessionView>,
+}
+
+/// A session's figures for status and dump.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SessionView {
+    pub kv_len: usize,
+    pub kv_bytes: usize,
+    pub messages: usize,
+    pub active_request: Option<u64>,
+}
+
+/// The session's lock, held: on release it records the session's figures ([`SessionView`]),
+/// so readers that must not wait for a pass or an NPU chunk have them as of then.
+pub struct SessionGuard<'a> {
+    core: &'a SessionCore,
+    inner: MutexGuard<'a, SessionInner>,
+}
+
+impl std::ops::Deref for SessionGuard<'_> {
+    type Target = SessionInner;
+    fn deref(&self) -> &SessionInner {
+        &self.inner
+    }
+}
+
+impl std::ops::DerefMut for SessionGuard<'_> {
+    fn deref_mut(&mut self) -> &mut SessionInner {
+        &mut self.inner
+    }
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        *self.core.seen.lock().unwrap_or_else(|p| p.into_inner()) = self.inner.view();
+    }
 }
 
 pub struct SessionInner {
@@ -85,6 +123,7 @@ impl SessionCore {
             closed: Arc::new(AtomicBool::new(false)),
             used: Mutex::new(Instant::now()),
             expired_after_s: AtomicU64::new(0),
+            seen: Mutex::new(SessionView::default()),
         }
     }
 
@@ -108,7 +147,7 @@ impl SessionCore {
     /// looked at again later). Returns the bytes freed. Its removal from the open sessions is
     /// the caller's (`Shared::close_session`).
     pub fn expire(&self, timeout: Duration) -> Option<usize> {
-        let Ok(mut inner) = self.inner.try_lock() else { return None };
+        let mut inner = self.try_lock()?;
         if inner.active_request.is_some() || self.idle_for() < timeout {
             return None;
         }
@@ -119,10 +158,29 @@ impl SessionCore {
         Some(bytes)
     }
 
-    pub fn lock(&self) -> MutexGuard<'_, SessionInner> {
+    pub fn lock(&self) -> SessionGuard<'_> {
         // A panic while holding the lock cannot leave the cache half-written in a way later
         // steps rely on (a pass rewrites the cache from its length), so a poisoned lock is usable.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        SessionGuard { core: self, inner: self.inner.lock().unwrap_or_else(|p| p.into_inner()) }
+    }
+
+    /// The lock if it is free now.
+    fn try_lock(&self) -> Option<SessionGuard<'_>> {
+        let inner = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(SessionGuard { core: self, inner })
+    }
+
+    /// The session's figures now, or — while a pass or an NPU chunk holds it — as of when its
+    /// lock was last let go (then `false`). Never waits.
+    pub fn view(&self) -> (SessionView, bool) {
+        match self.try_lock() {
+            Some(g) => (g.view(), true),
+            None => (*self.seen.lock().unwrap_or_else(|p| p.into_inner()), false),
+        }
     }
 
     pub fn is_closed(&self) -> bool {
@@ -132,7 +190,7 @@ impl SessionCore {
     /// Frees a closed session's memory now if no request is running (else the request's end
     /// does).
     pub fn free_if_idle(&self) {
-        if let Ok(mut inner) = self.inner.try_lock() {
+        if let Some(mut inner) = self.try_lock() {
             if inner.active_request.is_none() {
                 inner.clear();
             }
@@ -144,7 +202,7 @@ impl SessionCore {
     /// dropped (recomputed then). `None` if it is busy, running a request, or holds no more
     /// than `over`.
     pub fn shed_kv(&self, over: usize, state_dir: Option<&Path>) -> Option<Shed> {
-        let Ok(mut inner) = self.inner.try_lock() else { return None };
+        let mut inner = self.try_lock()?;
         if inner.active_request.is_some() || inner.kv.is_empty() || inner.kv.len() <= over {
             return None;
         }
@@ -248,6 +306,16 @@ impl SessionInner {
     /// Bytes the KV cache holds.
     pub fn kv_bytes(&self) -> usize {
         self.kv.size_bytes()
+    }
+
+    /// Its figures for status and dump.
+    pub fn view(&self) -> SessionView {
+        SessionView {
+            kv_len: self.kv_len(),
+            kv_bytes: self.kv_bytes(),
+            messages: self.messages.len(),
+            active_request: self.active_request,
+        }
     }
 
     /// Frees the KV cache and forgets the conversation.
