@@ -124,10 +124,5 @@ pub fn htp_library() -> PathBuf {
 
 /// llmd's emulator provider, built beside the test (a dependency's cdylib lands in `deps/`).
 pub fn emulator_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's path");
-    let deps = exe.parent().expect("the test's directory");
-    [deps.join("libllmd_qnn_emu.so"), deps.join("../libllmd_qnn_emu.so")]
-        .into_iter()
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("libllmd_qnn_emu.so is not built beside {}", deps.display()))
+    llmd_qnn_emu::built_library().unwrap_or_else(|e| panic!("{e}"))
 }

@@ -33,6 +33,21 @@ use qnn_sys::{
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::{Mutex, OnceLock};
 
+/// The file name of this crate's cdylib, the library QNN clients load.
+pub const LIBRARY_FILE: &str = "libllmd_qnn_emu.so";
+
+/// Where cargo put this crate's cdylib for the running test binary: in its `deps/` directory
+/// (when the emulator is a dependency of the package under test) or the profile directory
+/// above it (its own tests). For tests that load the emulator as a QNN library.
+pub fn built_library() -> Result<std::path::PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("the test's own path: {e}"))?;
+    let deps = exe.parent().ok_or("the test binary has no directory")?;
+    [deps.join(LIBRARY_FILE), deps.join("..").join(LIBRARY_FILE)]
+        .into_iter()
+        .find(|p| p.exists())
+        .ok_or_else(|| format!("{LIBRARY_FILE} is not built beside {}", deps.display()))
+}
+
 /// The provider's name.
 pub const PROVIDER_NAME: &CStr = c"LLMD_HTP_EMULATOR";
 /// The core API version whose table the provider fills.

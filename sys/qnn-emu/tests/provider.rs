@@ -10,12 +10,7 @@ const SM8650: u32 = 57;
 /// The cdylib cargo built for this test: beside the test binary's directory (as the package's
 /// own library) or in it (as a dependency).
 fn emulator_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's path");
-    let deps = exe.parent().expect("the test's directory");
-    [deps.join("../libllmd_qnn_emu.so"), deps.join("libllmd_qnn_emu.so")]
-        .into_iter()
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("libllmd_qnn_emu.so is not built beside {}", deps.display()))
+    llmd_qnn_emu::built_library().unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]
