@@ -62,6 +62,12 @@ impl Event {
         }
     }
 
+    /// Whether `other` is this event (a clone of it), not merely one in the same state: a
+    /// device tells its own events, which its queue already orders, from another's.
+    pub fn same(&self, other: &Event) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Waits for every event; the first failure among them, if any.
     pub fn wait_all(events: &[Event]) -> Result<(), DeviceError> {
         let mut first = Ok(());

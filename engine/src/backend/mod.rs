@@ -5,6 +5,7 @@
 pub mod blocks;
 pub mod cpu;
 pub mod device_run;
+pub mod gpu;
 pub mod kv;
 pub mod npu;
 pub mod weight;

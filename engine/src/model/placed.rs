@@ -32,6 +32,9 @@ struct DevState {
     weights: HashMap<(usize, Subgraph), Arc<Vec<Weight>>>,
     /// Per (device index, subgraph, tokens).
     exes: HashMap<(usize, Subgraph, usize), Executable>,
+    /// Per (device index, the model's bytes): a matrix already on that device — a tied
+    /// embedding and output head share their bytes and are loaded once.
+    by_bytes: HashMap<(usize, usize, usize), Weight>,
     /// Per layer: the device (0 = host) holding its KV caches, once a pass has placed it.
     kv_home: Vec<Option<usize>>,
 }
@@ -134,8 +137,22 @@ impl Transformer {
                         m.ty
                     ))
                 })?;
-                let hw = HostWeight { role, ty: m.ty, rows: m.rows, cols: m.cols, data };
-                dev.load_weight(&hw, 0..m.rows).map_err(dev_err)?
+                // The model's own bytes (its map) outlive every device handle: their address
+                // names them.
+                let key = (d, data.as_ptr() as usize, data.len());
+                let known = devs.lock().by_bytes.get(&key).cloned();
+                match known {
+                    Some(mut w) if w.cols == m.cols => {
+                        w.role = role;
+                        w
+                    }
+                    _ => {
+                        let hw = HostWeight { role, ty: m.ty, rows: m.rows, cols: m.cols, data };
+                        let w = dev.load_weight(&hw, 0..m.rows).map_err(dev_err)?;
+                        devs.lock().by_bytes.insert(key, w.clone());
+                        w
+                    }
+                }
             } else if let Some((_, v)) = vecs.iter().find(|(r, _)| *r == role) {
                 let data = f32_bytes(v);
                 let hw = HostWeight { role, ty: GgmlType::F32, rows: 1, cols: v.len(), data: &data };

@@ -1,0 +1,283 @@
+// llmd's OpenCL kernels: the portable baseline (OpenCL C 1.2, fp32 math, f16 storage through
+// vload_half/vstore_half, which need no cl_khr_fp16). Built once per device with
+// -DLS=<work-group size> and cached as a program binary (backend/gpu/program.rs).
+//
+// Weights stay in the model file's block layouts (ggml's), read through `dq_<type>`, which
+// dequantizes one 32-value sub-block `j` of a row: the K-quants' 256-value super-blocks are
+// eight such sub-blocks, so every matrix kernel works in 32-value steps.
+
+#ifndef LS
+#define LS 64
+#endif
+// Token rows one matmul work-group computes per weight read.
+#define TILE 8
+
+typedef global const uchar* row_t;
+
+inline float f16_at(row_t p) { return vload_half(0, (global const half*)p); }
+
+inline void dq_f32(row_t row, uint j, float* o) {
+    global const float* p = (global const float*)row + 32 * j;
+    for (int i = 0; i < 32; i++) o[i] = p[i];
+}
+
+inline void dq_f16(row_t row, uint j, float* o) {
+    global const half* p = (global const half*)row + 32 * j;
+    for (int i = 0; i < 32; i++) o[i] = vload_half(i, p);
+}
+
+inline void dq_q4_0(row_t row, uint j, float* o) {
+    row_t b = row + 18 * j;
+    float d = f16_at(b);
+    for (int i = 0; i < 16; i++) {
+        uchar q = b[2 + i];
+        o[i] = ((int)(q & 15) - 8) * d;
+        o[i + 16] = ((int)(q >> 4) - 8) * d;
+    }
+}
+
+inline void dq_q4_1(row_t row, uint j, float* o) {
+    row_t b = row + 20 * j;
+    float d = f16_at(b), m = f16_at(b + 2);
+    for (int i = 0; i < 16; i++) {
+        uchar q = b[4 + i];
+        o[i] = (q & 15) * d + m;
+        o[i + 16] = (q >> 4) * d + m;
+    }
+}
+
+inline void dq_q5_0(row_t row, uint j, float* o) {
+    row_t b = row + 22 * j;
+    float d = f16_at(b);
+    uint qh = (uint)b[2] | ((uint)b[3] << 8) | ((uint)b[4] << 16) | ((uint)b[5] << 24);
+    for (int i = 0; i < 16; i++) {
+        uchar q = b[6 + i];
+        int x0 = (q & 15) | (((qh >> i) << 4) & 0x10);
+        int x1 = (q >> 4) | ((qh >> (i + 12)) & 0x10);
+        o[i] = (x0 - 16) * d;
+        o[i + 16] = (x1 - 16) * d;
+    }
+}
+
+inline void dq_q5_1(row_t row, uint j, float* o) {
+    row_t b = row + 24 * j;
+    float d = f16_at(b), m = f16_at(b + 2);
+    uint qh = (uint)b[4] | ((uint)b[5] << 8) | ((uint)b[6] << 16) | ((uint)b[7] << 24);
+    for (int i = 0; i < 16; i++) {
+        uchar q = b[8 + i];
+        int x0 = (q & 15) | (((qh >> i) << 4) & 0x10);
+        int x1 = (q >> 4) | ((qh >> (i + 12)) & 0x10);
+        o[i] = x0 * d + m;
+        o[i + 16] = x1 * d + m;
+    }
+}
+
+inline void dq_q8_0(row_t row, uint j, float* o) {
+    row_t b = row + 34 * j;
+    float d = f16_at(b);
+    global const char* q = (global const char*)(b + 2);
+    for (int i = 0; i < 32; i++) o[i] = q[i] * d;
+}
+
+// Q4_K: 144-byte super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles).
+inline void dq_q4_k(row_t row, uint j, float* o) {
+    row_t b = row + 144 * (j / 8);
+    uint s = j % 8;
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    row_t sc = b + 4;
+    uint scv, mv;
+    if (s < 4) {
+        scv = sc[s] & 63;
+        mv = sc[s + 4] & 63;
+    } else {
+        scv = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+        mv = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+    }
+    row_t q = b + 16 + 32 * (s / 2);
+    float dd = d * scv, mm = dmin * mv;
+    uint shift = (s & 1) ? 4 : 0;
+    for (int l = 0; l < 32; l++) o[l] = dd * ((q[l] >> shift) & 15) - mm;
+}
+
+// Q6_K: 210-byte super-blocks (128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d).
+inline void dq_q6_k(row_t row, uint j, float* o) {
+    row_t b = row + 210 * (j / 8);
+    uint s = j % 8, n = s / 4, k = s % 4;
+    row_t ql = b + 64 * n + ((k & 1) ? 32 : 0);
+    row_t qh = b + 128 + 32 * n;
+    global const char* sc = (global const char*)(b + 192) + 8 * n + 2 * k;
+    float d = f16_at(b + 208);
+    uint sl = (k >= 2) ? 4 : 0, sh = 2 * k;
+    for (int l = 0; l < 32; l++) {
+        int q = ((ql[l] >> sl) & 15) | (((qh[l] >> sh) & 3) << 4);
+        o[l] = d * sc[l / 16] * (q - 32);
+    }
+}
+
+// y[t, r] = (accumulate ? y[t, r] : 0) + bias[r] + Σ_k w[r, k] · x[t, k], for n token rows.
+// One work-group per weight row; its work-items split the row's 32-value sub-blocks, each
+// dequantized once per TILE token rows.
+#define MATMUL(T)                                                                                   \
+kernel void matmul_##T(global const uchar* w, uint row_bytes, uint cols, global const float* x,    \
+                       global float* y, uint n, uint rows, uint accumulate,                          \
+                       global const float* bias, uint has_bias) {                                   \
+    uint r = get_group_id(0), lid = get_local_id(0);                                               \
+    local float red[TILE * LS];                                                                      \
+    row_t row = w + (size_t)r * row_bytes;                                                          \
+    uint nb = cols / 32;                                                                             \
+    for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
+        uint nt = min((uint)TILE, n - t0);                                                          \
+        float acc[TILE];                                                                             \
+        for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                               \
+        for (uint j = lid; j < nb; j += LS) {                                                       \
+            float wv[32];                                                                            \
+            dq_##T(row, j, wv);                                                                      \
+            for (uint k = 0; k < nt; k++) {                                                         \
+                global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                      \
+                float s = 0.0f;                                                                      \
+                for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                              \
+                acc[k] += s;                                                                         \
+            }                                                                                        \
+        }                                                                                            \
+        for (int k = 0; k < TILE; k++) red[k * LS + lid] = acc[k];                                 \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                               \
+        for (uint h = LS / 2; h > 0; h >>= 1) {                                                     \
+            if (lid < h)                                                                             \
+                for (int k = 0; k < TILE; k++) red[k * LS + lid] += red[k * LS + lid + h];          \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                           \
+        }                                                                                            \
+        if (lid < nt) {                                                                              \
+            float v = red[lid * LS] + (has_bias ? bias[r] : 0.0f);                                  \
+            size_t o = (size_t)(t0 + lid) * rows + r;                                               \
+            y[o] = accumulate ? y[o] + v : v;                                                        \
+        }                                                                                            \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                               \
+    }                                                                                                \
+}                                                                                                    \
+/* x[t, :] = row tokens[t] of w, for t in 0..n (global size: cols / 32 × n). */                     \
+kernel void get_rows_##T(global const uchar* w, uint row_bytes, uint cols, uint n_rows,             \
+                         global const uint* tokens, global float* x) {                              \
+    uint j = get_global_id(0), t = get_global_id(1);                                               \
+    uint tok = tokens[t];                                                                            \
+    if (tok >= n_rows) return;                                                                       \
+    float v[32];                                                                                     \
+    dq_##T(w + (size_t)tok * row_bytes, j, v);                                                      \
+    global float* o = x + (size_t)t * cols + 32 * j;                                                \
+    for (int i = 0; i < 32; i++) o[i] = v[i];                                                       \
+}
+
+MATMUL(f32)
+MATMUL(f16)
+MATMUL(q4_0)
+MATMUL(q4_1)
+MATMUL(q5_0)
+MATMUL(q5_1)
+MATMUL(q8_0)
+MATMUL(q4_k)
+MATMUL(q6_k)
+
+// out[i, :] = x[src, :] / sqrt(mean(x[src, :]²) + eps) · w, src = map ? map[i] : i.
+// One work-group per output row.
+kernel void rms_norm(global const float* x, global float* out, global const float* w, uint d, float eps,
+                     global const uint* map, uint use_map) {
+    uint i = get_group_id(0), lid = get_local_id(0);
+    uint src = use_map ? map[i] : i;
+    global const float* xr = x + (size_t)src * d;
+    local float red[LS];
+    float s = 0.0f;
+    for (uint k = lid; k < d; k += LS) s = fma(xr[k], xr[k], s);
+    red[lid] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint h = LS / 2; h > 0; h >>= 1) {
+        if (lid < h) red[lid] += red[lid + h];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float scale = 1.0f / sqrt(red[0] / (float)d + eps);
+    global float* o = out + (size_t)i * d;
+    for (uint k = lid; k < d; k += LS) o[k] = (xr[k] * scale) * w[k];
+}
+
+// Rotary embedding in place over n rows of n_heads heads (global size: rope_dims / 2 × n_heads × n).
+// The angle is built by repeated multiplication, as ggml (and the CPU backend) do.
+kernel void rope(global float* x, global const uint* pos, uint n_heads, uint head_dim, uint rope_dims,
+                 float theta_scale, float freq_scale, uint neox, global const float* ff, uint has_ff) {
+    uint i = get_global_id(0), h = get_global_id(1), t = get_global_id(2);
+    float th = (float)pos[t];
+    for (uint k = 0; k < i; k++) th *= theta_scale;
+    float a = freq_scale * (th / (has_ff ? ff[i] : 1.0f));
+    float c = cos(a), s = sin(a);
+    global float* hp = x + ((size_t)t * n_heads + h) * head_dim;
+    uint i0 = neox ? i : 2 * i, i1 = neox ? i + rope_dims / 2 : 2 * i + 1;
+    float x0 = hp[i0], x1 = hp[i1];
+    hp[i0] = x0 * c - x1 * s;
+    hp[i1] = x0 * s + x1 * c;
+}
+
+// A sequence's new keys and values (rows offset.. of k and v) into its f16 cache at positions
+// start.. (global size: kv_dim × len). The cache: keys [ctx][kv_dim], then values.
+kernel void kv_store(global const float* k, global const float* v, global half* cache, uint kv_dim,
+                     uint v_base, uint start, uint offset) {
+    uint c = get_global_id(0), t = get_global_id(1);
+    size_t src = (size_t)(offset + t) * kv_dim + c, dst = (size_t)(start + t) * kv_dim + c;
+    vstore_half_rte(k[src], dst, cache);
+    vstore_half_rte(v[src], v_base + dst, cache);
+}
+
+// Causal attention of one sequence's `len` new queries (rows offset..) over its cache, which
+// already holds their keys and values: one work-group per (head, token). Scores go through
+// `scratch` ([len][n_heads][ctx_used]); grouped-query heads share a KV head.
+kernel void attention(global const float* q, global const half* cache, global float* out, global float* scratch,
+                      uint n_heads, uint n_kv_heads, uint head_dim, uint v_base, uint start, uint offset,
+                      uint ctx_used, float scale) {
+    uint h = get_group_id(0), t = get_group_id(1), lid = get_local_id(0);
+    uint total = start + t + 1;
+    uint kv_dim = n_kv_heads * head_dim;
+    uint kvh = h / (n_heads / n_kv_heads);
+    global const float* qr = q + ((size_t)(offset + t) * n_heads + h) * head_dim;
+    global float* s = scratch + ((size_t)t * n_heads + h) * ctx_used;
+    local float red[LS];
+    float m = -INFINITY;
+    for (uint p = lid; p < total; p += LS) {
+        global const half* kr = cache + (size_t)p * kv_dim + kvh * head_dim;
+        float dot = 0.0f;
+        for (uint d = 0; d < head_dim; d++) dot = fma(qr[d], vload_half(d, kr), dot);
+        dot *= scale;
+        s[p] = dot;
+        m = fmax(m, dot);
+    }
+    red[lid] = m;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint hh = LS / 2; hh > 0; hh >>= 1) {
+        if (lid < hh) red[lid] = fmax(red[lid], red[lid + hh]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float mx = red[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float l = 0.0f;
+    for (uint p = lid; p < total; p += LS) {
+        float e = exp(s[p] - mx);
+        s[p] = e;
+        l += e;
+    }
+    red[lid] = l;
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    for (uint hh = LS / 2; hh > 0; hh >>= 1) {
+        if (lid < hh) red[lid] += red[lid + hh];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float inv = 1.0f / red[0];
+    global float* o = out + ((size_t)(offset + t) * n_heads + h) * head_dim;
+    for (uint d = lid; d < head_dim; d += LS) {
+        float acc = 0.0f;
+        for (uint p = 0; p < total; p++)
+            acc = fma(s[p], vload_half((size_t)v_base + (size_t)p * kv_dim + kvh * head_dim + d, cache), acc);
+        o[d] = acc * inv;
+    }
+}
+
+// g = silu(g) · u, element-wise.
+kernel void swiglu(global float* g, global const float* u) {
+    size_t i = get_global_id(0);
+    float a = g[i];
+    g[i] = a / (1.0f + exp(-a)) * u[i];
+}

@@ -1,0 +1,814 @@
+//! The GPU behind the device contract, through OpenCL (`opencl-rt-sys`, loaded at run time:
+//! the vendor's `libOpenCL.so` on a phone, PoCL or another ICD runtime on a host).
+//!
+//! - **Weights** are uploaded once, in the model file's own block layouts (ggml's Q4_0, Q4_1,
+//!   Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, F16, F32), which the kernels dequantize 32 values at a time;
+//!   on a device whose memory is the host's (a phone's GPU, PoCL) the buffers are allocated in
+//!   host-visible memory (`CL_MEM_ALLOC_HOST_PTR`). (A tied embedding and output head is
+//!   loaded once: the engine's executor hands the same [`Weight`] to both subgraphs.)
+//! - **Subgraphs** (the embedding, each layer's attention and FFN, the head) are chains of
+//!   kernels on one in-order queue: RMSNorm, the matmuls (bias and residual add fused in),
+//!   RoPE, the KV store, attention over the f16 KV cache with grouped-query heads, SwiGLU.
+//!   No kernel waits for the host and the host waits for none: a submission returns an
+//!   [`Event`] signalled by the runtime's callback, and the one host wait of a decode step is
+//!   the logits' read-back.
+//! - **The KV cache** of a layer and sequence is one device buffer ([`BufferUsage::Kv`]): f16
+//!   keys `[ctx][kv_dim]`, then the values.
+//! - **The program** (`kernels/llmd.cl`, embedded) is built once per device and driver and
+//!   cached as a program binary ([`program`]).
+//!
+//! Decisions (docs/DECISIONS.md): the portable baseline only (OpenCL C 1.2, fp32 arithmetic,
+//! f16 storage through `vload_half`), which every runtime here and every phone GPU runs; the
+//! fp16, subgroup and image variants are the next step and are listed as not yet built.
+
+pub mod program;
+
+use llmd_device::{
+    Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable, GgmlType,
+    HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight, WeightRole,
+};
+use opencl_rt_sys::{Access, Arg, ClError, Context, DeviceInfo, Kernel, Library, Mem};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+pub use opencl_rt_sys::Stats;
+pub use program::Origin;
+
+/// The weight types the kernels read.
+pub const WEIGHT_TYPES: [GgmlType; 9] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+
+/// The kernel-name suffix of a weight type.
+fn type_suffix(t: GgmlType) -> Option<&'static str> {
+    Some(match t {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q6_K => "q6_k",
+        _ => return None,
+    })
+}
+
+/// Work-group size of the kernels (`-DLS`): 64, or the device's largest power of two below.
+fn work_group(max: usize) -> usize {
+    let mut ls = 64;
+    while ls > 1 && ls > max {
+        ls /= 2;
+    }
+    ls
+}
+
+/// Which OpenCL library and device, and where program binaries are cached.
+#[derive(Clone, Debug, Default)]
+pub struct GpuOptions {
+    /// The OpenCL library (None: the ICD loader's names, then a phone's vendor paths).
+    pub library: Option<PathBuf>,
+    /// Index into [`list_devices`] (None: the first GPU, else the first device).
+    pub device: Option<usize>,
+    /// Where program binaries are cached (None: built at every start).
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// Why the GPU cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GpuError {
+    #[error(transparent)]
+    OpenCl(#[from] ClError),
+    #[error("{library} lists no OpenCL device")]
+    NoDevice { library: String },
+    #[error("there is no OpenCL device {index}: {count} found")]
+    NoSuchDevice { index: usize, count: usize },
+    #[error("the kernels did not build on {device}: {source}")]
+    Build { device: String, source: ClError },
+}
+
+/// Every device of the library's platforms.
+pub fn list_devices(library: Option<&Path>) -> Result<(Arc<Library>, Vec<DeviceInfo>), GpuError> {
+    let lib = Library::open(library)?;
+    let devs = lib.devices()?;
+    Ok((lib, devs))
+}
+
+struct Kernels {
+    matmul: HashMap<GgmlType, Kernel>,
+    get_rows: HashMap<GgmlType, Kernel>,
+    rms_norm: Kernel,
+    rope: Kernel,
+    kv_store: Kernel,
+    attention: Kernel,
+    swiglu: Kernel,
+}
+
+/// A device buffer behind a contract [`Buffer`].
+struct GpuBuf(Mem);
+
+/// A weight on the device, in its file's block layout.
+struct GpuWeight {
+    mem: Mem,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+}
+
+/// A prepared subgraph: its weights and shape (the kernels are chosen at submit).
+struct Plan {
+    sg: Subgraph,
+    shape: BlockShape,
+    n: usize,
+    weights: Vec<(WeightRole, Weight)>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Intermediate buffers by name, grown as passes need (one queue: reused in order).
+    scratch: HashMap<&'static str, Mem>,
+    /// The pass's token ids and positions on the device (uploaded once per pass: the
+    /// executor hands every subgraph the same `Arc`s).
+    tokens: Option<(Arc<[u32]>, Mem)>,
+    positions: Option<(Arc<[u32]>, Mem)>,
+    /// Events of submissions not yet known to be done.
+    pending: Vec<Event>,
+}
+
+/// An OpenCL device as an llmd [`Device`].
+pub struct GpuDevice {
+    id: DeviceId,
+    desc: DeviceDesc,
+    info: DeviceInfo,
+    ctx: Arc<Context>,
+    k: Kernels,
+    ls: usize,
+    origin: Origin,
+    cache_file: Option<PathBuf>,
+    /// A 4-byte buffer bound where a kernel takes an optional one (no bias, no map).
+    dummy: Mem,
+    state: Mutex<State>,
+}
+
+fn cl_err(device: &str) -> impl Fn(ClError) -> DeviceError + '_ {
+    move |e| DeviceError::Execution { device: device.to_string(), detail: e.to_string() }
+}
+
+impl GpuDevice {
+    /// Opens the library, picks the device and builds (or loads) the kernels.
+    pub fn open(opts: &GpuOptions) -> Result<Self, GpuError> {
+        let (lib, devs) = list_devices(opts.library.as_deref())?;
+        if devs.is_empty() {
+            return Err(GpuError::NoDevice { library: lib.path().to_string() });
+        }
+        let info = match opts.device {
+            Some(i) => devs.get(i).cloned().ok_or(GpuError::NoSuchDevice { index: i, count: devs.len() })?,
+            None => devs.iter().find(|d| d.kind == "GPU").unwrap_or(&devs[0]).clone(),
+        };
+        let ctx = Context::new(&lib, &info)?;
+        let ls = work_group(info.max_work_group);
+        let options = format!("-cl-std=CL1.2 -DLS={ls}");
+        let build_err = |source| GpuError::Build { device: info.name.clone(), source };
+        let (prog, origin) = program::load(&ctx, &info, &options, opts.cache_dir.as_deref()).map_err(build_err)?;
+        let kernel = |name: &str| prog.kernel(name).map_err(build_err);
+        let mut matmul = HashMap::new();
+        let mut get_rows = HashMap::new();
+        for t in WEIGHT_TYPES {
+            let s = type_suffix(t).unwrap_or_default();
+            matmul.insert(t, kernel(&format!("matmul_{s}"))?);
+            get_rows.insert(t, kernel(&format!("get_rows_{s}"))?);
+        }
+        let k = Kernels {
+            matmul,
+            get_rows,
+            rms_norm: kernel("rms_norm")?,
+            rope: kernel("rope")?,
+            kv_store: kernel("kv_store")?,
+            attention: kernel("attention")?,
+            swiglu: kernel("swiglu")?,
+        };
+        let dummy = ctx.buffer(Access::ReadWrite, 4)?;
+        let desc = DeviceDesc {
+            name: format!("gpu:{}", info.name),
+            processor: Processor::Gpu,
+            available: true,
+            ops: vec![
+                OpKind::GetRows,
+                OpKind::MatMul,
+                OpKind::RmsNorm,
+                OpKind::Rope,
+                OpKind::Attention,
+                OpKind::SwiGlu,
+            ],
+            weight_types: WEIGHT_TYPES.to_vec(),
+            static_shapes: StaticShapes::Any,
+            memory: MemoryDesc {
+                kind: if info.host_unified_memory { MemoryKind::Unified } else { MemoryKind::Dedicated },
+                capacity: Some(info.global_mem),
+            },
+            max_tokens: None,
+            threads: info.compute_units as usize,
+        };
+        let cache_file = opts.cache_dir.as_deref().map(|d| program::cache_path(d, &info, &options));
+        Ok(Self { id: DeviceId::fresh(), desc, info, ctx, k, ls, origin, cache_file, dummy, state: Mutex::default() })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Where the kernels' program came from (built, or the cache) and how long it took.
+    pub fn program_origin(&self) -> &Origin {
+        &self.origin
+    }
+
+    pub fn cache_file(&self) -> Option<&Path> {
+        self.cache_file.as_deref()
+    }
+
+    /// The kernel variants in use (the portable baseline only, for now).
+    pub fn variants(&self) -> Vec<&'static str> {
+        vec!["baseline: OpenCL C 1.2, fp32 math, f16 storage (vload_half)"]
+    }
+
+    /// Work-group size of the kernels.
+    pub fn work_group(&self) -> usize {
+        self.ls
+    }
+
+    /// Kernels enqueued, host waits and bytes moved since the device was opened.
+    pub fn stats(&self) -> Stats {
+        self.ctx.stats()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn err(&self, detail: impl Into<String>) -> DeviceError {
+        DeviceError::Invalid { device: self.desc.name.clone(), detail: detail.into() }
+    }
+
+    fn exec(&self) -> impl Fn(ClError) -> DeviceError + '_ {
+        cl_err(&self.desc.name)
+    }
+
+    /// Scratch buffer `name` of at least `bytes`.
+    fn ensure(&self, st: &mut State, name: &'static str, bytes: usize) -> Result<(), DeviceError> {
+        if st.scratch.get(name).is_none_or(|m| m.len() < bytes) {
+            let m = self.ctx.buffer(Access::ReadWrite, bytes).map_err(|e| DeviceError::OutOfMemory {
+                device: format!("{}: {e}", self.desc.name),
+                usage: BufferUsage::Activations,
+                bytes,
+            })?;
+            st.scratch.insert(name, m);
+        }
+        Ok(())
+    }
+
+    /// The pass's `which` ids (tokens or positions) on the device.
+    fn upload_ids(&self, st: &mut State, ids: &Arc<[u32]>, positions: bool) -> Result<(), DeviceError> {
+        let slot = if positions { &mut st.positions } else { &mut st.tokens };
+        if slot.as_ref().is_some_and(|(a, _)| Arc::ptr_eq(a, ids)) {
+            return Ok(());
+        }
+        let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let m = self.ctx.buffer_from(Access::ReadOnly, &bytes, false).map_err(self.exec())?;
+        *slot = Some((ids.clone(), m));
+        Ok(())
+    }
+
+    fn matmul(
+        &self,
+        w: &GpuWeight,
+        x: &Mem,
+        y: &Mem,
+        n: usize,
+        accumulate: bool,
+        bias: Option<&GpuWeight>,
+    ) -> Result<(), DeviceError> {
+        let k = self.k.matmul.get(&w.ty).ok_or_else(|| self.err(format!("no matmul for {}", w.ty)))?;
+        if x.len() < n * w.cols * 4 || y.len() < n * w.rows * 4 || bias.is_some_and(|b| b.cols != w.rows) {
+            return Err(self.err(format!("matmul {}×{} over {n} rows: buffers too small", w.rows, w.cols)));
+        }
+        let args = [
+            Arg::Mem(&w.mem),
+            Arg::U32(w.row_bytes as u32),
+            Arg::U32(w.cols as u32),
+            Arg::Mem(x),
+            Arg::Mem(y),
+            Arg::U32(n as u32),
+            Arg::U32(w.rows as u32),
+            Arg::U32(accumulate as u32),
+            Arg::Mem(bias.map_or(&self.dummy, |b| &b.mem)),
+            Arg::U32(bias.is_some() as u32),
+        ];
+        self.ctx.enqueue(k, &args, &[w.rows * self.ls], Some(&[self.ls])).map_err(self.exec())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Mem,
+        out: &Mem,
+        w: &GpuWeight,
+        rows: usize,
+        eps: f32,
+        map: Option<&Mem>,
+    ) -> Result<(), DeviceError> {
+        let args = [
+            Arg::Mem(x),
+            Arg::Mem(out),
+            Arg::Mem(&w.mem),
+            Arg::U32(w.cols as u32),
+            Arg::F32(eps),
+            Arg::Mem(map.unwrap_or(&self.dummy)),
+            Arg::U32(map.is_some() as u32),
+        ];
+        self.ctx.enqueue(&self.k.rms_norm, &args, &[rows * self.ls], Some(&[self.ls])).map_err(self.exec())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &Mem,
+        pos: &Mem,
+        n: usize,
+        p: &llmd_device::RopeParams,
+        ff: Option<&GpuWeight>,
+    ) -> Result<(), DeviceError> {
+        let half = p.rope_dims / 2;
+        if ff.is_some_and(|f| f.cols < half) {
+            return Err(self.err("fewer frequency factors than rotated pairs"));
+        }
+        let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
+        let args = [
+            Arg::Mem(x),
+            Arg::Mem(pos),
+            Arg::U32(p.n_heads as u32),
+            Arg::U32(p.head_dim as u32),
+            Arg::U32(p.rope_dims as u32),
+            Arg::F32(theta_scale),
+            Arg::F32(p.freq_scale),
+            Arg::U32((p.style == llmd_device::RopeStyle::Neox) as u32),
+            Arg::Mem(ff.map_or(&self.dummy, |f| &f.mem)),
+            Arg::U32(ff.is_some() as u32),
+        ];
+        self.ctx.enqueue(&self.k.rope, &args, &[half, p.n_heads, n], None).map_err(self.exec())
+    }
+
+    fn swiglu(&self, g: &Mem, u: &Mem, len: usize) -> Result<(), DeviceError> {
+        self.ctx.enqueue(&self.k.swiglu, &[Arg::Mem(g), Arg::Mem(u)], &[len], None).map_err(self.exec())
+    }
+
+    /// Stores rows `offset..offset + len` of `k`, `v` at positions `start..` of `cache` and
+    /// runs their attention into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        st: &mut State,
+        s: &BlockShape,
+        (q, k, v, out): (&Mem, &Mem, &Mem, &Mem),
+        cache: &Mem,
+        start: usize,
+        len: usize,
+        offset: usize,
+    ) -> Result<(), DeviceError> {
+        let kvd = s.kv_dim();
+        let ctx_len = cache.len() / (4 * kvd);
+        if start + len > ctx_len || s.n_kv_heads == 0 || !s.n_heads.is_multiple_of(s.n_kv_heads) {
+            return Err(self.err(format!("{} positions in a KV buffer of {ctx_len}", start + len)));
+        }
+        let v_base = (ctx_len * kvd) as u32;
+        let store = [
+            Arg::Mem(k),
+            Arg::Mem(v),
+            Arg::Mem(cache),
+            Arg::U32(kvd as u32),
+            Arg::U32(v_base),
+            Arg::U32(start as u32),
+            Arg::U32(offset as u32),
+        ];
+        self.ctx.enqueue(&self.k.kv_store, &store, &[kvd, len], None).map_err(self.exec())?;
+        let used = start + len;
+        self.ensure(st, "scores", len * s.n_heads * used * 4)?;
+        let scores = st.scratch.get("scores").ok_or_else(|| self.err("no score buffer"))?;
+        let args = [
+            Arg::Mem(q),
+            Arg::Mem(cache),
+            Arg::Mem(out),
+            Arg::Mem(scores),
+            Arg::U32(s.n_heads as u32),
+            Arg::U32(s.n_kv_heads as u32),
+            Arg::U32(s.head_dim as u32),
+            Arg::U32(v_base),
+            Arg::U32(start as u32),
+            Arg::U32(offset as u32),
+            Arg::U32(used as u32),
+            Arg::F32(1.0 / (s.head_dim as f32).sqrt()),
+        ];
+        self.ctx
+            .enqueue(&self.k.attention, &args, &[s.n_heads * self.ls, len], Some(&[self.ls, 1]))
+            .map_err(self.exec())
+    }
+
+    fn buf<'a>(&self, b: &'a Buffer) -> Result<&'a Mem, DeviceError> {
+        b.get::<GpuBuf>(self.id).map(|g| &g.0).ok_or_else(|| self.err("a buffer of another device"))
+    }
+
+    /// Enqueues one subgraph's kernels (the state locked: one submission at a time).
+    fn enqueue_subgraph(&self, st: &mut State, p: &Plan, b: &Bindings) -> Result<(), DeviceError> {
+        let s = &p.shape;
+        let n = p.n;
+        let opt = |role: WeightRole| {
+            p.weights.iter().find(|(r, _)| *r == role).and_then(|(_, w)| w.get::<GpuWeight>(self.id))
+        };
+        let w = |role: WeightRole| opt(role).ok_or_else(|| self.err(format!("{:?} has no {role:?} weight", p.sg)));
+        let x = self.buf(&b.x)?;
+        if x.len() < n * s.d_model * 4 {
+            return Err(self.err(format!("x holds {} bytes, {n} rows need {}", x.len(), n * s.d_model * 4)));
+        }
+        match p.sg.kind {
+            SubgraphKind::Embed => {
+                let e = w(WeightRole::TokenEmbd)?;
+                if b.tokens.iter().any(|&t| t as usize >= e.rows) {
+                    return Err(self.err(format!("a token id past the vocabulary of {}", e.rows)));
+                }
+                self.upload_ids(st, &b.tokens, false)?;
+                let tok = &st.tokens.as_ref().ok_or_else(|| self.err("no tokens"))?.1;
+                let k = self.k.get_rows.get(&e.ty).ok_or_else(|| self.err(format!("no get_rows for {}", e.ty)))?;
+                let args = [
+                    Arg::Mem(&e.mem),
+                    Arg::U32(e.row_bytes as u32),
+                    Arg::U32(e.cols as u32),
+                    Arg::U32(e.rows as u32),
+                    Arg::Mem(tok),
+                    Arg::Mem(x),
+                ];
+                self.ctx.enqueue(k, &args, &[e.cols / 32, n], None).map_err(self.exec())
+            }
+            SubgraphKind::Attention => {
+                let (qd, kvd) = (s.q_dim(), s.kv_dim());
+                for (name, len) in [("h", s.d_model), ("q", qd), ("k", kvd), ("v", kvd), ("attn", qd)] {
+                    self.ensure(st, name, n * len * 4)?;
+                }
+                self.upload_ids(st, &b.positions, true)?;
+                let (wq, wk, wv, wo) = (w(WeightRole::Wq)?, w(WeightRole::Wk)?, w(WeightRole::Wv)?, w(WeightRole::Wo)?);
+                let norm = w(WeightRole::AttnNorm)?;
+                let (bq, bk, bv) = (opt(WeightRole::Bq), opt(WeightRole::Bk), opt(WeightRole::Bv));
+                let ff = opt(WeightRole::RopeFreqs);
+                let sc = |name: &str| st.scratch.get(name).ok_or_else(|| self.err("scratch"));
+                let (h, q, k, v) = (sc("h")?, sc("q")?, sc("k")?, sc("v")?);
+                self.rms_norm(x, h, norm, n, s.norm_eps, None)?;
+                self.matmul(wq, h, q, n, false, bq)?;
+                self.matmul(wk, h, k, n, false, bk)?;
+                self.matmul(wv, h, v, n, false, bv)?;
+                let pos = &st.positions.as_ref().ok_or_else(|| self.err("no positions"))?.1;
+                self.rope(q, pos, n, &s.rope(s.n_heads), ff)?;
+                self.rope(k, pos, n, &s.rope(s.n_kv_heads), ff)?;
+                for seq in b.seqs.iter().filter(|q| q.len > 0) {
+                    let kv =
+                        seq.kv.as_ref().ok_or_else(|| self.err("an attention subgraph bound without a KV buffer"))?;
+                    let cache = self.buf(kv)?;
+                    self.attend_seq(st, s, cache, seq.start, seq.len, seq.offset)?;
+                }
+                let sc = |name: &str| st.scratch.get(name).ok_or_else(|| self.err("scratch"));
+                self.matmul(wo, sc("attn")?, x, n, true, None)
+            }
+            SubgraphKind::Ffn => {
+                let f = s.ffn_dim;
+                for (name, len) in [("h", s.d_model), ("g", f), ("u", f)] {
+                    self.ensure(st, name, n * len * 4)?;
+                }
+                let (norm, gate, up, down) =
+                    (w(WeightRole::FfnNorm)?, w(WeightRole::Gate)?, w(WeightRole::Up)?, w(WeightRole::Down)?);
+                let sc = |name: &str| st.scratch.get(name).ok_or_else(|| self.err("scratch"));
+                let (h, g, u) = (sc("h")?, sc("g")?, sc("u")?);
+                self.rms_norm(x, h, norm, n, s.norm_eps, None)?;
+                self.matmul(gate, h, g, n, false, None)?;
+                self.matmul(up, h, u, n, false, None)?;
+                self.swiglu(g, u, n * f)?;
+                self.matmul(down, g, x, n, true, None)
+            }
+            SubgraphKind::Head => {
+                let rows = b.logit_rows.len();
+                if rows == 0 {
+                    return Ok(());
+                }
+                if b.logit_rows.iter().any(|&r| r as usize >= n) {
+                    return Err(self.err("a logit row past the pass"));
+                }
+                let (norm, out) = (w(WeightRole::OutputNorm)?, w(WeightRole::Output)?);
+                let logits = self.buf(b.logits.as_ref().ok_or_else(|| self.err("the head bound without logits"))?)?;
+                if logits.len() < rows * out.rows * 4 {
+                    return Err(self.err("the logits buffer is too small"));
+                }
+                self.ensure(st, "h", rows * s.d_model * 4)?;
+                let map_bytes: Vec<u8> = b.logit_rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let map = self.ctx.buffer_from(Access::ReadOnly, &map_bytes, false).map_err(self.exec())?;
+                let h = st.scratch.get("h").ok_or_else(|| self.err("scratch"))?;
+                self.rms_norm(x, h, norm, rows, s.norm_eps, Some(&map))?;
+                self.matmul(out, h, logits, rows, false, None)
+            }
+        }
+    }
+
+    /// One sequence's KV store and attention, over the pass's q/k/v scratch.
+    fn attend_seq(
+        &self,
+        st: &mut State,
+        s: &BlockShape,
+        cache: &Mem,
+        start: usize,
+        len: usize,
+        offset: usize,
+    ) -> Result<(), DeviceError> {
+        let used = start + len;
+        self.ensure(st, "scores", len * s.n_heads * used * 4)?;
+        let take = |name: &'static str, st: &mut State| st.scratch.remove(name).ok_or_else(|| self.err("scratch"));
+        let (q, k, v, attn) = (take("q", st)?, take("k", st)?, take("v", st)?, take("attn", st)?);
+        let r = self.attend(st, s, (&q, &k, &v, &attn), cache, start, len, offset);
+        for (name, m) in [("q", q), ("k", k), ("v", v), ("attn", attn)] {
+            st.scratch.insert(name, m);
+        }
+        r
+    }
+
+    /// Waits for the events of `after` that are not this device's own (its queue orders
+    /// those); the first failure among them.
+    fn wait_foreign(&self, after: &[Event]) -> Result<(), DeviceError> {
+        let pending = self.lock().pending.clone();
+        for e in after {
+            if e.state().is_none() && pending.iter().any(|p| p.same(e)) {
+                continue;
+            }
+            e.wait()?;
+        }
+        Ok(())
+    }
+}
+
+impl Device for GpuDevice {
+    fn id(&self) -> DeviceId {
+        self.id
+    }
+
+    fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    fn alloc(&self, usage: BufferUsage, bytes: usize) -> Result<Buffer, DeviceError> {
+        let m = self.ctx.buffer(Access::ReadWrite, bytes).map_err(|e| DeviceError::OutOfMemory {
+            device: format!("{}: {e}", self.desc.name),
+            usage,
+            bytes,
+        })?;
+        Ok(Buffer::new(self.id, usage, bytes, Arc::new(GpuBuf(m))))
+    }
+
+    fn write(&self, dst: &Buffer, offset: usize, src: &[u8], after: &[Event]) -> Result<Event, DeviceError> {
+        self.wait_foreign(after)?;
+        self.ctx.write(self.buf(dst)?, offset, src).map_err(self.exec())?;
+        Ok(Event::ready(Ok(())))
+    }
+
+    fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
+        self.wait_foreign(after)?;
+        self.ctx.read(self.buf(src)?, offset, dst).map_err(self.exec())
+    }
+
+    fn load_weight(&self, w: &HostWeight<'_>, rows: Range<usize>) -> Result<Weight, DeviceError> {
+        let name = &self.desc.name;
+        if type_suffix(w.ty).is_none() {
+            return Err(DeviceError::Unsupported { device: name.clone(), what: format!("{} weights", w.ty) });
+        }
+        let data = w.rows_bytes(rows.clone()).ok_or_else(|| self.err(format!("rows {rows:?} of {:?}", w.role)))?;
+        let is_vector = w.ty == GgmlType::F32 && w.rows == 1;
+        if !is_vector && !w.cols.is_multiple_of(32) {
+            return Err(DeviceError::Unsupported {
+                device: name.clone(),
+                what: format!("{:?}: rows of {} values (a multiple of 32 is needed)", w.role, w.cols),
+            });
+        }
+        let mem = self.ctx.buffer_from(Access::ReadOnly, data, self.info.host_unified_memory).map_err(|e| {
+            DeviceError::OutOfMemory { device: format!("{name}: {e}"), usage: BufferUsage::Weights, bytes: data.len() }
+        })?;
+        let row_bytes = w.ty.row_bytes(w.cols).unwrap_or(0);
+        let gw = Arc::new(GpuWeight { mem, ty: w.ty, rows: rows.len(), cols: w.cols, row_bytes });
+        Ok(Weight::new(self.id, w.role, rows, w.cols, data.len(), gw))
+    }
+
+    fn prepare(
+        &self,
+        subgraph: Subgraph,
+        shape: &BlockShape,
+        n_tokens: usize,
+        weights: &[Weight],
+    ) -> Result<Executable, DeviceError> {
+        let roles = subgraph.weight_roles(shape);
+        if roles.len() != weights.len() {
+            return Err(self.err(format!("{subgraph:?} takes {} weights, {} given", roles.len(), weights.len())));
+        }
+        let mut ws = Vec::with_capacity(weights.len());
+        for (role, w) in roles.iter().zip(weights) {
+            if w.get::<GpuWeight>(self.id).is_none() {
+                return Err(self.err("a weight of another device"));
+            }
+            if w.role != *role {
+                return Err(self.err(format!("weight {:?} where {role:?} goes", w.role)));
+            }
+            ws.push((*role, w.clone()));
+        }
+        if subgraph.kind == SubgraphKind::Attention
+            && (shape.n_kv_heads == 0
+                || !shape.n_heads.is_multiple_of(shape.n_kv_heads)
+                || shape.rope_dims > shape.head_dim
+                || !shape.rope_dims.is_multiple_of(2))
+        {
+            return Err(self.err(format!("attention of {} heads over {} KV heads", shape.n_heads, shape.n_kv_heads)));
+        }
+        let plan = Plan { sg: subgraph, shape: *shape, n: n_tokens, weights: ws };
+        Ok(Executable::new(self.id, subgraph, n_tokens, Arc::new(plan)))
+    }
+
+    fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
+        let plan = exe.get::<Plan>(self.id).ok_or_else(|| self.err("an executable of another device"))?;
+        if bind.positions.len() != plan.n || bind.tokens.len() != plan.n {
+            return Err(self.err(format!("prepared for {} tokens, bound {}", plan.n, bind.positions.len())));
+        }
+        self.wait_foreign(after)?;
+        let mut st = self.lock();
+        self.enqueue_subgraph(&mut st, plan, bind)?;
+        let ev = Event::new();
+        let signal = ev.clone();
+        let name = self.desc.name.clone();
+        self.ctx
+            .on_done(Box::new(move |r| {
+                signal.signal(r.map_err(|code| DeviceError::Execution {
+                    device: name,
+                    detail: format!("a command failed: {} ({code})", opencl_rt_sys::code_name(code)),
+                }))
+            }))
+            .map_err(self.exec())?;
+        st.pending.retain(|e| e.state().is_none());
+        st.pending.push(ev.clone());
+        Ok(ev)
+    }
+}
+
+/// Single kernels over host data, for the tests and `llmctl gpu-info`'s self-check: each
+/// uploads its inputs, runs one kernel and reads the result back.
+pub mod check {
+    use super::*;
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn bytes_f32(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    fn up(g: &GpuDevice, v: &[f32]) -> Result<Mem, DeviceError> {
+        g.ctx.buffer_from(Access::ReadWrite, &f32_bytes(v), false).map_err(g.exec())
+    }
+
+    fn down(g: &GpuDevice, m: &Mem, len: usize) -> Result<Vec<f32>, DeviceError> {
+        let mut b = vec![0u8; len * 4];
+        g.ctx.read(m, 0, &mut b).map_err(g.exec())?;
+        Ok(bytes_f32(&b))
+    }
+
+    fn vector(g: &GpuDevice, v: &[f32]) -> Result<Weight, DeviceError> {
+        let data = f32_bytes(v);
+        let hw = HostWeight { role: WeightRole::AttnNorm, ty: GgmlType::F32, rows: 1, cols: v.len(), data: &data };
+        g.load_weight(&hw, 0..1)
+    }
+
+    fn inner<'a>(g: &GpuDevice, w: &'a Weight) -> Result<&'a GpuWeight, DeviceError> {
+        w.get::<GpuWeight>(g.id).ok_or_else(|| g.err("weight"))
+    }
+
+    /// `y = W·x (+ bias)` for `n` rows of `x`; with `acc`, added to `acc`.
+    pub fn matmul(
+        g: &GpuDevice,
+        w: &HostWeight<'_>,
+        x: &[f32],
+        n: usize,
+        bias: Option<&[f32]>,
+        acc: Option<&[f32]>,
+    ) -> Result<Vec<f32>, DeviceError> {
+        let wt = g.load_weight(w, 0..w.rows)?;
+        let gw = inner(g, &wt)?;
+        let b = bias.map(|b| vector(g, b)).transpose()?;
+        let b = b.as_ref().map(|b| inner(g, b)).transpose()?;
+        let xm = up(g, x)?;
+        let y = match acc {
+            Some(a) => up(g, a)?,
+            None => up(g, &vec![0.0; n * w.rows])?,
+        };
+        g.matmul(gw, &xm, &y, n, acc.is_some(), b)?;
+        down(g, &y, n * w.rows)
+    }
+
+    /// Rows `tokens` of `w`, dequantized.
+    pub fn get_rows(g: &GpuDevice, w: &HostWeight<'_>, tokens: &[u32]) -> Result<Vec<f32>, DeviceError> {
+        let wt = g.load_weight(w, 0..w.rows)?;
+        let gw = inner(g, &wt)?;
+        let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let tm = g.ctx.buffer_from(Access::ReadOnly, &ids, false).map_err(g.exec())?;
+        let x = up(g, &vec![0.0; tokens.len() * w.cols])?;
+        let k = g.k.get_rows.get(&w.ty).ok_or_else(|| g.err("type"))?;
+        let args = [
+            Arg::Mem(&gw.mem),
+            Arg::U32(gw.row_bytes as u32),
+            Arg::U32(gw.cols as u32),
+            Arg::U32(gw.rows as u32),
+            Arg::Mem(&tm),
+            Arg::Mem(&x),
+        ];
+        g.ctx.enqueue(k, &args, &[w.cols / 32, tokens.len()], None).map_err(g.exec())?;
+        down(g, &x, tokens.len() * w.cols)
+    }
+
+    /// RMSNorm of each row of `x` (rows of `w.len()`).
+    pub fn rms_norm(g: &GpuDevice, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>, DeviceError> {
+        let rows = x.len() / w.len().max(1);
+        let (xm, om, wv) = (up(g, x)?, up(g, &vec![0.0; x.len()])?, vector(g, w)?);
+        g.rms_norm(&xm, &om, inner(g, &wv)?, rows, eps, None)?;
+        down(g, &om, x.len())
+    }
+
+    /// RoPE of `x` (one row per position).
+    pub fn rope(
+        g: &GpuDevice,
+        x: &[f32],
+        positions: &[u32],
+        p: &llmd_device::RopeParams,
+        ff: Option<&[f32]>,
+    ) -> Result<Vec<f32>, DeviceError> {
+        let xm = up(g, x)?;
+        let pb: Vec<u8> = positions.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let pm = g.ctx.buffer_from(Access::ReadOnly, &pb, false).map_err(g.exec())?;
+        let f = ff.map(|f| vector(g, f)).transpose()?;
+        let f = f.as_ref().map(|f| inner(g, f)).transpose()?;
+        g.rope(&xm, &pm, positions.len(), p, f)?;
+        down(g, &xm, x.len())
+    }
+
+    /// `silu(gate) · up`.
+    pub fn swiglu(g: &GpuDevice, gate: &[f32], upv: &[f32]) -> Result<Vec<f32>, DeviceError> {
+        let (gm, um) = (up(g, gate)?, up(g, upv)?);
+        g.swiglu(&gm, &um, gate.len())?;
+        down(g, &gm, gate.len())
+    }
+
+    /// Attention of `len` new rows over a cache that held `start` positions: `k_old`/`v_old`
+    /// (`start × kv_dim` each) then the new `k`/`v`; the output rows (`len × q_dim`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        g: &GpuDevice,
+        s: &BlockShape,
+        q: &[f32],
+        k_old: &[f32],
+        v_old: &[f32],
+        k: &[f32],
+        v: &[f32],
+        len: usize,
+    ) -> Result<Vec<f32>, DeviceError> {
+        let kvd = s.kv_dim();
+        let start = k_old.len() / kvd.max(1);
+        let ctx = start + len + 3;
+        let cache = g.ctx.buffer(Access::ReadWrite, 2 * ctx * kvd * 2).map_err(g.exec())?;
+        let mut st = State::default();
+        if start > 0 {
+            // The old positions go in through the same store kernel.
+            let (ko, vo) = (up(g, k_old)?, up(g, v_old)?);
+            let store = [
+                Arg::Mem(&ko),
+                Arg::Mem(&vo),
+                Arg::Mem(&cache),
+                Arg::U32(kvd as u32),
+                Arg::U32((ctx * kvd) as u32),
+                Arg::U32(0),
+                Arg::U32(0),
+            ];
+            g.ctx.enqueue(&g.k.kv_store, &store, &[kvd, start], None).map_err(g.exec())?;
+        }
+        let (qm, km, vm) = (up(g, q)?, up(g, k)?, up(g, v)?);
+        let out = up(g, &vec![0.0; len * s.q_dim()])?;
+        g.attend(&mut st, s, (&qm, &km, &vm, &out), &cache, start, len, 0)?;
+        down(g, &out, len * s.q_dim())
+    }
+}

@@ -1,0 +1,80 @@
+//! Against a real OpenCL runtime (PoCL in CI: `scripts/setup-opencl.sh`). Without one the tests
+//! say so and pass, unless `LLMD_REQUIRE_OPENCL=1` (set by `scripts/test.sh`), which makes a
+//! missing runtime a failure.
+
+#![allow(clippy::unwrap_used)]
+
+use opencl_rt_sys::{Access, Arg, ClError, Context, Library};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+fn context() -> Option<Arc<Context>> {
+    let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
+    let lib = match Library::open(None) {
+        Ok(l) => l,
+        Err(e) if !required => {
+            eprintln!("skipped: no OpenCL library ({e})");
+            return None;
+        }
+        Err(e) => panic!("LLMD_REQUIRE_OPENCL=1 and {e}"),
+    };
+    let devs = lib.devices().unwrap();
+    let Some(d) = devs.first() else {
+        assert!(!required, "LLMD_REQUIRE_OPENCL=1 and {} has no device", lib.path());
+        eprintln!("skipped: no OpenCL device");
+        return None;
+    };
+    eprintln!("{} / {} ({}), {}", d.platform, d.name, d.kind, d.driver_version);
+    Some(Context::new(&lib, d).unwrap())
+}
+
+const SRC: &str = "__kernel void axpy(__global const float* x, __global float* y, float a) {
+    size_t i = get_global_id(0); y[i] += a * x[i];
+}";
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[test]
+fn a_kernel_runs_and_its_program_comes_back_from_its_binary() {
+    let Some(ctx) = context() else { return };
+    let prog = ctx.program_from_source(SRC, "").unwrap();
+    let x: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let xb = ctx.buffer_from(Access::ReadOnly, &f32s(&x), true).unwrap();
+    let yb = ctx.buffer_from(Access::ReadWrite, &f32s(&vec![1.0; 1000]), false).unwrap();
+    let k = prog.kernel("axpy").unwrap();
+    ctx.enqueue(&k, &[Arg::Mem(&xb), Arg::Mem(&yb), Arg::F32(2.0)], &[1000], None).unwrap();
+    let (tx, rx) = mpsc::channel();
+    ctx.on_done(Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap(), Ok(()));
+    let mut out = vec![0u8; 4000];
+    ctx.read(&yb, 0, &mut out).unwrap();
+    let y: Vec<f32> = out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert!(y.iter().enumerate().all(|(i, &v)| v == 1.0 + 2.0 * i as f32));
+    let s = ctx.stats();
+    assert_eq!((s.kernels, s.host_waits, s.bytes_from_device), (1, 1, 4000));
+
+    // Its binary builds again, and the kernel gives the same result.
+    let bin = prog.binary().unwrap();
+    assert!(!bin.is_empty());
+    let again = ctx.program_from_binary(&bin, "").unwrap();
+    ctx.enqueue(&again.kernel("axpy").unwrap(), &[Arg::Mem(&xb), Arg::Mem(&yb), Arg::F32(-2.0)], &[1000], None)
+        .unwrap();
+    ctx.read(&yb, 0, &mut out).unwrap();
+    assert!(out.chunks_exact(4).all(|c| f32::from_le_bytes(c.try_into().unwrap()) == 1.0));
+}
+
+#[test]
+fn bad_source_bad_binaries_and_bad_arguments_are_errors() {
+    let Some(ctx) = context() else { return };
+    let e = ctx.program_from_source("__kernel void f() { undeclared = 1; }", "").err().unwrap();
+    assert!(matches!(&e, ClError::Build { log } if log.contains("undeclared")), "{e}");
+    assert!(ctx.program_from_binary(b"not a binary", "").is_err());
+    let prog = ctx.program_from_source(SRC, "").unwrap();
+    assert!(prog.kernel("nope").is_err());
+    let yb = ctx.buffer(Access::ReadWrite, 16).unwrap();
+    let mut big = vec![0u8; 32];
+    assert!(ctx.read(&yb, 0, &mut big).is_err(), "past the buffer's end");
+    assert!(ctx.write(&yb, 8, &[0; 16]).is_err(), "past the buffer's end");
+}
