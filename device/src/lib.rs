@@ -153,6 +153,12 @@ pub struct SeqBinding {
     /// Its KV cache for this subgraph's layer on this device (attention subgraphs), made by
     /// [`Device::alloc`] with [`BufferUsage::Kv`]. The executable writes the pass's keys and
     /// values at `start..start + len`, overwriting what a rolled-back turn left there.
+    ///
+    /// The buffer's layout, for [`Device::write`] and [`Device::read`] (the engine hands a
+    /// cache that the CPU filled to the device that decodes, and takes it back): `2 · ctx ·
+    /// kv_dim` f16 values, little-endian — the keys of positions `0..ctx`, `kv_dim` each,
+    /// then the values at byte `ctx · kv_dim · 2`. A device that keeps its caches another way
+    /// converts there, or refuses such writes and reads (the cache then stays where it is).
     pub kv: Option<Buffer>,
 }
 

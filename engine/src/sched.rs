@@ -111,6 +111,24 @@ impl<F: Fn(Subgraph) -> usize + Send + Sync> CostModel for Pinned<F> {
     }
 }
 
+/// Decode on one device, prompts on the host: a pass of at most `max_tokens` tokens goes whole
+/// to the device named `device`, a longer one stays whole on the host — the GPU decoding what
+/// the CPU (or the NPU) read. Each sequence's KV cache moves to the device once per turn, at
+/// its first decode step, and back at its next prompt.
+pub struct DecodeOn {
+    pub device: String,
+    pub max_tokens: usize,
+}
+
+impl CostModel for DecodeOn {
+    fn cost(&self, dev: &DeviceDesc, _: Subgraph, _: &BlockShape, n_tokens: usize) -> Option<Cost> {
+        ((n_tokens <= self.max_tokens) == (dev.name == self.device)).then_some(Cost::default())
+    }
+    fn transfer_s(&self, _: &DeviceDesc, _: usize) -> f64 {
+        0.0
+    }
+}
+
 /// Why a pass could not be placed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("no device can run {subgraph:?} at {n_tokens} tokens: {reasons}")]

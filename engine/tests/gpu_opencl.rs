@@ -1,43 +1,28 @@
 //! The OpenCL GPU backend on a real OpenCL runtime (PoCL in CI, `scripts/setup-opencl.sh`):
 //! every kernel against a reference written from its definition (f64, over the format's own
-//! dequantization), and greedy decode with the whole model on the GPU against the CPU.
+//! dequantization: `backend::gpu::check::self_check`, within the tolerances named there), at
+//! the shapes of three model families; greedy decode with the whole model on the GPU, and with
+//! the CPU reading the prompt and the GPU decoding, against the CPU alone.
 //!
 //! Without a runtime the tests say so and pass, unless `LLMD_REQUIRE_OPENCL=1` (set by
 //! `scripts/test.sh`, so CI fails instead).
 
-#![allow(clippy::unwrap_used, clippy::needless_range_loop)]
+#![allow(clippy::unwrap_used)]
 
 mod common;
 
-use llmd_device::{BlockShape, GgmlType, HostWeight, RopeParams, RopeStyle, Subgraph, WeightRole};
+use llmd_device::{BlockShape, RopeStyle, Subgraph};
 use llmd_engine::backend::blocks::Logits;
-use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions, WEIGHT_TYPES};
-use llmd_engine::quant::dequantize_row;
-use llmd_engine::sched::Pinned;
+use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions};
+use llmd_engine::model::Devices;
+use llmd_engine::sched::{DecodeOn, Pinned};
 use llmd_engine::{LoadOptions, Model};
 use std::sync::{Arc, OnceLock};
 
-/// A matmul output against the f64 sum of the dequantized weights times x: the kernel sums in
-/// f32 (fused multiply-adds, 32 values per work-item step, then a tree), so it may differ by
-/// a few f32 roundings of the sum of |w·x| (n·2⁻²⁴ bounds it for n terms; 1e-5 covers rows of
-/// 4096 with room).
-const MATMUL_REL_TOL: f64 = 1e-5;
-/// Dequantized rows: the same products as the reference; an FMA contraction may round once
-/// differently.
-const GET_ROWS_REL_TOL: f64 = 1e-6;
-/// RMSNorm: an f32 tree sum of squares against f64.
-const RMS_NORM_REL_TOL: f64 = 1e-5;
-/// RoPE: OpenCL's `cos`/`sin` are within 4 ulp (OpenCL 1.2 §7.4); the angle is built the same
-/// way as the reference; |x| ≤ 1 here.
-const ROPE_ABS_TOL: f64 = 2e-6;
-/// SwiGLU: `exp` within 3 ulp and one division.
-const SWIGLU_REL_TOL: f64 = 1e-6;
-/// Attention against f64 over the f16-rounded keys and values the cache holds: f32 dot
-/// products, `exp`, and sums over up to 80 positions.
-const ATTENTION_ABS_TOL: f64 = 2e-5;
 /// Greedy decode on the GPU may part from the CPU's only where the CPU's top two logits are
 /// this close: the CPU quantizes activations to Q8 for its integer dot products (as
-/// llama.cpp's CPU backend does), the GPU multiplies in f32.
+/// llama.cpp's CPU backend does), the GPU multiplies in f32. (Seen on the default model: the
+/// logits of a pass differ by up to ~1.1; one of three prompts parted at a margin of 0.10.)
 const NEAR_TIE: f32 = 0.25;
 
 fn gpu() -> Option<&'static GpuDevice> {
@@ -46,13 +31,8 @@ fn gpu() -> Option<&'static GpuDevice> {
         let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
         match GpuDevice::open(&GpuOptions::default()) {
             Ok(g) => {
-                eprintln!(
-                    "OpenCL: {} / {} ({}), program {:?}",
-                    g.info().platform,
-                    g.info().name,
-                    g.info().kind,
-                    g.program_origin()
-                );
+                let i = g.info();
+                eprintln!("OpenCL: {} / {} ({}), program {:?}", i.platform, i.name, i.kind, g.program_origin());
                 Some(g)
             }
             Err(e) if !required => {
@@ -65,212 +45,40 @@ fn gpu() -> Option<&'static GpuDevice> {
     .as_ref()
 }
 
-/// A small deterministic generator (xorshift), values in [-1, 1).
-struct Rng(u64);
-impl Rng {
-    fn f(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
-}
-
-/// `rows × cols` weights of `ty`: random bytes with every scale field set to a sane f16 (the
-/// engine quantizes only activation types), and their dequantization by the engine's reference.
-fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> (Vec<u8>, Vec<f32>) {
-    let rb = ty.row_bytes(cols).unwrap();
-    let mut bytes: Vec<u8> = (0..rows * rb).map(|_| (rng.f() * 128.0 + 128.0) as u8).collect();
-    let h = |v: f32| half::f16::from_f32(v).to_le_bytes();
-    let (block, scales): (usize, &[usize]) = match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => (ty.type_size(), &[0]),
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K => (ty.type_size(), &[0, 2]),
-        GgmlType::Q6_K => (ty.type_size(), &[208]),
-        GgmlType::F16 => (2, &[0]),
-        GgmlType::F32 => (4, &[]),
-        other => panic!("no generator for {other}"),
-    };
-    for b in bytes.chunks_exact_mut(block) {
-        if ty == GgmlType::F32 {
-            b.copy_from_slice(&rng.f().to_le_bytes());
-        }
-        for &at in scales {
-            let v = if ty == GgmlType::F16 { rng.f() } else { 0.001 + 0.02 * rng.f().abs() };
-            b[at..at + 2].copy_from_slice(&h(v));
-        }
-    }
-    let mut deq = vec![0f32; rows * cols];
-    for r in 0..rows {
-        dequantize_row(ty, &bytes[r * rb..(r + 1) * rb], &mut deq[r * cols..(r + 1) * cols]).unwrap();
-    }
-    (bytes, deq)
-}
-
-fn rel_err(got: f32, want: f64, scale: f64) -> f64 {
-    (got as f64 - want).abs() / scale.max(1e-30)
-}
-
-#[test]
-fn every_matmul_and_get_rows_type_equals_the_reference() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for ty in WEIGHT_TYPES {
-        // 256 columns: one K-quant super-block per row; 3 token rows, and 11 (more than a tile).
-        let (rows, cols) = (37, 512);
-        let (bytes, deq) = quantized(ty, rows, cols, &mut rng);
-        let w = HostWeight { role: WeightRole::Wq, ty, rows, cols, data: &bytes };
-        for n in [1, 3, 11] {
-            let x = rng.vec(n * cols);
-            let bias = rng.vec(rows);
-            let acc = rng.vec(n * rows);
-            let plain = check::matmul(g, &w, &x, n, None, None).unwrap();
-            let fused = check::matmul(g, &w, &x, n, Some(&bias), Some(&acc)).unwrap();
-            let mut worst = 0f64;
-            for t in 0..n {
-                for r in 0..rows {
-                    let (mut s, mut mag) = (0f64, 0f64);
-                    for k in 0..cols {
-                        let p = deq[r * cols + k] as f64 * x[t * cols + k] as f64;
-                        s += p;
-                        mag += p.abs();
-                    }
-                    worst = worst.max(rel_err(plain[t * rows + r], s, mag));
-                    let want = s + bias[r] as f64 + acc[t * rows + r] as f64;
-                    worst = worst.max(rel_err(fused[t * rows + r], want, mag + 2.0));
-                }
-            }
-            assert!(worst <= MATMUL_REL_TOL, "{ty} n={n}: matmul off by {worst:e} of Σ|w·x|");
-        }
-        let toks = [5u32, 0, 36, 5];
-        let got = check::get_rows(g, &w, &toks).unwrap();
-        for (i, &t) in toks.iter().enumerate() {
-            for k in 0..cols {
-                let want = deq[t as usize * cols + k] as f64;
-                let e = rel_err(got[i * cols + k], want, want.abs().max(1e-3));
-                assert!(e <= GET_ROWS_REL_TOL, "{ty}: get_rows row {t} col {k}: {} vs {want}", got[i * cols + k]);
-            }
-        }
+fn shape(d_model: usize, heads: (usize, usize), head_dim: usize, ffn_dim: usize, style: RopeStyle) -> BlockShape {
+    BlockShape {
+        n_layers: 1,
+        d_model,
+        n_heads: heads.0,
+        n_kv_heads: heads.1,
+        head_dim,
+        ffn_dim,
+        vocab: 64,
+        context_length: 8192,
+        norm_eps: 1e-5,
+        rope_dims: head_dim,
+        rope_theta: 10000.0,
+        rope_freq_scale: 1.0,
+        rope_style: style,
+        qkv_bias: false,
+        rope_freqs: false,
     }
 }
 
 #[test]
-fn rms_norm_rope_and_swiglu_equal_their_definitions() {
+fn every_kernel_and_weight_type_equals_its_reference() {
     let Some(g) = gpu() else { return };
-    let mut rng = Rng(7);
-    let (d, rows, eps) = (576, 5, 1e-5f32);
-    let x = rng.vec(rows * d);
-    let w = rng.vec(d);
-    let got = check::rms_norm(g, &x, &w, eps).unwrap();
-    for r in 0..rows {
-        let row = &x[r * d..(r + 1) * d];
-        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
-        let s = 1.0 / (ms + eps as f64).sqrt();
-        for k in 0..d {
-            let want = row[k] as f64 * s * w[k] as f64;
-            let e = rel_err(got[r * d + k], want, want.abs().max(1e-3));
-            assert!(e <= RMS_NORM_REL_TOL, "rms_norm row {r} col {k}: {e:e}");
-        }
-    }
-
-    for (style, ff) in [(RopeStyle::Interleaved, false), (RopeStyle::Neox, false), (RopeStyle::Neox, true)] {
-        let p = RopeParams { n_heads: 3, head_dim: 64, rope_dims: 48, theta: 10000.0, freq_scale: 0.5, style };
-        let positions = [0u32, 1, 17, 900, 4095];
-        let x = rng.vec(positions.len() * 3 * 64);
-        let factors: Vec<f32> = (0..24).map(|i| 1.0 + i as f32 * 0.25).collect();
-        let got = check::rope(g, &x, &positions, &p, ff.then_some(&factors[..])).unwrap();
-        let theta_scale = p.theta.powf(-2.0 / p.rope_dims as f32);
-        for (t, &pos) in positions.iter().enumerate() {
-            for h in 0..3 {
-                let base = (t * 3 + h) * 64;
-                let mut want: Vec<f64> = x[base..base + 64].iter().map(|&v| v as f64).collect();
-                let mut th = pos as f32;
-                for i in 0..24 {
-                    let f = if ff { factors[i] } else { 1.0 };
-                    let a = (p.freq_scale * (th / f)) as f64;
-                    th *= theta_scale;
-                    let (i0, i1) = match style {
-                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                        RopeStyle::Neox => (i, i + 24),
-                    };
-                    let (a0, a1) = (want[i0], want[i1]);
-                    want[i0] = a0 * a.cos() - a1 * a.sin();
-                    want[i1] = a0 * a.sin() + a1 * a.cos();
-                }
-                for k in 0..64 {
-                    let e = (got[base + k] as f64 - want[k]).abs();
-                    assert!(e <= ROPE_ABS_TOL, "rope {style:?} ff={ff} pos {pos} head {h} dim {k}: {e:e}");
-                }
-            }
-        }
-    }
-
-    let (gate, up) = (rng.vec(1000).iter().map(|v| v * 8.0).collect::<Vec<_>>(), rng.vec(1000));
-    let got = check::swiglu(g, &gate, &up).unwrap();
-    for i in 0..1000 {
-        let a = gate[i] as f64;
-        let want = a / (1.0 + (-a).exp()) * up[i] as f64;
-        assert!(rel_err(got[i], want, want.abs().max(1e-3)) <= SWIGLU_REL_TOL, "swiglu {i}");
-    }
-}
-
-fn f16_round(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| half::f16::from_f32(x).to_f64()).collect()
-}
-
-#[test]
-fn attention_with_grouped_query_heads_equals_its_definition() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng(99);
-    for (n_heads, n_kv, start, len) in [(9, 3, 0, 1), (9, 3, 70, 1), (4, 4, 0, 7), (12, 2, 40, 5)] {
-        let hd = 64;
-        let s = BlockShape {
-            n_layers: 1,
-            d_model: n_heads * hd,
-            n_heads,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-            ffn_dim: 64,
-            vocab: 32,
-            context_length: 4096,
-            norm_eps: 1e-5,
-            rope_dims: hd,
-            rope_theta: 10000.0,
-            rope_freq_scale: 1.0,
-            rope_style: RopeStyle::Neox,
-            qkv_bias: false,
-            rope_freqs: false,
-        };
-        let kvd = n_kv * hd;
-        let q = rng.vec(len * n_heads * hd);
-        let (k_old, v_old) = (rng.vec(start * kvd), rng.vec(start * kvd));
-        let (k, v) = (rng.vec(len * kvd), rng.vec(len * kvd));
-        let got = check::attention(g, &s, &q, &k_old, &v_old, &k, &v, len).unwrap();
-        let keys = f16_round(&[k_old.clone(), k.clone()].concat());
-        let vals = f16_round(&[v_old.clone(), v.clone()].concat());
-        let scale = 1.0 / (hd as f64).sqrt();
-        for t in 0..len {
-            for h in 0..n_heads {
-                let kh = h / (n_heads / n_kv);
-                let qr = &q[(t * n_heads + h) * hd..][..hd];
-                let total = start + t + 1;
-                let scores: Vec<f64> = (0..total)
-                    .map(|p| (0..hd).map(|d| qr[d] as f64 * keys[p * kvd + kh * hd + d]).sum::<f64>() * scale)
-                    .collect();
-                let m = scores.iter().cloned().fold(f64::MIN, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                for d in 0..hd {
-                    let want: f64 = (0..total).map(|p| e[p] * vals[p * kvd + kh * hd + d]).sum::<f64>() / sum;
-                    let gv = got[(t * n_heads + h) * hd + d] as f64;
-                    assert!(
-                        (gv - want).abs() <= ATTENTION_ABS_TOL,
-                        "heads {n_heads}/{n_kv} start {start} token {t} head {h} dim {d}: {gv} vs {want}"
-                    );
-                }
-            }
+    // SmolLM2-135M (llama: interleaved RoPE, 9/3 heads), Qwen2.5-1.5B (NeoX RoPE, 12/2 heads,
+    // head 128), and a model with no grouping and an odd FFN.
+    let shapes = [
+        shape(576, (9, 3), 64, 1536, RopeStyle::Interleaved),
+        shape(1536, (12, 2), 128, 8960, RopeStyle::Neox),
+        shape(256, (4, 4), 64, 688, RopeStyle::Neox),
+    ];
+    for s in shapes {
+        for c in check::self_check(g, &s).unwrap() {
+            eprintln!("d_model {}: {:<50} worst {:.2e} (tolerance {:.0e})", s.d_model, c.kernel, c.worst, c.tolerance);
+            assert!(c.ok(), "d_model {}: {} is off by {:e}, past {:e}", s.d_model, c.kernel, c.worst, c.tolerance);
         }
     }
 }
@@ -342,6 +150,85 @@ fn greedy_decode_on_the_gpu_gives_the_cpu_tokens_on_the_default_model() {
         &["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"],
         32,
     );
+}
+
+/// Bytes of one position of every layer's keys and values in f16.
+fn kv_bytes_per_position(m: &Model) -> u64 {
+    let c = &m.transformer.config;
+    (c.n_layers * 2 * c.kv_dim() * 2) as u64
+}
+
+#[test]
+fn a_cpu_prefill_hands_its_cache_to_the_gpu_which_decodes_and_hands_it_back() {
+    if gpu().is_none() {
+        return;
+    }
+    let path = common::default_model_path();
+    let m = Model::load(&path, &LoadOptions { threads: 2, ..Default::default() }).unwrap();
+    let g = Arc::new(GpuDevice::open(&GpuOptions::default()).unwrap());
+    let name = llmd_device::Device::desc(&*g).name.clone();
+    let dev: Arc<dyn llmd_device::Device> = g.clone();
+    // Passes of one token on the GPU, longer ones on the CPU; not attached to the model.
+    let devs = Devices::new(vec![dev], Arc::new(DecodeOn { device: name, max_tokens: 1 }));
+    let t = &m.transformer;
+    let turn1 = m.tokenizer.encode("The capital of France is", false, true).unwrap();
+    let turn2 = m.tokenizer.encode(" And of Italy?", false, false).unwrap();
+    let per_pos = kv_bytes_per_position(&m);
+
+    // The same script on the CPU alone and split, greedy; each step's token and CPU margin.
+    let run = |split: bool| {
+        let mut kv = t.new_kv();
+        let mut out = Vec::new();
+        let mut moved = Vec::new();
+        let pass = |kv: &mut llmd_engine::model::kv::KvCache, toks: &[u32]| {
+            let mut b = [(kv, toks)];
+            let l = if split {
+                t.forward_batch_on(&devs, &mut b, Logits::Last)
+            } else {
+                t.forward_batch(&mut b, Logits::Last)
+            };
+            l.unwrap().pop().unwrap()
+        };
+        for prompt in [&turn1, &turn2] {
+            let before = g.stats();
+            let mut logits = pass(&mut kv, prompt);
+            assert!(!kv.has_device_layers(), "a prompt runs on the CPU, with the cache at home");
+            let home = g.stats();
+            for step in 0..8 {
+                let next = llmd_engine::sampling::argmax(&logits);
+                let mut sorted = logits.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                out.push((next, sorted[0] - sorted[1]));
+                logits = pass(&mut kv, &[next]);
+                if split && step == 0 {
+                    assert!(kv.has_device_layers(), "decode runs on the GPU, with the cache there");
+                    moved.push((
+                        home.bytes_from_device - before.bytes_from_device,
+                        g.stats().bytes_to_device - home.bytes_to_device,
+                        kv.len() as u64 - 1,
+                    ));
+                }
+            }
+        }
+        (out, moved)
+    };
+    let (cpu, _) = run(false);
+    let (split, moved) = run(true);
+    for (i, (a, b)) in cpu.iter().zip(&split).enumerate() {
+        if a.0 != b.0 {
+            assert!(a.1 <= NEAR_TIE, "step {i}: the split run parts from the CPU's at a margin of {}", a.1);
+            break;
+        }
+    }
+    // Turn 1: nothing to bring home; its prompt's cache handed up at the first decode step.
+    // Turn 2: turn 1's cache (prompt and 8 steps) brought home by the prompt, then handed up.
+    let (down1, up1, held1) = moved[0];
+    let (down2, up2, held2) = moved[1];
+    eprintln!("turn 1: {down1} B down, {up1} B up ({held1} positions); turn 2: {down2} B down, {up2} B up ({held2} positions)");
+    assert_eq!(down1, 0);
+    assert!(up1 >= held1 * per_pos, "the prompt's cache went up once: {up1} B for {held1} positions");
+    assert!(down2 >= (turn1.len() as u64 + 8) * per_pos, "turn 1's cache came home: {down2} B");
+    assert!(up2 >= held2 * per_pos && up2 < held2 * per_pos + 4096, "once, plus the step's ids: {up2} B");
 }
 
 /// The K-quant model (Q4_K and Q6_K weights): `LLMD_LARGE_MODEL_TESTS=1 scripts/test.sh`, or

@@ -114,8 +114,24 @@ pub struct KvCache {
     store: Store,
     /// Per layer, the cache a device holds for this sequence when that layer's attention runs
     /// there (memory of the device's; it writes positions `start..` at each pass, so a
-    /// truncation here needs nothing of it). Empty while every layer is on the host.
-    device: Vec<Option<llmd_device::Buffer>>,
+    /// truncation here needs nothing of it). Empty while every layer is on the host. A layer
+    /// is held in one place: on its device (the host's vectors of it then empty) or here.
+    device: Vec<Option<DeviceKv>>,
+}
+
+/// One layer of a sequence's cache on a device: the device and its [`BufferUsage::Kv`] buffer,
+/// in the contract's layout ([`llmd_device::SeqBinding::kv`]: f16 keys `[ctx][kv_dim]`, then
+/// the values).
+///
+/// [`BufferUsage::Kv`]: llmd_device::BufferUsage::Kv
+#[derive(Clone)]
+pub struct DeviceKv {
+    pub dev: std::sync::Arc<dyn llmd_device::Device>,
+    pub buf: llmd_device::Buffer,
+}
+
+fn kv_err(detail: String) -> crate::error::BackendError {
+    crate::error::BackendError::Device(detail)
 }
 
 /// Quantizes one head's values to int8, returning the scale.
@@ -183,20 +199,109 @@ impl KvCache {
 
     /// The buffer a device holds for layer `layer` of this sequence, if any.
     pub(crate) fn device_layer(&self, layer: usize) -> Option<&llmd_device::Buffer> {
-        self.device.get(layer).and_then(Option::as_ref)
+        self.device.get(layer).and_then(Option::as_ref).map(|d| &d.buf)
+    }
+
+    /// The device holding layer `layer`, if one does.
+    pub(crate) fn device_of_layer(&self, layer: usize) -> Option<&std::sync::Arc<dyn llmd_device::Device>> {
+        self.device.get(layer).and_then(Option::as_ref).map(|d| &d.dev)
     }
 
     /// Sets (or, with `None`, drops) the device buffer of layer `layer`.
-    pub(crate) fn set_device_layer(&mut self, layer: usize, buf: Option<llmd_device::Buffer>) {
+    pub(crate) fn set_device_layer(&mut self, layer: usize, kv: Option<DeviceKv>) {
         if self.device.len() <= layer {
             self.device.resize(layer + 1, None);
         }
-        self.device[layer] = buf;
+        self.device[layer] = kv;
+    }
+
+    /// Hands layer `layer`'s positions to `dev`: a KV buffer of `ctx` positions there, the
+    /// host's positions written into it (two writes), and the host's copy freed — the cache a
+    /// CPU prefill made, handed once to the device that decodes. f16 caches only.
+    pub(crate) fn move_to_device(
+        &mut self,
+        layer: usize,
+        dev: &std::sync::Arc<dyn llmd_device::Device>,
+        ctx: usize,
+    ) -> Result<(), crate::error::BackendError> {
+        if self.device_layer(layer).is_some() {
+            self.move_home(layer)?;
+        }
+        let (heads, hd, kvd, len) = (self.kv_heads(), self.head_dim, self.kv_dim, self.len);
+        let Store::F16 { k, v } = &mut self.store else {
+            return Err(kv_err("only an f16 KV cache moves to a device".into()));
+        };
+        if len > ctx {
+            return Err(kv_err(format!("{len} positions do not fit a device cache of {ctx}")));
+        }
+        let name = dev.desc().name.clone();
+        let buf = dev.alloc(llmd_device::BufferUsage::Kv, 2 * ctx * kvd * 2).map_err(|e| kv_err(e.to_string()))?;
+        // Both regions written before either host copy is let go: a refused write leaves the
+        // host's cache whole.
+        for (region, store) in [(0, &*k), (1, &*v)] {
+            let heads_of = &store[layer * heads..(layer + 1) * heads];
+            if heads_of.iter().any(|x| x.len() < len * hd) {
+                return Err(kv_err(format!("layer {layer} holds fewer than {len} positions on the host")));
+            }
+            let mut bytes = Vec::with_capacity(len * kvd * 2);
+            for p in 0..len {
+                for x in heads_of {
+                    bytes.extend(x[p * hd..(p + 1) * hd].iter().flat_map(|h| h.to_le_bytes()));
+                }
+            }
+            let ev = dev.write(&buf, region * ctx * kvd * 2, &bytes, &[]).map_err(|e| kv_err(e.to_string()))?;
+            ev.wait().map_err(|e| kv_err(format!("{name}: {e}")))?;
+        }
+        for x in
+            k[layer * heads..(layer + 1) * heads].iter_mut().chain(v[layer * heads..(layer + 1) * heads].iter_mut())
+        {
+            x.clear();
+            x.shrink_to_fit();
+        }
+        self.set_device_layer(layer, Some(DeviceKv { dev: dev.clone(), buf }));
+        Ok(())
+    }
+
+    /// Brings layer `layer`'s positions back from its device into host memory (two reads) and
+    /// lets the device's buffer go.
+    pub(crate) fn move_home(&mut self, layer: usize) -> Result<(), crate::error::BackendError> {
+        let Some(d) = self.device.get(layer).cloned().flatten() else { return Ok(()) };
+        let (heads, hd, kvd, len) = (self.kv_heads(), self.head_dim, self.kv_dim, self.len);
+        let Store::F16 { k, v } = &mut self.store else {
+            return Err(kv_err("only an f16 KV cache moves from a device".into()));
+        };
+        let ctx = d.buf.len / (4 * kvd.max(1));
+        if len > ctx {
+            return Err(kv_err(format!("{len} positions in a device cache of {ctx}")));
+        }
+        for (region, store) in [(0, &mut *k), (1, &mut *v)] {
+            let mut bytes = vec![0u8; len * kvd * 2];
+            d.dev.read(&d.buf, region * ctx * kvd * 2, &mut bytes, &[]).map_err(|e| kv_err(e.to_string()))?;
+            for (h, x) in store[layer * heads..(layer + 1) * heads].iter_mut().enumerate() {
+                x.clear();
+                x.reserve(len * hd);
+                for p in 0..len {
+                    let at = (p * kvd + h * hd) * 2;
+                    x.extend(bytes[at..at + hd * 2].chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])));
+                }
+            }
+        }
+        self.set_device_layer(layer, None);
+        Ok(())
+    }
+
+    /// Brings every layer held on a device back into host memory.
+    pub fn move_all_home(&mut self) -> Result<(), crate::error::BackendError> {
+        for layer in 0..self.device.len() {
+            self.move_home(layer)?;
+        }
+        self.device.clear();
+        Ok(())
     }
 
     /// Bytes allocated for keys and values (on the host and on devices).
     pub fn size_bytes(&self) -> usize {
-        let on_devices: usize = self.device.iter().flatten().map(|b| b.len).sum();
+        let on_devices: usize = self.device.iter().flatten().map(|d| d.buf.len).sum();
         on_devices + self.host_bytes()
     }
 

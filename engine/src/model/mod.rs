@@ -4,6 +4,7 @@
 pub use crate::backend::kv;
 pub use crate::config;
 mod placed;
+pub use placed::Devices;
 pub mod stream;
 pub mod weights;
 
@@ -123,6 +124,22 @@ impl Transformer {
         out
     }
 
+    /// One pass over `batch` placed across the host and `devs` — a set not attached to the
+    /// model (a daemon thread driving a device keeps its own, with the weights it loaded), so
+    /// the model's other passes stay on the host meanwhile. A sequence's KV cache of a layer
+    /// is handed to the device running that layer's attention (and comes back for a host
+    /// pass).
+    pub fn forward_batch_on(
+        &self,
+        devs: &Devices,
+        batch: &mut [(&mut KvCache, &[u32])],
+        which: Logits,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let out = self.forward_placed(devs, batch, which);
+        self.weights.check_files()?;
+        out
+    }
+
     /// [`Self::forward_batch`] without the check that the model's file lost no page meanwhile.
     fn forward_batch_unchecked(
         &self,
@@ -132,10 +149,11 @@ impl Transformer {
         if let Some(devs) = &self.devices {
             return self.forward_placed(devs, batch, which);
         }
-        if batch.iter().any(|(kv, _)| kv.has_device_layers()) {
-            return Err(BackendError::Device(
-                "a sequence's KV cache is partly on a device that is no longer attached".into(),
-            ));
+        // A sequence that decoded on a device brings its cache home for the host's pass.
+        for (kv, _) in batch.iter_mut() {
+            if kv.has_device_layers() {
+                kv.move_all_home()?;
+            }
         }
         let tokens: Vec<usize> = batch.iter().map(|b| b.1.len()).collect();
         if let Some(parts) = split_plan(&tokens, self.planner.split_parts()) {
@@ -215,11 +233,12 @@ impl Transformer {
         linears: &dyn crate::backend::blocks::Linears,
         which: Logits,
     ) -> Result<Vec<f32>, BackendError> {
-        if self.devices.is_some() || kv.has_device_layers() {
+        if self.devices.is_some() {
             return Err(BackendError::Device(
                 "the NPU prefill runs on the host's caches: detach the devices first".into(),
             ));
         }
+        kv.move_all_home()?;
         let p = Pass { linears: Some(linears), ..self.pass() };
         let w = &self.weights;
         let batch = &mut [(kv, tokens)];

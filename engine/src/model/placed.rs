@@ -6,7 +6,7 @@
 //! per device, subgraph and token count, each layer's KV cache in the memory of the device its
 //! attention runs on (`KvCache::device_layer`).
 
-use super::kv::KvCache;
+use super::kv::{DeviceKv, KvCache};
 use super::weights::WeightMatrix;
 use super::{Logits, Transformer};
 use crate::backend::blocks::{Pass, PassState};
@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// The devices a model runs on besides the host, and what they hold of it.
-pub(crate) struct Devices {
+pub struct Devices {
     pub list: Vec<Arc<dyn Device>>,
     pub cost: Arc<dyn CostModel>,
     state: Mutex<DevState>,
@@ -35,8 +35,6 @@ struct DevState {
     /// Per (device index, the model's bytes): a matrix already on that device — a tied
     /// embedding and output head share their bytes and are loaded once.
     by_bytes: HashMap<(usize, usize, usize), Weight>,
-    /// Per layer: the device (0 = host) holding its KV caches, once a pass has placed it.
-    kv_home: Vec<Option<usize>>,
 }
 
 fn dev_err(e: DeviceError) -> BackendError {
@@ -196,21 +194,15 @@ impl Transformer {
             .next()
             .ok_or_else(|| BackendError::NoBackend("the planner has no host backend".into()))?;
         let descs: Vec<&DeviceDesc> = std::iter::once(host).chain(devs.list.iter().map(|d| d.desc())).collect();
-        // Placed and pinned under one lock, so that two passes at once agree on where each
-        // layer's KV cache lives.
-        let placement = {
-            let mut s = devs.lock();
-            s.kv_home.resize(self.config.n_layers, None);
-            let placement =
-                sched::place(&descs, &pass, &|sg| self.weight_types(sg), &self.shape, st.n, &s.kv_home, &*devs.cost)
-                    .map_err(|e| BackendError::NoBackend(e.to_string()))?;
-            for (sg, &d) in pass.iter().zip(&placement) {
-                if sg.uses_kv() {
-                    s.kv_home[sg.layer].get_or_insert(d);
-                }
-            }
-            placement
-        };
+        // Placed by price alone: a sequence's KV cache of a layer follows that layer's
+        // attention (handed to a device, or brought back, in the pass that needs it), so no
+        // layer is pinned to where an earlier pass ran it. (Moving a cache is not priced: a
+        // cost model that sends prompts to one device and decode steps to another — the GPU
+        // decoding what the CPU read — moves each sequence's cache once per turn.)
+        let no_homes = vec![None; self.config.n_layers];
+        let placement =
+            sched::place(&descs, &pass, &|sg| self.weight_types(sg), &self.shape, st.n, &no_homes, &*devs.cost)
+                .map_err(|e| BackendError::NoBackend(e.to_string()))?;
         let d_bytes = st.n * self.shape.d_model * 4;
         let tokens: Arc<[u32]> = st.tokens.clone().into();
         let positions: Arc<[u32]> = st.positions.iter().map(|&p| p as u32).collect();
@@ -225,11 +217,9 @@ impl Transformer {
                 match sg.kind {
                     SubgraphKind::Embed => p.embed(&mut st, &w.token_embd)?,
                     SubgraphKind::Attention => {
-                        if batch.iter().any(|(kv, _)| kv.device_layer(sg.layer).is_some()) {
-                            return Err(BackendError::Device(format!(
-                                "layer {}'s KV cache of a sequence is on a device, its attention on the host",
-                                sg.layer
-                            )));
+                        // A sequence whose layer is on a device (it decoded there) brings it back.
+                        for (kv, _) in batch.iter_mut() {
+                            kv.move_home(sg.layer)?;
                         }
                         let (a, _) = w.layers[sg.layer].blocks(w.rope_freqs.as_deref());
                         p.attention(&mut st, batch, sg.layer, sg.layer, a, None)?
@@ -262,20 +252,15 @@ impl Transformer {
             let mut seqs = Vec::with_capacity(st.spans.len());
             for ((kv, _), &(offset, len, start)) in batch.iter_mut().zip(&st.spans) {
                 let kv_buf = if sg.uses_kv() {
-                    if kv.device_layer(sg.layer).is_none() && start > 0 {
-                        // Its first positions are in host memory (a cache made or restored
-                        // before the device was attached): they do not move (yet).
-                        return Err(BackendError::Device(format!(
-                            "layer {} of a sequence holding {start} positions on the host is placed on {}; \
-                             a cache cannot move to a device yet: start a new sequence",
-                            sg.layer,
-                            dev.desc().name
-                        )));
-                    }
-                    if kv.device_layer(sg.layer).is_none() {
+                    let here = kv.device_of_layer(sg.layer).is_some_and(|h| h.id() == dev.id());
+                    if !here && start > 0 {
+                        // Its positions so far are in host memory (a CPU prefill) or on another
+                        // device: handed to this one, once.
+                        kv.move_to_device(sg.layer, dev, self.shape.context_length)?;
+                    } else if !here {
                         let bytes = 2 * self.shape.context_length * self.shape.kv_dim() * 2;
                         let b = dev.alloc(BufferUsage::Kv, bytes).map_err(dev_err)?;
-                        kv.set_device_layer(sg.layer, Some(b));
+                        kv.set_device_layer(sg.layer, Some(DeviceKv { dev: dev.clone(), buf: b }));
                     }
                     kv.device_layer(sg.layer).cloned()
                 } else {
