@@ -13,7 +13,7 @@ mod common;
 
 use llmd_device::{BlockShape, RopeStyle, Subgraph};
 use llmd_engine::backend::blocks::Logits;
-use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions};
+use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions, MatmulVariant};
 use llmd_engine::model::Devices;
 use llmd_engine::sched::{DecodeOn, Pinned};
 use llmd_engine::{LoadOptions, Model};
@@ -67,7 +67,9 @@ fn shape(d_model: usize, heads: (usize, usize), head_dim: usize, ffn_dim: usize,
 
 #[test]
 fn every_kernel_and_weight_type_equals_its_reference() {
-    let Some(g) = gpu() else { return };
+    if gpu().is_none() {
+        return;
+    }
     // SmolLM2-135M (llama: interleaved RoPE, 9/3 heads), Qwen2.5-1.5B (NeoX RoPE, 12/2 heads,
     // head 128), and a model with no grouping and an odd FFN.
     let shapes = [
@@ -75,10 +77,15 @@ fn every_kernel_and_weight_type_equals_its_reference() {
         shape(1536, (12, 2), 128, 8960, RopeStyle::Neox),
         shape(256, (4, 4), 64, 688, RopeStyle::Neox),
     ];
-    for s in shapes {
-        for c in check::self_check(g, &s).unwrap() {
-            eprintln!("d_model {}: {:<50} worst {:.2e} (tolerance {:.0e})", s.d_model, c.kernel, c.worst, c.tolerance);
-            assert!(c.ok(), "d_model {}: {} is off by {:e}, past {:e}", s.d_model, c.kernel, c.worst, c.tolerance);
+    // Both matmul variants, whichever the device would pick.
+    for variant in [MatmulVariant::GroupPerRow, MatmulVariant::RowPerItem] {
+        let g = GpuDevice::open(&GpuOptions { matmul: variant, ..Default::default() }).unwrap();
+        for s in &shapes {
+            for c in check::self_check(&g, s).unwrap() {
+                let at = format!("{variant:?}, d_model {}: {}", s.d_model, c.kernel);
+                eprintln!("{at:<70} worst {:.2e} (tolerance {:.0e})", c.worst, c.tolerance);
+                assert!(c.ok(), "{at} is off by {:e}, past {:e}", c.worst, c.tolerance);
+            }
         }
     }
 }

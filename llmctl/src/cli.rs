@@ -105,12 +105,15 @@ pub struct RunArgs {
     /// With --local: KV cache storage, f16 or q8 (int8: half the memory).
     #[arg(long, default_value = "f16")]
     pub kv_type: llmd_engine::model::kv::KvType,
-    /// With --local: where the prompt's linear layers run — cpu, or npu (W8A8 QNN graphs on
-    /// the library --qnn-lib names, calibrated at load; decode stays on the CPU).
+    /// With --local: cpu; npu (the prompt's linear layers as W8A8 QNN graphs on the library
+    /// --qnn-lib names, calibrated at load; decode on the CPU); or gpu (the prompt on the CPU,
+    /// decode on the OpenCL device of --gpu-device, with --opencl-lib's library).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: crate::npu::BackendChoice,
     #[command(flatten)]
     pub npu: crate::npu::NpuArgs,
+    #[command(flatten)]
+    pub gpu: crate::gpu::GpuArgs,
     /// The prompt; "-" reads it from standard input.
     pub prompt: String,
 }
@@ -209,10 +212,20 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     if tokens.len() >= ctx {
         return Err(format!("the prompt has {} tokens; the model's context holds {ctx}", tokens.len()));
     }
+    let mut model = model;
+    let gpu = match args.backend {
+        crate::npu::BackendChoice::Gpu => {
+            let g = crate::gpu::open(&args.gpu)?;
+            crate::gpu::attach(&mut model, g.clone());
+            Some(g)
+        }
+        _ => None,
+    };
     let npu = match args.backend {
         crate::npu::BackendChoice::Npu => Some(crate::npu::prepare(&model, &args.npu)?),
-        crate::npu::BackendChoice::Cpu => None,
+        _ => None,
     };
+    let gpu_before = gpu.as_ref().map(|g| g.stats());
     let prefill = npu.as_ref().map(|(n, chunk)| (n as &dyn llmd_engine::backend::blocks::Linears, *chunk));
     let mut kv = model.transformer.new_kv();
     let mut out = std::io::stdout().lock();
@@ -240,6 +253,17 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
         stats.time_to_first_token.as_secs_f64() * 1e3,
         stats.finish,
     );
+    if let (Some(g), Some(before)) = (&gpu, gpu_before) {
+        let s = g.stats();
+        let steps = stats.generated_tokens.max(1) as f64;
+        eprintln!(
+            "gpu: per decode step {:.0} kernels, {:.2} host waits; {:.1} MB up in all (the weights once, each turn's cache once), {:.0} B down per step",
+            (s.kernels - before.kernels) as f64 / steps,
+            (s.host_waits - before.host_waits) as f64 / steps,
+            (s.bytes_to_device - before.bytes_to_device) as f64 / 1e6,
+            (s.bytes_from_device - before.bytes_from_device) as f64 / steps,
+        );
+    }
     if let Some((n, _)) = &npu {
         let (execs, modelled) = n.stats();
         if modelled > 0 {

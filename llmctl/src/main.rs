@@ -48,6 +48,10 @@ enum Command {
     /// The QNN library for the NPU path: its provider, API versions and build id, the context
     /// cache, and a one-layer self-check against llmd's reference arithmetic (no daemon needed).
     NpuInfo(llmctl::npu::NpuArgs),
+    /// The OpenCL devices for the GPU path: platform, device, extensions, kernel variants, the
+    /// program cache, and a one-layer self-check of every kernel against references (no daemon
+    /// needed).
+    GpuInfo(llmctl::gpu::GpuArgs),
 }
 
 use llmd_engine::chat::SANDBOX_ARG as RENDER_CHAT_TEMPLATE;
@@ -93,6 +97,7 @@ fn main() -> ExitCode {
         Command::Models(cli::ModelsArgs { local: Some(path) }) => cli::models_local(path),
         Command::Perplexity(args) => modeltools::perplexity(args),
         Command::NpuInfo(args) => llmctl::npu::info(args),
+        Command::GpuInfo(args) => llmctl::gpu::info(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
             Command::Run(args) => cli::run_remote(&conn, args),
             Command::Chat(args) => cli::chat(&conn, args),
@@ -101,7 +106,11 @@ fn main() -> ExitCode {
             Command::Prefetch { model } => cli::prefetch(&conn, model),
             Command::Dump => cli::dump(&conn),
             // Handled above, without this connection.
-            Command::Bench(_) | Command::Convert(_) | Command::Perplexity(_) | Command::NpuInfo(_) => Ok(()),
+            Command::Bench(_)
+            | Command::Convert(_)
+            | Command::Perplexity(_)
+            | Command::NpuInfo(_)
+            | Command::GpuInfo(_) => Ok(()),
         }),
     };
     match result {

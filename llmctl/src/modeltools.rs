@@ -180,6 +180,11 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
     let npu = match a.backend {
         crate::npu::BackendChoice::Npu => Some(crate::npu::prepare(&model, &a.npu)?),
         crate::npu::BackendChoice::Cpu => None,
+        crate::npu::BackendChoice::Gpu => {
+            return Err("perplexity reads windows of prompt tokens, which run on the CPU with --backend gpu \
+                        (the GPU decodes): use cpu or npu"
+                .into())
+        }
     };
     let step = npu.as_ref().map_or(128, |(_, chunk)| *chunk);
     let start = Instant::now();

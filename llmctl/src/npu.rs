@@ -8,11 +8,15 @@ use llmd_engine::backend::npu::quant::{ActQuant, QuantWeights};
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
 use std::path::{Path, PathBuf};
 
-/// Where prefill's linear layers run.
+/// Where the work runs besides the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendChoice {
+    /// Everything on the CPU.
     Cpu,
+    /// The prompt's linear layers on the NPU (QNN); decode on the CPU.
     Npu,
+    /// The prompt on the CPU; decode on the GPU (OpenCL).
+    Gpu,
 }
 
 /// The NPU options of `run --local` and `npu-info`.

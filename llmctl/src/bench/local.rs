@@ -127,6 +127,18 @@ fn ours_batch_decode(model: &Model, prompts: &[&[u32]], steps: &[&[u32]]) -> Res
     Ok(t0.elapsed().as_secs_f64())
 }
 
+/// What one decode run on the GPU moved and did, per token.
+struct GpuFigures {
+    device: String,
+    kernels: f64,
+    waits: f64,
+    up: f64,
+    down: f64,
+    handoff: f64,
+    read_per_token: f64,
+    modelled_tok_s: f64,
+}
+
 pub fn bench(args: &BenchArgs) -> Result<(), String> {
     if !args.local {
         return Err("bench needs --local (the engine inside llmctl) or --load (a running daemon)".into());
@@ -152,9 +164,21 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     )
     .map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
+    let mut model = model;
+    let gpu = match args.backend {
+        crate::npu::BackendChoice::Gpu => {
+            let g = crate::gpu::open(&args.gpu)?;
+            // Decode steps (up to --batch sequences at once) on the GPU, prompts on the CPU.
+            let name = llmd_device::Device::desc(&*g).name.clone();
+            let decode_on = llmd_engine::sched::DecodeOn { device: name, max_tokens: (args.batch as usize).max(1) };
+            model.transformer.attach_devices(vec![g.clone()], std::sync::Arc::new(decode_on));
+            Some(g)
+        }
+        _ => None,
+    };
     let npu = match args.backend {
         crate::npu::BackendChoice::Npu => Some(crate::npu::prepare(&model, &args.npu)?),
-        crate::npu::BackendChoice::Cpu => None,
+        _ => None,
     };
     let c = model.config().clone();
     let longest = args.prefill.iter().copied().max().unwrap_or(0).max(args.decode_prompt + args.decode_tokens);
@@ -297,8 +321,49 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     let int8_peak = llmd_engine::backend::cpu::int8_peak_macs_per_s(threads);
     let prefill_ceiling = int8_peak / macs_per_token as f64;
 
+    // The GPU's figures per decode token (one more decode run, counted), and the phone's
+    // decode rate modelled from the bytes a step reads here.
+    let gpu_fig = match &gpu {
+        Some(g) => {
+            let before = g.stats();
+            ours_decode(&model, decode_prompt, decode_steps)?;
+            let s = g.stats();
+            let n = args.decode_tokens as f64;
+            // The prompt's cache is handed up at the first step: not a per-token cost.
+            let c = model.config();
+            let handoff = (args.decode_prompt * c.n_layers * 2 * c.kv_dim() * 2) as f64;
+            let mut read = w.output.source_bytes().map_or(0, <[u8]>::len);
+            for l in &w.layers {
+                for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                    read += m.source_bytes().map_or(0, <[u8]>::len);
+                }
+            }
+            let mid = args.decode_prompt + args.decode_tokens / 2;
+            let kv_read = mid * c.n_layers * 2 * c.kv_dim() * 2;
+            Some(GpuFigures {
+                kernels: (s.kernels - before.kernels) as f64 / n,
+                waits: (s.host_waits - before.host_waits) as f64 / n,
+                up: ((s.bytes_to_device - before.bytes_to_device) as f64 - handoff) / n,
+                down: (s.bytes_from_device - before.bytes_from_device) as f64 / n,
+                handoff,
+                read_per_token: (read + kv_read) as f64,
+                modelled_tok_s: llmd_engine::backend::gpu::SD8GEN3_GPU_DECODE_BYTES_PER_S / (read + kv_read) as f64,
+                device: g.info().name.clone(),
+            })
+        }
+        None => None,
+    };
     if args.json {
         let mut o = figures_json(&mine);
+        if let Some(f) = &gpu_fig {
+            o.insert(
+                "gpu".into(),
+                json!({"device": f.device, "kernels_per_token": f.kernels, "host_waits_per_token": f.waits,
+                       "bytes_up_per_token": f.up, "bytes_down_per_token": f.down, "kv_handoff_bytes": f.handoff,
+                       "bytes_read_per_token": f.read_per_token,
+                       "modelled_sd8gen3_decode_tok_s": f.modelled_tok_s}),
+            );
+        }
         o.insert("threads".into(), json!(threads));
         o.insert("backend".into(), json!(format!("{:?}", args.backend).to_lowercase()));
         if npu.is_some() {
@@ -379,6 +444,23 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     }
     row("peak RSS MB (model)".into(), mine.peak_rss_mb, pf.as_ref().map(|f| f.peak_rss_mb), None);
     row("VmHWM MB (process)".into(), mine.hwm_mb, pf.as_ref().map(|f| f.hwm_mb), None);
+    if let Some(f) = &gpu_fig {
+        crate::out!(
+            "decode on the GPU ({}; host, not a phone): per token {:.0} kernels, {:.2} host waits, {:.0} B up, {:.0} B down; the prompt's cache handed up once ({:.1} MB)",
+            f.device,
+            f.kernels,
+            f.waits,
+            f.up,
+            f.down,
+            f.handoff / 1e6
+        );
+        crate::out!(
+            "decode on a Snapdragon 8 Gen 3 GPU, modelled: {:.1} tok/s = 43.3 GB/s (HeteroLLM §5.3, GPU-only decode, measured there) / {:.1} MB read per token here (weights as uploaded, KV at position {}); a bandwidth model, not a measurement",
+            f.modelled_tok_s,
+            f.read_per_token / 1e6,
+            args.decode_prompt + args.decode_tokens / 2
+        );
+    }
     if let Some((l, chunk)) = &npu {
         for (&n, m) in args.prefill.iter().zip(&modelled_ms) {
             if *m > 0.0 {

@@ -113,14 +113,18 @@ pub struct BenchArgs {
     /// output head) — compare resident memory and decode speed with and without.
     #[arg(long)]
     pub embeddings_on_flash: bool,
-    /// With --local: where prompts' linear layers run — cpu, or npu (W8A8 QNN graphs on the
-    /// library --qnn-lib names; decode stays on the CPU). With npu, prefill rows are the host's
-    /// time through the library (on the emulator: emulation, not a phone) and each prompt's
-    /// modelled NPU time for its graphs is printed beside them, labelled modelled.
+    /// With --local: cpu; npu (prompts' linear layers as W8A8 QNN graphs on the library
+    /// --qnn-lib names; decode on the CPU: prefill rows are the host's time through the
+    /// library — on the emulator, emulation, not a phone — and each prompt's modelled NPU time
+    /// is printed beside them, labelled modelled); or gpu (prompts on the CPU, decode on the
+    /// OpenCL device: the decode rows are that device's, with its kernels, host waits and
+    /// bytes per token).
     #[arg(long, value_enum, default_value = "cpu")]
     pub backend: crate::npu::BackendChoice,
     #[command(flatten)]
     pub npu: crate::npu::NpuArgs,
+    #[command(flatten)]
+    pub gpu: crate::gpu::GpuArgs,
     /// Python interpreter for --compare-llamacpp.
     #[arg(long, default_value = "python3", env = "LLMD_BENCH_PYTHON")]
     pub python: String,

@@ -37,6 +37,13 @@ use std::sync::{Arc, Mutex};
 pub use opencl_rt_sys::Stats;
 pub use program::Origin;
 
+/// The Snapdragon 8 Gen 3 GPU's (Adreno 750) memory bandwidth in decode: 43.3 GB/s, measured
+/// by HeteroLLM (§5.3, GPU-only PPL-OpenCL decode; `soc-profiles.toml`
+/// `snapdragon_8gen3.gpu.decode_bandwidth_gb_per_s`). Decode reads every weight once per token,
+/// so this over the bytes a step reads models the phone's decode rate — a model from the
+/// paper's number, not a measurement.
+pub const SD8GEN3_GPU_DECODE_BYTES_PER_S: f64 = 43.3e9;
+
 /// The weight types the kernels read.
 pub const WEIGHT_TYPES: [GgmlType; 9] = [
     GgmlType::F32,
@@ -75,6 +82,21 @@ fn work_group(max: usize) -> usize {
     ls
 }
 
+/// How a matmul spreads over work-items.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulVariant {
+    /// By the device: [`Self::RowPerItem`] on a CPU device, else [`Self::GroupPerRow`].
+    #[default]
+    Auto,
+    /// A work-group per weight row, its work-items splitting the row and summing in local
+    /// memory (a GPU's many lanes on one row).
+    GroupPerRow,
+    /// A work-item per weight row, no local memory or barriers (PoCL: a CPU device runs each
+    /// stretch between a work-group's barriers as a loop of its own; decode of the default
+    /// model on PoCL here went from 4.0 to 9.7 tok/s).
+    RowPerItem,
+}
+
 /// Which OpenCL library and device, and where program binaries are cached.
 #[derive(Clone, Debug, Default)]
 pub struct GpuOptions {
@@ -84,6 +106,7 @@ pub struct GpuOptions {
     pub device: Option<usize>,
     /// Where program binaries are cached (None: built at every start).
     pub cache_dir: Option<PathBuf>,
+    pub matmul: MatmulVariant,
 }
 
 /// Why the GPU cannot be used.
@@ -108,6 +131,8 @@ pub fn list_devices(library: Option<&Path>) -> Result<(Arc<Library>, Vec<DeviceI
 
 struct Kernels {
     matmul: HashMap<GgmlType, Kernel>,
+    /// Whether `matmul` holds the row-per-work-item variant.
+    rows_variant: bool,
     get_rows: HashMap<GgmlType, Kernel>,
     rms_norm: Kernel,
     rope: Kernel,
@@ -184,15 +209,21 @@ impl GpuDevice {
         let build_err = |source| GpuError::Build { device: info.name.clone(), source };
         let (prog, origin) = program::load(&ctx, &info, &options, opts.cache_dir.as_deref()).map_err(build_err)?;
         let kernel = |name: &str| prog.kernel(name).map_err(build_err);
+        let rows_variant = match opts.matmul {
+            MatmulVariant::Auto => info.kind == "CPU",
+            v => v == MatmulVariant::RowPerItem,
+        };
         let mut matmul = HashMap::new();
         let mut get_rows = HashMap::new();
         for t in WEIGHT_TYPES {
             let s = type_suffix(t).unwrap_or_default();
-            matmul.insert(t, kernel(&format!("matmul_{s}"))?);
+            let name = if rows_variant { format!("matmul_rows_{s}") } else { format!("matmul_{s}") };
+            matmul.insert(t, kernel(&name)?);
             get_rows.insert(t, kernel(&format!("get_rows_{s}"))?);
         }
         let k = Kernels {
             matmul,
+            rows_variant,
             get_rows,
             rms_norm: kernel("rms_norm")?,
             rope: kernel("rope")?,
@@ -239,9 +270,17 @@ impl GpuDevice {
         self.cache_file.as_deref()
     }
 
-    /// The kernel variants in use (the portable baseline only, for now).
+    /// The kernel variants in use: the portable baseline, its matmul spread by work-group or by
+    /// work-item.
     pub fn variants(&self) -> Vec<&'static str> {
-        vec!["baseline: OpenCL C 1.2, fp32 math, f16 storage (vload_half)"]
+        vec![
+            "baseline: OpenCL C 1.2, fp32 math, f16 storage (vload_half)",
+            if self.k.rows_variant {
+                "matmul: a work-item per weight row (CPU device)"
+            } else {
+                "matmul: a work-group per weight row, summed in local memory"
+            },
+        ]
     }
 
     /// Work-group size of the kernels.
@@ -316,6 +355,12 @@ impl GpuDevice {
             Arg::Mem(bias.map_or(&self.dummy, |b| &b.mem)),
             Arg::U32(bias.is_some() as u32),
         ];
+        if self.k.rows_variant {
+            return self
+                .ctx
+                .enqueue(k, &args, &[w.rows.div_ceil(self.ls) * self.ls], Some(&[self.ls]))
+                .map_err(self.exec());
+        }
         self.ctx.enqueue(k, &args, &[w.rows * self.ls], Some(&[self.ls])).map_err(self.exec())
     }
 

@@ -154,6 +154,36 @@ kernel void matmul_##T(global const uchar* w, uint row_bytes, uint cols, global 
         barrier(CLK_LOCAL_MEM_FENCE);                                                               \
     }                                                                                                \
 }                                                                                                    \
+/* The same product with one work-item per weight row and no local memory or barriers: the   \
+   variant for CPU devices (PoCL), where a work-group's barriers cost more than they share. */  \
+kernel void matmul_rows_##T(global const uchar* w, uint row_bytes, uint cols, global const float* x, \
+                            global float* y, uint n, uint rows, uint accumulate,                    \
+                            global const float* bias, uint has_bias) {                             \
+    uint r = get_global_id(0);                                                                       \
+    if (r >= rows) return;                                                                           \
+    row_t row = w + (size_t)r * row_bytes;                                                          \
+    uint nb = cols / 32;                                                                             \
+    for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
+        uint nt = min((uint)TILE, n - t0);                                                          \
+        float acc[TILE];                                                                             \
+        for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                               \
+        for (uint j = 0; j < nb; j++) {                                                             \
+            float wv[32];                                                                            \
+            dq_##T(row, j, wv);                                                                      \
+            for (uint k = 0; k < nt; k++) {                                                         \
+                global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                      \
+                float s = 0.0f;                                                                      \
+                for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                              \
+                acc[k] += s;                                                                         \
+            }                                                                                        \
+        }                                                                                            \
+        for (uint k = 0; k < nt; k++) {                                                             \
+            float v = acc[k] + (has_bias ? bias[r] : 0.0f);                                         \
+            size_t o = (size_t)(t0 + k) * rows + r;                                                 \
+            y[o] = accumulate ? y[o] + v : v;                                                        \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
 /* x[t, :] = row tokens[t] of w, for t in 0..n (global size: cols / 32 × n). */                     \
 kernel void get_rows_##T(global const uchar* w, uint row_bytes, uint cols, uint n_rows,             \
                          global const uint* tokens, global float* x) {                              \
