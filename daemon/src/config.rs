@@ -35,15 +35,46 @@ impl KvCacheType {
     }
 }
 
-/// Where prompts' linear layers run (`backend`).
+/// Which processor besides the CPU takes work (`backend`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum PrefillBackend {
+pub enum Backend {
+    /// Everything on the CPU.
     #[default]
     Cpu,
     /// Prompt chunks' linear groups as W8A8 graphs on the NPU (llm.npu's split: norms, RoPE,
     /// attention on the CPU), decode on the CPU.
     Npu,
+    /// Decode steps on the GPU (OpenCL, `[gpu]`), batched across apps, while prompts are read
+    /// on the CPU; each turn's KV cache is handed to the GPU at its first decode step.
+    Gpu,
+}
+
+/// How the GPU's matmuls spread over its work-items (`gpu.matmul`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuMatmul {
+    /// A work-item per weight row on a CPU device (PoCL), else a work-group per row.
+    #[default]
+    Auto,
+    Rows,
+    Groups,
+}
+
+/// The GPU path (`[gpu]`, used with `backend = "gpu"`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GpuConfig {
+    /// The OpenCL library. Default: the ICD loader (`libOpenCL.so.1`), then a phone's
+    /// `/vendor/lib64/libOpenCL.so`. `llmd --opencl-lib` and then `LLMD_OPENCL_LIB` override it.
+    pub library: Option<PathBuf>,
+    /// The OpenCL device by its number in `llmctl gpu-info` (default: the first GPU, else the
+    /// first device).
+    pub device: Option<usize>,
+    /// Cached program binaries, so later starts skip the kernels' build. Default:
+    /// `<residency.state_dir>/gpu`; none without a state directory.
+    pub cache_dir: Option<PathBuf>,
+    pub matmul: GpuMatmul,
 }
 
 /// The NPU path (`[npu]`, used with `backend = "npu"`).
@@ -98,10 +129,12 @@ pub struct Config {
     pub prefill_chunk: usize,
     /// KV cache storage: "f16" or "q8".
     pub kv_cache_type: KvCacheType,
-    /// Where prompts' linear layers run: "cpu", or "npu" (QNN, configured in `[npu]`; a
-    /// library that cannot start leaves the daemon on the CPU, saying why in `llmctl status`).
-    pub backend: PrefillBackend,
+    /// Which processor besides the CPU takes work: "cpu" (none); "npu" (prompts' linear layers
+    /// on QNN, configured in `[npu]`); "gpu" (decode on OpenCL, configured in `[gpu]`). A
+    /// library that cannot start leaves the daemon on the CPU, saying why in `llmctl status`.
+    pub backend: Backend,
     pub npu: NpuConfig,
+    pub gpu: GpuConfig,
     pub limits: Limits,
     pub permissions: Permissions,
     pub scheduler: SchedulerConfig,
@@ -323,8 +356,9 @@ impl Default for Config {
             shutdown_grace_ms: 3000,
             prefill_chunk: llmd_engine::generate::DEFAULT_PREFILL_CHUNK,
             kv_cache_type: KvCacheType::F16,
-            backend: PrefillBackend::Cpu,
+            backend: Backend::Cpu,
             npu: NpuConfig::default(),
+            gpu: GpuConfig::default(),
             limits: Limits::default(),
             permissions: Permissions::default(),
             scheduler: SchedulerConfig::default(),
@@ -489,13 +523,29 @@ mod tests {
         let parse =
             |extra: &str| -> Config { toml::from_str(&format!("models = [\"m.gguf\"]\n{extra}")).expect("parses") };
         let c = parse("backend = \"npu\"\n[npu]\nlibrary = \"/vendor/lib64/libQnnHtp.so\"\nchunk = 128\n");
-        assert_eq!(c.backend, PrefillBackend::Npu);
+        assert_eq!(c.backend, Backend::Npu);
         assert_eq!((c.npu.chunk, c.npu.soc, c.npu.output_bits), (128, 57, 16));
         c.validate().expect("valid");
-        assert_eq!(parse("").backend, PrefillBackend::Cpu, "the CPU unless asked");
+        assert_eq!(parse("").backend, Backend::Cpu, "the CPU unless asked");
         for bad in ["[npu]\nchunk = 0\n", "[npu]\nchunk = 4097\n", "[npu]\noutput_bits = 12\n"] {
             assert!(matches!(parse(bad).validate(), Err(ConfigError::Invalid(_))), "{bad}");
         }
-        assert!(toml::from_str::<Config>("backend = \"gpu\"\n").is_err(), "an unknown backend is a parse error");
+        assert!(toml::from_str::<Config>("backend = \"tpu\"\n").is_err(), "an unknown backend is a parse error");
+    }
+
+    #[test]
+    fn the_gpu_keys_parse_and_unknown_ones_are_refused() {
+        let c: Config = toml::from_str(
+            "models = [\"m.gguf\"]\nbackend = \"gpu\"\n[gpu]\nlibrary = \"/vendor/lib64/libOpenCL.so\"\ndevice = 1\nmatmul = \"rows\"\n",
+        )
+        .expect("parses");
+        assert_eq!(c.backend, Backend::Gpu);
+        assert_eq!(c.gpu.library.as_deref(), Some(std::path::Path::new("/vendor/lib64/libOpenCL.so")));
+        assert_eq!((c.gpu.device, c.gpu.matmul), (Some(1), GpuMatmul::Rows));
+        c.validate().expect("valid");
+        assert_eq!(toml::from_str::<Config>("").expect("parses").gpu, GpuConfig::default());
+        for bad in ["[gpu]\nmatmul = \"fast\"\n", "[gpu]\ndevice = -1\n", "[gpu]\nlibary = \"x\"\n"] {
+            assert!(toml::from_str::<Config>(bad).is_err(), "{bad}");
+        }
     }
 }

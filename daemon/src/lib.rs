@@ -24,7 +24,8 @@
 //!    map), `config`, `permission`, `residency`, `integrity` (model files against their
 //!    fingerprints), `models`, `connections` (the socket's accept loop and its per-uid
 //!    connection caps), `npu` (the `llmd-npu` thread: the QNN library, each resident model's
-//!    graphs, the prompt chunks the worker hands it).
+//!    graphs, the prompt chunks the worker hands it), `gpu` (the `llmd-gpu` thread: the OpenCL
+//!    device, each resident model's weights on it, the decode passes the engine hands it).
 //!
 //! Above them all, `fuzzing` holds the fuzz targets' bodies (`fuzz/`, and the replay of their
 //! corpora in `daemon/tests/fuzz_replay.rs`): parcels into the generated AIDL stubs with the
@@ -40,6 +41,7 @@ pub mod connections;
 pub mod conversation;
 pub mod error;
 pub mod fuzzing;
+pub mod gpu;
 pub mod integrity;
 pub mod models;
 pub mod npu;

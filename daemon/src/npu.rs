@@ -171,7 +171,7 @@ impl Npu {
     /// library (see [`default_library`] when it names none; `llmd` puts `--qnn-lib` or
     /// `LLMD_QNN_LIB` there).
     pub fn from_config(config: &crate::config::Config) -> Arc<Self> {
-        if config.backend != crate::config::PrefillBackend::Npu {
+        if config.backend != crate::config::Backend::Npu {
             return Self::off();
         }
         let n = &config.npu;

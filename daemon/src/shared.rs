@@ -29,6 +29,8 @@ pub struct Shared {
     pub connections: Arc<crate::connections::Gate>,
     /// The NPU (`backend = "npu"`), or off.
     pub npu: Arc<crate::npu::Npu>,
+    /// The GPU (`backend = "gpu"`), or off.
+    pub gpu: Arc<crate::gpu::Gpu>,
 }
 
 impl Shared {
@@ -42,7 +44,8 @@ impl Shared {
             quota_window_ms: sc.quota_window_s * 1000,
         }));
         let npu = crate::npu::Npu::from_config(&config);
-        let engine = ModelEngine::new(config.prefill_chunk, config.limits.max_prompt_tokens, npu.clone());
+        let gpu = crate::gpu::Gpu::from_config(&config);
+        let engine = ModelEngine::new(config.prefill_chunk, config.limits.max_prompt_tokens, npu.clone(), gpu.clone());
         let scheduler = Scheduler::start(
             admission,
             engine,
@@ -68,6 +71,7 @@ impl Shared {
             next_session: AtomicU64::new(1),
             scheduler,
             npu,
+            gpu,
         });
         shared.spawn_idle_sweep()?;
         shared.spawn_model_check()?;

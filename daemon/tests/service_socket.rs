@@ -1336,3 +1336,127 @@ fn a_cancel_withdraws_a_chunk_from_the_npu_and_the_session_goes_on() {
         "the next turn after the withdrawn chunk"
     );
 }
+
+/// Longest the GPU thread may take to open the device and build (or load) the kernels: PoCL
+/// builds them in about 0.6 s and compiles each at its first launch (~6 s all told, cold).
+const GPU_READY: Duration = Duration::from_secs(60);
+
+/// The `GPU` section of the daemon's dump.
+fn gpu_dump(conn: &Connection) -> String {
+    let d = conn.admin().expect("admin").dumpState().expect("dump");
+    let start = d.find("\nGPU\n").expect("dump has a GPU section");
+    let rest = &d[start + 1..];
+    rest[..rest.find("\n\n").unwrap_or(rest.len())].to_owned()
+}
+
+/// Waits until the GPU has started or failed to; None (the test passes, saying why) when it
+/// cannot be used and `LLMD_REQUIRE_OPENCL` is not 1.
+fn gpu_serving(conn: &Connection) -> Option<String> {
+    let t = Instant::now();
+    loop {
+        let s = gpu_dump(conn);
+        if s.contains("state serving") {
+            return Some(s);
+        }
+        if s.contains("state unavailable") {
+            let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
+            assert!(!required, "LLMD_REQUIRE_OPENCL=1 and the daemon's GPU is unavailable:\n{s}");
+            eprintln!("skipped: the GPU is unavailable here:\n{s}");
+            return None;
+        }
+        assert!(t.elapsed() < GPU_READY, "the GPU never started:\n{s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Greedy ids of `prompt` from the engine in-process, on the CPU.
+fn cpu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
+    use llmd_engine::generate::{Flow, GenerateRequest, Prompt};
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+        .expect("model loads");
+    let p = Prompt::Text(prompt.into());
+    let tokens = m.prompt_tokens(&p).expect("tokens");
+    let req = GenerateRequest {
+        prompt: p,
+        sampling: llmd_engine::sampling::SamplingParams::greedy(),
+        max_tokens,
+        stop: Vec::new(),
+    };
+    let mut kv = m.transformer.new_kv();
+    let mut out = Vec::new();
+    m.generate_in_with(&mut kv, &tokens, &req, None, |_, ids| {
+        out.extend(ids.iter().map(|&i| i as i32));
+        Flow::Continue
+    })
+    .expect("generates");
+    out
+}
+
+/// `key=value` fields of a dump line.
+fn field(line: &str, key: &str) -> Option<u64> {
+    line.split_whitespace().find_map(|w| w.strip_prefix(key)).and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn one_client_decodes_on_the_gpu_while_another_prefills_on_the_cpu() {
+    let d = Daemon::start("backend = \"gpu\"\n");
+    let (conn_a, conn_b) = (d.connect(), d.connect());
+    let Some(ready) = gpu_serving(&conn_a) else { return };
+    eprintln!("{ready}");
+    // A decodes a reply; once its first tokens arrive, B sends a prompt of several chunks.
+    let (sa, sb) = (session(&conn_a), session(&conn_b));
+    let (cb_a, _keep_a, rx_a) = client::callback();
+    let (first_tx, first_rx) = std::sync::mpsc::channel();
+    sa.generate(&greedy("The capital of France is", 48), &cb_a).expect("a submitted");
+    let a_thread = std::thread::spawn(move || collect_timed(rx_a, Some(first_tx)));
+    first_rx.recv_timeout(Duration::from_secs(60)).expect("a streams");
+    let long_prompt = "The history of computing is long and varied, and it began with counting. ".repeat(40);
+    let (cb_b, _keep_b, rx_b) = client::callback();
+    sb.generate(&greedy(&long_prompt, 8), &cb_b).expect("b submitted");
+    let b = collect_timed(rx_b, None);
+    let a = a_thread.join().expect("a's collector");
+    let gpu = gpu_dump(&conn_a);
+    let jobs: Vec<&str> = gpu.lines().filter(|l| l.trim_start().starts_with("gpu_job")).collect();
+    // Every decode step ran on the GPU (A's first token comes from its prompt pass).
+    let steps: u64 = jobs.iter().filter_map(|l| field(l, "sequences=")).sum();
+    let decoded = (a.stats().generatedTokens + b.stats().generatedTokens) as u64;
+    assert!(steps >= decoded - 2, "{steps} decode steps on the GPU for {decoded} tokens:\n{gpu}");
+    // B's prompt chunks ran on the CPU while the GPU ran A's steps: their spans overlap.
+    let beside: Vec<(u64, u64, u64, u64)> = jobs
+        .iter()
+        .filter_map(|l| {
+            Some((field(l, "start_ms=")?, field(l, "end_ms=")?, field(l, "cpu_start_ms=")?, field(l, "cpu_end_ms=")?))
+        })
+        .collect();
+    let overlapping = beside.iter().filter(|&&(gs, ge, cs, ce)| gs.max(cs) < ge.min(ce)).count();
+    let cpu_tokens: u64 = jobs.iter().filter_map(|l| field(l, "cpu_prefill_tokens=")).sum();
+    for (gs, ge, cs, ce) in &beside {
+        eprintln!("gpu decode {gs}..{ge} ({} ms) beside cpu prefill {cs}..{ce} ({} ms)", ge - gs, ce - cs);
+    }
+    assert!(overlapping >= 2, "B's chunks did not run beside A's GPU steps:\n{gpu}");
+    assert!(cpu_tokens >= 2 * 256, "B's prompt was read beside the GPU ({cpu_tokens} tokens):\n{gpu}");
+    // A's reply begins with llama.cpp's greedy tokens; B's is the CPU's.
+    assert_eq!(a.ids()[..8], golden_capital_ids(8)[..], "a's reply");
+    assert_eq!(b.ids(), cpu_reference(&long_prompt, 8), "b's reply");
+}
+
+#[test]
+fn without_opencl_the_daemon_serves_on_the_cpu_and_status_says_why() {
+    let d = Daemon::start("backend = \"gpu\"\n[gpu]\nlibrary = \"/nonexistent/libOpenCL.so\"\n");
+    let conn = d.connect();
+    let t = Instant::now();
+    let gpu = loop {
+        let s = gpu_dump(&conn);
+        if s.contains("state unavailable") || t.elapsed() > GPU_READY {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(gpu.contains("state unavailable: decode runs on the CPU"), "{gpu}");
+    assert!(gpu.contains("cannot load the OpenCL library /nonexistent/libOpenCL.so"), "the reason:\n{gpu}");
+    let o = run(&session(&conn), &greedy("The capital of France is", 8));
+    assert_eq!(o.error, None);
+    assert_eq!(o.ids, golden_capital_ids(8), "served on the CPU");
+    assert_eq!(gpu_dump(&conn).matches("gpu_job").count(), 0, "no GPU job");
+    assert_eq!(d.log().matches("the GPU cannot be used").count(), 1, "logged once:\n{}", d.log());
+}

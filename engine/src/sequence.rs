@@ -39,8 +39,9 @@ impl Sequence {
     }
 
     /// Writes the cache to `w` (the daemon spills idle sessions under memory pressure);
-    /// [`Self::restore`] reads it back exactly. A cache partly held on a device is refused.
-    pub fn spill(&self, w: &mut impl std::io::Write) -> std::io::Result<()> {
+    /// [`Self::restore`] reads it back exactly. Layers held on a device come home first.
+    pub fn spill(&mut self, w: &mut impl std::io::Write) -> std::io::Result<()> {
+        self.kv.move_all_home().map_err(|e| std::io::Error::other(e.to_string()))?;
         self.kv.write_to(w)
     }
 
@@ -70,6 +71,18 @@ impl Transformer {
     ) -> Result<Vec<Vec<f32>>, BackendError> {
         let mut kvs: Vec<(&mut KvCache, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
         self.forward_batch(&mut kvs, which)
+    }
+
+    /// [`Transformer::forward_batch_on`] over sequences: a pass on a device set of the caller's
+    /// (the daemon's GPU thread), each sequence's cache handed to the device as needed.
+    pub fn forward_sequences_on(
+        &self,
+        devs: &crate::model::Devices,
+        batch: &mut [(&mut Sequence, &[u32])],
+        which: Logits,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let mut kvs: Vec<(&mut KvCache, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
+        self.forward_batch_on(devs, &mut kvs, which)
     }
 
     /// Runs `tokens` after what `seq` holds with the linear groups on `linears` (the NPU

@@ -422,6 +422,7 @@ pub fn status(conn: &Connection) -> Result<(), String> {
                     || line.starts_with("MEMORY")
                     || line.starts_with("PRESSURE")
                     || line.starts_with("NPU")
+                    || line.starts_with("GPU")
                     || line.starts_with("RESIDENCY")
                 {
                     keep = true;

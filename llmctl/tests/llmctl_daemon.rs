@@ -330,3 +330,30 @@ fn status_says_why_the_npu_is_not_used_and_the_daemon_serves_on_the_cpu() {
     let conn = d.connect();
     assert_eq!(run_ids(&session(&conn), &greedy("The capital of France is", 4)), golden_capital_ids(4));
 }
+
+#[test]
+fn status_says_why_the_gpu_is_not_used_and_the_daemon_serves_on_the_cpu() {
+    let d = Daemon::start("backend = \"gpu\"\n[gpu]\nlibrary = \"/nonexistent/libOpenCL.so\"\n");
+    let t = std::time::Instant::now();
+    let text = loop {
+        let out = Command::new(env!("CARGO_BIN_EXE_llmctl"))
+            .args(["--socket", d.socket.to_str().expect("path"), "status"])
+            .output()
+            .expect("llmctl status runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        // The GPU thread gives up on the library at once; allow it a moment to say so.
+        if text.contains("state unavailable") || t.elapsed() > std::time::Duration::from_secs(30) {
+            break text;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let gpu = text.lines().skip_while(|l| *l != "GPU").take(2).collect::<Vec<_>>().join("\n");
+    assert!(
+        gpu.contains("state unavailable: decode runs on the CPU")
+            && gpu.contains("cannot load the OpenCL library /nonexistent/libOpenCL.so"),
+        "llmctl status names the GPU's state and why:\n{text}"
+    );
+    let conn = d.connect();
+    assert_eq!(run_ids(&session(&conn), &greedy("The capital of France is", 4)), golden_capital_ids(4));
+}

@@ -37,8 +37,9 @@ struct Args {
     /// Where the usage history and spilled KV caches live; overrides the config.
     #[arg(long, value_name = "DIR")]
     state_dir: Option<std::path::PathBuf>,
-    /// Where prompts' linear layers run: cpu, or npu (QNN; `[npu]` in the config). Overrides
-    /// the config's `backend`.
+    /// Which processor besides the CPU takes work: cpu (none), npu (prompts' linear layers on
+    /// QNN; `[npu]` in the config) or gpu (decode on OpenCL; `[gpu]`). Overrides the config's
+    /// `backend`.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
     /// The QNN backend library for `--backend npu` (Qualcomm's libQnnHtp.so, or llmd's
@@ -46,12 +47,18 @@ struct Args {
     /// `LLMD_QNN_LIB`, then the config's `npu.library`.
     #[arg(long, value_name = "PATH")]
     qnn_lib: Option<PathBuf>,
+    /// The OpenCL library for `--backend gpu` (default: the ICD loader, libOpenCL.so.1, then a
+    /// phone's /vendor/lib64/libOpenCL.so). Without it, `LLMD_OPENCL_LIB`, then the config's
+    /// `gpu.library`.
+    #[arg(long, value_name = "PATH")]
+    opencl_lib: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum BackendArg {
     Cpu,
     Npu,
+    Gpu,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -98,9 +105,16 @@ fn run(args: Args) -> Result<(), String> {
     }
     if let Some(b) = args.backend {
         config.backend = match b {
-            BackendArg::Cpu => llmd_daemon::config::PrefillBackend::Cpu,
-            BackendArg::Npu => llmd_daemon::config::PrefillBackend::Npu,
+            BackendArg::Cpu => llmd_daemon::config::Backend::Cpu,
+            BackendArg::Npu => llmd_daemon::config::Backend::Npu,
+            BackendArg::Gpu => llmd_daemon::config::Backend::Gpu,
         };
+    }
+    // The OpenCL library: --opencl-lib, else LLMD_OPENCL_LIB, else the config's, else the default.
+    if let Some(l) =
+        args.opencl_lib.or_else(|| std::env::var_os("LLMD_OPENCL_LIB").filter(|v| !v.is_empty()).map(PathBuf::from))
+    {
+        config.gpu.library = Some(l);
     }
     // The QNN library: --qnn-lib, else LLMD_QNN_LIB, else the config's, else the default.
     if let Some(l) =

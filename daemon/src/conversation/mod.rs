@@ -210,7 +210,7 @@ impl SessionCore {
         let mut spilled = false;
         if let Some(dir) = state_dir {
             let path = spill_dir(dir).join(format!("session-{}.kv", self.id));
-            match write_spill(dir, &path, &inner.kv) {
+            match write_spill(dir, &path, &mut inner.kv) {
                 Ok(()) => {
                     inner.spilled = Some(path);
                     spilled = true;
@@ -239,7 +239,7 @@ pub fn spill_dir(state_dir: &Path) -> std::path::PathBuf {
 
 /// Writes a spill file whole or not at all: to a temporary name (mode 0600, in the 0700
 /// directory), synced, then renamed into place; on any failure the temporary file is removed.
-fn write_spill(state_dir: &Path, path: &Path, kv: &Sequence) -> std::io::Result<()> {
+fn write_spill(state_dir: &Path, path: &Path, kv: &mut Sequence) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
     let dir = spill_dir(state_dir);
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
@@ -467,6 +467,17 @@ impl SessionInner {
 
 /// One batched forward of `model` over several sessions' caches: each gets its tokens appended
 /// and the logits after its last token.
+/// [`forward_batch`] on a device set of the GPU thread's (each session's cache handed to the
+/// device as needed); the engine's error in words.
+pub fn forward_batch_on(
+    model: &Model,
+    devs: &llmd_engine::model::Devices,
+    batch: &mut [(&mut SessionInner, &[u32])],
+) -> Result<Vec<Vec<f32>>, String> {
+    let mut seqs: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
+    model.transformer.forward_sequences_on(devs, &mut seqs, llmd_engine::model::Logits::Last).map_err(|e| e.to_string())
+}
+
 pub fn forward_batch(model: &Model, batch: &mut [(&mut SessionInner, &[u32])]) -> Result<Vec<Vec<f32>>, ServiceError> {
     let mut seqs: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
     model

@@ -19,6 +19,9 @@ use llmd_device::{
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+/// Positions of the smallest device KV cache (a sequence's buffer then doubles as it grows).
+const MIN_DEVICE_KV: usize = 256;
+
 /// The devices a model runs on besides the host, and what they hold of it.
 pub struct Devices {
     pub list: Vec<Arc<dyn Device>>,
@@ -253,14 +256,25 @@ impl Transformer {
             for ((kv, _), &(offset, len, start)) in batch.iter_mut().zip(&st.spans) {
                 let kv_buf = if sg.uses_kv() {
                     let here = kv.device_of_layer(sg.layer).is_some_and(|h| h.id() == dev.id());
-                    if !here && start > 0 {
-                        // Its positions so far are in host memory (a CPU prefill) or on another
-                        // device: handed to this one, once.
-                        kv.move_to_device(sg.layer, dev, self.shape.context_length)?;
-                    } else if !here {
-                        let bytes = 2 * self.shape.context_length * self.shape.kv_dim() * 2;
-                        let b = dev.alloc(BufferUsage::Kv, bytes).map_err(dev_err)?;
-                        kv.set_device_layer(sg.layer, Some(DeviceKv { dev: dev.clone(), buf: b }));
+                    let kv_dim = self.shape.kv_dim();
+                    let held = kv.device_layer(sg.layer).map_or(0, |b| b.len / (4 * kv_dim.max(1)));
+                    if !here || start + len > held {
+                        // A device cache holds a power of two of positions (at least
+                        // MIN_DEVICE_KV, at most the context), grown by doubling: a sequence
+                        // does not take the whole context's memory from its first token.
+                        let ctx = (start + len)
+                            .max(MIN_DEVICE_KV)
+                            .checked_next_power_of_two()
+                            .unwrap_or(usize::MAX)
+                            .min(self.shape.context_length);
+                        if start > 0 || kv.device_layer(sg.layer).is_some() {
+                            // Its positions so far are in host memory (a CPU prefill), on
+                            // another device, or in a smaller buffer here: handed over once.
+                            kv.move_to_device(sg.layer, dev, ctx)?;
+                        } else {
+                            let b = dev.alloc(BufferUsage::Kv, 2 * ctx * kv_dim * 2).map_err(dev_err)?;
+                            kv.set_device_layer(sg.layer, Some(DeviceKv { dev: dev.clone(), buf: b }));
+                        }
                     }
                     kv.device_layer(sg.layer).cloned()
                 } else {
