@@ -65,6 +65,12 @@ impl WeightMatrix {
         Some(Self::from_tensor(name, rows, cols, tensor))
     }
 
+    /// Lets go of the process's resident pages of this matrix's bytes in the model file's map
+    /// (after a device copied them: touched again, they are read back from the file).
+    pub fn release_source_pages(&self) {
+        self.tensor.file.release(self.tensor.range.clone());
+    }
+
     /// The file's bytes of this matrix, if they are rows of its type (a GGUF or HF tensor; not
     /// weights unpacked from an llmd file, whose bytes are EdgeFlow's).
     pub fn source_bytes(&self) -> Option<&[u8]> {

@@ -150,6 +150,10 @@ impl Transformer {
                     _ => {
                         let hw = HostWeight { role, ty: m.ty, rows: m.rows, cols: m.cols, data };
                         let w = dev.load_weight(&hw, 0..m.rows).map_err(dev_err)?;
+                        // The device holds its copy: the map's pages the upload read need not
+                        // stay resident (the CPU's kernels read their own packed copies, or
+                        // fault the pages back in).
+                        m.release_source_pages();
                         devs.lock().by_bytes.insert(key, w.clone());
                         w
                     }
