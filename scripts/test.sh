@@ -3,17 +3,20 @@
 # (engine against llama.cpp's golden outputs, the daemon over Binder-over-socket), the Android
 # cross-check of every crate, the ARM kernels under qemu-user, the SELinux policy, the Kotlin client on the JVM, the demo script, and real
 # kernel Binder in a QEMU VM.
-# The GPU backend's OpenCL tests run on PoCL (scripts/setup-opencl.sh), with
-# LLMD_REQUIRE_OPENCL=1: no runtime is a failure, not a skip.
+# The GPU backend's OpenCL tests run on PoCL (scripts/setup-opencl.sh) and, for the subgroup
+# variant, Intel's CPU runtime (scripts/setup-intel-opencl.sh), with LLMD_REQUIRE_OPENCL=1 and
+# LLMD_REQUIRE_SUBGROUPS=1: a missing runtime is a failure, not a skip.
 # LLMD_SKIP_VM=1 skips the VM test (for quick local runs; CI always runs it).
 # LLMD_LARGE_MODEL_TESTS=1 also fetches the 1.5B K-quant model (1.1 GB, scripts/fetch-model-1.5b.sh)
 # and runs the tests that need it (its golden test against llama.cpp); CI's quick path does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# A real OpenCL runtime (PoCL) for the GPU backend's tests; a missing one fails them.
+# Real OpenCL runtimes for the GPU backend's tests: PoCL, and Intel's CPU runtime (subgroups)
+# for the subgroup variant; a missing one fails them.
 eval "$(scripts/setup-opencl.sh)"
-export LLMD_REQUIRE_OPENCL=1
+eval "$(scripts/setup-intel-opencl.sh)"
+export LLMD_REQUIRE_OPENCL=1 LLMD_REQUIRE_SUBGROUPS=1
 echo "== no import circles between top-level modules (tools/module_cycles.py)" >&2
 for crate in device engine daemon llmctl; do python3 tools/module_cycles.py "$crate"; done
 echo "== cargo test (release; the real model runs in these tests)" >&2

@@ -13,7 +13,7 @@ mod common;
 
 use llmd_device::{BlockShape, RopeStyle, Subgraph};
 use llmd_engine::backend::blocks::Logits;
-use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions, MatmulVariant};
+use llmd_engine::backend::gpu::{check, subgroup_lanes, GpuDevice, GpuOptions, MatmulVariant};
 use llmd_engine::model::Devices;
 use llmd_engine::sched::{DecodeOn, Pinned};
 use llmd_engine::{LoadOptions, Model};
@@ -77,16 +77,50 @@ fn every_kernel_and_weight_type_equals_its_reference() {
         shape(1536, (12, 2), 128, 8960, RopeStyle::Neox),
         shape(256, (4, 4), 64, 688, RopeStyle::Neox),
     ];
-    // Both matmul variants, whichever the device would pick.
-    for variant in [MatmulVariant::GroupPerRow, MatmulVariant::RowPerItem] {
-        let g = GpuDevice::open(&GpuOptions { matmul: variant, ..Default::default() }).unwrap();
-        for s in &shapes {
-            for c in check::self_check(&g, s).unwrap() {
-                let at = format!("{variant:?}, d_model {}: {}", s.d_model, c.kernel);
-                eprintln!("{at:<70} worst {:.2e} (tolerance {:.0e})", c.worst, c.tolerance);
-                assert!(c.ok(), "{at} is off by {:e}, past {:e}", c.worst, c.tolerance);
+    // Every device of the default OpenCL library (PoCL through the ICD loader) and of Intel's
+    // CPU runtime where `scripts/setup-intel-opencl.sh` fetched it (LLMD_INTEL_OPENCL_LIB: it has
+    // subgroups), in every matmul variant the device can run.
+    let mut libraries = vec![None];
+    if let Some(l) = std::env::var_os("LLMD_INTEL_OPENCL_LIB") {
+        libraries.push(Some(std::path::PathBuf::from(l)));
+    }
+    let cache = std::env::temp_dir().join(format!("llmd-gpu-test-cache-{}", std::process::id()));
+    let mut subgroup_runs = 0;
+    for library in libraries {
+        let (_, devices) = llmd_engine::backend::gpu::list_devices(library.as_deref()).unwrap();
+        for (index, info) in devices.iter().enumerate() {
+            let mut variants = vec![MatmulVariant::GroupPerRow, MatmulVariant::RowPerItem];
+            if subgroup_lanes(info).is_some() {
+                variants.push(MatmulVariant::Subgroup);
+                subgroup_runs += 1;
+            }
+            for variant in variants {
+                let opts = GpuOptions {
+                    library: library.clone(),
+                    device: Some(index),
+                    matmul: variant,
+                    cache_dir: Some(cache.clone()),
+                };
+                let g = GpuDevice::open(&opts).unwrap();
+                assert_eq!(g.matmul_variant(), variant);
+                for s in &shapes {
+                    for c in check::self_check(&g, s).unwrap() {
+                        let at = format!("{} ({variant:?}), d_model {}: {}", info.platform, s.d_model, c.kernel);
+                        eprintln!("{at:<90} worst {:.2e} (tolerance {:.0e})", c.worst, c.tolerance);
+                        assert!(c.ok(), "{at} is off by {:e}, past {:e}", c.worst, c.tolerance);
+                    }
+                }
             }
         }
+    }
+    std::fs::remove_dir_all(&cache).ok();
+    // scripts/test.sh sets LLMD_REQUIRE_SUBGROUPS=1 with Intel's runtime: a runtime that did
+    // not come up is a failure there, not a skip.
+    if std::env::var("LLMD_REQUIRE_SUBGROUPS").is_ok_and(|v| v == "1") {
+        assert!(
+            subgroup_runs > 0,
+            "LLMD_REQUIRE_SUBGROUPS=1 and no device has subgroups (LLMD_INTEL_OPENCL_LIB unset?)"
+        );
     }
 }
 

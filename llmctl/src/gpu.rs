@@ -22,8 +22,9 @@ pub struct GpuArgs {
     /// Default: $XDG_CACHE_HOME/llmd/opencl, else ~/.cache/llmd/opencl.
     #[arg(long, value_name = "DIR")]
     pub gpu_cache: Option<String>,
-    /// How a matmul spreads over the device: auto (a work-item per weight row on a CPU device
-    /// such as PoCL, else a work-group per row), rows, or groups.
+    /// How a matmul spreads over the device: auto (a subgroup per weight row where the device
+    /// can fix a subgroup's size, else a work-item per row on a CPU device such as PoCL, else a
+    /// work-group per row), rows, groups or subgroups.
     #[arg(long, value_enum, default_value = "auto")]
     pub gpu_matmul: MatmulChoice,
 }
@@ -34,6 +35,7 @@ pub enum MatmulChoice {
     Auto,
     Rows,
     Groups,
+    Subgroups,
 }
 
 fn cache_dir(args: &GpuArgs) -> Option<PathBuf> {
@@ -52,6 +54,7 @@ pub fn options(args: &GpuArgs) -> GpuOptions {
         MatmulChoice::Auto => MatmulVariant::Auto,
         MatmulChoice::Rows => MatmulVariant::RowPerItem,
         MatmulChoice::Groups => MatmulVariant::GroupPerRow,
+        MatmulChoice::Subgroups => MatmulVariant::Subgroup,
     };
     GpuOptions { library: args.opencl_lib.clone(), device: args.gpu_device, cache_dir: cache_dir(args), matmul }
 }
@@ -136,7 +139,9 @@ pub fn info(args: &GpuArgs) -> Result<(), String> {
     for v in g.variants() {
         crate::out!("kernel variant: {v}");
     }
-    crate::out!("not built yet: fp16 arithmetic (cl_khr_fp16), subgroup reductions, weights through image1d_buffer_t");
+    crate::out!(
+        "not built yet: fp16 arithmetic (cl_khr_fp16: no runtime here has it to test against), weights through image1d_buffer_t"
+    );
     crate::out!("program: {}", origin_text(g.program_origin()));
     match g.cache_file() {
         Some(p) => crate::out!("program cache: {} ({})", p.display(), if p.exists() { "present" } else { "absent" }),

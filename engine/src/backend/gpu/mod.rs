@@ -17,9 +17,12 @@
 //! - **The program** (`kernels/llmd.cl`, embedded) is built once per device and driver and
 //!   cached as a program binary ([`program`]).
 //!
-//! Decisions (docs/DECISIONS.md): the portable baseline only (OpenCL C 1.2, fp32 arithmetic,
-//! f16 storage through `vload_half`), which every runtime here and every phone GPU runs; the
-//! fp16, subgroup and image variants are the next step and are listed as not yet built.
+//! Decisions (docs/DECISIONS.md): a portable baseline (OpenCL C 1.2, fp32 arithmetic, f16
+//! storage through `vload_half`), which every runtime here and every phone GPU runs, and the
+//! matmul in three shapes chosen from the device's capabilities ([`MatmulVariant`]: by
+//! work-group, by work-item, by subgroup where `cl_intel_subgroups` or Qualcomm's
+//! `cl_qcom_reqd_sub_group_size` fixes a subgroup's size); fp16 arithmetic and image-backed
+//! weights are not built (no runtime here has `cl_khr_fp16`).
 
 pub mod check;
 pub mod program;
@@ -85,7 +88,8 @@ fn work_group(max: usize) -> usize {
 /// How a matmul spreads over work-items.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MatmulVariant {
-    /// By the device: [`Self::RowPerItem`] on a CPU device, else [`Self::GroupPerRow`].
+    /// By the device: [`Self::Subgroup`] where the subgroup's size can be fixed, else
+    /// [`Self::RowPerItem`] on a CPU device, else [`Self::GroupPerRow`].
     #[default]
     Auto,
     /// A work-group per weight row, its work-items splitting the row and summing in local
@@ -95,6 +99,21 @@ pub enum MatmulVariant {
     /// stretch between a work-group's barriers as a loop of its own; decode of the default
     /// model on PoCL here went from 4.0 to 9.7 tok/s).
     RowPerItem,
+    /// A subgroup per weight row, summed with `sub_group_reduce_add` (no local memory or
+    /// barrier): needs `cl_intel_subgroups` (16 lanes) or `cl_qcom_reqd_sub_group_size` (64,
+    /// Adreno's "half" wave; not run here).
+    Subgroup,
+}
+
+/// The lanes of the subgroup variant on `dev`, if it can fix its subgroup's size.
+pub fn subgroup_lanes(dev: &DeviceInfo) -> Option<usize> {
+    if dev.has("cl_intel_subgroups") {
+        Some(16)
+    } else if dev.has("cl_qcom_reqd_sub_group_size") {
+        Some(64)
+    } else {
+        None
+    }
 }
 
 /// Which OpenCL library and device, and where program binaries are cached.
@@ -131,8 +150,10 @@ pub fn list_devices(library: Option<&Path>) -> Result<(Arc<Library>, Vec<DeviceI
 
 struct Kernels {
     matmul: HashMap<GgmlType, Kernel>,
-    /// Whether `matmul` holds the row-per-work-item variant.
-    rows_variant: bool,
+    /// Which variant `matmul` holds (never `Auto`).
+    variant: MatmulVariant,
+    /// The work-group size of the subgroup variant (one subgroup).
+    lanes: usize,
     get_rows: HashMap<GgmlType, Kernel>,
     rms_norm: Kernel,
     rope: Kernel,
@@ -205,25 +226,46 @@ impl GpuDevice {
         };
         let ctx = Context::new(&lib, &info)?;
         let ls = work_group(info.max_work_group);
-        let options = format!("-cl-std=CL1.2 -DLS={ls}");
+        let lanes = subgroup_lanes(&info);
+        let variant = match (opts.matmul, lanes) {
+            (MatmulVariant::Auto, Some(_)) => MatmulVariant::Subgroup,
+            (MatmulVariant::Auto, None) if info.kind == "CPU" => MatmulVariant::RowPerItem,
+            (MatmulVariant::Auto, None) => MatmulVariant::GroupPerRow,
+            (MatmulVariant::Subgroup, None) => {
+                return Err(GpuError::Build {
+                    device: info.name.clone(),
+                    source: ClError::Invalid(
+                        "the subgroup matmul needs cl_intel_subgroups or cl_qcom_reqd_sub_group_size".into(),
+                    ),
+                })
+            }
+            (v, _) => v,
+        };
+        // The subgroup kernels are compiled only where they can be (the program is cached per
+        // options, so each device keeps its own).
+        let options = match lanes {
+            Some(sg) => format!("-cl-std=CL1.2 -DLS={ls} -DLLMD_SUBGROUPS -DSG={sg}"),
+            None => format!("-cl-std=CL1.2 -DLS={ls}"),
+        };
         let build_err = |source| GpuError::Build { device: info.name.clone(), source };
         let (prog, origin) = program::load(&ctx, &info, &options, opts.cache_dir.as_deref()).map_err(build_err)?;
         let kernel = |name: &str| prog.kernel(name).map_err(build_err);
-        let rows_variant = match opts.matmul {
-            MatmulVariant::Auto => info.kind == "CPU",
-            v => v == MatmulVariant::RowPerItem,
-        };
         let mut matmul = HashMap::new();
         let mut get_rows = HashMap::new();
         for t in WEIGHT_TYPES {
             let s = type_suffix(t).unwrap_or_default();
-            let name = if rows_variant { format!("matmul_rows_{s}") } else { format!("matmul_{s}") };
+            let name = match variant {
+                MatmulVariant::RowPerItem => format!("matmul_rows_{s}"),
+                MatmulVariant::Subgroup => format!("matmul_sg_{s}"),
+                _ => format!("matmul_{s}"),
+            };
             matmul.insert(t, kernel(&name)?);
             get_rows.insert(t, kernel(&format!("get_rows_{s}"))?);
         }
         let k = Kernels {
             matmul,
-            rows_variant,
+            variant,
+            lanes: lanes.unwrap_or(1),
             get_rows,
             rms_norm: kernel("rms_norm")?,
             rope: kernel("rope")?,
@@ -275,12 +317,17 @@ impl GpuDevice {
     pub fn variants(&self) -> Vec<&'static str> {
         vec![
             "baseline: OpenCL C 1.2, fp32 math, f16 storage (vload_half)",
-            if self.k.rows_variant {
-                "matmul: a work-item per weight row (CPU device)"
-            } else {
-                "matmul: a work-group per weight row, summed in local memory"
+            match self.k.variant {
+                MatmulVariant::RowPerItem => "matmul: a work-item per weight row (CPU device)",
+                MatmulVariant::Subgroup => "matmul: a subgroup per weight row, summed by sub_group_reduce_add",
+                _ => "matmul: a work-group per weight row, summed in local memory",
             },
         ]
+    }
+
+    /// The matmul variant in use.
+    pub fn matmul_variant(&self) -> MatmulVariant {
+        self.k.variant
     }
 
     /// Work-group size of the kernels.
@@ -355,11 +402,16 @@ impl GpuDevice {
             Arg::Mem(bias.map_or(&self.dummy, |b| &b.mem)),
             Arg::U32(bias.is_some() as u32),
         ];
-        if self.k.rows_variant {
-            return self
-                .ctx
-                .enqueue(k, &args, &[w.rows.div_ceil(self.ls) * self.ls], Some(&[self.ls]))
-                .map_err(self.exec());
+        match self.k.variant {
+            MatmulVariant::RowPerItem => {
+                let global = w.rows.div_ceil(self.ls) * self.ls;
+                return self.ctx.enqueue(k, &args, &[global], Some(&[self.ls])).map_err(self.exec());
+            }
+            MatmulVariant::Subgroup => {
+                let lanes = self.k.lanes;
+                return self.ctx.enqueue(k, &args, &[w.rows * lanes], Some(&[lanes])).map_err(self.exec());
+            }
+            _ => {}
         }
         self.ctx.enqueue(k, &args, &[w.rows * self.ls], Some(&[self.ls])).map_err(self.exec())
     }

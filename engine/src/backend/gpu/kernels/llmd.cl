@@ -196,6 +196,64 @@ kernel void get_rows_##T(global const uchar* w, uint row_bytes, uint cols, uint 
     for (int i = 0; i < 32; i++) o[i] = v[i];                                                       \
 }
 
+#ifdef LLMD_SUBGROUPS
+// The subgroup variant: one subgroup per work-group, one weight row per subgroup; its lanes
+// split the row's sub-blocks and sum with sub_group_reduce_add (no local memory, no barrier).
+// Built with -DLLMD_SUBGROUPS -DSG=<lanes> only for a device with a way to fix the subgroup's
+// size to the work-group's: Intel's cl_intel_subgroups, or Qualcomm's
+// cl_qcom_reqd_sub_group_size ("half": 64 lanes on Adreno).
+#if defined(cl_intel_subgroups)
+#pragma OPENCL EXTENSION cl_intel_subgroups : enable
+#define SG_ATTR __attribute__((intel_reqd_sub_group_size(SG)))
+#elif defined(cl_qcom_reqd_sub_group_size)
+#pragma OPENCL EXTENSION cl_qcom_reqd_sub_group_size : enable
+#pragma OPENCL EXTENSION cl_khr_subgroups : enable
+#define SG_ATTR __attribute__((qcom_reqd_sub_group_size("half")))
+#else
+#error "LLMD_SUBGROUPS needs cl_intel_subgroups or cl_qcom_reqd_sub_group_size"
+#endif
+#define MATMUL_SG(T)                                                                                \
+kernel SG_ATTR void matmul_sg_##T(global const uchar* w, uint row_bytes, uint cols,                \
+                                  global const float* x, global float* y, uint n, uint rows,       \
+                                  uint accumulate, global const float* bias, uint has_bias) {      \
+    uint r = get_group_id(0), lane = get_sub_group_local_id(), lanes = get_sub_group_size();      \
+    row_t row = w + (size_t)r * row_bytes;                                                          \
+    uint nb = cols / 32;                                                                             \
+    for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
+        uint nt = min((uint)TILE, n - t0);                                                          \
+        float acc[TILE];                                                                             \
+        for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                               \
+        for (uint j = lane; j < nb; j += lanes) {                                                   \
+            float wv[32];                                                                            \
+            dq_##T(row, j, wv);                                                                      \
+            for (uint k = 0; k < nt; k++) {                                                         \
+                global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                      \
+                float s = 0.0f;                                                                      \
+                for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                              \
+                acc[k] += s;                                                                         \
+            }                                                                                        \
+        }                                                                                            \
+        for (uint k = 0; k < nt; k++) {                                                             \
+            float v = sub_group_reduce_add(acc[k]);                                                  \
+            if (lane == 0) {                                                                         \
+                v += has_bias ? bias[r] : 0.0f;                                                      \
+                size_t o = (size_t)(t0 + k) * rows + r;                                             \
+                y[o] = accumulate ? y[o] + v : v;                                                    \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+}
+MATMUL_SG(f32)
+MATMUL_SG(f16)
+MATMUL_SG(q4_0)
+MATMUL_SG(q4_1)
+MATMUL_SG(q5_0)
+MATMUL_SG(q5_1)
+MATMUL_SG(q8_0)
+MATMUL_SG(q4_k)
+MATMUL_SG(q6_k)
+#endif
+
 MATMUL(f32)
 MATMUL(f16)
 MATMUL(q4_0)
