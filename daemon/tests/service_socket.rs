@@ -901,9 +901,18 @@ fn a_stopped_client_loses_its_request_and_session_while_others_are_served() {
         "the stopped client's request and session were gone {} ms after it stopped",
         stopped_at.elapsed().as_millis()
     );
-    // Its connections are gone too.
-    let dump = watch.admin().expect("admin").dumpState().expect("dump");
-    assert!(!dump.contains("uid 65534"), "{dump}");
+    // Its connections are gone too, and the scheduler's books of its uid (the worker publishes
+    // them at its next turn, a moment after the request's end shows in the status: on a loaded
+    // machine that moment was seen to pass the dump).
+    let t = Instant::now();
+    loop {
+        let dump = watch.admin().expect("admin").dumpState().expect("dump");
+        if !dump.contains("uid 65534") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{dump}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // The daemon goes on serving.
     let o = run(&session(&other), &greedy("The capital of France is", 4));
     assert_eq!(o.ids, golden_capital_ids(4), "{o:?}");
