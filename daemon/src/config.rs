@@ -39,8 +39,13 @@ impl KvCacheType {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// Everything on the CPU.
+    /// The NPU reads prompts and the GPU decodes where the system has them — a QNN library
+    /// other than llmd's emulator (on Android the system's `libQnnHtp.so`, or `[npu] library`),
+    /// an OpenCL device that is a GPU — and the CPU does what they do not. On a host with
+    /// neither (PoCL is a CPU device; the emulator is no faster than the CPU), the CPU alone.
     #[default]
+    Auto,
+    /// Everything on the CPU.
     Cpu,
     /// Prompt chunks' linear groups as W8A8 graphs on the NPU (llm.npu's split: norms, RoPE,
     /// attention on the CPU), decode on the CPU.
@@ -129,9 +134,11 @@ pub struct Config {
     pub prefill_chunk: usize,
     /// KV cache storage: "f16" or "q8".
     pub kv_cache_type: KvCacheType,
-    /// Which processor besides the CPU takes work: "cpu" (none); "npu" (prompts' linear layers
-    /// on QNN, configured in `[npu]`); "gpu" (decode on OpenCL, configured in `[gpu]`). A
-    /// library that cannot start leaves the daemon on the CPU, saying why in `llmctl status`.
+    /// Which processors besides the CPU take work: "auto" (the default: the NPU for prompts
+    /// and the GPU for decode where the system has them); "cpu" (none); "npu" (prompts' linear
+    /// layers on QNN, configured in `[npu]`, the emulator included); "gpu" (decode on OpenCL,
+    /// configured in `[gpu]`, whatever the device). A library that cannot start leaves the
+    /// daemon on the CPU, saying why in `llmctl status`.
     pub backend: Backend,
     pub npu: NpuConfig,
     pub gpu: GpuConfig,
@@ -356,7 +363,7 @@ impl Default for Config {
             shutdown_grace_ms: 3000,
             prefill_chunk: llmd_engine::generate::DEFAULT_PREFILL_CHUNK,
             kv_cache_type: KvCacheType::F16,
-            backend: Backend::Cpu,
+            backend: Backend::Auto,
             npu: NpuConfig::default(),
             gpu: GpuConfig::default(),
             limits: Limits::default(),
@@ -526,7 +533,8 @@ mod tests {
         assert_eq!(c.backend, Backend::Npu);
         assert_eq!((c.npu.chunk, c.npu.soc, c.npu.output_bits), (128, 57, 16));
         c.validate().expect("valid");
-        assert_eq!(parse("").backend, Backend::Cpu, "the CPU unless asked");
+        assert_eq!(parse("").backend, Backend::Auto, "accelerators where the system has them, unless asked");
+        assert_eq!(parse("backend = \"cpu\"\n").backend, Backend::Cpu);
         for bad in ["[npu]\nchunk = 0\n", "[npu]\nchunk = 4097\n", "[npu]\noutput_bits = 12\n"] {
             assert!(matches!(parse(bad).validate(), Err(ConfigError::Invalid(_))), "{bad}");
         }

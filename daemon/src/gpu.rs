@@ -20,7 +20,8 @@
 //! the GPU as one batch; its prompt chunks stay on the CPU, run while the GPU works.
 
 use crate::config::{Backend, Config, GpuMatmul};
-use llmd_engine::backend::gpu::{GpuDevice, GpuOptions, MatmulVariant, Origin};
+use llmd_engine::backend::gpu::{GpuDevice, GpuError, GpuOptions, MatmulVariant, OpenClError, Origin};
+
 use llmd_engine::model::Devices;
 use llmd_engine::sched::Pinned;
 use llmd_engine::Model;
@@ -119,7 +120,7 @@ impl Gpu {
 
     /// The GPU the config asks for: started on its thread, or off.
     pub fn from_config(config: &Config) -> Arc<Self> {
-        if config.backend != Backend::Gpu {
+        if !matches!(config.backend, Backend::Gpu | Backend::Auto) {
             return Arc::new(Self::off());
         }
         let g = &config.gpu;
@@ -132,6 +133,7 @@ impl Gpu {
                 GpuMatmul::Rows => MatmulVariant::RowPerItem,
                 GpuMatmul::Groups => MatmulVariant::GroupPerRow,
             },
+            gpu_only: config.backend == Backend::Auto,
         };
         Arc::new(Self::start(opts))
     }
@@ -239,6 +241,12 @@ impl Status {
         tracing::warn!(%reason, "the GPU cannot be used; decode runs on the CPU");
         self.state = State::Unavailable { reason };
     }
+
+    /// No GPU on this system (automatic placement expects that: said at info).
+    fn not_here(&mut self, reason: String) {
+        tracing::info!(%reason, "no GPU: decode runs on the CPU");
+        self.state = State::Unavailable { reason };
+    }
 }
 
 fn origin_text(o: &Origin) -> String {
@@ -255,6 +263,12 @@ fn thread_main(opts: GpuOptions, rx: Receiver<Msg>, status: Arc<Mutex<Status>>) 
     let opened = std::panic::catch_unwind(|| GpuDevice::open(&opts));
     let dev = match opened {
         Ok(Ok(d)) => Arc::new(d),
+        Ok(Err(e))
+            if opts.gpu_only && matches!(e, GpuError::NoGpu { .. } | GpuError::OpenCl(OpenClError::Load { .. })) =>
+        {
+            lock(&status).not_here(format!("backend \"auto\": {e}"));
+            return drain(rx);
+        }
         Ok(Err(e)) => {
             lock(&status).unavailable(e.to_string());
             return drain(rx);

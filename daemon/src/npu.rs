@@ -171,11 +171,21 @@ impl Npu {
     /// library (see [`default_library`] when it names none; `llmd` puts `--qnn-lib` or
     /// `LLMD_QNN_LIB` there).
     pub fn from_config(config: &crate::config::Config) -> Arc<Self> {
-        if config.backend != crate::config::Backend::Npu {
-            return Self::off();
-        }
+        use crate::config::Backend;
         let n = &config.npu;
-        let library = n.library.clone().unwrap_or_else(default_library);
+        let library = match (config.backend, &n.library) {
+            (Backend::Npu, l) => l.clone().unwrap_or_else(default_library),
+            (Backend::Auto, Some(l)) => l.clone(),
+            // Automatic placement uses a phone's NPU, not llmd's emulator of one (no faster than
+            // the CPU here).
+            (Backend::Auto, None) if cfg!(target_os = "android") => default_library(),
+            (Backend::Auto, None) => {
+                return Self::not_here(
+                    "backend \"auto\" found no NPU library (off Android, set [npu] library; llmd's emulator runs with backend = \"npu\")",
+                )
+            }
+            _ => return Self::off(),
+        };
         let cache_dir = n.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("npu")));
         Self::start(Settings {
             library,
@@ -185,6 +195,13 @@ impl Npu {
             calibration: n.calibration.clone(),
             output_bits: n.output_bits,
         })
+    }
+
+    /// No NPU on this system, said once at start (info: automatic placement expects it).
+    fn not_here(reason: &str) -> Arc<Self> {
+        tracing::info!("no NPU: prompts run on the CPU: {reason}");
+        let state = State::Unavailable { reason: reason.to_string() };
+        Arc::new(Self { tx: None, status: Arc::new(Mutex::new(Status::new(state))), chunk: 0, soc: 0 })
     }
 
     /// Starts the NPU thread over `settings.library`. Never fails: see the module doc.

@@ -1469,3 +1469,28 @@ fn without_opencl_the_daemon_serves_on_the_cpu_and_status_says_why() {
     assert_eq!(gpu_dump(&conn).matches("gpu_job").count(), 0, "no GPU job");
     assert_eq!(d.log().matches("the GPU cannot be used").count(), 1, "logged once:\n{}", d.log());
 }
+
+#[test]
+fn by_default_work_goes_to_the_accelerators_this_system_has_and_here_that_is_the_cpu() {
+    // backend = "auto" (the default): a phone's NPU library and an OpenCL GPU. This host has
+    // llmd's emulator (not taken automatically) and at most PoCL, a CPU device (not a GPU).
+    let d = Daemon::start("");
+    let conn = d.connect();
+    let t = Instant::now();
+    let gpu = loop {
+        let s = gpu_dump(&conn);
+        if !s.contains("state starting") || t.elapsed() > GPU_READY {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(gpu.contains("state unavailable: decode runs on the CPU: backend \"auto\""), "{gpu}");
+    let npu = npu_dump(&conn);
+    assert!(npu.contains("state unavailable") && npu.contains("backend \"auto\" found no NPU library"), "{npu}");
+    let o = run(&session(&conn), &greedy("The capital of France is", 8));
+    assert_eq!(o.ids, golden_capital_ids(8), "served on the CPU");
+    assert_eq!(gpu_dump(&conn).matches("gpu_job").count(), 0, "no GPU job");
+    // Expected absences are said at info, not as warnings.
+    let log = d.log();
+    assert!(!log.contains("the GPU cannot be used") && !log.contains("NPU unavailable"), "{log}");
+}

@@ -100,6 +100,7 @@ fn every_kernel_and_weight_type_equals_its_reference() {
                     device: Some(index),
                     matmul: variant,
                     cache_dir: Some(cache.clone()),
+                    gpu_only: false,
                 };
                 let g = GpuDevice::open(&opts).unwrap();
                 assert_eq!(g.matmul_variant(), variant);
@@ -283,4 +284,20 @@ fn greedy_decode_on_the_gpu_gives_the_cpu_tokens_on_the_1_5b_k_quant_model() {
     let path = common::repo_root().join("models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf");
     assert!(path.is_file(), "{} is missing: run scripts/fetch-model-1.5b.sh", path.display());
     greedy_matches(&path, &["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"], 32);
+}
+
+#[test]
+fn automatic_placement_takes_only_a_device_that_is_a_gpu() {
+    let Some(g) = gpu() else { return };
+    let (_, devices) = llmd_engine::backend::gpu::list_devices(None).unwrap();
+    let r = GpuDevice::open(&GpuOptions { gpu_only: true, ..Default::default() });
+    if devices.iter().all(|d| d.kind != "GPU") {
+        let e = r.err().expect("no GPU here: refused");
+        assert!(e.to_string().contains("no OpenCL device is a GPU") && e.to_string().contains(&g.info().name), "{e}");
+    } else {
+        assert_eq!(r.expect("a GPU is taken").info().kind, "GPU");
+    }
+    // A device asked for by number is taken whatever its kind.
+    let r = GpuDevice::open(&GpuOptions { gpu_only: true, device: Some(0), ..Default::default() });
+    assert!(r.is_ok());
 }

@@ -56,7 +56,13 @@ pub fn options(args: &GpuArgs) -> GpuOptions {
         MatmulChoice::Groups => MatmulVariant::GroupPerRow,
         MatmulChoice::Subgroups => MatmulVariant::Subgroup,
     };
-    GpuOptions { library: args.opencl_lib.clone(), device: args.gpu_device, cache_dir: cache_dir(args), matmul }
+    GpuOptions {
+        library: args.opencl_lib.clone(),
+        device: args.gpu_device,
+        cache_dir: cache_dir(args),
+        matmul,
+        gpu_only: false,
+    }
 }
 
 fn origin_text(o: &Origin) -> String {

@@ -37,9 +37,10 @@ struct Args {
     /// Where the usage history and spilled KV caches live; overrides the config.
     #[arg(long, value_name = "DIR")]
     state_dir: Option<std::path::PathBuf>,
-    /// Which processor besides the CPU takes work: cpu (none), npu (prompts' linear layers on
-    /// QNN; `[npu]` in the config) or gpu (decode on OpenCL; `[gpu]`). Overrides the config's
-    /// `backend`.
+    /// Which processors besides the CPU take work: auto (the default: a phone's NPU for
+    /// prompts and its GPU for decode, where the system has them), cpu (none), npu (prompts'
+    /// linear layers on QNN, the emulator included; `[npu]` in the config) or gpu (decode on
+    /// OpenCL, whatever the device; `[gpu]`). Overrides the config's `backend`.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
     /// The QNN backend library for `--backend npu` (Qualcomm's libQnnHtp.so, or llmd's
@@ -56,6 +57,7 @@ struct Args {
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum BackendArg {
+    Auto,
     Cpu,
     Npu,
     Gpu,
@@ -105,6 +107,7 @@ fn run(args: Args) -> Result<(), String> {
     }
     if let Some(b) = args.backend {
         config.backend = match b {
+            BackendArg::Auto => llmd_daemon::config::Backend::Auto,
             BackendArg::Cpu => llmd_daemon::config::Backend::Cpu,
             BackendArg::Npu => llmd_daemon::config::Backend::Npu,
             BackendArg::Gpu => llmd_daemon::config::Backend::Gpu,

@@ -37,7 +37,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-pub use opencl_rt_sys::Stats;
+pub use opencl_rt_sys::{ClError as OpenClError, Stats};
 pub use program::Origin;
 
 /// The Snapdragon 8 Gen 3 GPU's (Adreno 750) memory bandwidth in decode: 43.3 GB/s, measured
@@ -126,6 +126,9 @@ pub struct GpuOptions {
     /// Where program binaries are cached (None: built at every start).
     pub cache_dir: Option<PathBuf>,
     pub matmul: MatmulVariant,
+    /// Take only a device of kind GPU (automatic placement: an OpenCL CPU device is no faster
+    /// than the CPU path); `device` overrides it.
+    pub gpu_only: bool,
 }
 
 /// Why the GPU cannot be used.
@@ -139,6 +142,8 @@ pub enum GpuError {
     NoSuchDevice { index: usize, count: usize },
     #[error("the kernels did not build on {device}: {source}")]
     Build { device: String, source: ClError },
+    #[error("no OpenCL device is a GPU ({devices})")]
+    NoGpu { devices: String },
 }
 
 /// Every device of the library's platforms.
@@ -222,7 +227,14 @@ impl GpuDevice {
         }
         let info = match opts.device {
             Some(i) => devs.get(i).cloned().ok_or(GpuError::NoSuchDevice { index: i, count: devs.len() })?,
-            None => devs.iter().find(|d| d.kind == "GPU").unwrap_or(&devs[0]).clone(),
+            None => match devs.iter().find(|d| d.kind == "GPU") {
+                Some(d) => d.clone(),
+                None if opts.gpu_only => {
+                    let list: Vec<String> = devs.iter().map(|d| format!("{}: {}", d.name, d.kind)).collect();
+                    return Err(GpuError::NoGpu { devices: list.join(", ") });
+                }
+                None => devs[0].clone(),
+            },
         };
         let ctx = Context::new(&lib, &info)?;
         let ls = work_group(info.max_work_group);
