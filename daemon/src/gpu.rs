@@ -123,6 +123,16 @@ impl Gpu {
         if !matches!(config.backend, Backend::Gpu | Backend::Auto) {
             return Arc::new(Self::off());
         }
+        if config.kv_cache_type == crate::config::KvCacheType::Q8 {
+            // The GPU's attention reads f16 caches, and an int8 one does not move to it.
+            let mut s = Status::new(State::Starting);
+            let reason = "the GPU decodes from f16 KV caches; kv_cache_type is \"q8\"".to_string();
+            match config.backend {
+                Backend::Auto => s.not_here(reason),
+                _ => s.unavailable(reason),
+            }
+            return Arc::new(Self { status: Arc::new(Mutex::new(s)), tx: None, next_id: 1.into() });
+        }
         let g = &config.gpu;
         let opts = GpuOptions {
             library: g.library.clone(),
@@ -333,5 +343,22 @@ fn thread_main(opts: GpuOptions, rx: Receiver<Msg>, status: Arc<Mutex<Status>>) 
 fn drain(rx: Receiver<Msg>) {
     while let Ok(m) = rx.recv() {
         let _ = (m.job)(Err("the GPU is unavailable".into()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_int8_kv_cache_keeps_decode_on_the_cpu_and_says_why() {
+        let mut c = Config { backend: Backend::Gpu, ..Config::default() };
+        c.kv_cache_type = crate::config::KvCacheType::Q8;
+        let g = Gpu::from_config(&c);
+        assert!(matches!(g.state(), State::Unavailable { reason } if reason.contains("q8")), "{:?}", g.state());
+        assert!(!g.serving());
+        assert!(g.dump().contains("state unavailable: decode runs on the CPU"), "{}", g.dump());
+        let off = Gpu::from_config(&Config { backend: Backend::Cpu, ..Config::default() });
+        assert_eq!(off.state(), State::Off);
     }
 }
