@@ -123,6 +123,17 @@ impl Gpu {
         if !matches!(config.backend, Backend::Gpu | Backend::Auto) {
             return Arc::new(Self::off());
         }
+        if config.backend == Backend::Auto && config.gpu.library.is_none() && !cfg!(target_os = "android") {
+            // Automatic placement is for a phone's GPU. Off Android, probing the ICD loader's
+            // platforms would load whatever runtimes are installed (PoCL brings LLVM: ~60 MB
+            // resident) to find, most likely, no GPU; `[gpu] library` or backend = "gpu" asks.
+            let mut s = Status::new(State::Starting);
+            s.not_here(
+                "backend \"auto\" looks for a GPU on Android (off Android, set [gpu] library or backend = \"gpu\")"
+                    .into(),
+            );
+            return Arc::new(Self { status: Arc::new(Mutex::new(s)), tx: None, next_id: 1.into() });
+        }
         if config.kv_cache_type == crate::config::KvCacheType::Q8 {
             // The GPU's attention reads f16 caches, and an int8 one does not move to it.
             let mut s = Status::new(State::Starting);

@@ -6,8 +6,6 @@ use llmd_daemon::connections::{SocketOptions, SocketServer};
 use llmd_daemon::{models, service};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
@@ -198,14 +196,10 @@ fn run(args: Args) -> Result<(), String> {
         eprintln!("llmd: registered {name:?} with the service manager");
         guards.push(server);
     }
-    // Until SIGTERM (init's stop, `kill`) or SIGINT (Ctrl-C): then drain and exit 0.
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        signal_hook::flag::register(sig, stop.clone()).map_err(|e| format!("handling signal {sig}: {e}"))?;
-    }
-    while !stop.load(Ordering::Acquire) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // Until SIGTERM (init's stop, `kill`) or SIGINT (Ctrl-C), blocked in every thread since
+    // `main` began and taken here: then drain and exit 0.
+    let sig = stop_signals().wait().map_err(|e| format!("waiting for SIGTERM or SIGINT: {e}"))?;
+    tracing::info!(signal = %sig, "stopping");
     let grace = Duration::from_millis(grace_ms);
     eprintln!("llmd: stopping: no new requests; those in flight have {} ms to finish", grace.as_millis());
     let r = daemon.drain(grace);
@@ -265,9 +259,23 @@ fn check_budget(
 
 use llmd_engine::chat::SANDBOX_ARG as RENDER_CHAT_TEMPLATE;
 
+/// SIGTERM and SIGINT: blocked in every thread from the start of `main` (threads inherit the
+/// mask) and taken by `sigwait` when llmd has started. A handler would not do: an OpenCL
+/// runtime built on LLVM (PoCL) installs handlers of its own for them that restore the default
+/// action and raise the signal again, so that `kill` ended llmd by the signal (exit 143)
+/// instead of draining it. (Children get an empty mask: std resets it before `exec`.)
+fn stop_signals() -> nix::sys::signal::SigSet {
+    use nix::sys::signal::{SigSet, Signal};
+    [Signal::SIGTERM, Signal::SIGINT].into_iter().collect::<SigSet>()
+}
+
 fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == RENDER_CHAT_TEMPLATE) {
         return ExitCode::from(llmd_engine::chat::sandbox_child_main().clamp(0, 255) as u8);
+    }
+    if let Err(e) = stop_signals().thread_block() {
+        eprintln!("llmd: error: blocking SIGTERM and SIGINT for their waiter: {e}");
+        return ExitCode::FAILURE;
     }
     // Model files' chat templates render in a child llmd with bounded memory and CPU.
     match std::env::current_exe() {
