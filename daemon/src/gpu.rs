@@ -90,6 +90,9 @@ struct Status {
     /// CPU work reported for a job not yet recorded (the worker hears of the job's result
     /// before the thread records its span).
     pending_beside: Vec<(u64, (usize, u64, u64))>,
+    /// Models whose pass failed on the GPU (a weight type its kernels do not read, a shape they
+    /// do not take): decoded on the CPU from then on, with the reason.
+    failed: Vec<(usize, Weak<Model>, String, String)>,
 }
 
 /// The daemon's GPU.
@@ -176,6 +179,15 @@ impl Gpu {
         matches!(lock(&self.status).state, State::Serving { .. })
     }
 
+    /// Whether `model`'s decode steps go to the GPU: it is serving and no pass of that model
+    /// failed there.
+    pub fn takes(&self, model: &Arc<Model>) -> bool {
+        let s = lock(&self.status);
+        let key = Arc::as_ptr(model) as usize;
+        matches!(s.state, State::Serving { .. })
+            && !s.failed.iter().any(|(k, m, _, _)| *k == key && m.strong_count() > 0)
+    }
+
     pub fn state(&self) -> State {
         lock(&self.status).state.clone()
     }
@@ -217,6 +229,9 @@ impl Gpu {
                 out.push_str(&format!("  state serving\n  device {device} ({platform}); kernels {program}\n"))
             }
         }
+        for (_, _, name, reason) in s.failed.iter().filter(|f| f.1.strong_count() > 0) {
+            out.push_str(&format!("  model {name} failed, decoded on the CPU: {reason}\n"));
+        }
         if !matches!(s.state, State::Off) {
             out.push_str(&format!(
                 "  jobs {} ({} decode steps), busy {:.2} s; {} kernels, {} host waits, {} B up, {} B down\n",
@@ -255,6 +270,7 @@ impl Status {
             bytes_up: 0,
             bytes_down: 0,
             pending_beside: Vec::new(),
+            failed: Vec::new(),
         }
     }
 
@@ -328,6 +344,7 @@ fn thread_main(opts: GpuOptions, rx: Receiver<Msg>, status: Arc<Mutex<Status>>) 
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             job(devs.ok_or_else(|| "the model was dropped".to_string()))
         }));
+        let panicked = r.is_err();
         let r = r.unwrap_or_else(|p| Err(format!("the GPU job panicked: {}", panic_text(&*p))));
         let after = dev.stats();
         let mut s = lock(&status);
@@ -343,9 +360,22 @@ fn thread_main(opts: GpuOptions, rx: Receiver<Msg>, status: Arc<Mutex<Status>>) 
         }
         let beside = s.pending_beside.iter().position(|(i, _)| *i == id).map(|at| s.pending_beside.remove(at).1);
         s.recent.push_back(JobSpan { id, sequences, start_ms, end_ms: epoch_ms(), ok: r.is_ok(), beside });
-        if let Err(reason) = r {
-            s.unavailable(format!("a decode pass failed: {reason}"));
-            sets.clear();
+        match r {
+            Ok(()) => {}
+            // A panic leaves the device in a state nobody knows: the GPU is let go.
+            Err(reason) if panicked => {
+                s.unavailable(format!("a decode pass failed: {reason}"));
+                sets.clear();
+            }
+            // A pass that failed (a weight type or shape the kernels do not take, a device
+            // error): that model decodes on the CPU from now on; others keep the GPU.
+            Err(reason) => {
+                let name = model.upgrade().map_or_else(|| "(dropped)".to_string(), |m| m.name.clone());
+                tracing::warn!(model = %name, %reason, "a decode pass failed on the GPU; the model decodes on the CPU");
+                s.failed.retain(|f| f.1.strong_count() > 0);
+                s.failed.push((key, model.clone(), name, reason));
+                sets.retain(|(k, _, _)| *k != key);
+            }
         }
     }
 }
@@ -371,5 +401,36 @@ mod tests {
         assert!(g.dump().contains("state unavailable: decode runs on the CPU"), "{}", g.dump());
         let off = Gpu::from_config(&Config { backend: Backend::Cpu, ..Config::default() });
         assert_eq!(off.state(), State::Off);
+    }
+
+    #[test]
+    fn a_model_whose_pass_fails_decodes_on_the_cpu_and_the_others_keep_the_gpu() {
+        let g = Gpu::start(GpuOptions::default());
+        let t = Instant::now();
+        while matches!(g.state(), State::Starting) && t.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if !g.serving() {
+            let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
+            assert!(!required, "LLMD_REQUIRE_OPENCL=1 and {:?}", g.state());
+            return;
+        }
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-qwen2.gguf");
+        let load = || Arc::new(Model::load(std::path::Path::new(fixture), &Default::default()).expect("loads"));
+        let (bad, good) = (load(), load());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let job: Job = Box::new(move |_| {
+            let _ = tx.send(());
+            Err("a weight type the kernels do not read".into())
+        });
+        assert!(g.submit(&bad, 1, job).is_some());
+        rx.recv_timeout(Duration::from_secs(30)).expect("the job ran");
+        let t = Instant::now();
+        while g.takes(&bad) && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!g.takes(&bad), "the failed model still goes to the GPU");
+        assert!(g.serving() && g.takes(&good), "another model keeps the GPU: {:?}", g.state());
+        assert!(g.dump().contains("failed, decoded on the CPU: a weight type the kernels do not read"), "{}", g.dump());
     }
 }

@@ -301,3 +301,49 @@ fn automatic_placement_takes_only_a_device_that_is_a_gpu() {
     let r = GpuDevice::open(&GpuOptions { gpu_only: true, device: Some(0), ..Default::default() });
     assert!(r.is_ok());
 }
+
+#[test]
+fn greedy_decode_on_the_gpu_gives_the_cpu_tokens_on_the_tiny_models() {
+    if gpu().is_none() {
+        return;
+    }
+    // llama with a SentencePiece vocabulary, a separate output head and linear RoPE scaling;
+    // qwen2 with Q/K/V biases and a tied head, in f32 and in llama.cpp's Q4_K_M mix.
+    for f in ["tiny-llama-spm.gguf", "tiny-qwen2.gguf", "tiny-qwen2-q4km.gguf"] {
+        greedy_matches(&common::repo_root().join("tests/fixtures").join(f), &["hello world", "The capital of"], 16);
+    }
+}
+
+/// Greedy decode with the prompt read on the CPU and the steps on the GPU (`DecodeOn`) against
+/// the CPU alone: the same tokens, or parting only at a near tie of the CPU's.
+fn split_matches(path: &std::path::Path, prompts: &[&str], steps: usize) {
+    let cpu = Model::load(path, &LoadOptions { threads: 2, ..Default::default() }).unwrap();
+    let mut split = Model::load(path, &LoadOptions { threads: 2, ..Default::default() }).unwrap();
+    let g = Arc::new(GpuDevice::open(&GpuOptions::default()).unwrap());
+    let name = llmd_device::Device::desc(&*g).name.clone();
+    split.transformer.attach_devices(vec![g], Arc::new(DecodeOn { device: name, max_tokens: 1 }));
+    for p in prompts {
+        let toks = cpu.tokenizer.encode(p, false, true).unwrap();
+        assert!(toks.len() > 1, "the prompt must be read on the CPU (more than one token)");
+        let (a, b) = (greedy(&cpu, &toks, steps), greedy(&split, &toks, steps));
+        match a.iter().zip(&b).position(|(x, y)| x.0 != y.0) {
+            None => eprintln!("{}: {p:?}: {steps} tokens equal", path.display()),
+            Some(i) => {
+                eprintln!("{}: {p:?}: part at step {i}, CPU margin {}", path.display(), a[i].1);
+                assert!(a[i].1 <= NEAR_TIE, "{p:?}: part at step {i} with a margin of {}", a[i].1);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_cpu_prefill_then_gpu_decode_gives_the_cpu_tokens_on_every_model_here() {
+    if gpu().is_none() {
+        return;
+    }
+    let fixtures = common::repo_root().join("tests/fixtures");
+    split_matches(&common::default_model_path(), &["The capital of France is", "def fibonacci(n):"], 16);
+    for f in ["tiny-llama-spm.gguf", "tiny-qwen2.gguf", "tiny-qwen2-q4km.gguf"] {
+        split_matches(&fixtures.join(f), &["hello world", "The capital of"], 16);
+    }
+}

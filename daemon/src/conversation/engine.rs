@@ -215,13 +215,13 @@ impl Engine for ModelEngine {
     fn forward(&mut self, batch: &mut [Fed<'_, Turn, Started>]) -> Result<(), ServiceError> {
         let Some(model) = batch.first().map(|f| f.turn.model.clone()) else { return Ok(()) };
         let decode: Vec<usize> = (0..batch.len()).filter(|&i| !batch[i].prefill).collect();
-        if self.gpu.serving() && !decode.is_empty() {
+        if !decode.is_empty() && self.gpu.takes(&model) {
             let mut cpu = Vec::new();
             let on_gpu = self.forward_on_gpu(&model, batch, &decode, &mut cpu)?;
             let gpu = match on_gpu {
                 Some(l) => l,
-                // The GPU failed these steps (it is unavailable now): the CPU runs them, each
-                // session's cache brought home from the device.
+                // The GPU failed these steps (this model, or the GPU, is off it now): the CPU
+                // runs them, each session's cache brought home from the device.
                 None => {
                     let mut guards: Vec<_> = decode.iter().map(|&i| batch[i].turn.session.lock()).collect();
                     let mut seqs: Vec<(&mut SessionInner, &[u32])> =
