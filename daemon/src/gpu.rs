@@ -20,7 +20,7 @@
 //! the GPU as one batch; its prompt chunks stay on the CPU, run while the GPU works.
 
 use crate::config::{Backend, Config, GpuMatmul};
-use llmd_engine::backend::gpu::{GpuDevice, GpuError, GpuOptions, MatmulVariant, OpenClError, Origin};
+use llmd_engine::backend::gpu::{GpuDevice, GpuError, GpuOptions, MatmulVariant, OpenClError};
 
 use llmd_engine::model::Devices;
 use llmd_engine::sched::Pinned;
@@ -128,8 +128,9 @@ impl Gpu {
         }
         if config.backend == Backend::Auto && config.gpu.library.is_none() && !cfg!(target_os = "android") {
             // Automatic placement is for a phone's GPU. Off Android, probing the ICD loader's
-            // platforms would load whatever runtimes are installed (PoCL brings LLVM: ~60 MB
-            // resident) to find, most likely, no GPU; `[gpu] library` or backend = "gpu" asks.
+            // platforms would load whatever runtimes are installed (PoCL brings LLVM; CI's
+            // accounting test saw RSS 219 MB against 151 MB accounted) to find, most likely, no
+            // GPU; `[gpu] library` or backend = "gpu" asks.
             let mut s = Status::new(State::Starting);
             s.not_here(
                 "backend \"auto\" looks for a GPU on Android (off Android, set [gpu] library or backend = \"gpu\")"
@@ -220,7 +221,9 @@ impl Gpu {
         let s = lock(&self.status);
         let mut out = String::from("\nGPU\n");
         match &s.state {
-            State::Off => out.push_str("  state off (backend is not \"gpu\"): decode runs on the CPU\n"),
+            State::Off => {
+                out.push_str("  state off (backend is neither \"gpu\" nor \"auto\"): decode runs on the CPU\n")
+            }
             State::Starting => out.push_str("  state starting\n"),
             State::Unavailable { reason } => {
                 out.push_str(&format!("  state unavailable: decode runs on the CPU: {reason}\n"))
@@ -286,16 +289,6 @@ impl Status {
     }
 }
 
-fn origin_text(o: &Origin) -> String {
-    match o {
-        Origin::Built { seconds, cache_refused: None } => format!("built in {seconds:.2} s"),
-        Origin::Built { seconds, cache_refused: Some(why) } => {
-            format!("built in {seconds:.2} s (the cached binary was refused: {why})")
-        }
-        Origin::Cached { seconds } => format!("loaded from the program cache in {seconds:.3} s"),
-    }
-}
-
 fn thread_main(opts: GpuOptions, rx: Receiver<Msg>, status: Arc<Mutex<Status>>) {
     let opened = std::panic::catch_unwind(|| GpuDevice::open(&opts));
     let dev = match opened {
@@ -322,7 +315,7 @@ fn thread_main(opts: GpuOptions, rx: Receiver<Msg>, status: Arc<Mutex<Status>>) 
         lock(&status).state = State::Serving {
             device: i.name.clone(),
             platform: i.platform.clone(),
-            program: origin_text(dev.program_origin()),
+            program: dev.program_origin().to_string(),
         };
     }
     // Per resident model: its device set (weights on the GPU), dropped with the model.

@@ -323,7 +323,9 @@ impl Npu {
         let s = self.status();
         let mut out = String::from("\nNPU\n");
         match &s.state {
-            State::Off => out.push_str("  state off (backend = \"cpu\"): prompts run on the CPU\n"),
+            State::Off => {
+                out.push_str("  state off (backend is neither \"npu\" nor \"auto\"): prompts run on the CPU\n")
+            }
             State::Starting => out.push_str("  state starting\n"),
             State::Unavailable { reason } => {
                 out.push_str(&format!("  state unavailable: prompts run on the CPU: {reason}\n"))

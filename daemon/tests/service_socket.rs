@@ -1142,7 +1142,6 @@ fn collect_timed(rx: std::sync::mpsc::Receiver<Event>, first_tokens: Option<std:
 /// The greedy tokens llmd_engine gives in-process with the NPU prefill on the emulator, as the
 /// daemon configures it (default calibration text, 16-bit outputs, SM8650, `NPU_CHUNK` rows).
 fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
-    use llmd_engine::generate::{Flow, GenerateRequest, Prompt};
     use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
     let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
         .expect("model loads");
@@ -1152,6 +1151,18 @@ fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
     let (ctx, groups, ids, _) =
         prefill::prepare(&lib, &backend, SM8650, &m.transformer, &cal, NPU_CHUNK, 16, None).expect("graphs");
     let npu = NpuLinears::from_context(&lib, &ctx, groups, &ids, NPU_CHUNK).expect("linears");
+    greedy_ids(&m, prompt, max_tokens, Some((&npu, NPU_CHUNK)))
+}
+
+/// The greedy ids of `prompt` from `m` in-process, its prefill on `prefill` (linear groups and
+/// chunk rows) or on the CPU.
+fn greedy_ids(
+    m: &llmd_engine::Model,
+    prompt: &str,
+    max_tokens: usize,
+    prefill: Option<(&dyn llmd_engine::backend::blocks::Linears, usize)>,
+) -> Vec<i32> {
+    use llmd_engine::generate::{Flow, GenerateRequest, Prompt};
     let p = Prompt::Text(prompt.into());
     let tokens = m.prompt_tokens(&p).expect("tokens");
     let req = GenerateRequest {
@@ -1162,7 +1173,7 @@ fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
     };
     let mut kv = m.transformer.new_kv();
     let mut out = Vec::new();
-    m.generate_in_with(&mut kv, &tokens, &req, Some((&npu, NPU_CHUNK)), |_, ids| {
+    m.generate_in_with(&mut kv, &tokens, &req, prefill, |_, ids| {
         out.extend(ids.iter().map(|&i| i as i32));
         Flow::Continue
     })
@@ -1381,25 +1392,9 @@ fn gpu_serving(conn: &Connection) -> Option<String> {
 
 /// Greedy ids of `prompt` from the engine in-process, on the CPU.
 fn cpu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
-    use llmd_engine::generate::{Flow, GenerateRequest, Prompt};
     let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
         .expect("model loads");
-    let p = Prompt::Text(prompt.into());
-    let tokens = m.prompt_tokens(&p).expect("tokens");
-    let req = GenerateRequest {
-        prompt: p,
-        sampling: llmd_engine::sampling::SamplingParams::greedy(),
-        max_tokens,
-        stop: Vec::new(),
-    };
-    let mut kv = m.transformer.new_kv();
-    let mut out = Vec::new();
-    m.generate_in_with(&mut kv, &tokens, &req, None, |_, ids| {
-        out.extend(ids.iter().map(|&i| i as i32));
-        Flow::Continue
-    })
-    .expect("generates");
-    out
+    greedy_ids(&m, prompt, max_tokens, None)
 }
 
 /// `key=value` fields of a dump line.

@@ -2,7 +2,7 @@
 //! OpenCL device) and `gpu-info` (the OpenCL platforms and devices, their capabilities, the
 //! kernel variants, the program cache, and a one-layer self-check against references).
 
-use llmd_engine::backend::gpu::{self, check, GpuDevice, GpuOptions, MatmulVariant, Origin};
+use llmd_engine::backend::gpu::{self, check, GpuDevice, GpuOptions, MatmulVariant};
 use llmd_engine::sched::DecodeOn;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,14 +39,7 @@ pub enum MatmulChoice {
 }
 
 fn cache_dir(args: &GpuArgs) -> Option<PathBuf> {
-    match args.gpu_cache.as_deref() {
-        Some("none") => None,
-        Some(d) => Some(PathBuf::from(d)),
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .map(|c| c.join("llmd/opencl")),
-    }
+    crate::paths::cache_dir(args.gpu_cache.as_deref(), "opencl")
 }
 
 pub fn options(args: &GpuArgs) -> GpuOptions {
@@ -65,21 +58,11 @@ pub fn options(args: &GpuArgs) -> GpuOptions {
     }
 }
 
-fn origin_text(o: &Origin) -> String {
-    match o {
-        Origin::Built { seconds, cache_refused: None } => format!("built from source in {seconds:.2} s"),
-        Origin::Built { seconds, cache_refused: Some(why) } => {
-            format!("built from source in {seconds:.2} s (the cached binary was refused: {why})")
-        }
-        Origin::Cached { seconds } => format!("loaded from the program cache in {seconds:.3} s"),
-    }
-}
-
 /// Opens the GPU and says so on standard error.
 pub fn open(args: &GpuArgs) -> Result<Arc<GpuDevice>, String> {
     let g = GpuDevice::open(&options(args)).map_err(|e| format!("the GPU cannot be used: {e}"))?;
     let i = g.info();
-    eprintln!("gpu: {} ({}, {}); kernels {}", i.name, i.kind, i.platform, origin_text(g.program_origin()));
+    eprintln!("gpu: {} ({}, {}); kernels {}", i.name, i.kind, i.platform, g.program_origin());
     Ok(Arc::new(g))
 }
 
@@ -148,7 +131,7 @@ pub fn info(args: &GpuArgs) -> Result<(), String> {
     crate::out!(
         "not built yet: fp16 arithmetic (cl_khr_fp16: no runtime here has it to test against), weights through image1d_buffer_t"
     );
-    crate::out!("program: {}", origin_text(g.program_origin()));
+    crate::out!("program: {}", g.program_origin());
     match g.cache_file() {
         Some(p) => crate::out!("program cache: {} ({})", p.display(), if p.exists() { "present" } else { "absent" }),
         None => crate::out!("program cache: off"),

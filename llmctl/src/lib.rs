@@ -11,3 +11,4 @@ pub mod gpu;
 pub mod modeltools;
 pub mod npu;
 pub mod output;
+pub mod paths;

@@ -59,14 +59,7 @@ pub fn library_path(args: &NpuArgs) -> Result<PathBuf, String> {
 
 /// The cache directory, or None when disabled.
 pub fn cache_dir(args: &NpuArgs) -> Option<PathBuf> {
-    match args.npu_cache.as_deref() {
-        Some("none") => None,
-        Some(d) => Some(PathBuf::from(d)),
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .map(|c| c.join("llmd/npu")),
-    }
+    crate::paths::cache_dir(args.npu_cache.as_deref(), "npu")
 }
 
 fn open(path: &Path, soc: u32) -> Result<(&'static qnn_sys::Library, &'static qnn_sys::api::Backend<'static>), String> {

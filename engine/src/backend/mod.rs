@@ -18,6 +18,17 @@ use std::sync::Arc;
 
 pub use llmd_device::{DeviceDesc, OpKind, Processor};
 
+/// f32 values as the little-endian bytes a device buffer holds (the residual stream, logits,
+/// norm vectors crossing the device contract).
+pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The reverse of [`f32_bytes`] (a trailing partial value is ignored).
+pub(crate) fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
 /// One op as the planner sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct OpDesc {

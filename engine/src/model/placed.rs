@@ -10,6 +10,7 @@ use super::kv::{DeviceKv, KvCache};
 use super::weights::WeightMatrix;
 use super::{Logits, Transformer};
 use crate::backend::blocks::{Pass, PassState};
+use crate::backend::{bytes_f32, f32_bytes};
 use crate::error::BackendError;
 use crate::sched::{self, CostModel, JobQueue};
 use llmd_device::{
@@ -42,14 +43,6 @@ struct DevState {
 
 fn dev_err(e: DeviceError) -> BackendError {
     BackendError::Device(e.to_string())
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn bytes_f32(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 impl Devices {

@@ -4,6 +4,7 @@
 //! (which `engine/tests/gpu_opencl.rs` holds the kernels to as well).
 
 use super::{GpuDevice, GpuWeight, State, WEIGHT_TYPES};
+use crate::backend::{bytes_f32, f32_bytes};
 use crate::quant::dequantize_row;
 use llmd_device::{BlockShape, Device, DeviceError, GgmlType, HostWeight, RopeParams, RopeStyle, Weight, WeightRole};
 use opencl_rt_sys::{Access, Arg, Mem};
@@ -27,14 +28,6 @@ pub const SWIGLU_REL_TOL: f64 = 1e-6;
 /// Attention, absolute, against f64 over the f16-rounded keys and values the cache holds: f32
 /// dot products, `exp`, and sums over up to a hundred positions (seen: at most 8e-8).
 pub const ATTENTION_ABS_TOL: f64 = 1e-6;
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn bytes_f32(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-}
 
 fn up(g: &GpuDevice, v: &[f32]) -> Result<Mem, DeviceError> {
     g.ctx.buffer_from(Access::ReadWrite, &f32_bytes(v), false).map_err(g.exec())

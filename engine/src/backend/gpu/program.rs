@@ -24,6 +24,18 @@ pub enum Origin {
     Cached { seconds: f64 },
 }
 
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Built { seconds, cache_refused: None } => write!(f, "built from source in {seconds:.2} s"),
+            Self::Built { seconds, cache_refused: Some(why) } => {
+                write!(f, "built from source in {seconds:.2} s (the cached binary was refused: {why})")
+            }
+            Self::Cached { seconds } => write!(f, "loaded from the program cache in {seconds:.3} s"),
+        }
+    }
+}
+
 /// FNV-1a, 64-bit: a stable hash for the cache key (std's hasher may change between releases).
 fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;

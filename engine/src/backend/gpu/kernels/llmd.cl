@@ -114,10 +114,29 @@ inline void dq_q6_k(row_t row, uint j, float* o) {
     }
 }
 
+// acc[k] = Σ over sub-blocks j0, j0 + dj, … of row · x[t0 + k], for k < nt: one work-item's (or
+// lane's) share of a weight row's product with up to TILE token rows, each sub-block
+// dequantized once for all of them. Every matmul variant below is built on it.
+#define PARTIAL(T)                                                                                  \
+inline void partial_##T(row_t row, uint nb, uint j0, uint dj, global const float* x, uint cols,   \
+                        uint t0, uint nt, float* acc) {                                             \
+    for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                                   \
+    for (uint j = j0; j < nb; j += dj) {                                                            \
+        float wv[32];                                                                                \
+        dq_##T(row, j, wv);                                                                          \
+        for (uint k = 0; k < nt; k++) {                                                             \
+            global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                          \
+            float s = 0.0f;                                                                          \
+            for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                                  \
+            acc[k] += s;                                                                             \
+        }                                                                                            \
+    }                                                                                                \
+}
+
 // y[t, r] = (accumulate ? y[t, r] : 0) + bias[r] + Σ_k w[r, k] · x[t, k], for n token rows.
-// One work-group per weight row; its work-items split the row's 32-value sub-blocks, each
-// dequantized once per TILE token rows.
+// One work-group per weight row; its work-items split the row's 32-value sub-blocks.
 #define MATMUL(T)                                                                                   \
+PARTIAL(T)                                                                                          \
 kernel void matmul_##T(global const uchar* w, uint row_bytes, uint cols, global const float* x,    \
                        global float* y, uint n, uint rows, uint accumulate,                          \
                        global const float* bias, uint has_bias) {                                   \
@@ -128,17 +147,7 @@ kernel void matmul_##T(global const uchar* w, uint row_bytes, uint cols, global 
     for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
         uint nt = min((uint)TILE, n - t0);                                                          \
         float acc[TILE];                                                                             \
-        for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                               \
-        for (uint j = lid; j < nb; j += LS) {                                                       \
-            float wv[32];                                                                            \
-            dq_##T(row, j, wv);                                                                      \
-            for (uint k = 0; k < nt; k++) {                                                         \
-                global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                      \
-                float s = 0.0f;                                                                      \
-                for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                              \
-                acc[k] += s;                                                                         \
-            }                                                                                        \
-        }                                                                                            \
+        partial_##T(row, nb, lid, LS, x, cols, t0, nt, acc);                                         \
         for (int k = 0; k < TILE; k++) red[k * LS + lid] = acc[k];                                 \
         barrier(CLK_LOCAL_MEM_FENCE);                                                               \
         for (uint h = LS / 2; h > 0; h >>= 1) {                                                     \
@@ -166,17 +175,7 @@ kernel void matmul_rows_##T(global const uchar* w, uint row_bytes, uint cols, gl
     for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
         uint nt = min((uint)TILE, n - t0);                                                          \
         float acc[TILE];                                                                             \
-        for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                               \
-        for (uint j = 0; j < nb; j++) {                                                             \
-            float wv[32];                                                                            \
-            dq_##T(row, j, wv);                                                                      \
-            for (uint k = 0; k < nt; k++) {                                                         \
-                global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                      \
-                float s = 0.0f;                                                                      \
-                for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                              \
-                acc[k] += s;                                                                         \
-            }                                                                                        \
-        }                                                                                            \
+        partial_##T(row, nb, 0, 1, x, cols, t0, nt, acc);                                            \
         for (uint k = 0; k < nt; k++) {                                                             \
             float v = acc[k] + (has_bias ? bias[r] : 0.0f);                                         \
             size_t o = (size_t)(t0 + k) * rows + r;                                                 \
@@ -196,7 +195,18 @@ kernel void get_rows_##T(global const uchar* w, uint row_bytes, uint cols, uint 
     for (int i = 0; i < 32; i++) o[i] = v[i];                                                       \
 }
 
+MATMUL(f32)
+MATMUL(f16)
+MATMUL(q4_0)
+MATMUL(q4_1)
+MATMUL(q5_0)
+MATMUL(q5_1)
+MATMUL(q8_0)
+MATMUL(q4_k)
+MATMUL(q6_k)
+
 #ifdef LLMD_SUBGROUPS
+// (After the instantiations above: it uses their partial_<type>.)
 // The subgroup variant: one subgroup per work-group, one weight row per subgroup; its lanes
 // split the row's sub-blocks and sum with sub_group_reduce_add (no local memory, no barrier).
 // Built with -DLLMD_SUBGROUPS -DSG=<lanes> only for a device with a way to fix the subgroup's
@@ -222,17 +232,7 @@ kernel SG_ATTR void matmul_sg_##T(global const uchar* w, uint row_bytes, uint co
     for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
         uint nt = min((uint)TILE, n - t0);                                                          \
         float acc[TILE];                                                                             \
-        for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                               \
-        for (uint j = lane; j < nb; j += lanes) {                                                   \
-            float wv[32];                                                                            \
-            dq_##T(row, j, wv);                                                                      \
-            for (uint k = 0; k < nt; k++) {                                                         \
-                global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                      \
-                float s = 0.0f;                                                                      \
-                for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                              \
-                acc[k] += s;                                                                         \
-            }                                                                                        \
-        }                                                                                            \
+        partial_##T(row, nb, lane, lanes, x, cols, t0, nt, acc);                                     \
         for (uint k = 0; k < nt; k++) {                                                             \
             float v = sub_group_reduce_add(acc[k]);                                                  \
             if (lane == 0) {                                                                         \
@@ -253,16 +253,6 @@ MATMUL_SG(q8_0)
 MATMUL_SG(q4_k)
 MATMUL_SG(q6_k)
 #endif
-
-MATMUL(f32)
-MATMUL(f16)
-MATMUL(q4_0)
-MATMUL(q4_1)
-MATMUL(q5_0)
-MATMUL(q5_1)
-MATMUL(q8_0)
-MATMUL(q4_k)
-MATMUL(q6_k)
 
 // out[i, :] = x[src, :] / sqrt(mean(x[src, :]²) + eps) · w, src = map ? map[i] : i.
 // One work-group per output row.
