@@ -1,34 +1,33 @@
 #!/usr/bin/env bash
-# Fetches Intel's CPU OpenCL runtime (PyPI `opencl-rt` 2021.2.0, ~170 MB, with Debian's libtbb12)
-# into a cache outside the repository, for the GPU kernels' subgroup variant: PoCL has no
-# subgroups; Intel's runtime has cl_intel_subgroups. Skips what is already there. Prints
-# `export LLMD_INTEL_OPENCL_LIB=<its libintelocl.so>` on stdout: the GPU tests open that library
-# directly as a second OpenCL library (it exports the OpenCL API itself; Debian's ICD loader
-# does not bring it up beside PoCL). Never committed, vendored or packaged.
+# Fetches Intel's CPU OpenCL runtime (PyPI `intel-opencl-rt` 2026.2.0 with the compiler runtime,
+# TBB and TCM it loads: ~235 MB of wheels, ~800 MB unpacked) into a cache outside the
+# repository, for the GPU kernels' variants PoCL cannot run: it has subgroups
+# (cl_intel_subgroups), fp16 arithmetic (cl_khr_fp16) and integer dot products. Skips what is
+# already there. Prints `export LLMD_INTEL_OPENCL_LIB=<its libintelocl.so>` on stdout: the GPU
+# tests open that library directly as a second OpenCL library (it exports the OpenCL API itself
+# and finds its companions through its RUNPATH, $ORIGIN; Debian's ICD loader does not bring it
+# up beside PoCL). Never committed, vendored or packaged.
 set -euo pipefail
-VERSION=2021.2.0
+VERSION=2026.2.0
+# The exact wheels (what intel-opencl-rt 2026.2.0 requires, pinned so a cache stays valid).
+WHEELS=("intel-opencl-rt==$VERSION" "intel-cmplr-lib-rt==$VERSION" "tbb==2023.2.0" "tcmlib==1.6.0")
 cache="${LLMD_INTEL_OPENCL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llmd/intel-opencl-rt-$VERSION}"
 case "$cache" in
   "$(cd "$(dirname "$0")/.." && pwd)"/*) echo "setup-intel-opencl: the cache must be outside the repository" >&2; exit 2 ;;
 esac
-if ! ldconfig -p | grep -q 'libtbb.so.12'; then
-  echo "setup-intel-opencl: installing libtbb12 (Debian)" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq --no-install-recommends libtbb12 >/dev/null 2>&1 \
-    || { apt-get update -qq && apt-get install -y -qq --no-install-recommends libtbb12 >/dev/null; }
-fi
 lib="$cache/lib"
 if [ ! -f "$lib/libintelocl.so" ]; then
-  echo "setup-intel-opencl: downloading opencl-rt $VERSION (~170 MB)" >&2
+  echo "setup-intel-opencl: downloading intel-opencl-rt $VERSION and its runtime libraries (~235 MB)" >&2
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
-  python3 -m pip download --quiet --no-deps --dest "$tmp" "opencl-rt==$VERSION" >&2
-  python3 - "$tmp"/opencl_rt-*.whl "$tmp/x" <<'PY'
+  python3 -m pip download --quiet --no-deps --dest "$tmp" "${WHEELS[@]}" >&2
+  python3 - "$tmp/x" "$tmp"/*.whl <<'PY'
 import sys, zipfile
-zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])
+for whl in sys.argv[2:]:
+    zipfile.ZipFile(whl).extractall(sys.argv[1])
 PY
   mkdir -p "$lib.new"
-  # Its own ICD loader (libOpenCL.so*) is left out.
+  # Its own ICD loader (libOpenCL.so*) is left out; symbolic links were stored as copies.
   find "$tmp/x" -path '*/data/lib/*' -type f ! -name 'libOpenCL.so*' -exec cp {} "$lib.new/" \;
   rm -rf "$lib" && mv "$lib.new" "$lib"
 fi

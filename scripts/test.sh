@@ -4,7 +4,7 @@
 # cross-check of every crate, the ARM kernels under qemu-user, the SELinux policy, the Kotlin client on the JVM, the demo script, and real
 # kernel Binder in a QEMU VM.
 # The GPU backend's OpenCL tests run on PoCL (scripts/setup-opencl.sh) and, for the subgroup
-# variant, Intel's CPU runtime (scripts/setup-intel-opencl.sh), with LLMD_REQUIRE_OPENCL=1 and
+# and fp16 variants, Intel's CPU runtime (scripts/setup-intel-opencl.sh), with LLMD_REQUIRE_OPENCL=1 and
 # LLMD_REQUIRE_SUBGROUPS=1: a missing runtime is a failure, not a skip.
 # LLMD_SKIP_VM=1 skips the VM test (for quick local runs; CI always runs it).
 # LLMD_LARGE_MODEL_TESTS=1 also fetches the 1.5B K-quant model (1.1 GB, scripts/fetch-model-1.5b.sh)
@@ -12,8 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# Real OpenCL runtimes for the GPU backend's tests: PoCL, and Intel's CPU runtime (subgroups)
-# for the subgroup variant; a missing one fails them.
+# Real OpenCL runtimes for the GPU backend's tests: PoCL, and Intel's CPU runtime (subgroups, fp16)
+# for the variants PoCL lacks; a missing one fails them.
 eval "$(scripts/setup-opencl.sh)"
 eval "$(scripts/setup-intel-opencl.sh)"
 export LLMD_REQUIRE_OPENCL=1 LLMD_REQUIRE_SUBGROUPS=1

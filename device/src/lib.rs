@@ -121,7 +121,8 @@ handle_type!(
 
 /// A weight as the model file holds it: `rows` rows of `cols` elements of `ty`, row-major in
 /// `data` (`rows · ty.row_bytes(cols)` bytes; for [`GgmlType::F32`] vectors such as norms,
-/// one row).
+/// one row). `data` may be empty when the host has the weight only in a layout of its own
+/// (`host`): a device that cannot read that layout refuses the weight.
 #[derive(Clone, Copy, Debug)]
 pub struct HostWeight<'a> {
     pub role: WeightRole,
@@ -129,6 +130,53 @@ pub struct HostWeight<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    /// The weight as the host keeps it in memory for its own kernels, which a device that
+    /// shares the host's memory may use in place instead of a copy of `data` (so the weight
+    /// is in memory once, not twice).
+    pub host: Option<&'a HostCopy>,
+}
+
+/// Host bytes a device may keep using in place: they do not move or change while any clone of
+/// the `Arc` lives (a mapped file, or a matrix packed once at load).
+pub type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// How the bytes of a [`HostCopy`] are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostLayout {
+    /// The model file's rows, as [`HostWeight::data`] (ggml's block layouts).
+    Rows,
+    /// The host CPU kernels' tiles of 16 rows: the engine's `backend::cpu::packed` layout
+    /// (Q4_0, Q4_1, Q8_0) or `backend::cpu::kpacked` layout (Q2_K … Q6_K, its
+    /// `RECORD_LAYOUT`), documented there; for devices built with the engine.
+    CpuTiles,
+}
+
+/// A weight as the host keeps it (see [`HostWeight::host`]).
+#[derive(Clone)]
+pub struct HostCopy {
+    pub layout: HostLayout,
+    /// Every row's bytes in `layout`, from `offset` on (bytes before it are there only so
+    /// that a device can start a buffer on an aligned address: a file's rows shared from the
+    /// page they start in).
+    pub bytes: SharedBytes,
+    pub offset: usize,
+}
+
+impl HostCopy {
+    /// The weight's bytes (from `offset`).
+    pub fn weight_bytes(&self) -> &[u8] {
+        (*self.bytes).as_ref().get(self.offset..).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for HostCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostCopy")
+            .field("layout", &self.layout)
+            .field("bytes", &(*self.bytes).as_ref().len())
+            .field("offset", &self.offset)
+            .finish()
+    }
 }
 
 impl HostWeight<'_> {
@@ -247,7 +295,7 @@ mod tests {
     #[test]
     fn host_weight_rows_are_checked_against_the_shape() {
         let data = vec![0u8; 3 * 18];
-        let w = HostWeight { role: WeightRole::Wq, ty: GgmlType::Q4_0, rows: 3, cols: 32, data: &data };
+        let w = HostWeight { role: WeightRole::Wq, ty: GgmlType::Q4_0, rows: 3, cols: 32, data: &data, host: None };
         assert_eq!(w.rows_bytes(1..3).map(<[u8]>::len), Some(36));
         assert_eq!(w.rows_bytes(0..0).map(<[u8]>::len), Some(0));
         assert!(w.rows_bytes(2..4).is_none(), "past the last row");

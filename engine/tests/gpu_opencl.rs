@@ -180,6 +180,14 @@ pub fn greedy_matches(path: &std::path::Path, prompts: &[&str], steps: usize) {
             (after.bytes_from_device - before.bytes_from_device) as f64 / (steps + 1) as f64,
         );
     }
+    // Where the device shares the host's memory (PoCL, Intel's CPU runtime, a phone's GPU)
+    // every matrix is read in place — the CPU's packed tiles, or the mapped file's rows for
+    // types the CPU does not pack: no matrix is in memory twice.
+    let (in_place, copied) = dev.weight_bytes();
+    eprintln!("weight matrices: {in_place} B read in place, {copied} B copied");
+    if dev.info().host_unified_memory {
+        assert!(in_place > 0 && copied == 0, "{copied} B of matrices copied beside {in_place} B read in place");
+    }
 }
 
 #[test]

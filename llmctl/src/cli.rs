@@ -213,9 +213,12 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
         return Err(format!("the prompt has {} tokens; the model's context holds {ctx}", tokens.len()));
     }
     let mut model = model;
+    // Resident memory before the OpenCL runtime is loaded, and after it built its program.
+    let mut rss_kb = [crate::bench::local::status_kb("VmRSS"), 0];
     let gpu = match args.backend {
         crate::npu::BackendChoice::Gpu => {
             let g = crate::gpu::open(&args.gpu)?;
+            rss_kb[1] = crate::bench::local::status_kb("VmRSS");
             crate::gpu::attach(&mut model, g.clone());
             Some(g)
         }
@@ -265,6 +268,16 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
             (s.host_waits - before.host_waits).saturating_sub(handoff_writes) as f64 / steps,
             (s.bytes_to_device - before.bytes_to_device) as f64 / 1e6,
             (s.bytes_from_device - before.bytes_from_device) as f64 / steps,
+        );
+        let (in_place, copied) = g.weight_bytes();
+        let now = crate::bench::local::status_kb("VmRSS");
+        eprintln!(
+            "gpu: weights {:.1} MB read in place in the CPU's memory, {:.1} MB copied to the device; resident {:.0} MB with the model on the CPU, +{:.0} MB the OpenCL runtime and program, +{:.0} MB the run (device KV caches, buffers)",
+            in_place as f64 / 1e6,
+            copied as f64 / 1e6,
+            rss_kb[0] as f64 / 1024.0,
+            rss_kb[1].saturating_sub(rss_kb[0]) as f64 / 1024.0,
+            now.saturating_sub(rss_kb[1]) as f64 / 1024.0,
         );
     }
     if let Some((n, _)) = &npu {

@@ -100,13 +100,14 @@ pub fn info(args: &GpuArgs) -> Result<(), String> {
             d.c_version
         );
         crate::out!(
-            "  {} compute units; memory {} MiB (largest buffer {} MiB), local {} KiB; work-groups up to {}; shared with the host: {}; images: {}",
+            "  {} compute units; memory {} MiB (largest buffer {} MiB), local {} KiB; work-groups up to {}; shared with the host: {}; buffers aligned to {} B; images: {}",
             d.compute_units,
             d.global_mem >> 20,
             d.max_alloc >> 20,
             d.local_mem >> 10,
             d.max_work_group,
             yes(d.host_unified_memory),
+            d.base_align,
             yes(d.image_support)
         );
         let subgroups =

@@ -6,7 +6,20 @@ use crate::backend::cpu::packed::{PackKind, PackedMatrix};
 use crate::format::TensorRef;
 use crate::quant::{self, GgmlType};
 use llmd_alloc_sys::HugeArena;
+use llmd_device::{HostCopy, HostLayout};
 use std::sync::Arc;
+
+/// A range of a model file's bytes, shared with a device (the file outlives the handle).
+struct FileRows {
+    file: Arc<crate::format::ModelBytes>,
+    range: std::ops::Range<usize>,
+}
+
+impl AsRef<[u8]> for FileRows {
+    fn as_ref(&self) -> &[u8] {
+        self.file.get(self.range.clone()).unwrap_or(&[])
+    }
+}
 
 /// A 2-D weight: `rows` rows of `cols` elements, each row a whole number of blocks.
 #[derive(Clone)]
@@ -63,6 +76,25 @@ impl WeightMatrix {
             range: 0..len,
         };
         Some(Self::from_tensor(name, rows, cols, tensor))
+    }
+
+    /// The matrix as the CPU keeps it, for a device that shares the host's memory to use in
+    /// place: the packed tiles where the type has them, else the file's rows (None for rows
+    /// on flash or bytes that are not rows of its type).
+    pub fn host_copy(&self) -> Option<HostCopy> {
+        if let Some(p) = &self.packed {
+            return Some(HostCopy { layout: HostLayout::CpuTiles, bytes: p.clone(), offset: 0 });
+        }
+        if let Some(k) = &self.kpacked {
+            return Some(HostCopy { layout: HostLayout::CpuTiles, bytes: k.clone(), offset: 0 });
+        }
+        self.source_bytes()?;
+        // From the start of the page the rows begin in (a mapped file starts on a page), so a
+        // device can start a buffer on its alignment: GGUF aligns tensors to 32 bytes only.
+        let r = &self.tensor.range;
+        let start = r.start - r.start % crate::backend::cpu::packed::HOST_ALIGN;
+        let rows = FileRows { file: self.tensor.file.clone(), range: start..r.end };
+        Some(HostCopy { layout: HostLayout::Rows, bytes: Arc::new(rows), offset: r.start - start })
     }
 
     /// Lets go of the process's resident pages of this matrix's bytes in the model file's map

@@ -123,17 +123,26 @@ impl Transformer {
         let mut out = Vec::new();
         for role in sg.weight_roles(&self.shape) {
             let w = if let Some((_, m)) = mats.iter().find(|(r, _)| *r == role) {
-                let data = m.source_bytes().ok_or_else(|| {
-                    BackendError::Device(format!(
-                        "{}: {} has no bytes of its type to load ({} weights unpacked from an llmd file, or on flash)",
-                        dev.desc().name,
-                        m.name,
-                        m.ty
-                    ))
-                })?;
-                // The model's own bytes (its map) outlive every device handle: their address
-                // names them.
-                let key = (d, data.as_ptr() as usize, data.len());
+                // The file's rows, and the CPU's own copy (its packed tiles) for a device that
+                // shares the host's memory to read in place; weights unpacked from an llmd file
+                // have only the latter.
+                let host = m.host_copy();
+                let data = m.source_bytes().unwrap_or_default();
+                let named = match (&host, data.is_empty()) {
+                    (_, false) => data,
+                    (Some(h), true) => h.weight_bytes(),
+                    (None, true) => {
+                        return Err(BackendError::Device(format!(
+                            "{}: {} has no bytes of its type to load ({} weights on flash)",
+                            dev.desc().name,
+                            m.name,
+                            m.ty
+                        )))
+                    }
+                };
+                // The model's own bytes (its map, or its packed copy) outlive every device
+                // handle: their address names them.
+                let key = (d, named.as_ptr() as usize, named.len());
                 let known = devs.lock().by_bytes.get(&key).cloned();
                 match known {
                     Some(mut w) if w.cols == m.cols => {
@@ -141,7 +150,7 @@ impl Transformer {
                         w
                     }
                     _ => {
-                        let hw = HostWeight { role, ty: m.ty, rows: m.rows, cols: m.cols, data };
+                        let hw = HostWeight { role, ty: m.ty, rows: m.rows, cols: m.cols, data, host: host.as_ref() };
                         let w = dev.load_weight(&hw, 0..m.rows).map_err(dev_err)?;
                         // The device holds its copy: the map's pages the upload read need not
                         // stay resident (the CPU's kernels read their own packed copies, or
@@ -153,7 +162,7 @@ impl Transformer {
                 }
             } else if let Some((_, v)) = vecs.iter().find(|(r, _)| *r == role) {
                 let data = f32_bytes(v);
-                let hw = HostWeight { role, ty: GgmlType::F32, rows: 1, cols: v.len(), data: &data };
+                let hw = HostWeight { role, ty: GgmlType::F32, rows: 1, cols: v.len(), data: &data, host: None };
                 dev.load_weight(&hw, 0..1).map_err(dev_err)?
             } else {
                 return Err(BackendError::Device(format!("{sg:?} has no weight {role:?}")));

@@ -17,7 +17,7 @@ use llmd_engine::{LoadOptions, Model};
 use serde_json::{json, Value};
 use std::time::Instant;
 
-fn status_kb(key: &str) -> u64 {
+pub(crate) fn status_kb(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

@@ -21,8 +21,11 @@ use std::sync::Arc;
 /// The alignment of the arena's start (a transparent huge page on x86-64 and arm64 with
 /// 4 KiB base pages).
 const HUGE_PAGE: usize = 2 << 20;
-/// The alignment of every buffer: a cache line, as the kernels' 64-byte loads prefer.
-const BUF_ALIGN: usize = 64;
+/// The alignment of every buffer: a page (more than the kernels' 64-byte loads need), so that
+/// a device that shares the host's memory can use a buffer in place (OpenCL runtimes want a
+/// buffer over host memory to start on their `CL_DEVICE_MEM_BASE_ADDR_ALIGN`). A model's
+/// few hundred matrices waste under 2 KiB each on average.
+pub const BUF_ALIGN: usize = 4096;
 
 struct Region {
     /// Owns the mapping; only `base` is used to reach it.

@@ -20,6 +20,7 @@
 
 use opencl_sys as cl;
 use std::ffi::{c_void, CString};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -297,6 +298,7 @@ impl Library {
             max_work_group: self.device_u64(d, cl::CL_DEVICE_MAX_WORK_GROUP_SIZE)? as usize,
             host_unified_memory: self.device_u64(d, cl::CL_DEVICE_HOST_UNIFIED_MEMORY)? != 0,
             image_support: self.device_u64(d, cl::CL_DEVICE_IMAGE_SUPPORT)? != 0,
+            base_align: (self.device_u64(d, cl::CL_DEVICE_MEM_BASE_ADDR_ALIGN)? / 8).max(1) as usize,
             id: DeviceRef { platform: p, device: d },
         })
     }
@@ -342,6 +344,9 @@ pub struct DeviceInfo {
     /// Its memory is the host's (a phone's GPU, PoCL): buffers need no copy over a bus.
     pub host_unified_memory: bool,
     pub image_support: bool,
+    /// The alignment (bytes) the device wants of a buffer's start
+    /// (`CL_DEVICE_MEM_BASE_ADDR_ALIGN`): host memory a buffer uses in place should start on it.
+    pub base_align: usize,
     pub id: DeviceRef,
 }
 
@@ -460,7 +465,7 @@ impl Context {
             (self.lib.f.create_buffer)(self.ctx, Self::mem_flags(access), bytes.max(1), ptr::null_mut(), &mut err)
         };
         check("clCreateBuffer", err)?;
-        Ok(Mem { ctx: self.clone(), mem, len: bytes })
+        Ok(Mem { ctx: self.clone(), mem, len: bytes, _keep: None })
     }
 
     /// A buffer holding a copy of `data` (made at once, without waiting for the queue). With
@@ -481,7 +486,36 @@ impl Context {
             unsafe { (self.lib.f.create_buffer)(self.ctx, flags, data.len(), data.as_ptr() as *mut c_void, &mut err) };
         check("clCreateBuffer", err)?;
         self.counters.to_device.fetch_add(data.len() as u64, Ordering::Relaxed);
-        Ok(Mem { ctx: self.clone(), mem, len: data.len() })
+        Ok(Mem { ctx: self.clone(), mem, len: data.len(), _keep: None })
+    }
+
+    /// A buffer over `range` of host memory that `keep` owns, used in place
+    /// (`CL_MEM_USE_HOST_PTR`): on a device that shares the host's memory the kernels read
+    /// those very pages, so the data is in memory once. The buffer holds `keep` until it is
+    /// released. Read-only: the device never writes through it.
+    pub fn buffer_shared(self: &Arc<Self>, keep: SharedBytes, range: Range<usize>) -> Result<Mem, ClError> {
+        let bytes: &[u8] = (*keep).as_ref();
+        let data = bytes
+            .get(range.clone())
+            .filter(|d| !d.is_empty())
+            .ok_or_else(|| ClError::Invalid(format!("bytes {range:?} of {} shared", bytes.len())))?;
+        let mut err = 0;
+        // SAFETY: `data` lives in memory `keep` owns and never moves or changes while `keep`
+        // lives (the `SharedBytes` contract); the returned `Mem` holds `keep` until after
+        // clReleaseMemObject, so the runtime's pointer stays valid for the buffer's life. The
+        // buffer is read-only, so the runtime never writes through the pointer.
+        let mem = unsafe {
+            (self.lib.f.create_buffer)(
+                self.ctx,
+                cl::CL_MEM_READ_ONLY | cl::CL_MEM_USE_HOST_PTR,
+                data.len(),
+                data.as_ptr() as *mut c_void,
+                &mut err,
+            )
+        };
+        check("clCreateBuffer (CL_MEM_USE_HOST_PTR)", err)?;
+        let len = data.len();
+        Ok(Mem { ctx: self.clone(), mem, len, _keep: Some(keep) })
     }
 
     fn same(&self, m: &Mem) -> Result<(), ClError> {
@@ -711,11 +745,19 @@ impl Context {
     }
 }
 
+/// Host bytes shared with a device (a buffer over them used in place): they must not move or
+/// change while any clone of the `Arc` lives — an immutable buffer the owner never reallocates,
+/// such as a mapped file or a matrix packed once at load.
+pub type SharedBytes = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
 /// A buffer.
 pub struct Mem {
     ctx: Arc<Context>,
     mem: cl::cl_mem,
     len: usize,
+    /// The host memory a [`Context::buffer_shared`] buffer uses (dropped after the release:
+    /// fields drop after `Drop::drop`).
+    _keep: Option<SharedBytes>,
 }
 
 // SAFETY: a cl_mem is a runtime object usable from any thread; released once, in Drop.
@@ -740,6 +782,17 @@ impl std::fmt::Debug for Mem {
 
 impl Drop for Mem {
     fn drop(&mut self) {
+        if self._keep.is_some() {
+            // The runtime may still run commands that read this buffer after the release,
+            // and the host memory goes with `_keep`: wait for the queue first (weights are
+            // dropped at unload, not per token). A failed wait leaks the memory rather than
+            // free it under a running kernel.
+            // SAFETY: the context's own queue.
+            let done = unsafe { (self.ctx.lib.f.finish)(self.ctx.queue) };
+            if done != cl::CL_SUCCESS {
+                std::mem::forget(self._keep.take());
+            }
+        }
         // SAFETY: released once. The runtime keeps a memory object alive until the commands
         // enqueued with it have run (OpenCL 1.2 §5.4.1: clReleaseMemObject defers the delete).
         unsafe { (self.ctx.lib.f.release_mem_object)(self.mem) };

@@ -78,3 +78,49 @@ fn bad_source_bad_binaries_and_bad_arguments_are_errors() {
     assert!(ctx.read(&yb, 0, &mut big).is_err(), "past the buffer's end");
     assert!(ctx.write(&yb, 8, &[0; 16]).is_err(), "past the buffer's end");
 }
+
+/// Host bytes of our own for a shared buffer, and a flag set when they are dropped.
+struct Owned(Vec<u8>, Arc<std::sync::atomic::AtomicBool>);
+
+impl AsRef<[u8]> for Owned {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        self.1.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_buffer_over_host_memory_is_read_in_place_and_holds_it_until_released() {
+    let Some(ctx) = context() else { return };
+    let prog = ctx.program_from_source(SRC, "").unwrap();
+    let x: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut bytes = vec![0u8; 64];
+    bytes.extend(f32s(&x));
+    let owned: opencl_rt_sys::SharedBytes = Arc::new(Owned(bytes, dropped.clone()));
+    // Past the end, or empty: refused.
+    assert!(ctx.buffer_shared(owned.clone(), 64..4065).is_err());
+    assert!(ctx.buffer_shared(owned.clone(), 64..64).is_err());
+    let xb = ctx.buffer_shared(owned.clone(), 64..4064).unwrap();
+    assert_eq!(xb.len(), 4000);
+    drop(owned);
+    assert!(!dropped.load(std::sync::atomic::Ordering::SeqCst), "the buffer holds its host memory");
+    let yb = ctx.buffer_from(Access::ReadWrite, &f32s(&vec![1.0; 1000]), false).unwrap();
+    let k = prog.kernel("axpy").unwrap();
+    ctx.enqueue(&k, &[Arg::Mem(&xb), Arg::Mem(&yb), Arg::F32(2.0)], &[1000], None).unwrap();
+    let before = ctx.stats();
+    // Released while the kernel may still run: the drop waits for the queue first.
+    drop(xb);
+    assert!(dropped.load(std::sync::atomic::Ordering::SeqCst), "released with the buffer");
+    let mut out = vec![0u8; 4000];
+    ctx.read(&yb, 0, &mut out).unwrap();
+    let y: Vec<f32> = out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert!(y.iter().enumerate().all(|(i, &v)| v == 1.0 + 2.0 * i as f32));
+    // Nothing was copied to the device for it.
+    assert_eq!(before.bytes_to_device, 4000, "only y's 4000 bytes went up");
+}

@@ -49,7 +49,7 @@
 //! sequence per row, so every kernel equals [`reference`] bit for bit. llama.cpp computes the
 //! same integers and sums its floats in another order, so logits agree to float rounding.
 
-use super::packed::{Kernel, KernelKind, TILE_ROWS};
+use super::packed::{Kernel, KernelKind, PageAligned, TILE_ROWS};
 use super::GgmlType;
 use crate::format::ModelBytes;
 use crate::quant::q3k_scales;
@@ -296,7 +296,7 @@ fn decode(kind: KKind, b: &[u8]) -> Decoded {
 
 /// Where a packed matrix's bytes live.
 enum Data {
-    Heap(Vec<u8>),
+    Heap(PageAligned),
     Arena(ArenaBuf),
     /// In place in a mapped llmd file that stores the records (no copy: the page cache's
     /// pages are the weights, filled by the storage's own transfers).
@@ -308,7 +308,7 @@ impl Data {
     fn alloc(arena: Option<&HugeArena>, len: usize) -> Self {
         match arena.and_then(|a| a.alloc(len)) {
             Some(buf) => Data::Arena(buf),
-            None => Data::Heap(vec![0u8; len]),
+            None => Data::Heap(PageAligned::zeroed(len)),
         }
     }
 
@@ -339,6 +339,13 @@ pub struct KPackedMatrix {
     pub rows: usize,
     pub cols: usize,
     data: Data,
+}
+
+/// The records, tile after tile (what a device sharing the host's memory reads in place).
+impl AsRef<[u8]> for KPackedMatrix {
+    fn as_ref(&self) -> &[u8] {
+        &self.data
+    }
 }
 
 impl KPackedMatrix {

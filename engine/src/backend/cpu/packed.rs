@@ -135,8 +135,50 @@ pub struct PackedMatrix {
 /// Where a packed matrix's bytes live: its own heap allocation, or its buffer in the model's
 /// huge-page arena ([`weight_arena`]).
 enum Data {
-    Heap(Vec<u8>),
+    Heap(PageAligned),
     Arena(ArenaBuf),
+}
+
+/// The alignment of every packed matrix's bytes: a page, so that a device sharing the host's
+/// memory can use them in place (OpenCL runtimes take a buffer over host memory without a copy
+/// only where it starts on their `CL_DEVICE_MEM_BASE_ADDR_ALIGN`: 128 B for PoCL and Intel's
+/// CPU runtime here; a page covers every such figure we know of). The arena's buffers start on
+/// one too (`llmd_alloc_sys::HugeArena`).
+pub const HOST_ALIGN: usize = 4096;
+
+/// `len` zeroed bytes on the heap starting on a [`HOST_ALIGN`] boundary (a vector never
+/// resized, with the aligned window inside it).
+pub(crate) struct PageAligned {
+    buf: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl PageAligned {
+    pub(crate) fn zeroed(len: usize) -> Self {
+        let buf = vec![0u8; len + HOST_ALIGN - 1];
+        let off = buf.as_ptr().align_offset(HOST_ALIGN).min(HOST_ALIGN - 1);
+        Self { buf, off, len }
+    }
+}
+
+impl std::ops::Deref for PageAligned {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.len]
+    }
+}
+
+impl AsRef<[u8]> for PageAligned {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl std::ops::DerefMut for PageAligned {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
 }
 
 impl Data {
@@ -144,7 +186,7 @@ impl Data {
     fn zeroed(arena: Option<&HugeArena>, n: usize) -> Self {
         match arena.and_then(|a| a.alloc(n)) {
             Some(buf) => Data::Arena(buf),
-            None => Data::Heap(vec![0u8; n]),
+            None => Data::Heap(PageAligned::zeroed(n)),
         }
     }
 }
@@ -187,6 +229,13 @@ pub fn weight_arena(capacity: usize) -> Option<HugeArena> {
             tracing::warn!(capacity, error = %e, "no weight arena; packed weights go to the heap");
             None
         }
+    }
+}
+
+/// The packed bytes, tile after tile (what a device sharing the host's memory reads in place).
+impl AsRef<[u8]> for PackedMatrix {
+    fn as_ref(&self) -> &[u8] {
+        &self.data
     }
 }
 

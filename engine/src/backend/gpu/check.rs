@@ -3,11 +3,17 @@
 //! shapes against a reference written from its definition in f64, within the tolerances below
 //! (which `engine/tests/gpu_opencl.rs` holds the kernels to as well).
 
-use super::{GpuDevice, GpuWeight, State, WEIGHT_TYPES};
+use super::{GpuDevice, GpuWeight, State, TILE_TYPES, WEIGHT_TYPES};
+use crate::backend::cpu::kpacked::{KKind, KPackedMatrix};
+use crate::backend::cpu::packed::{PackKind, PackedMatrix, PageAligned};
 use crate::backend::{bytes_f32, f32_bytes};
 use crate::quant::dequantize_row;
-use llmd_device::{BlockShape, Device, DeviceError, GgmlType, HostWeight, RopeParams, RopeStyle, Weight, WeightRole};
+use llmd_device::{
+    BlockShape, Device, DeviceError, GgmlType, HostCopy, HostLayout, HostWeight, RopeParams, RopeStyle, SharedBytes,
+    Weight, WeightRole,
+};
 use opencl_rt_sys::{Access, Arg, Mem};
+use std::sync::Arc;
 
 /// A matmul output against the f64 sum of the dequantized weights times x, relative to
 /// Σ|w·x|: the kernel sums in f32 (fused multiply-adds, 32 values per work-item step, then a
@@ -41,7 +47,8 @@ fn down(g: &GpuDevice, m: &Mem, len: usize) -> Result<Vec<f32>, DeviceError> {
 
 fn vector(g: &GpuDevice, v: &[f32]) -> Result<Weight, DeviceError> {
     let data = f32_bytes(v);
-    let hw = HostWeight { role: WeightRole::AttnNorm, ty: GgmlType::F32, rows: 1, cols: v.len(), data: &data };
+    let hw =
+        HostWeight { role: WeightRole::AttnNorm, ty: GgmlType::F32, rows: 1, cols: v.len(), data: &data, host: None };
     g.load_weight(&hw, 0..1)
 }
 
@@ -78,10 +85,11 @@ pub fn get_rows(g: &GpuDevice, w: &HostWeight<'_>, tokens: &[u32]) -> Result<Vec
     let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     let tm = g.ctx.buffer_from(Access::ReadOnly, &ids, false).map_err(g.exec())?;
     let x = up(g, &vec![0.0; tokens.len() * w.cols])?;
-    let k = g.k.get_rows.get(&w.ty).ok_or_else(|| g.err("type"))?;
+    let k = g.k.get_rows.get(&gw.key()).ok_or_else(|| g.err("type"))?;
     let args = [
         Arg::Mem(&gw.mem),
-        Arg::U32(gw.row_bytes as u32),
+        Arg::U32(gw.offset as u32),
+        Arg::U32(gw.stride as u32),
         Arg::U32(gw.cols as u32),
         Arg::U32(gw.rows as u32),
         Arg::Mem(&tm),
@@ -184,7 +192,9 @@ pub fn random_weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> R
     let mut bytes: Vec<u8> = (0..rows * rb).map(|_| (rng.f() * 128.0 + 128.0) as u8).collect();
     let (block, scales): (usize, &[usize]) = match ty {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => (ty.type_size(), &[0]),
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K => (ty.type_size(), &[0, 2]),
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => (ty.type_size(), &[0, 2]),
+        GgmlType::Q2_K => (ty.type_size(), &[80, 82]),
+        GgmlType::Q3_K => (ty.type_size(), &[108]),
         GgmlType::Q6_K => (ty.type_size(), &[208]),
         GgmlType::F16 => (2, &[0]),
         GgmlType::F32 => (4, &[]),
@@ -205,6 +215,33 @@ pub fn random_weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> R
             .map_err(|e| e.to_string())?;
     }
     Ok((bytes, deq))
+}
+
+/// `bytes` (GGUF rows of `ty`) as the host would keep them in `layout`, in page-aligned memory
+/// of its own (as the CPU's packed matrices are), so a device that shares the host's memory
+/// takes them in place.
+pub fn host_copy(ty: GgmlType, layout: HostLayout, rows: usize, cols: usize, bytes: &[u8]) -> Result<HostCopy, String> {
+    let rb = ty.row_bytes(cols).ok_or_else(|| format!("{ty}: {cols} columns"))?;
+    let read = |r0: usize, buf: &mut [u8]| {
+        buf.copy_from_slice(&bytes[r0 * rb..r0 * rb + buf.len()]);
+        Ok(())
+    };
+    // A file's rows start 32 bytes into the page they are shared from (GGUF aligns tensors to
+    // 32 bytes), so the kernels' weight offset is exercised.
+    let offset = if layout == HostLayout::Rows { 32 } else { 0 };
+    let shared: SharedBytes = match layout {
+        HostLayout::Rows => {
+            let mut a = PageAligned::zeroed(offset + bytes.len());
+            a[offset..].copy_from_slice(bytes);
+            Arc::new(a)
+        }
+        HostLayout::CpuTiles => match (PackKind::of(ty), KKind::of(ty)) {
+            (Some(k), _) => Arc::new(PackedMatrix::pack(k, rows, cols, read).map_err(|e| e.to_string())?),
+            (_, Some(k)) => Arc::new(KPackedMatrix::pack_in(None, k, rows, cols, read).map_err(|e| e.to_string())?),
+            _ => return Err(format!("{ty} has no CPU tile layout")),
+        },
+    };
+    Ok(HostCopy { layout, bytes: shared, offset })
 }
 
 /// One kernel's check: its worst error (as its tolerance measures it) and the tolerance.
@@ -235,9 +272,15 @@ pub fn self_check(g: &GpuDevice, s: &BlockShape) -> Result<Vec<Checked>, DeviceE
     let mut out = Vec::new();
     let cols = s.d_model.div_ceil(256) * 256;
     let rows = 40;
-    for ty in WEIGHT_TYPES {
+    // The file's rows (in place where the device shares the host's memory), then the CPU's
+    // tiles (the host's own copy: nothing else is handed over).
+    let rows_kinds = WEIGHT_TYPES.iter().map(|&t| (t, HostLayout::Rows));
+    for (ty, layout) in rows_kinds.chain(TILE_TYPES.iter().map(|&t| (t, HostLayout::CpuTiles))) {
         let (bytes, deq) = random_weight(ty, rows, cols, &mut rng).map_err(bad)?;
-        let w = HostWeight { role: WeightRole::Wq, ty, rows, cols, data: &bytes };
+        let host = host_copy(ty, layout, rows, cols, &bytes).map_err(bad)?;
+        let data = if layout == HostLayout::Rows { &bytes[..] } else { &[] };
+        let w = HostWeight { role: WeightRole::Wq, ty, rows, cols, data, host: Some(&host) };
+        let label = if layout == HostLayout::Rows { ty.to_string() } else { format!("{ty}, CPU tiles") };
         let mut worst = 0f64;
         for n in [1, 3, 11] {
             let x = rng.vec(n * cols);
@@ -258,7 +301,7 @@ pub fn self_check(g: &GpuDevice, s: &BlockShape) -> Result<Vec<Checked>, DeviceE
                 }
             }
         }
-        out.push(Checked { kernel: format!("matmul {ty}"), worst, tolerance: MATMUL_REL_TOL });
+        out.push(Checked { kernel: format!("matmul {label}"), worst, tolerance: MATMUL_REL_TOL });
         let toks = [5u32, 0, rows as u32 - 1, 5];
         let got = get_rows(g, &w, &toks)?;
         let mut worst = 0f64;
@@ -268,7 +311,7 @@ pub fn self_check(g: &GpuDevice, s: &BlockShape) -> Result<Vec<Checked>, DeviceE
                 worst = worst.max(rel(got[i * cols + k], want, want.abs().max(1e-3)));
             }
         }
-        out.push(Checked { kernel: format!("get_rows {ty}"), worst, tolerance: GET_ROWS_REL_TOL });
+        out.push(Checked { kernel: format!("get_rows {label}"), worst, tolerance: GET_ROWS_REL_TOL });
     }
 
     let (d, n) = (s.d_model, 5);

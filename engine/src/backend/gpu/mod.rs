@@ -29,12 +29,14 @@ pub mod program;
 
 use llmd_device::{
     Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable, GgmlType,
-    HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight, WeightRole,
+    HostLayout, HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight,
+    WeightRole,
 };
 use opencl_rt_sys::{Access, Arg, ClError, Context, DeviceInfo, Kernel, Library, Mem};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use opencl_rt_sys::{ClError as OpenClError, Stats};
@@ -59,6 +61,56 @@ pub const WEIGHT_TYPES: [GgmlType; 9] = [
     GgmlType::Q4_K,
     GgmlType::Q6_K,
 ];
+
+/// The weight types the kernels read in the CPU's tile layout ([`Layout::Tiles`]: the types
+/// the CPU packs), as a host hands them over in place.
+pub const TILE_TYPES: [GgmlType; 8] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// How a weight's bytes are laid out on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// The model file's rows (ggml's blocks).
+    Rows,
+    /// The CPU kernels' tiles of 16 rows (`backend::cpu::packed`, `kpacked`), read where the
+    /// host keeps them.
+    Tiles,
+}
+
+/// The kernel-name suffix of a weight type in the tile layout.
+fn tile_suffix(t: GgmlType) -> Option<&'static str> {
+    Some(match t {
+        GgmlType::Q4_0 => "pq4_0",
+        GgmlType::Q4_1 => "pq4_1",
+        GgmlType::Q8_0 => "pq8_0",
+        GgmlType::Q2_K => "pq2_k",
+        GgmlType::Q3_K => "pq3_k",
+        GgmlType::Q4_K => "pq4_k",
+        GgmlType::Q5_K => "pq5_k",
+        GgmlType::Q6_K => "pq6_k",
+        _ => return None,
+    })
+}
+
+/// Bytes of one tile of 16 rows of `cols` columns of `t` in the CPU's tile layout (the
+/// kernels' `stride`), from the CPU's own record sizes.
+pub fn tile_stride(t: GgmlType, cols: usize) -> Option<usize> {
+    use crate::backend::cpu::kpacked::{KKind, SB};
+    use crate::backend::cpu::packed::{PackKind, BLOCK};
+    if let Some(k) = PackKind::of(t) {
+        return cols.is_multiple_of(BLOCK).then(|| cols / BLOCK * k.record_bytes());
+    }
+    let k = KKind::of(t)?;
+    cols.is_multiple_of(SB).then(|| cols / SB * k.record_bytes())
+}
 
 /// The kernel-name suffix of a weight type.
 fn type_suffix(t: GgmlType) -> Option<&'static str> {
@@ -154,12 +206,12 @@ pub fn list_devices(library: Option<&Path>) -> Result<(Arc<Library>, Vec<DeviceI
 }
 
 struct Kernels {
-    matmul: HashMap<GgmlType, Kernel>,
+    matmul: HashMap<(GgmlType, Layout), Kernel>,
     /// Which variant `matmul` holds (never `Auto`).
     variant: MatmulVariant,
     /// The work-group size of the subgroup variant (one subgroup).
     lanes: usize,
-    get_rows: HashMap<GgmlType, Kernel>,
+    get_rows: HashMap<(GgmlType, Layout), Kernel>,
     rms_norm: Kernel,
     rope: Kernel,
     kv_store: Kernel,
@@ -170,13 +222,27 @@ struct Kernels {
 /// A device buffer behind a contract [`Buffer`].
 struct GpuBuf(Mem);
 
-/// A weight on the device, in its file's block layout.
+/// A weight on the device.
 struct GpuWeight {
     mem: Mem,
     ty: GgmlType,
+    layout: Layout,
     rows: usize,
     cols: usize,
-    row_bytes: usize,
+    /// Bytes from one row to the next ([`Layout::Rows`]) or one tile of 16 rows to the next
+    /// ([`Layout::Tiles`]): the kernels' `stride`.
+    stride: usize,
+    /// The buffer is the host's own memory (no copy).
+    in_place: bool,
+    /// Where the weight starts in the buffer (a buffer over the host's memory starts on the
+    /// device's alignment; the weight may start after it).
+    offset: usize,
+}
+
+impl GpuWeight {
+    fn key(&self) -> (GgmlType, Layout) {
+        (self.ty, self.layout)
+    }
 }
 
 /// A prepared subgraph: its weights and shape (the kernels are chosen at submit).
@@ -211,6 +277,10 @@ pub struct GpuDevice {
     cache_file: Option<PathBuf>,
     /// A 4-byte buffer bound where a kernel takes an optional one (no bias, no map).
     dummy: Mem,
+    /// Weight matrices' bytes loaded since the device was opened: used in place in the host's
+    /// memory, and copied.
+    weights_in_place: AtomicU64,
+    weights_copied: AtomicU64,
     state: Mutex<State>,
 }
 
@@ -264,15 +334,17 @@ impl GpuDevice {
         let kernel = |name: &str| prog.kernel(name).map_err(build_err);
         let mut matmul = HashMap::new();
         let mut get_rows = HashMap::new();
-        for t in WEIGHT_TYPES {
-            let s = type_suffix(t).unwrap_or_default();
+        let rows = WEIGHT_TYPES.iter().map(|&t| (t, Layout::Rows, type_suffix(t)));
+        let tiles = TILE_TYPES.iter().map(|&t| (t, Layout::Tiles, tile_suffix(t)));
+        for (t, layout, s) in rows.chain(tiles) {
+            let s = s.unwrap_or_default();
             let name = match variant {
                 MatmulVariant::RowPerItem => format!("matmul_rows_{s}"),
                 MatmulVariant::Subgroup => format!("matmul_sg_{s}"),
                 _ => format!("matmul_{s}"),
             };
-            matmul.insert(t, kernel(&name)?);
-            get_rows.insert(t, kernel(&format!("get_rows_{s}"))?);
+            matmul.insert((t, layout), kernel(&name)?);
+            get_rows.insert((t, layout), kernel(&format!("get_rows_{s}"))?);
         }
         let k = Kernels {
             matmul,
@@ -298,7 +370,11 @@ impl GpuDevice {
                 OpKind::Attention,
                 OpKind::SwiGlu,
             ],
-            weight_types: WEIGHT_TYPES.to_vec(),
+            weight_types: {
+                let mut v = WEIGHT_TYPES.to_vec();
+                v.extend(TILE_TYPES.iter().filter(|t| !WEIGHT_TYPES.contains(t)));
+                v
+            },
             static_shapes: StaticShapes::Any,
             memory: MemoryDesc {
                 kind: if info.host_unified_memory { MemoryKind::Unified } else { MemoryKind::Dedicated },
@@ -308,7 +384,20 @@ impl GpuDevice {
             threads: info.compute_units as usize,
         };
         let cache_file = opts.cache_dir.as_deref().map(|d| program::cache_path(d, &info, &options));
-        Ok(Self { id: DeviceId::fresh(), desc, info, ctx, k, ls, origin, cache_file, dummy, state: Mutex::default() })
+        Ok(Self {
+            id: DeviceId::fresh(),
+            desc,
+            info,
+            ctx,
+            k,
+            ls,
+            origin,
+            cache_file,
+            dummy,
+            weights_in_place: AtomicU64::new(0),
+            weights_copied: AtomicU64::new(0),
+            state: Mutex::default(),
+        })
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -347,6 +436,14 @@ impl GpuDevice {
         self.ls
     }
 
+    /// Weight matrices' bytes loaded since the device was opened: (read in place in the host's
+    /// memory, copied into buffers of the device's); vectors (norms, biases: always copied)
+    /// are not counted. On shared memory the first is the CPU's own copy: the weights are in
+    /// memory once.
+    pub fn weight_bytes(&self) -> (u64, u64) {
+        (self.weights_in_place.load(Ordering::Relaxed), self.weights_copied.load(Ordering::Relaxed))
+    }
+
     /// Kernels enqueued, host waits and bytes moved since the device was opened.
     pub fn stats(&self) -> Stats {
         self.ctx.stats()
@@ -362,6 +459,74 @@ impl GpuDevice {
 
     fn exec(&self) -> impl Fn(ClError) -> DeviceError + '_ {
         cl_err(&self.desc.name)
+    }
+
+    /// `rows` of `w` from the host's own copy, if it has one this device reads: its CPU tiles
+    /// (in place where the device shares the host's memory and the tiles start on the device's
+    /// alignment, else copied), or the file's rows in place on shared memory. None: load
+    /// `w.data` instead.
+    fn host_weight(&self, w: &HostWeight<'_>, rows: &Range<usize>) -> Result<Option<GpuWeight>, DeviceError> {
+        let Some(h) = w.host else { return Ok(None) };
+        let bytes = h.weight_bytes();
+        let shared = self.info.host_unified_memory;
+        let (layout, stride, range) = match h.layout {
+            HostLayout::CpuTiles => {
+                // A range of rows must be whole tiles (a row split at a multiple of 16).
+                let Some(stride) = tile_stride(w.ty, w.cols) else { return Ok(None) };
+                if !rows.start.is_multiple_of(16) || !(rows.end.is_multiple_of(16) || rows.end == w.rows) {
+                    return Ok(None);
+                }
+                if bytes.len() != w.rows.div_ceil(16) * stride {
+                    return Err(self.err(format!(
+                        "{:?}: {} bytes of tiles for {} × {} {}",
+                        w.role,
+                        bytes.len(),
+                        w.rows,
+                        w.cols,
+                        w.ty
+                    )));
+                }
+                (Layout::Tiles, stride, rows.start / 16 * stride..rows.end.div_ceil(16) * stride)
+            }
+            HostLayout::Rows => {
+                let Some(rb) = w.ty.row_bytes(w.cols) else { return Ok(None) };
+                if !shared || type_suffix(w.ty).is_none() || bytes.len() != w.rows * rb {
+                    return Ok(None);
+                }
+                (Layout::Rows, rb, rows.start * rb..rows.end * rb)
+            }
+        };
+        if range.is_empty() {
+            return Ok(None);
+        }
+        let oom = |e: ClError| DeviceError::OutOfMemory {
+            device: format!("{}: {e}", self.desc.name),
+            usage: BufferUsage::Weights,
+            bytes: range.len(),
+        };
+        // In place: a buffer from the aligned address at or before the weight's first byte
+        // (within what the host shared), the kernels told how far in the weight starts.
+        let first = h.offset + range.start;
+        let back = (h.bytes.as_ref().as_ref().as_ptr() as usize + first) % self.info.base_align;
+        if shared && back <= first {
+            let mem = self.ctx.buffer_shared(h.bytes.clone(), first - back..h.offset + range.end).map_err(oom)?;
+            let (rows, cols) = (rows.len(), w.cols);
+            return Ok(Some(GpuWeight { mem, ty: w.ty, layout, rows, cols, stride, in_place: true, offset: back }));
+        }
+        if layout == Layout::Rows {
+            return Ok(None);
+        }
+        let mem = self.ctx.buffer_from(Access::ReadOnly, &bytes[range.clone()], shared).map_err(oom)?;
+        Ok(Some(GpuWeight {
+            mem,
+            ty: w.ty,
+            layout,
+            rows: rows.len(),
+            cols: w.cols,
+            stride,
+            in_place: false,
+            offset: 0,
+        }))
     }
 
     /// Scratch buffer `name` of at least `bytes`.
@@ -398,13 +563,14 @@ impl GpuDevice {
         accumulate: bool,
         bias: Option<&GpuWeight>,
     ) -> Result<(), DeviceError> {
-        let k = self.k.matmul.get(&w.ty).ok_or_else(|| self.err(format!("no matmul for {}", w.ty)))?;
+        let k = self.k.matmul.get(&w.key()).ok_or_else(|| self.err(format!("no matmul for {}", w.ty)))?;
         if x.len() < n * w.cols * 4 || y.len() < n * w.rows * 4 || bias.is_some_and(|b| b.cols != w.rows) {
             return Err(self.err(format!("matmul {}×{} over {n} rows: buffers too small", w.rows, w.cols)));
         }
         let args = [
             Arg::Mem(&w.mem),
-            Arg::U32(w.row_bytes as u32),
+            Arg::U32(w.offset as u32),
+            Arg::U32(w.stride as u32),
             Arg::U32(w.cols as u32),
             Arg::Mem(x),
             Arg::Mem(y),
@@ -557,10 +723,11 @@ impl GpuDevice {
                 }
                 self.upload_ids(st, &b.tokens, false)?;
                 let tok = &st.tokens.as_ref().ok_or_else(|| self.err("no tokens"))?.1;
-                let k = self.k.get_rows.get(&e.ty).ok_or_else(|| self.err(format!("no get_rows for {}", e.ty)))?;
+                let k = self.k.get_rows.get(&e.key()).ok_or_else(|| self.err(format!("no get_rows for {}", e.ty)))?;
                 let args = [
                     Arg::Mem(&e.mem),
-                    Arg::U32(e.row_bytes as u32),
+                    Arg::U32(e.offset as u32),
+                    Arg::U32(e.stride as u32),
                     Arg::U32(e.cols as u32),
                     Arg::U32(e.rows as u32),
                     Arg::Mem(tok),
@@ -700,10 +867,6 @@ impl Device for GpuDevice {
 
     fn load_weight(&self, w: &HostWeight<'_>, rows: Range<usize>) -> Result<Weight, DeviceError> {
         let name = &self.desc.name;
-        if type_suffix(w.ty).is_none() {
-            return Err(DeviceError::Unsupported { device: name.clone(), what: format!("{} weights", w.ty) });
-        }
-        let data = w.rows_bytes(rows.clone()).ok_or_else(|| self.err(format!("rows {rows:?} of {:?}", w.role)))?;
         let is_vector = w.ty == GgmlType::F32 && w.rows == 1;
         if !is_vector && !w.cols.is_multiple_of(32) {
             return Err(DeviceError::Unsupported {
@@ -711,12 +874,42 @@ impl Device for GpuDevice {
                 what: format!("{:?}: rows of {} values (a multiple of 32 is needed)", w.role, w.cols),
             });
         }
+        if rows.start > rows.end || rows.end > w.rows {
+            return Err(self.err(format!("rows {rows:?} of {:?}'s {}", w.role, w.rows)));
+        }
+        if let Some(gw) = self.host_weight(w, &rows)? {
+            let counter = if gw.in_place { &self.weights_in_place } else { &self.weights_copied };
+            let bytes = gw.mem.len() - gw.offset;
+            counter.fetch_add(bytes as u64, Ordering::Relaxed);
+            return Ok(Weight::new(self.id, w.role, rows, w.cols, bytes, Arc::new(gw)));
+        }
+        if type_suffix(w.ty).is_none() {
+            return Err(DeviceError::Unsupported { device: name.clone(), what: format!("{} weights", w.ty) });
+        }
+        let data = w.rows_bytes(rows.clone()).filter(|d| !d.is_empty() || rows.is_empty()).ok_or_else(|| {
+            self.err(format!(
+                "{:?}: no bytes of rows {rows:?} in the file's layout, and none of the host's it reads",
+                w.role
+            ))
+        })?;
         let mem = self.ctx.buffer_from(Access::ReadOnly, data, self.info.host_unified_memory).map_err(|e| {
             DeviceError::OutOfMemory { device: format!("{name}: {e}"), usage: BufferUsage::Weights, bytes: data.len() }
         })?;
-        let row_bytes = w.ty.row_bytes(w.cols).unwrap_or(0);
-        let gw = Arc::new(GpuWeight { mem, ty: w.ty, rows: rows.len(), cols: w.cols, row_bytes });
-        Ok(Weight::new(self.id, w.role, rows, w.cols, data.len(), gw))
+        if !is_vector {
+            self.weights_copied.fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
+        let stride = w.ty.row_bytes(w.cols).unwrap_or(0);
+        let gw = GpuWeight {
+            mem,
+            ty: w.ty,
+            layout: Layout::Rows,
+            rows: rows.len(),
+            cols: w.cols,
+            stride,
+            in_place: false,
+            offset: 0,
+        };
+        Ok(Weight::new(self.id, w.role, rows, w.cols, data.len(), Arc::new(gw)))
     }
 
     fn prepare(
@@ -774,5 +967,58 @@ impl Device for GpuDevice {
         st.pending.retain(|e| e.state().is_none());
         st.pending.push(ev.clone());
         Ok(ev)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::kpacked::KKind;
+    use crate::backend::cpu::packed::PackKind;
+
+    /// The kernels' record offsets (`DQ_PK` in llmd.cl, `tile_rec` sizes in the `dq_pq*`
+    /// functions) are the CPU layout's own numbers.
+    #[test]
+    fn the_kernels_tile_offsets_are_the_cpu_layouts() {
+        let src = program::SOURCE;
+        for (kind, name) in [
+            (KKind::Q2K, "pq2_k"),
+            (KKind::Q3K, "pq3_k"),
+            (KKind::Q4K, "pq4_k"),
+            (KKind::Q5K, "pq5_k"),
+            (KKind::Q6K, "pq6_k"),
+        ] {
+            let line = src.lines().find(|l| l.starts_with(&format!("DQ_PK({name},"))).unwrap();
+            let args: Vec<usize> = line
+                .trim_start_matches("DQ_PK(")
+                .trim_end_matches(')')
+                .split(',')
+                .skip(1)
+                .map(|a| a.trim().parse().unwrap())
+                .collect();
+            let k = kind;
+            let want = [
+                [2, 3, 4, 5, 6][k as usize],
+                k.base_bits(),
+                k.high_bits(),
+                k.group(),
+                k.scales_off(),
+                k.mins_off(),
+                k.base_off(),
+                k.high_off(),
+                k.record_bytes(),
+            ];
+            assert_eq!(args, want, "{name}");
+            assert_eq!(tile_stride(k.ggml(), 512), Some(2 * k.record_bytes()));
+        }
+        for (kind, name) in [(PackKind::Q4_0, "pq4_0"), (PackKind::Q4_1, "pq4_1"), (PackKind::Q8_0, "pq8_0")] {
+            let body = src.split(&format!("inline void dq_{name}(")).nth(1).unwrap();
+            let rec = format!("tile_rec(w, r, stride, {}, j)", kind.record_bytes());
+            assert!(body.lines().nth(1).unwrap().contains(&rec), "{name}: {rec}");
+            assert!(src.contains(&format!("MATMUL({name})")) && src.contains(&format!("MATMUL_SG({name})")));
+        }
+        assert_eq!(tile_stride(GgmlType::Q4_0, 33), None);
+        assert_eq!(tile_stride(GgmlType::F16, 64), None);
     }
 }

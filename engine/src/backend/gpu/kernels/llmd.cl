@@ -16,17 +16,20 @@ typedef global const uchar* row_t;
 
 inline float f16_at(row_t p) { return vload_half(0, (global const half*)p); }
 
-inline void dq_f32(row_t row, uint j, float* o) {
+inline void dq_f32(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     global const float* p = (global const float*)row + 32 * j;
     for (int i = 0; i < 32; i++) o[i] = p[i];
 }
 
-inline void dq_f16(row_t row, uint j, float* o) {
+inline void dq_f16(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     global const half* p = (global const half*)row + 32 * j;
     for (int i = 0; i < 32; i++) o[i] = vload_half(i, p);
 }
 
-inline void dq_q4_0(row_t row, uint j, float* o) {
+inline void dq_q4_0(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     row_t b = row + 18 * j;
     float d = f16_at(b);
     for (int i = 0; i < 16; i++) {
@@ -36,7 +39,8 @@ inline void dq_q4_0(row_t row, uint j, float* o) {
     }
 }
 
-inline void dq_q4_1(row_t row, uint j, float* o) {
+inline void dq_q4_1(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     row_t b = row + 20 * j;
     float d = f16_at(b), m = f16_at(b + 2);
     for (int i = 0; i < 16; i++) {
@@ -46,7 +50,8 @@ inline void dq_q4_1(row_t row, uint j, float* o) {
     }
 }
 
-inline void dq_q5_0(row_t row, uint j, float* o) {
+inline void dq_q5_0(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     row_t b = row + 22 * j;
     float d = f16_at(b);
     uint qh = (uint)b[2] | ((uint)b[3] << 8) | ((uint)b[4] << 16) | ((uint)b[5] << 24);
@@ -59,7 +64,8 @@ inline void dq_q5_0(row_t row, uint j, float* o) {
     }
 }
 
-inline void dq_q5_1(row_t row, uint j, float* o) {
+inline void dq_q5_1(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     row_t b = row + 24 * j;
     float d = f16_at(b), m = f16_at(b + 2);
     uint qh = (uint)b[4] | ((uint)b[5] << 8) | ((uint)b[6] << 16) | ((uint)b[7] << 24);
@@ -72,7 +78,8 @@ inline void dq_q5_1(row_t row, uint j, float* o) {
     }
 }
 
-inline void dq_q8_0(row_t row, uint j, float* o) {
+inline void dq_q8_0(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     row_t b = row + 34 * j;
     float d = f16_at(b);
     global const char* q = (global const char*)(b + 2);
@@ -80,7 +87,8 @@ inline void dq_q8_0(row_t row, uint j, float* o) {
 }
 
 // Q4_K: 144-byte super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles).
-inline void dq_q4_k(row_t row, uint j, float* o) {
+inline void dq_q4_k(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     row_t b = row + 144 * (j / 8);
     uint s = j % 8;
     float d = f16_at(b), dmin = f16_at(b + 2);
@@ -100,7 +108,8 @@ inline void dq_q4_k(row_t row, uint j, float* o) {
 }
 
 // Q6_K: 210-byte super-blocks (128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d).
-inline void dq_q6_k(row_t row, uint j, float* o) {
+inline void dq_q6_k(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t row = w + r * stride;
     row_t b = row + 210 * (j / 8);
     uint s = j % 8, n = s / 4, k = s % 4;
     row_t ql = b + 64 * n + ((k & 1) ? 32 : 0);
@@ -114,16 +123,94 @@ inline void dq_q6_k(row_t row, uint j, float* o) {
     }
 }
 
+// The CPU kernels' own layouts (engine/src/backend/cpu/packed.rs and kpacked.rs), read in
+// place where the GPU shares the host's memory, so a weight is in memory once: rows in tiles
+// of 16, each tile a run of records (one per 32-column block, or per 256-column super-block
+// for the K-quants) holding that block of all 16 rows. `stride` is a tile's bytes; row r is
+// lane r % 16 of tile r / 16. Values equal the GGUF dequantization's.
+
+// Q4_0 / Q4_1 / Q8_0 records: 16 f16 d (Q4_1: then 16 f16 m), then chunks of 64 bytes, byte
+// 4·lane + i of chunk c holding weights 4c + i (Q4: low nibble; high nibble 16 + 4c + i).
+inline row_t tile_rec(row_t w, size_t r, uint stride, uint rec, uint j) {
+    return w + (r / 16) * stride + (size_t)j * rec;
+}
+
+inline void dq_pq4_0(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t b = tile_rec(w, r, stride, 288, j);
+    uint lane = r % 16;
+    float d = f16_at(b + 2 * lane);
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++) {
+            uchar q = b[32 + 64 * c + 4 * lane + i];
+            o[4 * c + i] = ((int)(q & 15) - 8) * d;
+            o[16 + 4 * c + i] = ((int)(q >> 4) - 8) * d;
+        }
+}
+
+inline void dq_pq4_1(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t b = tile_rec(w, r, stride, 320, j);
+    uint lane = r % 16;
+    float d = f16_at(b + 2 * lane), m = f16_at(b + 32 + 2 * lane);
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++) {
+            uchar q = b[64 + 64 * c + 4 * lane + i];
+            o[4 * c + i] = (q & 15) * d + m;
+            o[16 + 4 * c + i] = (q >> 4) * d + m;
+        }
+}
+
+// Q8_0 bytes are stored plus 128 (unsigned).
+inline void dq_pq8_0(row_t w, size_t r, uint stride, uint j, float* o) {
+    row_t b = tile_rec(w, r, stride, 544, j);
+    uint lane = r % 16;
+    float d = f16_at(b + 2 * lane);
+    for (int c = 0; c < 8; c++)
+        for (int i = 0; i < 4; i++) o[4 * c + i] = ((int)b[32 + 64 * c + 4 * lane + i] - 128) * d;
+}
+
+// K-quant records (kpacked.rs): 16 f16 d, 16 f16 dmin (types with minimums), scales
+// group-major (byte 16g + lane), Q4_K/Q5_K minimums in group pairs (byte 32(g/2) + 2·lane +
+// g%2), then bit planes: chunk k (columns 4k..4k+3) of BB base bits at byte
+// 64(k / (8/BB)) + 4·lane + i, shifted BB·(k % (8/BB)); HB high bits likewise. KIND: 2..6 for
+// Q2_K..Q6_K. The value's expression order is ggml's dequantize_row_* (as the CPU's).
+#define DQ_PK(T, KIND, BB, HB, GROUP, SC, MINS, BASE, HIGH, REC)                                    \
+inline void dq_##T(row_t w, size_t r, uint stride, uint j, float* o) {                            \
+    row_t b = tile_rec(w, r, stride, REC, j / 8);                                                  \
+    uint lane = r % 16;                                                                              \
+    float d = f16_at(b + 2 * lane);                                                                  \
+    float dmin = (KIND == 2 || KIND == 4 || KIND == 5) ? f16_at(b + 32 + 2 * lane) : 0.0f;         \
+    for (uint e = 32 * (j % 8), l = 0; l < 32; e++, l++) {                                          \
+        uint k = e / 4, at = 4 * lane + e % 4;                                                       \
+        uint u = (b[BASE + 64 * (k / (8 / BB)) + at] >> (BB * (k % (8 / BB)))) & ((1u << BB) - 1);  \
+        if (HB) {                                                                                    \
+            uint per = 8 / (HB ? HB : 1);                                                            \
+            u |= ((b[HIGH + 64 * (k / per) + at] >> (HB * (k % per))) & ((1u << HB) - 1)) << BB;   \
+        }                                                                                            \
+        uint g = e / GROUP;                                                                          \
+        uchar sc = b[SC + 16 * g + lane];                                                            \
+        if (KIND == 6) o[l] = d * (char)sc * ((float)u - 32.0f);                                    \
+        else if (KIND == 3) o[l] = (d * (char)sc) * ((float)u - 4.0f);                              \
+        else if (KIND == 2) o[l] = (d * (sc & 15)) * (float)u - dmin * (sc >> 4);                  \
+        else o[l] = (d * sc) * (float)u - dmin * b[MINS + 32 * (g / 2) + 2 * lane + g % 2];        \
+    }                                                                                                \
+}
+// Offsets from kpacked.rs's KKind (scales_off, mins_off, base_off, high_off, record_bytes).
+DQ_PK(pq2_k, 2, 2, 0, 16, 64, 320, 320, 1344, 1344)
+DQ_PK(pq3_k, 3, 2, 1, 16, 32, 288, 288, 1312, 1824)
+DQ_PK(pq4_k, 4, 4, 0, 32, 64, 192, 320, 2368, 2368)
+DQ_PK(pq5_k, 5, 4, 1, 32, 64, 192, 320, 2368, 2880)
+DQ_PK(pq6_k, 6, 4, 2, 16, 32, 288, 288, 2336, 3360)
+
 // acc[k] = Σ over sub-blocks j0, j0 + dj, … of row · x[t0 + k], for k < nt: one work-item's (or
 // lane's) share of a weight row's product with up to TILE token rows, each sub-block
 // dequantized once for all of them. Every matmul variant below is built on it.
 #define PARTIAL(T)                                                                                  \
-inline void partial_##T(row_t row, uint nb, uint j0, uint dj, global const float* x, uint cols,   \
-                        uint t0, uint nt, float* acc) {                                             \
+inline void partial_##T(row_t w, size_t r, uint stride, uint nb, uint j0, uint dj,                \
+                        global const float* x, uint cols, uint t0, uint nt, float* acc) {           \
     for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                                   \
     for (uint j = j0; j < nb; j += dj) {                                                            \
         float wv[32];                                                                                \
-        dq_##T(row, j, wv);                                                                          \
+        dq_##T(w, r, stride, j, wv);                                                                 \
         for (uint k = 0; k < nt; k++) {                                                             \
             global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                          \
             float s = 0.0f;                                                                          \
@@ -134,20 +221,23 @@ inline void partial_##T(row_t row, uint nb, uint j0, uint dj, global const float
 }
 
 // y[t, r] = (accumulate ? y[t, r] : 0) + bias[r] + Σ_k w[r, k] · x[t, k], for n token rows.
+// The weight starts `woff` bytes into its buffer (a buffer over the host's memory starts on the
+// device's alignment, the weight where the file put it).
 // One work-group per weight row; its work-items split the row's 32-value sub-blocks.
 #define MATMUL(T)                                                                                   \
 PARTIAL(T)                                                                                          \
-kernel void matmul_##T(global const uchar* w, uint row_bytes, uint cols, global const float* x,    \
+kernel void matmul_##T(global const uchar* w0, uint woff, uint stride, uint cols,                 \
+                       global const float* x,                                                       \
                        global float* y, uint n, uint rows, uint accumulate,                          \
                        global const float* bias, uint has_bias) {                                   \
     uint r = get_group_id(0), lid = get_local_id(0);                                               \
+    row_t w = w0 + woff;                                                                             \
     local float red[TILE * LS];                                                                      \
-    row_t row = w + (size_t)r * row_bytes;                                                          \
     uint nb = cols / 32;                                                                             \
     for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
         uint nt = min((uint)TILE, n - t0);                                                          \
         float acc[TILE];                                                                             \
-        partial_##T(row, nb, lid, LS, x, cols, t0, nt, acc);                                         \
+        partial_##T(w, r, stride, nb, lid, LS, x, cols, t0, nt, acc);                                         \
         for (int k = 0; k < TILE; k++) red[k * LS + lid] = acc[k];                                 \
         barrier(CLK_LOCAL_MEM_FENCE);                                                               \
         for (uint h = LS / 2; h > 0; h >>= 1) {                                                     \
@@ -165,17 +255,18 @@ kernel void matmul_##T(global const uchar* w, uint row_bytes, uint cols, global 
 }                                                                                                    \
 /* The same product with one work-item per weight row and no local memory or barriers: the   \
    variant for CPU devices (PoCL), where a work-group's barriers cost more than they share. */  \
-kernel void matmul_rows_##T(global const uchar* w, uint row_bytes, uint cols, global const float* x, \
+kernel void matmul_rows_##T(global const uchar* w0, uint woff, uint stride, uint cols,            \
+                            global const float* x,                                                  \
                             global float* y, uint n, uint rows, uint accumulate,                    \
                             global const float* bias, uint has_bias) {                             \
     uint r = get_global_id(0);                                                                       \
+    row_t w = w0 + woff;                                                                             \
     if (r >= rows) return;                                                                           \
-    row_t row = w + (size_t)r * row_bytes;                                                          \
     uint nb = cols / 32;                                                                             \
     for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
         uint nt = min((uint)TILE, n - t0);                                                          \
         float acc[TILE];                                                                             \
-        partial_##T(row, nb, 0, 1, x, cols, t0, nt, acc);                                            \
+        partial_##T(w, r, stride, nb, 0, 1, x, cols, t0, nt, acc);                                            \
         for (uint k = 0; k < nt; k++) {                                                             \
             float v = acc[k] + (has_bias ? bias[r] : 0.0f);                                         \
             size_t o = (size_t)(t0 + k) * rows + r;                                                 \
@@ -184,13 +275,14 @@ kernel void matmul_rows_##T(global const uchar* w, uint row_bytes, uint cols, gl
     }                                                                                                \
 }                                                                                                    \
 /* x[t, :] = row tokens[t] of w, for t in 0..n (global size: cols / 32 × n). */                     \
-kernel void get_rows_##T(global const uchar* w, uint row_bytes, uint cols, uint n_rows,             \
+kernel void get_rows_##T(global const uchar* w0, uint woff, uint stride, uint cols, uint n_rows,  \
                          global const uint* tokens, global float* x) {                              \
     uint j = get_global_id(0), t = get_global_id(1);                                               \
+    row_t w = w0 + woff;                                                                             \
     uint tok = tokens[t];                                                                            \
     if (tok >= n_rows) return;                                                                       \
     float v[32];                                                                                     \
-    dq_##T(w + (size_t)tok * row_bytes, j, v);                                                      \
+    dq_##T(w, tok, stride, j, v);                                                      \
     global float* o = x + (size_t)t * cols + 32 * j;                                                \
     for (int i = 0; i < 32; i++) o[i] = v[i];                                                       \
 }
@@ -204,6 +296,14 @@ MATMUL(q5_1)
 MATMUL(q8_0)
 MATMUL(q4_k)
 MATMUL(q6_k)
+MATMUL(pq4_0)
+MATMUL(pq4_1)
+MATMUL(pq8_0)
+MATMUL(pq2_k)
+MATMUL(pq3_k)
+MATMUL(pq4_k)
+MATMUL(pq5_k)
+MATMUL(pq6_k)
 
 #ifdef LLMD_SUBGROUPS
 // (After the instantiations above: it uses their partial_<type>.)
@@ -223,16 +323,16 @@ MATMUL(q6_k)
 #error "LLMD_SUBGROUPS needs cl_intel_subgroups or cl_qcom_reqd_sub_group_size"
 #endif
 #define MATMUL_SG(T)                                                                                \
-kernel SG_ATTR void matmul_sg_##T(global const uchar* w, uint row_bytes, uint cols,                \
+kernel SG_ATTR void matmul_sg_##T(global const uchar* w0, uint woff, uint stride, uint cols,      \
                                   global const float* x, global float* y, uint n, uint rows,       \
                                   uint accumulate, global const float* bias, uint has_bias) {      \
     uint r = get_group_id(0), lane = get_sub_group_local_id(), lanes = get_sub_group_size();      \
-    row_t row = w + (size_t)r * row_bytes;                                                          \
+    row_t w = w0 + woff;                                                                             \
     uint nb = cols / 32;                                                                             \
     for (uint t0 = 0; t0 < n; t0 += TILE) {                                                         \
         uint nt = min((uint)TILE, n - t0);                                                          \
         float acc[TILE];                                                                             \
-        partial_##T(row, nb, lane, lanes, x, cols, t0, nt, acc);                                     \
+        partial_##T(w, r, stride, nb, lane, lanes, x, cols, t0, nt, acc);                                     \
         for (uint k = 0; k < nt; k++) {                                                             \
             float v = sub_group_reduce_add(acc[k]);                                                  \
             if (lane == 0) {                                                                         \
@@ -252,6 +352,14 @@ MATMUL_SG(q5_1)
 MATMUL_SG(q8_0)
 MATMUL_SG(q4_k)
 MATMUL_SG(q6_k)
+MATMUL_SG(pq4_0)
+MATMUL_SG(pq4_1)
+MATMUL_SG(pq8_0)
+MATMUL_SG(pq2_k)
+MATMUL_SG(pq3_k)
+MATMUL_SG(pq4_k)
+MATMUL_SG(pq5_k)
+MATMUL_SG(pq6_k)
 #endif
 
 // out[i, :] = x[src, :] / sqrt(mean(x[src, :]²) + eps) · w, src = map ? map[i] : i.
@@ -280,8 +388,11 @@ kernel void rms_norm(global const float* x, global float* out, global const floa
 kernel void rope(global float* x, global const uint* pos, uint n_heads, uint head_dim, uint rope_dims,
                  float theta_scale, float freq_scale, uint neox, global const float* ff, uint has_ff) {
     uint i = get_global_id(0), h = get_global_id(1), t = get_global_id(2);
-    float th = (float)pos[t];
-    for (uint k = 0; k < i; k++) th *= theta_scale;
+    // volatile: the product is one multiplication after another, as on the host. A compiler
+    // that reassociates floats (Intel's 2026 CPU runtime does, by default) would otherwise turn
+    // the loop into a vectorised product reduction and move the angle by an ulp (6e-5 at 8,000).
+    volatile float th = (float)pos[t];
+    for (uint k = 0; k < i; k++) th = th * theta_scale;
     float a = freq_scale * (th / (has_ff ? ff[i] : 1.0f));
     float c = cos(a), s = sin(a);
     global float* hp = x + ((size_t)t * n_heads + h) * head_dim;
