@@ -5,7 +5,7 @@
 # kernel Binder in a QEMU VM.
 # The GPU backend's OpenCL tests run on PoCL (scripts/setup-opencl.sh) and, for the subgroup
 # and fp16 variants, Intel's CPU runtime (scripts/setup-intel-opencl.sh), with LLMD_REQUIRE_OPENCL=1 and
-# LLMD_REQUIRE_SUBGROUPS=1: a missing runtime is a failure, not a skip.
+# LLMD_REQUIRE_SUBGROUPS=1 LLMD_REQUIRE_FP16=1: a missing runtime is a failure, not a skip.
 # LLMD_SKIP_VM=1 skips the VM test (for quick local runs; CI always runs it).
 # LLMD_LARGE_MODEL_TESTS=1 also fetches the 1.5B K-quant model (1.1 GB, scripts/fetch-model-1.5b.sh)
 # and runs the tests that need it (its golden test against llama.cpp); CI's quick path does not.
@@ -16,7 +16,7 @@ scripts/setup.sh
 # for the variants PoCL lacks; a missing one fails them.
 eval "$(scripts/setup-opencl.sh)"
 eval "$(scripts/setup-intel-opencl.sh)"
-export LLMD_REQUIRE_OPENCL=1 LLMD_REQUIRE_SUBGROUPS=1
+export LLMD_REQUIRE_OPENCL=1 LLMD_REQUIRE_SUBGROUPS=1 LLMD_REQUIRE_FP16=1
 echo "== no import circles between top-level modules (tools/module_cycles.py)" >&2
 for crate in device engine daemon llmctl; do python3 tools/module_cycles.py "$crate"; done
 echo "== cargo test (release; the real model runs in these tests)" >&2

@@ -80,6 +80,10 @@ pub struct GpuConfig {
     /// `<residency.state_dir>/gpu`; none without a state directory.
     pub cache_dir: Option<PathBuf>,
     pub matmul: GpuMatmul,
+    /// The fp16 kernels (half weights and products in the matmul): default on for a GPU with
+    /// `cl_khr_fp16`, off otherwise; `true` on a device without the extension keeps the GPU
+    /// off (the reason in `llmctl status`).
+    pub fp16: Option<bool>,
 }
 
 /// The NPU path (`[npu]`, used with `backend = "npu"`).
@@ -544,15 +548,17 @@ mod tests {
     #[test]
     fn the_gpu_keys_parse_and_unknown_ones_are_refused() {
         let c: Config = toml::from_str(
-            "models = [\"m.gguf\"]\nbackend = \"gpu\"\n[gpu]\nlibrary = \"/vendor/lib64/libOpenCL.so\"\ndevice = 1\nmatmul = \"rows\"\n",
+            "models = [\"m.gguf\"]\nbackend = \"gpu\"\n[gpu]\nlibrary = \"/vendor/lib64/libOpenCL.so\"\ndevice = 1\nmatmul = \"rows\"\nfp16 = false\n",
         )
         .expect("parses");
         assert_eq!(c.backend, Backend::Gpu);
         assert_eq!(c.gpu.library.as_deref(), Some(std::path::Path::new("/vendor/lib64/libOpenCL.so")));
-        assert_eq!((c.gpu.device, c.gpu.matmul), (Some(1), GpuMatmul::Rows));
+        assert_eq!((c.gpu.device, c.gpu.matmul, c.gpu.fp16), (Some(1), GpuMatmul::Rows, Some(false)));
         c.validate().expect("valid");
         assert_eq!(toml::from_str::<Config>("").expect("parses").gpu, GpuConfig::default());
-        for bad in ["[gpu]\nmatmul = \"fast\"\n", "[gpu]\ndevice = -1\n", "[gpu]\nlibary = \"x\"\n"] {
+        for bad in
+            ["[gpu]\nmatmul = \"fast\"\n", "[gpu]\ndevice = -1\n", "[gpu]\nlibary = \"x\"\n", "[gpu]\nfp16 = \"yes\"\n"]
+        {
             assert!(toml::from_str::<Config>(bad).is_err(), "{bad}");
         }
     }

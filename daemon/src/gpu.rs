@@ -158,6 +158,7 @@ impl Gpu {
                 GpuMatmul::Rows => MatmulVariant::RowPerItem,
                 GpuMatmul::Groups => MatmulVariant::GroupPerRow,
             },
+            fp16: g.fp16,
             gpu_only: config.backend == Backend::Auto,
         };
         Arc::new(Self::start(opts))

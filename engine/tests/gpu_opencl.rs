@@ -85,7 +85,7 @@ fn every_kernel_and_weight_type_equals_its_reference() {
         libraries.push(Some(std::path::PathBuf::from(l)));
     }
     let cache = std::env::temp_dir().join(format!("llmd-gpu-test-cache-{}", std::process::id()));
-    let mut subgroup_runs = 0;
+    let (mut subgroup_runs, mut fp16_runs) = (0, 0);
     for library in libraries {
         let (_, devices) = llmd_engine::backend::gpu::list_devices(library.as_deref()).unwrap();
         for (index, info) in devices.iter().enumerate() {
@@ -94,19 +94,24 @@ fn every_kernel_and_weight_type_equals_its_reference() {
                 variants.push(MatmulVariant::Subgroup);
                 subgroup_runs += 1;
             }
-            for variant in variants {
+            // The fp16 variant beside each, where the device has cl_khr_fp16.
+            let halves: &[bool] = if info.has("cl_khr_fp16") { &[false, true] } else { &[false] };
+            fp16_runs += halves.len() - 1;
+            for (variant, fp16) in variants.iter().flat_map(|&v| halves.iter().map(move |&h| (v, h))) {
                 let opts = GpuOptions {
                     library: library.clone(),
                     device: Some(index),
                     matmul: variant,
                     cache_dir: Some(cache.clone()),
+                    fp16: Some(fp16),
                     gpu_only: false,
                 };
                 let g = GpuDevice::open(&opts).unwrap();
-                assert_eq!(g.matmul_variant(), variant);
+                assert_eq!((g.matmul_variant(), g.fp16()), (variant, fp16));
                 for s in &shapes {
                     for c in check::self_check(&g, s).unwrap() {
-                        let at = format!("{} ({variant:?}), d_model {}: {}", info.platform, s.d_model, c.kernel);
+                        let v = if fp16 { "fp16, " } else { "" };
+                        let at = format!("{} ({v}{variant:?}), d_model {}: {}", info.platform, s.d_model, c.kernel);
                         eprintln!("{at:<90} worst {:.2e} (tolerance {:.0e})", c.worst, c.tolerance);
                         assert!(c.ok(), "{at} is off by {:e}, past {:e}", c.worst, c.tolerance);
                     }
@@ -122,6 +127,9 @@ fn every_kernel_and_weight_type_equals_its_reference() {
             subgroup_runs > 0,
             "LLMD_REQUIRE_SUBGROUPS=1 and no device has subgroups (LLMD_INTEL_OPENCL_LIB unset?)"
         );
+    }
+    if std::env::var("LLMD_REQUIRE_FP16").is_ok_and(|v| v == "1") {
+        assert!(fp16_runs > 0, "LLMD_REQUIRE_FP16=1 and no device has cl_khr_fp16 (LLMD_INTEL_OPENCL_LIB unset?)");
     }
 }
 
@@ -152,8 +160,13 @@ fn on_gpu(path: &std::path::Path, g: Arc<dyn llmd_device::Device>) -> Model {
 /// Greedy decode on the GPU and on the CPU from the same prompts: the same tokens, or they part
 /// at a step where the CPU's top two logits are within [`NEAR_TIE`].
 pub fn greedy_matches(path: &std::path::Path, prompts: &[&str], steps: usize) {
+    greedy_matches_on(&GpuOptions::default(), path, prompts, steps)
+}
+
+/// [`greedy_matches`] on the device `opts` opens.
+fn greedy_matches_on(opts: &GpuOptions, path: &std::path::Path, prompts: &[&str], steps: usize) {
     let cpu = Model::load(path, &LoadOptions { threads: 2, ..Default::default() }).unwrap();
-    let dev = match GpuDevice::open(&GpuOptions::default()) {
+    let dev = match GpuDevice::open(opts) {
         Ok(d) => Arc::new(d),
         Err(_) => return,
     };
@@ -199,6 +212,32 @@ fn greedy_decode_on_the_gpu_gives_the_cpu_tokens_on_the_default_model() {
         &common::default_model_path(),
         &["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"],
         32,
+    );
+}
+
+/// The fp16 variant (half weights and products) on the one runtime here with cl_khr_fp16,
+/// Intel's CPU runtime (LLMD_INTEL_OPENCL_LIB, from scripts/setup-intel-opencl.sh): the same
+/// greedy tokens as the CPU, or a part at a near tie. (It runs fp16 emulated, ~2 tok/s: fewer
+/// tokens than the f32 test.)
+#[test]
+fn greedy_decode_with_the_fp16_kernels_gives_the_cpu_tokens_on_the_default_model() {
+    let Some(lib) = std::env::var_os("LLMD_INTEL_OPENCL_LIB") else {
+        assert!(
+            !std::env::var("LLMD_REQUIRE_FP16").is_ok_and(|v| v == "1"),
+            "LLMD_REQUIRE_FP16=1 and LLMD_INTEL_OPENCL_LIB is unset"
+        );
+        eprintln!("skipped: no runtime with cl_khr_fp16 (LLMD_INTEL_OPENCL_LIB unset)");
+        return;
+    };
+    let opts = GpuOptions { library: Some(lib.into()), fp16: Some(true), ..Default::default() };
+    let g = GpuDevice::open(&opts).unwrap();
+    assert!(g.fp16());
+    drop(g);
+    greedy_matches_on(
+        &opts,
+        &common::default_model_path(),
+        &["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"],
+        12,
     );
 }
 

@@ -27,6 +27,19 @@ pub struct GpuArgs {
     /// work-group per row), rows, groups or subgroups.
     #[arg(long, value_enum, default_value = "auto")]
     pub gpu_matmul: MatmulChoice,
+    /// The fp16 kernels (weights dequantized to half, half dot products): auto (on for a GPU
+    /// with cl_khr_fp16, off on an OpenCL CPU device), on (an error without cl_khr_fp16) or
+    /// off.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub gpu_fp16: Fp16Choice,
+}
+
+/// `--gpu-fp16`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fp16Choice {
+    Auto,
+    On,
+    Off,
 }
 
 /// `--gpu-matmul`.
@@ -54,6 +67,11 @@ pub fn options(args: &GpuArgs) -> GpuOptions {
         device: args.gpu_device,
         cache_dir: cache_dir(args),
         matmul,
+        fp16: match args.gpu_fp16 {
+            Fp16Choice::Auto => None,
+            Fp16Choice::On => Some(true),
+            Fp16Choice::Off => Some(false),
+        },
         gpu_only: false,
     }
 }
@@ -129,9 +147,7 @@ pub fn info(args: &GpuArgs) -> Result<(), String> {
     for v in g.variants() {
         crate::out!("kernel variant: {v}");
     }
-    crate::out!(
-        "not built yet: fp16 arithmetic (cl_khr_fp16: no runtime here has it to test against), weights through image1d_buffer_t"
-    );
+    crate::out!("not built yet: weights through image1d_buffer_t");
     crate::out!("program: {}", g.program_origin());
     match g.cache_file() {
         Some(p) => crate::out!("program cache: {} ({})", p.display(), if p.exists() { "present" } else { "absent" }),

@@ -178,6 +178,10 @@ pub struct GpuOptions {
     /// Where program binaries are cached (None: built at every start).
     pub cache_dir: Option<PathBuf>,
     pub matmul: MatmulVariant,
+    /// The fp16 variant (half weights and products in the matmul, `-DLLMD_FP16`): None picks
+    /// it for a GPU with `cl_khr_fp16` (not for an OpenCL CPU device, where it buys nothing);
+    /// `Some(true)` on a device without the extension is an error.
+    pub fp16: Option<bool>,
     /// Take only a device of kind GPU (automatic placement: an OpenCL CPU device is no faster
     /// than the CPU path); `device` overrides it.
     pub gpu_only: bool,
@@ -277,6 +281,8 @@ pub struct GpuDevice {
     cache_file: Option<PathBuf>,
     /// A 4-byte buffer bound where a kernel takes an optional one (no bias, no map).
     dummy: Mem,
+    /// Built with the fp16 variant.
+    fp16: bool,
     /// Weight matrices' bytes loaded since the device was opened: used in place in the host's
     /// memory, and copied.
     weights_in_place: AtomicU64,
@@ -323,12 +329,26 @@ impl GpuDevice {
             }
             (v, _) => v,
         };
-        // The subgroup kernels are compiled only where they can be (the program is cached per
-        // options, so each device keeps its own).
-        let options = match lanes {
-            Some(sg) => format!("-cl-std=CL1.2 -DLS={ls} -DLLMD_SUBGROUPS -DSG={sg}"),
-            None => format!("-cl-std=CL1.2 -DLS={ls}"),
+        let has_fp16 = info.has("cl_khr_fp16");
+        let fp16 = match opts.fp16 {
+            None => has_fp16 && info.kind == "GPU",
+            Some(true) if !has_fp16 => {
+                return Err(GpuError::Build {
+                    device: info.name.clone(),
+                    source: ClError::Invalid("the fp16 variant needs cl_khr_fp16".into()),
+                })
+            }
+            Some(on) => on,
         };
+        // The subgroup and fp16 kernels are compiled only where they can be (the program is
+        // cached per options, so each device keeps its own).
+        let mut options = format!("-cl-std=CL1.2 -DLS={ls}");
+        if let Some(sg) = lanes {
+            options += &format!(" -DLLMD_SUBGROUPS -DSG={sg}");
+        }
+        if fp16 {
+            options += " -DLLMD_FP16";
+        }
         let build_err = |source| GpuError::Build { device: info.name.clone(), source };
         let (prog, origin) = program::load(&ctx, &info, &options, opts.cache_dir.as_deref()).map_err(build_err)?;
         let kernel = |name: &str| prog.kernel(name).map_err(build_err);
@@ -394,6 +414,7 @@ impl GpuDevice {
             origin,
             cache_file,
             dummy,
+            fp16,
             weights_in_place: AtomicU64::new(0),
             weights_copied: AtomicU64::new(0),
             state: Mutex::default(),
@@ -413,17 +434,26 @@ impl GpuDevice {
         self.cache_file.as_deref()
     }
 
-    /// The kernel variants in use: the portable baseline, its matmul spread by work-group or by
-    /// work-item.
+    /// The kernel variants in use: the portable baseline or fp16, the matmul spread by
+    /// work-group, work-item or subgroup.
     pub fn variants(&self) -> Vec<&'static str> {
         vec![
-            "baseline: OpenCL C 1.2, fp32 math, f16 storage (vload_half)",
+            if self.fp16 {
+                "fp16 (cl_khr_fp16): weights dequantized to half, half dot products of four summed in f32; activations, norms, attention f32"
+            } else {
+                "baseline: OpenCL C 1.2, fp32 math, f16 storage (vload_half)"
+            },
             match self.k.variant {
                 MatmulVariant::RowPerItem => "matmul: a work-item per weight row (CPU device)",
                 MatmulVariant::Subgroup => "matmul: a subgroup per weight row, summed by sub_group_reduce_add",
                 _ => "matmul: a work-group per weight row, summed in local memory",
             },
         ]
+    }
+
+    /// Whether the fp16 variant was built.
+    pub fn fp16(&self) -> bool {
+        self.fp16
     }
 
     /// The matmul variant in use.

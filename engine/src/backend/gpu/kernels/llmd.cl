@@ -2,9 +2,15 @@
 // vload_half/vstore_half, which need no cl_khr_fp16). Built once per device with
 // -DLS=<work-group size> and cached as a program binary (backend/gpu/program.rs).
 //
-// Weights stay in the model file's block layouts (ggml's), read through `dq_<type>`, which
-// dequantizes one 32-value sub-block `j` of a row: the K-quants' 256-value super-blocks are
-// eight such sub-blocks, so every matrix kernel works in 32-value steps.
+// Weights stay in the model file's block layouts (ggml's), or the CPU's tiles, read through
+// `dq_<type>`, which dequantizes one 32-value sub-block `j` of a row: the K-quants' 256-value
+// super-blocks are eight such sub-blocks, so every matrix kernel works in 32-value steps.
+//
+// The fp16 variant (-DLLMD_FP16, only where the device has cl_khr_fp16): weights dequantize to
+// half and the matmul's products and four-term sums are half (`dot` of half4s), each
+// four-term sum added to an f32 accumulator — half the registers and, on a GPU with packed
+// fp16 ALUs (Adreno, Mali), twice the multiply rate of f32. Activations, norms, attention and
+// the accumulators stay f32.
 
 #ifndef LS
 #define LS 64
@@ -14,21 +20,28 @@
 
 typedef global const uchar* row_t;
 
+#ifdef LLMD_FP16
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+typedef half wt;
+#else
+typedef float wt;
+#endif
+
 inline float f16_at(row_t p) { return vload_half(0, (global const half*)p); }
 
-inline void dq_f32(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_f32(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     global const float* p = (global const float*)row + 32 * j;
     for (int i = 0; i < 32; i++) o[i] = p[i];
 }
 
-inline void dq_f16(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_f16(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     global const half* p = (global const half*)row + 32 * j;
     for (int i = 0; i < 32; i++) o[i] = vload_half(i, p);
 }
 
-inline void dq_q4_0(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_q4_0(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     row_t b = row + 18 * j;
     float d = f16_at(b);
@@ -39,7 +52,7 @@ inline void dq_q4_0(row_t w, size_t r, uint stride, uint j, float* o) {
     }
 }
 
-inline void dq_q4_1(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_q4_1(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     row_t b = row + 20 * j;
     float d = f16_at(b), m = f16_at(b + 2);
@@ -50,7 +63,7 @@ inline void dq_q4_1(row_t w, size_t r, uint stride, uint j, float* o) {
     }
 }
 
-inline void dq_q5_0(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_q5_0(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     row_t b = row + 22 * j;
     float d = f16_at(b);
@@ -64,7 +77,7 @@ inline void dq_q5_0(row_t w, size_t r, uint stride, uint j, float* o) {
     }
 }
 
-inline void dq_q5_1(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_q5_1(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     row_t b = row + 24 * j;
     float d = f16_at(b), m = f16_at(b + 2);
@@ -78,7 +91,7 @@ inline void dq_q5_1(row_t w, size_t r, uint stride, uint j, float* o) {
     }
 }
 
-inline void dq_q8_0(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_q8_0(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     row_t b = row + 34 * j;
     float d = f16_at(b);
@@ -87,7 +100,7 @@ inline void dq_q8_0(row_t w, size_t r, uint stride, uint j, float* o) {
 }
 
 // Q4_K: 144-byte super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles).
-inline void dq_q4_k(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_q4_k(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     row_t b = row + 144 * (j / 8);
     uint s = j % 8;
@@ -108,7 +121,7 @@ inline void dq_q4_k(row_t w, size_t r, uint stride, uint j, float* o) {
 }
 
 // Q6_K: 210-byte super-blocks (128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d).
-inline void dq_q6_k(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_q6_k(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t row = w + r * stride;
     row_t b = row + 210 * (j / 8);
     uint s = j % 8, n = s / 4, k = s % 4;
@@ -135,7 +148,7 @@ inline row_t tile_rec(row_t w, size_t r, uint stride, uint rec, uint j) {
     return w + (r / 16) * stride + (size_t)j * rec;
 }
 
-inline void dq_pq4_0(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_pq4_0(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t b = tile_rec(w, r, stride, 288, j);
     uint lane = r % 16;
     float d = f16_at(b + 2 * lane);
@@ -147,7 +160,7 @@ inline void dq_pq4_0(row_t w, size_t r, uint stride, uint j, float* o) {
         }
 }
 
-inline void dq_pq4_1(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_pq4_1(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t b = tile_rec(w, r, stride, 320, j);
     uint lane = r % 16;
     float d = f16_at(b + 2 * lane), m = f16_at(b + 32 + 2 * lane);
@@ -160,7 +173,7 @@ inline void dq_pq4_1(row_t w, size_t r, uint stride, uint j, float* o) {
 }
 
 // Q8_0 bytes are stored plus 128 (unsigned).
-inline void dq_pq8_0(row_t w, size_t r, uint stride, uint j, float* o) {
+inline void dq_pq8_0(row_t w, size_t r, uint stride, uint j, wt* o) {
     row_t b = tile_rec(w, r, stride, 544, j);
     uint lane = r % 16;
     float d = f16_at(b + 2 * lane);
@@ -174,7 +187,7 @@ inline void dq_pq8_0(row_t w, size_t r, uint stride, uint j, float* o) {
 // 64(k / (8/BB)) + 4·lane + i, shifted BB·(k % (8/BB)); HB high bits likewise. KIND: 2..6 for
 // Q2_K..Q6_K. The value's expression order is ggml's dequantize_row_* (as the CPU's).
 #define DQ_PK(T, KIND, BB, HB, GROUP, SC, MINS, BASE, HIGH, REC)                                    \
-inline void dq_##T(row_t w, size_t r, uint stride, uint j, float* o) {                            \
+inline void dq_##T(row_t w, size_t r, uint stride, uint j, wt* o) {                            \
     row_t b = tile_rec(w, r, stride, REC, j / 8);                                                  \
     uint lane = r % 16;                                                                              \
     float d = f16_at(b + 2 * lane);                                                                  \
@@ -201,6 +214,15 @@ DQ_PK(pq4_k, 4, 4, 0, 32, 64, 192, 320, 2368, 2368)
 DQ_PK(pq5_k, 5, 4, 1, 32, 64, 192, 320, 2368, 2880)
 DQ_PK(pq6_k, 6, 4, 2, 16, 32, 288, 288, 2336, 3360)
 
+// s += Σ_i wv[i] · xr[i] over a sub-block of 32: f32 fused multiply-adds, or (fp16) half
+// dot products of four, each added to s in f32.
+#ifdef LLMD_FP16
+#define DOT32(wv, xr, s)                                                                            \
+    for (int i = 0; i < 32; i += 4) s += (float)dot(vload4(0, wv + i), convert_half4(vload4(0, xr + i)));
+#else
+#define DOT32(wv, xr, s) for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);
+#endif
+
 // acc[k] = Σ over sub-blocks j0, j0 + dj, … of row · x[t0 + k], for k < nt: one work-item's (or
 // lane's) share of a weight row's product with up to TILE token rows, each sub-block
 // dequantized once for all of them. Every matmul variant below is built on it.
@@ -209,12 +231,12 @@ inline void partial_##T(row_t w, size_t r, uint stride, uint nb, uint j0, uint d
                         global const float* x, uint cols, uint t0, uint nt, float* acc) {           \
     for (int k = 0; k < TILE; k++) acc[k] = 0.0f;                                                   \
     for (uint j = j0; j < nb; j += dj) {                                                            \
-        float wv[32];                                                                                \
+        wt wv[32];                                                                                   \
         dq_##T(w, r, stride, j, wv);                                                                 \
         for (uint k = 0; k < nt; k++) {                                                             \
             global const float* xr = x + (size_t)(t0 + k) * cols + 32 * j;                          \
             float s = 0.0f;                                                                          \
-            for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);                                  \
+            DOT32(wv, xr, s);                                                                        \
             acc[k] += s;                                                                             \
         }                                                                                            \
     }                                                                                                \
@@ -281,7 +303,7 @@ kernel void get_rows_##T(global const uchar* w0, uint woff, uint stride, uint co
     row_t w = w0 + woff;                                                                             \
     uint tok = tokens[t];                                                                            \
     if (tok >= n_rows) return;                                                                       \
-    float v[32];                                                                                     \
+    wt v[32];                                                                                        \
     dq_##T(w, tok, stride, j, v);                                                      \
     global float* o = x + (size_t)t * cols + 32 * j;                                                \
     for (int i = 0; i < 32; i++) o[i] = v[i];                                                       \
