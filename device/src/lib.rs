@@ -155,6 +155,9 @@ pub enum HostLayout {
 #[derive(Clone)]
 pub struct HostCopy {
     pub layout: HostLayout,
+    /// The type of the values in `bytes`: the weight's own, or the one the host converted it
+    /// to at load (the CPU keeps Q5_0 and Q5_1 matrices as Q8_0 tiles).
+    pub ty: GgmlType,
     /// Every row's bytes in `layout`, from `offset` on (bytes before it are there only so
     /// that a device can start a buffer on an aligned address: a file's rows shared from the
     /// page they start in).
@@ -173,6 +176,7 @@ impl std::fmt::Debug for HostCopy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostCopy")
             .field("layout", &self.layout)
+            .field("ty", &self.ty)
             .field("bytes", &(*self.bytes).as_ref().len())
             .field("offset", &self.offset)
             .finish()

@@ -83,10 +83,11 @@ impl WeightMatrix {
     /// on flash or bytes that are not rows of its type).
     pub fn host_copy(&self) -> Option<HostCopy> {
         if let Some(p) = &self.packed {
-            return Some(HostCopy { layout: HostLayout::CpuTiles, bytes: p.clone(), offset: 0 });
+            let ty = p.kind.ggml_type();
+            return Some(HostCopy { layout: HostLayout::CpuTiles, ty, bytes: p.clone(), offset: 0 });
         }
         if let Some(k) = &self.kpacked {
-            return Some(HostCopy { layout: HostLayout::CpuTiles, bytes: k.clone(), offset: 0 });
+            return Some(HostCopy { layout: HostLayout::CpuTiles, ty: k.kind.ggml(), bytes: k.clone(), offset: 0 });
         }
         self.source_bytes()?;
         // From the start of the page the rows begin in (a mapped file starts on a page), so a
@@ -94,7 +95,7 @@ impl WeightMatrix {
         let r = &self.tensor.range;
         let start = r.start - r.start % crate::backend::cpu::packed::HOST_ALIGN;
         let rows = FileRows { file: self.tensor.file.clone(), range: start..r.end };
-        Some(HostCopy { layout: HostLayout::Rows, bytes: Arc::new(rows), offset: r.start - start })
+        Some(HostCopy { layout: HostLayout::Rows, ty: self.ty, bytes: Arc::new(rows), offset: r.start - start })
     }
 
     /// Lets go of the process's resident pages of this matrix's bytes in the model file's map

@@ -250,7 +250,7 @@ pub fn host_copy(ty: GgmlType, layout: HostLayout, rows: usize, cols: usize, byt
             _ => return Err(format!("{ty} has no CPU tile layout")),
         },
     };
-    Ok(HostCopy { layout, bytes: shared, offset })
+    Ok(HostCopy { layout, ty, bytes: shared, offset })
 }
 
 /// One kernel's check: its worst error (as its tolerance measures it) and the tolerance.

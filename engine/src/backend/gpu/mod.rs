@@ -499,10 +499,12 @@ impl GpuDevice {
         let Some(h) = w.host else { return Ok(None) };
         let bytes = h.weight_bytes();
         let shared = self.info.host_unified_memory;
+        let ty = h.ty;
         let (layout, stride, range) = match h.layout {
             HostLayout::CpuTiles => {
-                // A range of rows must be whole tiles (a row split at a multiple of 16).
-                let Some(stride) = tile_stride(w.ty, w.cols) else { return Ok(None) };
+                // A range of rows must be whole tiles (a row split at a multiple of 16). The
+                // tiles' type may be one the host converted to (Q5_0, Q5_1 → Q8_0).
+                let Some(stride) = tile_stride(ty, w.cols) else { return Ok(None) };
                 if !rows.start.is_multiple_of(16) || !(rows.end.is_multiple_of(16) || rows.end == w.rows) {
                     return Ok(None);
                 }
@@ -513,14 +515,14 @@ impl GpuDevice {
                         bytes.len(),
                         w.rows,
                         w.cols,
-                        w.ty
+                        ty
                     )));
                 }
                 (Layout::Tiles, stride, rows.start / 16 * stride..rows.end.div_ceil(16) * stride)
             }
             HostLayout::Rows => {
                 let Some(rb) = w.ty.row_bytes(w.cols) else { return Ok(None) };
-                if !shared || type_suffix(w.ty).is_none() || bytes.len() != w.rows * rb {
+                if !shared || ty != w.ty || type_suffix(ty).is_none() || bytes.len() != w.rows * rb {
                     return Ok(None);
                 }
                 (Layout::Rows, rb, rows.start * rb..rows.end * rb)
@@ -541,22 +543,13 @@ impl GpuDevice {
         if shared && back <= first {
             let mem = self.ctx.buffer_shared(h.bytes.clone(), first - back..h.offset + range.end).map_err(oom)?;
             let (rows, cols) = (rows.len(), w.cols);
-            return Ok(Some(GpuWeight { mem, ty: w.ty, layout, rows, cols, stride, in_place: true, offset: back }));
+            return Ok(Some(GpuWeight { mem, ty, layout, rows, cols, stride, in_place: true, offset: back }));
         }
         if layout == Layout::Rows {
             return Ok(None);
         }
         let mem = self.ctx.buffer_from(Access::ReadOnly, &bytes[range.clone()], shared).map_err(oom)?;
-        Ok(Some(GpuWeight {
-            mem,
-            ty: w.ty,
-            layout,
-            rows: rows.len(),
-            cols: w.cols,
-            stride,
-            in_place: false,
-            offset: 0,
-        }))
+        Ok(Some(GpuWeight { mem, ty, layout, rows: rows.len(), cols: w.cols, stride, in_place: false, offset: 0 }))
     }
 
     /// Scratch buffer `name` of at least `bytes`.
