@@ -411,6 +411,8 @@ fn packed_bytes(tensors: &[TensorEntry]) -> usize {
             };
             crate::backend::weight::packed_len(ty, usize::try_from(t.rows).ok()?, usize::try_from(t.cols).ok()?)
         })
+        // Each buffer starts on the arena's alignment (a page).
+        .map(|n| n.next_multiple_of(llmd_alloc_sys::BUF_ALIGN))
         .fold(0usize, |a, b| a.saturating_add(b))
 }
 

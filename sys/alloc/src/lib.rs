@@ -17,7 +17,7 @@
 
 mod arena;
 mod sigbus;
-pub use arena::{ArenaBuf, HugeArena};
+pub use arena::{ArenaBuf, HugeArena, BUF_ALIGN};
 pub use sigbus::{guard_map, MapGuard};
 
 /// Returns free allocator memory to the OS; true if the allocator says it released some.
