@@ -185,26 +185,38 @@ inline void dq_pq8_0(row_t w, size_t r, uint stride, uint j, wt* o) {
 // group-major (byte 16g + lane), Q4_K/Q5_K minimums in group pairs (byte 32(g/2) + 2·lane +
 // g%2), then bit planes: chunk k (columns 4k..4k+3) of BB base bits at byte
 // 64(k / (8/BB)) + 4·lane + i, shifted BB·(k % (8/BB)); HB high bits likewise. KIND: 2..6 for
-// Q2_K..Q6_K. The value's expression order is ggml's dequantize_row_* (as the CPU's).
+// Q2_K..Q6_K. Values are (d·scale)·u − (dmin·min), or for Q3_K/Q6_K (d·scale)·u − o·(d·scale):
+// ggml's products in another order (an f32 rounding apart, within the kernels' tolerance).
 #define DQ_PK(T, KIND, BB, HB, GROUP, SC, MINS, BASE, HIGH, REC)                                    \
-inline void dq_##T(row_t w, size_t r, uint stride, uint j, wt* o) {                            \
+inline void dq_##T(row_t w, size_t r, uint stride, uint j, wt* o) {                               \
     row_t b = tile_rec(w, r, stride, REC, j / 8);                                                  \
     uint lane = r % 16;                                                                              \
     float d = f16_at(b + 2 * lane);                                                                  \
     float dmin = (KIND == 2 || KIND == 4 || KIND == 5) ? f16_at(b + 32 + 2 * lane) : 0.0f;         \
-    for (uint e = 32 * (j % 8), l = 0; l < 32; e++, l++) {                                          \
-        uint k = e / 4, at = 4 * lane + e % 4;                                                       \
-        uint u = (b[BASE + 64 * (k / (8 / BB)) + at] >> (BB * (k % (8 / BB)))) & ((1u << BB) - 1);  \
-        if (HB) {                                                                                    \
-            uint per = 8 / (HB ? HB : 1);                                                            \
-            u |= ((b[HIGH + 64 * (k / per) + at] >> (HB * (k % per))) & ((1u << HB) - 1)) << BB;   \
-        }                                                                                            \
-        uint g = e / GROUP;                                                                          \
+    /* One scale group (16 or 32 columns) at a time, its values a·u − m; four columns (one   \
+       byte quad of each bit plane) at a time. */                                                    \
+    for (uint e0 = 32 * (j % 8), l0 = 0; l0 < 32; e0 += GROUP, l0 += GROUP) {                      \
+        uint g = e0 / GROUP;                                                                         \
         uchar sc = b[SC + 16 * g + lane];                                                            \
-        if (KIND == 6) o[l] = d * (char)sc * ((float)u - 32.0f);                                    \
-        else if (KIND == 3) o[l] = (d * (char)sc) * ((float)u - 4.0f);                              \
-        else if (KIND == 2) o[l] = (d * (sc & 15)) * (float)u - dmin * (sc >> 4);                  \
-        else o[l] = (d * sc) * (float)u - dmin * b[MINS + 32 * (g / 2) + 2 * lane + g % 2];        \
+        float a, m;                                                                                  \
+        if (KIND == 6) { a = d * (char)sc; m = 32.0f * a; }                                         \
+        else if (KIND == 3) { a = d * (char)sc; m = 4.0f * a; }                                     \
+        else if (KIND == 2) { a = d * (sc & 15); m = dmin * (sc >> 4); }                            \
+        else { a = d * sc; m = dmin * b[MINS + 32 * (g / 2) + 2 * lane + g % 2]; }                 \
+        for (uint k = e0 / 4; k < (e0 + GROUP) / 4; k++) {                                          \
+            uchar4 q = vload4(0, b + BASE + 64 * (k / (8 / BB)) + 4 * lane);                        \
+            uint4 u = (convert_uint4(q) >> (BB * (k % (8 / BB)))) & ((1u << BB) - 1);              \
+            if (HB) {                                                                                \
+                uint per = 8 / (HB ? HB : 1);                                                        \
+                uchar4 hq = vload4(0, b + HIGH + 64 * (k / per) + 4 * lane);                        \
+                u |= ((convert_uint4(hq) >> (HB * (k % per))) & ((1u << HB) - 1)) << BB;           \
+            }                                                                                        \
+            wt* ok = o + 4 * k - e0 + l0;                                                            \
+            ok[0] = a * u.x - m;                                                                     \
+            ok[1] = a * u.y - m;                                                                     \
+            ok[2] = a * u.z - m;                                                                     \
+            ok[3] = a * u.w - m;                                                                     \
+        }                                                                                            \
     }                                                                                                \
 }
 // Offsets from kpacked.rs's KKind (scales_off, mins_off, base_off, high_off, record_bytes).
