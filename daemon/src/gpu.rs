@@ -87,6 +87,10 @@ struct Status {
     host_waits: u64,
     bytes_up: u64,
     bytes_down: u64,
+    /// Weight matrices' bytes the device reads in place in the CPU's memory, and copied
+    /// (`GpuDevice::weight_bytes`, since it opened).
+    weights_in_place: u64,
+    weights_copied: u64,
     /// CPU work reported for a job not yet recorded (the worker hears of the job's result
     /// before the thread records its span).
     pending_beside: Vec<(u64, (usize, u64, u64))>,
@@ -247,6 +251,10 @@ impl Gpu {
                 s.bytes_up,
                 s.bytes_down
             ));
+            out.push_str(&format!(
+                "  weights {} B read in place in the CPU's memory, {} B copied to the device\n",
+                s.weights_in_place, s.weights_copied
+            ));
             for j in &s.recent {
                 let beside = j.beside.map_or(String::new(), |(t, a, b)| {
                     format!(" cpu_prefill_tokens={t} cpu_start_ms={a} cpu_end_ms={b}")
@@ -273,6 +281,8 @@ impl Status {
             host_waits: 0,
             bytes_up: 0,
             bytes_down: 0,
+            weights_in_place: 0,
+            weights_copied: 0,
             pending_beside: Vec::new(),
             failed: Vec::new(),
         }
@@ -349,6 +359,7 @@ fn thread_main(opts: GpuOptions, rx: Receiver<Msg>, status: Arc<Mutex<Status>>) 
         s.host_waits += after.host_waits - before.host_waits;
         s.bytes_up += after.bytes_to_device - before.bytes_to_device;
         s.bytes_down += after.bytes_from_device - before.bytes_from_device;
+        (s.weights_in_place, s.weights_copied) = dev.weight_bytes();
         if s.recent.len() == RECENT_JOBS {
             s.recent.pop_front();
         }

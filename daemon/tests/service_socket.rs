@@ -1443,6 +1443,10 @@ fn one_client_decodes_on_the_gpu_while_another_prefills_on_the_cpu() {
     // A's reply begins with llama.cpp's greedy tokens; B's is the CPU's.
     assert_eq!(a.ids()[..8], golden_capital_ids(8)[..], "a's reply");
     assert_eq!(b.ids(), cpu_reference(&long_prompt, 8), "b's reply");
+    // PoCL shares the host's memory: the GPU reads the CPU's own weights, none copied.
+    let weights = gpu.lines().find(|l| l.trim_start().starts_with("weights ")).expect("a weights line");
+    let in_place: u64 = weights.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("bytes in place");
+    assert!(in_place > 90_000_000 && weights.contains(", 0 B copied"), "{weights}");
     // SIGTERM still drains and exits 0 with the OpenCL runtime loaded (PoCL's LLVM installs
     // SIGTERM handlers of its own that re-raise with the default action: llmd exited 143).
     let mut d = d;
