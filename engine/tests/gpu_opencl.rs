@@ -11,9 +11,11 @@
 
 mod common;
 
-use llmd_device::{BlockShape, RopeStyle, Subgraph};
+use llmd_device::{BlockShape, GgmlType, HostLayout, HostWeight, RopeStyle, Subgraph, WeightRole};
 use llmd_engine::backend::blocks::Logits;
-use llmd_engine::backend::gpu::{check, subgroup_lanes, GpuDevice, GpuOptions, MatmulVariant};
+use llmd_engine::backend::gpu::{
+    check, subgroup_lanes, GpuDevice, GpuOptions, MatmulVariant, TILE_TYPES, WEIGHT_TYPES,
+};
 use llmd_engine::model::Devices;
 use llmd_engine::sched::{DecodeOn, Pinned};
 use llmd_engine::{LoadOptions, Model};
@@ -130,6 +132,49 @@ fn every_kernel_and_weight_type_equals_its_reference() {
     }
     if std::env::var("LLMD_REQUIRE_FP16").is_ok_and(|v| v == "1") {
         assert!(fp16_runs > 0, "LLMD_REQUIRE_FP16=1 and no device has cl_khr_fp16 (LLMD_INTEL_OPENCL_LIB unset?)");
+    }
+}
+
+/// A weight loaded in row ranges (as HeteroLLM's row cut loads it): from the CPU's tiles, ranges
+/// on 16-row tile boundaries (the last one ending at the last row, in a padded tile), and from
+/// a file's rows at any row; each range's outputs equal the whole weight's rows bit for bit
+/// (the kernels compute a row the same way wherever it sits). A tile range off a boundary is
+/// copied from the file's rows instead; with no file rows given it is refused.
+#[test]
+fn a_weight_split_by_rows_gives_the_whole_weights_rows() {
+    let Some(g) = gpu() else { return };
+    let (rows, cols, n) = (40, 512, 3);
+    let mut rng = check::Rng(7);
+    let x = rng.vec(n * cols);
+    let tiles = TILE_TYPES.iter().map(|&t| (t, HostLayout::CpuTiles));
+    for (ty, layout) in tiles.chain([(GgmlType::F16, HostLayout::Rows), (GgmlType::Q4_0, HostLayout::Rows)]) {
+        let (bytes, _) = check::random_weight(ty, rows, cols, &mut rng).unwrap();
+        let host = check::host_copy(ty, layout, rows, cols, &bytes).unwrap();
+        let w = HostWeight { role: WeightRole::Wq, ty, rows, cols, data: &bytes, host: Some(&host) };
+        let whole = check::matmul(g, &w, &x, n, None, None).unwrap();
+        let ranges: &[std::ops::Range<usize>] = match layout {
+            // Off a tile boundary (5..21): the file's rows, where the type has kernels for them.
+            HostLayout::CpuTiles if WEIGHT_TYPES.contains(&ty) => &[0..16, 16..40, 32..40, 16..32, 5..21],
+            HostLayout::CpuTiles => &[0..16, 16..40, 32..40, 16..32],
+            HostLayout::Rows => &[0..1, 3..17, 39..40],
+        };
+        for r in ranges {
+            let part = check::matmul_of_rows(g, &w, r.clone(), &x, n, None, None).unwrap();
+            for t in 0..n {
+                assert_eq!(
+                    &part[t * r.len()..(t + 1) * r.len()],
+                    &whole[t * rows + r.start..t * rows + r.end],
+                    "{ty} {layout:?} rows {r:?}, token {t}"
+                );
+            }
+        }
+        if layout == HostLayout::CpuTiles {
+            let no_rows = HostWeight { data: &[], ..w };
+            assert!(check::matmul_of_rows(g, &no_rows, 5..21, &x, n, None, None).is_err(), "{ty}: off a tile");
+            if !WEIGHT_TYPES.contains(&ty) {
+                assert!(check::matmul_of_rows(g, &w, 5..21, &x, n, None, None).is_err(), "{ty}: no row kernels");
+            }
+        }
     }
 }
 

@@ -87,15 +87,30 @@ impl WeightMatrix {
             return Some(HostCopy { layout: HostLayout::CpuTiles, ty, bytes: p.clone(), offset: 0 });
         }
         if let Some(k) = &self.kpacked {
-            return Some(HostCopy { layout: HostLayout::CpuTiles, ty: k.kind.ggml(), bytes: k.clone(), offset: 0 });
+            let ty = k.kind.ggml();
+            // Records used in place from an llmd file start on 64 bytes only: shared from
+            // their page, like a file's rows.
+            if let Some((file, range)) = k.file_range() {
+                return Some(Self::from_page(HostLayout::CpuTiles, ty, file, range));
+            }
+            return Some(HostCopy { layout: HostLayout::CpuTiles, ty, bytes: k.clone(), offset: 0 });
         }
         self.source_bytes()?;
-        // From the start of the page the rows begin in (a mapped file starts on a page), so a
-        // device can start a buffer on its alignment: GGUF aligns tensors to 32 bytes only.
-        let r = &self.tensor.range;
+        Some(Self::from_page(HostLayout::Rows, self.ty, &self.tensor.file, &self.tensor.range))
+    }
+
+    /// `range` of a mapped file, shared from the start of the page it begins in (a map starts
+    /// on a page), so a device can start a buffer on its alignment: GGUF aligns tensors to 32
+    /// bytes, llmd files to 64.
+    fn from_page(
+        layout: HostLayout,
+        ty: GgmlType,
+        file: &Arc<crate::format::ModelBytes>,
+        r: &std::ops::Range<usize>,
+    ) -> HostCopy {
         let start = r.start - r.start % crate::backend::cpu::packed::HOST_ALIGN;
-        let rows = FileRows { file: self.tensor.file.clone(), range: start..r.end };
-        Some(HostCopy { layout: HostLayout::Rows, ty: self.ty, bytes: Arc::new(rows), offset: r.start - start })
+        let rows = FileRows { file: file.clone(), range: start..r.end };
+        HostCopy { layout, ty, bytes: Arc::new(rows), offset: r.start - start }
     }
 
     /// Lets go of the process's resident pages of this matrix's bytes in the model file's map

@@ -14,8 +14,8 @@ use crate::backend::{bytes_f32, f32_bytes};
 use crate::error::BackendError;
 use crate::sched::{self, CostModel, JobQueue};
 use llmd_device::{
-    Bindings, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, Event, Executable, GgmlType, HostWeight,
-    SeqBinding, Subgraph, SubgraphKind, Weight, WeightRole,
+    Bindings, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, Event, Executable, GgmlType, HostLayout,
+    HostWeight, MemoryKind, SeqBinding, Subgraph, SubgraphKind, Weight, WeightRole,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -152,10 +152,14 @@ impl Transformer {
                     _ => {
                         let hw = HostWeight { role, ty: m.ty, rows: m.rows, cols: m.cols, data, host: host.as_ref() };
                         let w = dev.load_weight(&hw, 0..m.rows).map_err(dev_err)?;
-                        // The device holds its copy: the map's pages the upload read need not
-                        // stay resident (the CPU's kernels read their own packed copies, or
-                        // fault the pages back in).
-                        m.release_source_pages();
+                        // A device with memory of its own holds its copy: the map's pages the
+                        // upload read need not stay resident (the CPU's kernels read their own
+                        // packed copies, or fault the pages back in). One that shares the host's
+                        // memory may read those very pages (a file's rows in place).
+                        let shares = dev.desc().memory.kind == MemoryKind::Unified;
+                        if !(shares && host.as_ref().is_some_and(|h| h.layout == HostLayout::Rows)) {
+                            m.release_source_pages();
+                        }
                         devs.lock().by_bytes.insert(key, w.clone());
                         w
                     }

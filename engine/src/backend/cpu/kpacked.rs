@@ -446,6 +446,14 @@ impl KPackedMatrix {
         matches!(self.data, Data::File(..))
     }
 
+    /// The mapped file and the range of it the records are, when they are used in place.
+    pub(crate) fn file_range(&self) -> Option<(&Arc<ModelBytes>, &Range<usize>)> {
+        match &self.data {
+            Data::File(f, r) => Some((f, r)),
+            _ => None,
+        }
+    }
+
     /// The packed records, tile after tile (what [`Self::from_records_in`] takes back).
     pub fn records(&self) -> &[u8] {
         &self.data

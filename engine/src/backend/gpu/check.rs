@@ -74,17 +74,32 @@ pub fn matmul(
     bias: Option<&[f32]>,
     acc: Option<&[f32]>,
 ) -> Result<Vec<f32>, DeviceError> {
-    let wt = g.load_weight(w, 0..w.rows)?;
+    matmul_of_rows(g, w, 0..w.rows, x, n, bias, acc)
+}
+
+/// [`matmul`] with only rows `rows` of `w` loaded (a weight split by rows, as HeteroLLM's
+/// partitioning loads it): `rows.len()` outputs per token.
+pub fn matmul_of_rows(
+    g: &GpuDevice,
+    w: &HostWeight<'_>,
+    rows: std::ops::Range<usize>,
+    x: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+    acc: Option<&[f32]>,
+) -> Result<Vec<f32>, DeviceError> {
+    let out = rows.len();
+    let wt = g.load_weight(w, rows)?;
     let gw = inner(g, &wt)?;
     let b = bias.map(|b| vector(g, b)).transpose()?;
     let b = b.as_ref().map(|b| inner(g, b)).transpose()?;
     let xm = up(g, x)?;
     let y = match acc {
         Some(a) => up(g, a)?,
-        None => up(g, &vec![0.0; n * w.rows])?,
+        None => up(g, &vec![0.0; n * out])?,
     };
     g.matmul(gw, &xm, &y, n, acc.is_some(), b)?;
-    down(g, &y, n * w.rows)
+    down(g, &y, n * out)
 }
 
 /// Rows `tokens` of `w`, dequantized.

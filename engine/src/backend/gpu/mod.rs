@@ -1,11 +1,15 @@
 //! The GPU behind the device contract, through OpenCL (`opencl-rt-sys`, loaded at run time:
 //! the vendor's `libOpenCL.so` on a phone, PoCL or another ICD runtime on a host).
 //!
-//! - **Weights** are uploaded once, in the model file's own block layouts (ggml's Q4_0, Q4_1,
-//!   Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, F16, F32), which the kernels dequantize 32 values at a time;
-//!   on a device whose memory is the host's (a phone's GPU, PoCL) the buffers are allocated in
-//!   host-visible memory (`CL_MEM_ALLOC_HOST_PTR`). (A tied embedding and output head is
-//!   loaded once: the engine's executor hands the same [`Weight`] to both subgraphs.)
+//! - **Weights**: on a device whose memory is the host's (a phone's GPU, PoCL) the kernels read
+//!   the CPU's own copy in place — its packed tiles ([`Layout::Tiles`]: Q4_0, Q4_1, Q8_0,
+//!   Q2_K–Q6_K; Q5_0/Q5_1 as the Q8_0 tiles the CPU converted them to) or the mapped file's
+//!   rows ([`Layout::Rows`]: F32, F16) — through `CL_MEM_USE_HOST_PTR` buffers, so a weight is
+//!   in memory once (as far as the driver honours the flag: that is its own business). A
+//!   device with memory of its own gets a copy, uploaded once: the tiles, or the file's rows
+//!   (GGUF's F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K). The kernels dequantize 32
+//!   values at a time. (A tied embedding and output head is loaded once: the engine's executor
+//!   hands the same [`Weight`] to both subgraphs.)
 //! - **Subgraphs** (the embedding, each layer's attention and FFN, the head) are chains of
 //!   kernels on one in-order queue: RMSNorm, the matmuls (bias and residual add fused in),
 //!   RoPE, the KV store, attention over the f16 KV cache with grouped-query heads, SwiGLU.
@@ -21,8 +25,9 @@
 //! storage through `vload_half`), which every runtime here and every phone GPU runs, and the
 //! matmul in three shapes chosen from the device's capabilities ([`MatmulVariant`]: by
 //! work-group, by work-item, by subgroup where `cl_intel_subgroups` or Qualcomm's
-//! `cl_qcom_reqd_sub_group_size` fixes a subgroup's size); fp16 arithmetic and image-backed
-//! weights are not built (no runtime here has `cl_khr_fp16`).
+//! `cl_qcom_reqd_sub_group_size` fixes a subgroup's size), and the fp16 variant where the
+//! device has `cl_khr_fp16` ([`GpuOptions::fp16`]); image-backed weights and integer dot
+//! products are not built.
 
 pub mod check;
 pub mod program;
@@ -84,6 +89,10 @@ pub enum Layout {
     /// host keeps them.
     Tiles,
 }
+
+/// A page: where a buffer over host memory starts when it can (Intel's GPUs avoid a copy only
+/// for page-aligned host memory; every runtime here asks for less).
+const PAGE: usize = 4096;
 
 /// The kernel-name suffix of a weight type in the tile layout.
 fn tile_suffix(t: GgmlType) -> Option<&'static str> {
@@ -239,8 +248,9 @@ struct GpuWeight {
     /// The buffer is the host's own memory (no copy).
     in_place: bool,
     /// Where the weight starts in the buffer (a buffer over the host's memory starts on the
-    /// device's alignment; the weight may start after it).
+    /// device's alignment; the weight may start after it), and its bytes.
     offset: usize,
+    bytes: usize,
 }
 
 impl GpuWeight {
@@ -531,25 +541,70 @@ impl GpuDevice {
         if range.is_empty() {
             return Ok(None);
         }
+        // A device with memory of its own takes a copy: of the tiles only where they are the
+        // weight's own type (Q5_0/Q5_1 tiles are a lossy Q8_0 conversion, larger than the
+        // file's rows).
+        if !shared && ty != w.ty && !w.data.is_empty() {
+            return Ok(None);
+        }
+        // In place: a buffer from the page (else the device's alignment) at or before the
+        // weight's first byte, within what the host shared, its length rounded up to 64 bytes
+        // where the host's bytes go on (drivers that copy short of those). The kernels are
+        // told how far in the weight starts. A driver that refuses the host memory (read-only
+        // file pages, say) gets a copy instead.
+        if shared {
+            let all: &[u8] = h.bytes.as_ref().as_ref();
+            let first = h.offset + range.start;
+            let addr = all.as_ptr() as usize + first;
+            let back = [PAGE, self.info.base_align]
+                .into_iter()
+                .map(|a| addr % a.max(1))
+                .find(|&b| b <= first)
+                .filter(|b| (addr - b).is_multiple_of(self.info.base_align.max(1)));
+            if let Some(back) = back {
+                let end = (h.offset + range.end).next_multiple_of(64).min(all.len());
+                match self.ctx.buffer_shared(h.bytes.clone(), first - back..end) {
+                    Ok(mem) => {
+                        let (rows, cols) = (rows.len(), w.cols);
+                        let bytes = range.len();
+                        return Ok(Some(GpuWeight {
+                            mem,
+                            ty,
+                            layout,
+                            rows,
+                            cols,
+                            stride,
+                            in_place: true,
+                            offset: back,
+                            bytes,
+                        }));
+                    }
+                    Err(e) => {
+                        tracing::info!(device = %self.desc.name, role = ?w.role, error = %e, "host memory refused; copying")
+                    }
+                }
+            }
+        }
+        if layout == Layout::Rows {
+            return Ok(None);
+        }
         let oom = |e: ClError| DeviceError::OutOfMemory {
             device: format!("{}: {e}", self.desc.name),
             usage: BufferUsage::Weights,
             bytes: range.len(),
         };
-        // In place: a buffer from the aligned address at or before the weight's first byte
-        // (within what the host shared), the kernels told how far in the weight starts.
-        let first = h.offset + range.start;
-        let back = (h.bytes.as_ref().as_ref().as_ptr() as usize + first) % self.info.base_align;
-        if shared && back <= first {
-            let mem = self.ctx.buffer_shared(h.bytes.clone(), first - back..h.offset + range.end).map_err(oom)?;
-            let (rows, cols) = (rows.len(), w.cols);
-            return Ok(Some(GpuWeight { mem, ty, layout, rows, cols, stride, in_place: true, offset: back }));
-        }
-        if layout == Layout::Rows {
-            return Ok(None);
-        }
         let mem = self.ctx.buffer_from(Access::ReadOnly, &bytes[range.clone()], shared).map_err(oom)?;
-        Ok(Some(GpuWeight { mem, ty, layout, rows: rows.len(), cols: w.cols, stride, in_place: false, offset: 0 }))
+        Ok(Some(GpuWeight {
+            mem,
+            ty,
+            layout,
+            rows: rows.len(),
+            cols: w.cols,
+            stride,
+            in_place: false,
+            offset: 0,
+            bytes: range.len(),
+        }))
     }
 
     /// Scratch buffer `name` of at least `bytes`.
@@ -902,7 +957,7 @@ impl Device for GpuDevice {
         }
         if let Some(gw) = self.host_weight(w, &rows)? {
             let counter = if gw.in_place { &self.weights_in_place } else { &self.weights_copied };
-            let bytes = gw.mem.len() - gw.offset;
+            let bytes = gw.bytes;
             counter.fetch_add(bytes as u64, Ordering::Relaxed);
             return Ok(Weight::new(self.id, w.role, rows, w.cols, bytes, Arc::new(gw)));
         }
@@ -931,6 +986,7 @@ impl Device for GpuDevice {
             stride,
             in_place: false,
             offset: 0,
+            bytes: data.len(),
         };
         Ok(Weight::new(self.id, w.role, rows, w.cols, data.len(), Arc::new(gw)))
     }

@@ -227,10 +227,12 @@ DQ_PK(pq5_k, 5, 4, 1, 32, 64, 192, 320, 2368, 2880)
 DQ_PK(pq6_k, 6, 4, 2, 16, 32, 288, 288, 2336, 3360)
 
 // s += Σ_i wv[i] · xr[i] over a sub-block of 32: f32 fused multiply-adds, or (fp16) half
-// dot products of four, each added to s in f32.
+// dot products of four, each added to s in f32 — activations clamped to half's range first
+// (converted, one past ±65,504 would be ±inf, and inf times a zero weight NaN).
 #ifdef LLMD_FP16
 #define DOT32(wv, xr, s)                                                                            \
-    for (int i = 0; i < 32; i += 4) s += (float)dot(vload4(0, wv + i), convert_half4(vload4(0, xr + i)));
+    for (int i = 0; i < 32; i += 4)                                                                \
+        s += (float)dot(vload4(0, wv + i), convert_half4(clamp(vload4(0, xr + i), -65504.0f, 65504.0f)));
 #else
 #define DOT32(wv, xr, s) for (int i = 0; i < 32; i++) s = fma(wv[i], xr[i], s);
 #endif
