@@ -530,14 +530,7 @@ fn sigterm_mid_request_leaves_the_state_consistent_and_the_next_start_restores_i
         }
         let pid = d.child.id().to_string();
         assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
-        let t = Instant::now();
-        let status = loop {
-            if let Some(st) = d.child.try_wait().expect("wait") {
-                break st;
-            }
-            assert!(t.elapsed() < Duration::from_secs(30), "llmd did not exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let status = common::exit_status_within(&mut d.child, Duration::from_secs(30));
         assert!(status.success(), "llmd exited with {status:?}");
     }
     // On disk: nothing half-written, the usage history whole and naming the model used.

@@ -619,14 +619,7 @@ fn sigterm_drains_live_requests_with_a_final_error_and_exits_zero() {
     let (code, _) = until_the_end(&rx);
     assert_eq!(code, ErrorCode::CANCELLED);
     // The daemon exits 0 and removes its socket.
-    let t = Instant::now();
-    let status = loop {
-        if let Some(st) = d.child.try_wait().expect("wait") {
-            break st;
-        }
-        assert!(t.elapsed() < Duration::from_secs(20), "llmd did not exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = common::exit_status_within(&mut d.child, Duration::from_secs(20));
     assert!(status.success(), "llmd exited with {status:?}");
     assert!(!d.socket.exists(), "the socket was left behind");
 }
@@ -1373,20 +1366,26 @@ fn gpu_dump(conn: &Connection) -> String {
 /// Waits until the GPU has started or failed to; None (the test passes, saying why) when it
 /// cannot be used and `LLMD_REQUIRE_OPENCL` is not 1.
 fn gpu_serving(conn: &Connection) -> Option<String> {
+    let s = gpu_settled(conn);
+    if s.contains("state serving") {
+        return Some(s);
+    }
+    assert!(s.contains("state unavailable"), "the GPU never started:\n{s}");
+    let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
+    assert!(!required, "LLMD_REQUIRE_OPENCL=1 and the daemon's GPU is unavailable:\n{s}");
+    eprintln!("skipped: the GPU is unavailable here:\n{s}");
+    None
+}
+
+/// The `GPU` section once the GPU thread is past starting (or after [`GPU_READY`]).
+fn gpu_settled(conn: &Connection) -> String {
     let t = Instant::now();
     loop {
         let s = gpu_dump(conn);
-        if s.contains("state serving") {
-            return Some(s);
+        if !s.contains("state starting") || t.elapsed() > GPU_READY {
+            return s;
         }
-        if s.contains("state unavailable") {
-            let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
-            assert!(!required, "LLMD_REQUIRE_OPENCL=1 and the daemon's GPU is unavailable:\n{s}");
-            eprintln!("skipped: the GPU is unavailable here:\n{s}");
-            return None;
-        }
-        assert!(t.elapsed() < GPU_READY, "the GPU never started:\n{s}");
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -1451,14 +1450,7 @@ fn one_client_decodes_on_the_gpu_while_another_prefills_on_the_cpu() {
     // SIGTERM handlers of its own that re-raise with the default action: llmd exited 143).
     let mut d = d;
     assert!(Command::new("kill").args(["-TERM", &d.child.id().to_string()]).status().expect("kill").success());
-    let t = Instant::now();
-    let status = loop {
-        if let Some(st) = d.child.try_wait().expect("wait") {
-            break st;
-        }
-        assert!(t.elapsed() < Duration::from_secs(20), "llmd did not exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = common::exit_status_within(&mut d.child, Duration::from_secs(20));
     assert!(status.success(), "llmd exited with {status:?}:\n{}", d.log());
 }
 
@@ -1466,14 +1458,7 @@ fn one_client_decodes_on_the_gpu_while_another_prefills_on_the_cpu() {
 fn without_opencl_the_daemon_serves_on_the_cpu_and_status_says_why() {
     let d = Daemon::start("backend = \"gpu\"\n[gpu]\nlibrary = \"/nonexistent/libOpenCL.so\"\n");
     let conn = d.connect();
-    let t = Instant::now();
-    let gpu = loop {
-        let s = gpu_dump(&conn);
-        if s.contains("state unavailable") || t.elapsed() > GPU_READY {
-            break s;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let gpu = gpu_settled(&conn);
     assert!(gpu.contains("state unavailable: decode runs on the CPU"), "{gpu}");
     assert!(gpu.contains("cannot load the OpenCL library /nonexistent/libOpenCL.so"), "the reason:\n{gpu}");
     let o = run(&session(&conn), &greedy("The capital of France is", 8));
@@ -1490,14 +1475,7 @@ fn by_default_work_goes_to_the_accelerators_this_system_has_and_here_that_is_the
     // would only add its runtime's memory).
     let d = Daemon::start("");
     let conn = d.connect();
-    let t = Instant::now();
-    let gpu = loop {
-        let s = gpu_dump(&conn);
-        if !s.contains("state starting") || t.elapsed() > GPU_READY {
-            break s;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let gpu = gpu_settled(&conn);
     assert!(
         gpu.contains("state unavailable: decode runs on the CPU: backend \"auto\" looks for a GPU on Android"),
         "{gpu}"

@@ -5,6 +5,20 @@ pub mod client;
 
 use llmd_aidl::GenerateRequest::GenerateRequest;
 use std::path::PathBuf;
+use std::process::{Child, ExitStatus};
+use std::time::{Duration, Instant};
+
+/// `llmd`'s exit status once it has exited, within `limit` (after a SIGTERM, say).
+pub fn exit_status_within(child: &mut Child, limit: Duration) -> ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        assert!(t.elapsed() < limit, "llmd did not exit within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
 
 /// The repository's root.
 pub fn root() -> PathBuf {

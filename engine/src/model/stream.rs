@@ -411,8 +411,7 @@ fn packed_bytes(tensors: &[TensorEntry]) -> usize {
             };
             crate::backend::weight::packed_len(ty, usize::try_from(t.rows).ok()?, usize::try_from(t.cols).ok()?)
         })
-        // Each buffer starts on the arena's alignment (a page).
-        .map(|n| n.next_multiple_of(llmd_alloc_sys::BUF_ALIGN))
+        .map(llmd_alloc_sys::HugeArena::footprint)
         .fold(0usize, |a, b| a.saturating_add(b))
 }
 

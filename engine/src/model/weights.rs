@@ -66,8 +66,7 @@ fn packed_bytes(tensors: &TensorMap) -> usize {
             let rows = rest.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
             packed_len(t.ty, usize::try_from(rows).ok()?, usize::try_from(cols).ok()?)
         })
-        // Each buffer starts on the arena's alignment (a page).
-        .map(|n| n.next_multiple_of(llmd_alloc_sys::BUF_ALIGN))
+        .map(llmd_alloc_sys::HugeArena::footprint)
         .fold(0usize, |a, b| a.saturating_add(b))
 }
 

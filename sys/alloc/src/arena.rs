@@ -79,7 +79,7 @@ impl HugeArena {
     /// A buffer of `len` bytes, or None when the arena has too little left.
     pub fn alloc(&self, len: usize) -> Option<ArenaBuf> {
         let r = &self.region;
-        let size = len.checked_next_multiple_of(BUF_ALIGN)?;
+        let size = len.checked_next_multiple_of(BUF_ALIGN)?; // Self::footprint, checked
         let mut at = r.next.load(Ordering::Relaxed);
         loop {
             let end = at.checked_add(size).filter(|&e| e <= r.capacity)?;
@@ -88,6 +88,12 @@ impl HugeArena {
                 Err(now) => at = now,
             }
         }
+    }
+
+    /// The arena bytes a buffer of `len` takes (its length rounded up to [`BUF_ALIGN`]): what
+    /// a caller sizing an arena for several buffers adds up.
+    pub fn footprint(len: usize) -> usize {
+        len.next_multiple_of(BUF_ALIGN)
     }
 
     /// Bytes handed out so far (with alignment padding).
