@@ -106,11 +106,47 @@ pub struct NpuConfig {
     pub calibration: Option<PathBuf>,
     /// Bits of the graphs' outputs: 8 or 16.
     pub output_bits: u8,
+    /// Shadow outlier execution (llm.npu): inputs clipped to ±τ on the NPU, the values past it
+    /// multiplied on the CPU and added back.
+    pub shadow: bool,
+    /// The share of linear sites, least important first, that run without shadow execution
+    /// (0 to 1; llm.npu's paper uses 0.85).
+    pub shadow_prune: f64,
+    /// int8 weight scales: "folded" (per-channel codes, the channels' scales applied by the
+    /// host: the default), "per-tensor" (llm.npu's), or "per-channel" (in the graph; Qualcomm's
+    /// HTP refuses it with 16-bit outputs).
+    pub weights: String,
 }
 
 impl Default for NpuConfig {
     fn default() -> Self {
-        Self { library: None, soc: 57, chunk: 256, cache_dir: None, calibration: None, output_bits: 16 }
+        Self {
+            library: None,
+            soc: 57,
+            chunk: 256,
+            cache_dir: None,
+            calibration: None,
+            output_bits: 16,
+            shadow: true,
+            shadow_prune: llmd_engine::prefill::DEFAULT_PRUNE,
+            weights: "folded".into(),
+        }
+    }
+}
+
+impl NpuConfig {
+    /// The engine's quantization settings these name.
+    pub fn quant(&self) -> llmd_engine::prefill::NpuQuant {
+        use llmd_engine::prefill::{NpuQuant, ShadowConfig, WeightQuant};
+        NpuQuant {
+            out_bits: self.output_bits,
+            weights: match self.weights.as_str() {
+                "per-tensor" => WeightQuant::PerTensor,
+                "per-channel" => WeightQuant::PerChannel,
+                _ => WeightQuant::Folded,
+            },
+            shadow: self.shadow.then_some(ShadowConfig { prune: self.shadow_prune, ..Default::default() }),
+        }
     }
 }
 
@@ -431,6 +467,12 @@ impl Config {
         if !(1..=4096).contains(&n.chunk) {
             return bad(format!("npu.chunk {} must be 1..=4096", n.chunk));
         }
+        if !(0.0..=1.0).contains(&n.shadow_prune) {
+            return bad(format!("npu.shadow_prune {} must be between 0 and 1", n.shadow_prune));
+        }
+        if !matches!(n.weights.as_str(), "folded" | "per-tensor" | "per-channel") {
+            return bad(format!("npu.weights {:?} must be \"folded\", \"per-tensor\" or \"per-channel\"", n.weights));
+        }
         if !matches!(n.output_bits, 8 | 16) {
             return bad(format!("npu.output_bits {} must be 8 or 16", n.output_bits));
         }
@@ -539,7 +581,13 @@ mod tests {
         c.validate().expect("valid");
         assert_eq!(parse("").backend, Backend::Auto, "accelerators where the system has them, unless asked");
         assert_eq!(parse("backend = \"cpu\"\n").backend, Backend::Cpu);
-        for bad in ["[npu]\nchunk = 0\n", "[npu]\nchunk = 4097\n", "[npu]\noutput_bits = 12\n"] {
+        for bad in [
+            "[npu]\nchunk = 0\n",
+            "[npu]\nchunk = 4097\n",
+            "[npu]\noutput_bits = 12\n",
+            "[npu]\nshadow_prune = 1.5\n",
+            "[npu]\nweights = \"per-group\"\n",
+        ] {
             assert!(matches!(parse(bad).validate(), Err(ConfigError::Invalid(_))), "{bad}");
         }
         assert!(toml::from_str::<Config>("backend = \"tpu\"\n").is_err(), "an unknown backend is a parse error");

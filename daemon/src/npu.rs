@@ -141,7 +141,7 @@ pub struct Settings {
     pub chunk: usize,
     pub cache_dir: Option<PathBuf>,
     pub calibration: Option<PathBuf>,
-    pub output_bits: u8,
+    pub quant: llmd_engine::prefill::NpuQuant,
 }
 
 /// The QNN library when the config names none: on Android the system's `libQnnHtp.so` (found
@@ -193,7 +193,7 @@ impl Npu {
             chunk: n.chunk,
             cache_dir,
             calibration: n.calibration.clone(),
-            output_bits: n.output_bits,
+            quant: n.quant(),
         })
     }
 
@@ -529,17 +529,9 @@ fn prepare<'b>(
     if tokens.is_empty() {
         return Err("the calibration text has no tokens".into());
     }
-    let (context, groups, ids, p) = prefill::prepare(
-        lib,
-        backend,
-        s.soc,
-        &model.transformer,
-        &tokens,
-        s.chunk,
-        s.output_bits,
-        s.cache_dir.as_deref(),
-    )
-    .map_err(|e| e.to_string())?;
+    let prefill::PreparedNpu { context, groups, ids, shadow, report: p } =
+        prefill::prepare(lib, backend, s.soc, &model.transformer, &tokens, s.chunk, &s.quant, s.cache_dir.as_deref())
+            .map_err(|e| e.to_string())?;
     let how = match &p.cache {
         CacheOutcome::Loaded => format!(
             "loaded from {}",
@@ -547,7 +539,11 @@ fn prepare<'b>(
         ),
         CacheOutcome::Built { reason } => format!("built and finalized ({reason})"),
     };
-    let graphs = Graphs::try_new(context, |c| NpuLinears::from_context(lib, c, groups, &ids, s.chunk))
-        .map_err(|e| e.to_string())?;
+    let graphs = Graphs::try_new(context, |c| {
+        let mut n = NpuLinears::from_context(lib, c, groups, &ids, s.chunk)?;
+        n.set_shadow(shadow)?;
+        Ok::<_, llmd_engine::error::NpuError>(n)
+    })
+    .map_err(|e| e.to_string())?;
     Ok((graphs, how))
 }

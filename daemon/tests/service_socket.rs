@@ -1133,7 +1133,8 @@ fn collect_timed(rx: std::sync::mpsc::Receiver<Event>, first_tokens: Option<std:
 }
 
 /// The greedy tokens llmd_engine gives in-process with the NPU prefill on the emulator, as the
-/// daemon configures it (default calibration text, 16-bit outputs, SM8650, `NPU_CHUNK` rows).
+/// daemon configures it (default calibration text and quantization — 16-bit outputs, folded
+/// weights, shadow execution — SM8650, `NPU_CHUNK` rows).
 fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
     use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
     let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
@@ -1141,9 +1142,10 @@ fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
     let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator loads");
     let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
     let cal = m.tokenizer.encode(CALIBRATION_TEXT, false, false).expect("calibration tokens");
-    let (ctx, groups, ids, _) =
-        prefill::prepare(&lib, &backend, SM8650, &m.transformer, &cal, NPU_CHUNK, 16, None).expect("graphs");
-    let npu = NpuLinears::from_context(&lib, &ctx, groups, &ids, NPU_CHUNK).expect("linears");
+    let q = prefill::NpuQuant::default();
+    let p = prefill::prepare(&lib, &backend, SM8650, &m.transformer, &cal, NPU_CHUNK, &q, None).expect("graphs");
+    let mut npu = NpuLinears::from_context(&lib, &p.context, p.groups, &p.ids, NPU_CHUNK).expect("linears");
+    npu.set_shadow(p.shadow).expect("shadow sites");
     greedy_ids(&m, prompt, max_tokens, Some((&npu, NPU_CHUNK)))
 }
 

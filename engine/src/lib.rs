@@ -15,6 +15,7 @@ pub mod generate;
 pub mod model;
 pub mod prefill;
 pub mod quant;
+pub mod quantsim;
 pub mod sampling;
 pub mod sched;
 pub mod sequence;

@@ -19,6 +19,7 @@
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::npu::graph::{build_linear_group, graph_name, run_linear_group, LinearGroup, Projection};
 use crate::backend::npu::quant::{ActQuant, QuantWeights};
+use crate::backend::npu::shadow::{extract, hot_channels, ColdRows, ShadowWeights};
 use crate::backend::weight::WeightMatrix;
 use crate::backend::{OpDesc, OpKind};
 use crate::error::{BackendError, EngineError, NpuError};
@@ -47,12 +48,44 @@ greetings, requests for help, explanations of how things work, and short answers
 /// The four groups of a layer, in [`CaptureSite`] order.
 pub const SITES: [CaptureSite; 4] = [CaptureSite::Qkv, CaptureSite::O, CaptureSite::GateUp, CaptureSite::Down];
 
-/// What calibration saw at one group of one layer: its input's range and each projection's
-/// output range (before bias).
+/// The share of a site's input values, largest magnitudes first, that calibration leaves out of
+/// the outlier threshold τ: τ is the largest `|x|` once the top 0.1% are dropped — the statistic
+/// of llm.npu's authors' code (`top_0_1`), over the whole calibration text at once.
+pub const OUTLIER_TRIM: f64 = 0.001;
+
+/// What calibration saw at one group of one layer.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SiteRanges {
+    /// The input's smallest and largest value.
     pub input: (f32, f32),
+    /// Each projection's output range (before bias).
     pub outputs: Vec<(f32, f32)>,
+    /// Each projection's output range per output channel (smallest, largest): the range of
+    /// outputs whose per-channel weight scales the host applies ([`WeightQuant::Folded`]).
+    pub output_channels: Vec<(Vec<f32>, Vec<f32>)>,
+    /// The outlier threshold: the largest `|x|` after dropping the top [`OUTLIER_TRIM`].
+    pub tau: f32,
+    /// Per input channel, its smallest and largest value (SmoothQuant's statistic).
+    pub channel_min: Vec<f32>,
+    pub channel_max: Vec<f32>,
+    /// Per input channel, how many of its values fell outside the clipped range
+    /// ([`Calibration::input_range`] with clipping) — filled by [`count_outliers`].
+    pub outlier_counts: Vec<u64>,
+    /// Values seen in all (rows × channels).
+    pub values: u64,
+}
+
+impl SiteRanges {
+    /// llm.npu's importance of a layer: its largest input magnitude over the threshold (the
+    /// ratio to the clipped scale `τ/127`, up to that constant).
+    pub fn importance(&self) -> f32 {
+        let m = self.input.0.abs().max(self.input.1.abs());
+        if self.tau > 0.0 {
+            m / self.tau
+        } else {
+            1.0
+        }
+    }
 }
 
 /// Calibration of every layer's groups, `[layer][site]`.
@@ -62,8 +95,83 @@ pub struct Calibration {
     pub tokens: usize,
 }
 
+impl Calibration {
+    /// Site `site` of layer `li`'s input range: the whole range seen, or (`clipped`) that range
+    /// cut to `±τ` — the range the NPU's 8-bit codes span when shadow execution takes the rest.
+    pub fn input_range(&self, li: usize, site: CaptureSite, clipped: bool) -> (f32, f32) {
+        let r = &self.layers[li][site as usize];
+        if clipped && r.tau > 0.0 {
+            (r.input.0.max(-r.tau), r.input.1.min(r.tau))
+        } else {
+            r.input
+        }
+    }
+
+    /// Which sites keep shadow execution when the fraction `prune` (0..=1) of the least important
+    /// are pruned (llm.npu §3.5: importance = largest value over the threshold; the top
+    /// `1 − prune` by importance keep it), `[layer][site]`. Sites where nothing was ever past τ
+    /// gain nothing from shadow and are never chosen.
+    pub fn shadow_sites(&self, prune: f64) -> Vec<[bool; 4]> {
+        let mut all: Vec<(f32, usize, usize)> = Vec::new();
+        for (li, l) in self.layers.iter().enumerate() {
+            for (si, r) in l.iter().enumerate() {
+                all.push((r.importance(), li, si));
+            }
+        }
+        all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let keep = ((1.0 - prune.clamp(0.0, 1.0)) * all.len() as f64).round() as usize;
+        let mut out = vec![[false; 4]; self.layers.len()];
+        for &(imp, li, si) in all.iter().take(keep) {
+            if imp > 1.0 {
+                out[li][si] = true;
+            }
+        }
+        out
+    }
+}
+
+/// The largest values of a stream, enough of them to read off a top-share threshold.
+struct TopK {
+    keep: usize,
+    floor: f32,
+    buf: Vec<f32>,
+}
+
+impl TopK {
+    fn new(keep: usize) -> Self {
+        Self { keep, floor: 0.0, buf: Vec::new() }
+    }
+
+    fn push(&mut self, v: f32) {
+        if v > self.floor || self.buf.len() <= self.keep {
+            self.buf.push(v);
+            if self.buf.len() > 4 * self.keep + 4096 {
+                self.trim();
+            }
+        }
+    }
+
+    fn trim(&mut self) {
+        if self.buf.len() > self.keep + 1 {
+            self.buf.select_nth_unstable_by(self.keep, |a, b| b.total_cmp(a));
+            self.buf.truncate(self.keep + 1);
+        }
+        self.floor = self.buf.iter().copied().fold(f32::INFINITY, f32::min);
+    }
+
+    /// The largest value once the `keep` largest are dropped (the smallest seen when fewer).
+    fn threshold(mut self) -> f32 {
+        self.trim();
+        if self.buf.is_empty() {
+            0.0
+        } else {
+            self.floor
+        }
+    }
+}
+
 /// The projections of `site` in layer `li` of `t`, with their names.
-fn projections(t: &Transformer, li: usize, site: CaptureSite) -> Vec<(&'static str, &WeightMatrix)> {
+pub(crate) fn projections(t: &Transformer, li: usize, site: CaptureSite) -> Vec<(&'static str, &WeightMatrix)> {
     let l = &t.weights.layers[li];
     match site {
         CaptureSite::Qkv => vec![("q", &l.wq), ("k", &l.wk), ("v", &l.wv)],
@@ -83,15 +191,70 @@ fn widen(r: &mut (f32, f32), v: &[f32]) {
 }
 
 /// Runs `tokens` through `t` on the CPU (in passes of at most 256 tokens, from a fresh cache when
-/// the context is full) and records the ranges [`SiteRanges`] describes.
+/// the context is full) and records what [`SiteRanges`] describes, then counts each channel's
+/// outliers at the clipped ranges ([`count_outliers`]).
 pub fn calibrate(t: &Transformer, tokens: &[u32]) -> Result<Calibration, EngineError> {
+    let mut cal = ranges(t, tokens)?;
+    count_outliers(t, tokens, &mut cal)?;
+    Ok(cal)
+}
+
+/// Runs `tokens` through `t` on the CPU, calling `f(layer, site, rows, columns)` at every group.
+fn each_group(t: &Transformer, tokens: &[u32], f: crate::backend::blocks::Capture) -> Result<(), EngineError> {
+    let mut kv = t.new_kv();
+    for part in tokens.chunks(256) {
+        if kv.len() + part.len() > t.config.context_length {
+            kv = t.new_kv();
+        }
+        t.forward_capture(&mut kv, part, &mut |li, site, x, cols| f(li, site, x, cols))?;
+    }
+    Ok(())
+}
+
+/// Counts, per channel of every site, the values outside the site's clipped range.
+pub fn count_outliers(t: &Transformer, tokens: &[u32], cal: &mut Calibration) -> Result<(), EngineError> {
+    let mut quants = Vec::with_capacity(cal.layers.len());
+    for li in 0..cal.layers.len() {
+        let mut l = Vec::with_capacity(4);
+        for site in SITES {
+            let (lo, hi) = cal.input_range(li, site, true);
+            l.push(ActQuant::from_range(lo, hi).map_err(EngineError::from)?);
+        }
+        quants.push(l);
+    }
+    let layers = &mut cal.layers;
+    each_group(t, tokens, &mut |li, site, x, cols| {
+        let (Some(r), Some(q)) =
+            (layers.get_mut(li).map(|l| &mut l[site as usize]), quants.get(li).map(|l| l[site as usize]))
+        else {
+            return;
+        };
+        if r.outlier_counts.len() != cols {
+            r.outlier_counts = vec![0; cols];
+        }
+        let inv = 1.0 / q.scale;
+        for row in x.chunks_exact(cols.max(1)) {
+            for (c, &v) in row.iter().enumerate() {
+                if crate::backend::npu::shadow::residual(v, &q, inv).is_some() {
+                    r.outlier_counts[c] += 1;
+                }
+            }
+        }
+    })
+}
+
+/// The first calibration pass: ranges, τ, per-channel ranges and output ranges.
+fn ranges(t: &Transformer, tokens: &[u32]) -> Result<Calibration, EngineError> {
     let c = &t.config;
     let mut layers: Vec<[SiteRanges; 4]> = (0..c.n_layers).map(|_| Default::default()).collect();
     for (li, l) in layers.iter_mut().enumerate() {
         for site in SITES {
-            l[site as usize].outputs = vec![(0.0, 0.0); projections(t, li, site).len()];
+            let np = projections(t, li, site).len();
+            l[site as usize].outputs = vec![(0.0, 0.0); np];
+            l[site as usize].output_channels = vec![(Vec::new(), Vec::new()); np];
         }
     }
+    let mut tops: Vec<Vec<Option<TopK>>> = (0..c.n_layers).map(|_| (0..4).map(|_| None).collect()).collect();
     let mut kv = t.new_kv();
     let mut failed: Option<BackendError> = None;
     for part in tokens.chunks(256) {
@@ -102,11 +265,41 @@ pub fn calibrate(t: &Transformer, tokens: &[u32]) -> Result<Calibration, EngineE
             let n = x.len() / cols.max(1);
             let r = &mut layers[li][site as usize];
             widen(&mut r.input, x);
+            if r.channel_min.len() != cols {
+                r.channel_min = vec![f32::INFINITY; cols];
+                r.channel_max = vec![f32::NEG_INFINITY; cols];
+            }
+            r.values += x.len() as u64;
+            let top = tops[li][site as usize]
+                .get_or_insert_with(|| TopK::new((OUTLIER_TRIM * (tokens.len() * cols) as f64).ceil() as usize));
+            for row in x.chunks_exact(cols.max(1)) {
+                for (ch, &v) in row.iter().enumerate() {
+                    if v.is_finite() {
+                        r.channel_min[ch] = r.channel_min[ch].min(v);
+                        r.channel_max[ch] = r.channel_max[ch].max(v);
+                        top.push(v.abs());
+                    }
+                }
+            }
             for (i, (_, w)) in projections(t, li, site).into_iter().enumerate() {
                 let mut y = vec![0f32; n * w.rows];
                 let op = OpDesc { kind: OpKind::MatMul, weight_type: Some(w.ty), n_tokens: n };
                 match t.planner().place(&op).and_then(|b| b.matmul(w, x, n, &mut y)) {
-                    Ok(()) => widen(&mut r.outputs[i], &y),
+                    Ok(()) => {
+                        widen(&mut r.outputs[i], &y);
+                        let oc = &mut r.output_channels[i];
+                        if oc.0.len() != w.rows {
+                            *oc = (vec![0.0; w.rows], vec![0.0; w.rows]);
+                        }
+                        for row in y.chunks_exact(w.rows.max(1)) {
+                            for (o, &v) in row.iter().enumerate() {
+                                if v.is_finite() {
+                                    oc.0[o] = oc.0[o].min(v);
+                                    oc.1[o] = oc.1[o].max(v);
+                                }
+                            }
+                        }
+                    }
                     Err(e) => failed = Some(e),
                 }
             }
@@ -115,33 +308,62 @@ pub fn calibrate(t: &Transformer, tokens: &[u32]) -> Result<Calibration, EngineE
             return Err(e.into());
         }
     }
+    for (l, tl) in layers.iter_mut().zip(tops) {
+        for (r, top) in l.iter_mut().zip(tl) {
+            r.tau = top.map_or(0.0, TopK::threshold);
+            for v in r.channel_min.iter_mut().chain(r.channel_max.iter_mut()) {
+                if !v.is_finite() {
+                    *v = 0.0;
+                }
+            }
+        }
+    }
     Ok(Calibration { layers, tokens: tokens.len() })
 }
 
 /// A weight's rows as f32.
-fn dequantize(m: &WeightMatrix) -> Result<Vec<f32>, NpuError> {
+pub(crate) fn dequantize(m: &WeightMatrix) -> Result<Vec<f32>, NpuError> {
     let mut out = vec![0f32; m.rows * m.cols];
     for (r, o) in out.chunks_exact_mut(m.cols.max(1)).enumerate() {
-        if let Some(p) = &m.packed {
-            p.dequantize_row(r, o);
-        } else if let Some(row) = m.row(r) {
-            crate::quant::dequantize_row(m.ty, row, o)
-                .map_err(|e| NpuError::Quantization(format!("{}: {e}", m.name)))?;
-        } else {
-            return Err(NpuError::Quantization(format!("{}: row {r} cannot be read for requantization", m.name)));
-        }
+        dequantize_row(m, r, o)?;
     }
     Ok(out)
 }
 
-/// Every layer's groups quantized for the NPU: weights requantized to int8 (`per_channel`: one
-/// scale per output channel), inputs 8-bit and outputs `out_bits` (8 or 16) at the calibrated
-/// ranges. `[layer][site]`.
+/// Row `r` of a weight as f32.
+pub(crate) fn dequantize_row(m: &WeightMatrix, r: usize, o: &mut [f32]) -> Result<(), NpuError> {
+    if let Some(p) = &m.packed {
+        p.dequantize_row(r, o);
+    } else if let Some(row) = m.row(r) {
+        crate::quant::dequantize_row(m.ty, row, o).map_err(|e| NpuError::Quantization(format!("{}: {e}", m.name)))?;
+    } else {
+        return Err(NpuError::Quantization(format!("{}: row {r} cannot be read for requantization", m.name)));
+    }
+    Ok(())
+}
+
+/// How the NPU path's int8 weights are scaled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightQuant {
+    /// One scale per tensor (llm.npu's).
+    PerTensor,
+    /// One scale per output channel, in the graph (QNN's per-axis quantization).
+    PerChannel,
+    /// Per-channel codes under one per-tensor graph scale, the channels' scales applied by the
+    /// host ([`QuantWeights::quantize_folded`]): the default.
+    Folded,
+}
+
+/// Every layer's groups quantized for the NPU: weights requantized to int8 as `weights` says,
+/// inputs 8-bit — at the range clipped to `±τ` where `shadow[layer][site]` (shadow execution
+/// takes the rest), else the whole calibrated range — and outputs `out_bits` (8 or 16) at the
+/// calibrated ranges. `[layer][site]`.
 pub fn quantized_groups(
     t: &Transformer,
     cal: &Calibration,
-    per_channel: bool,
+    weights: WeightQuant,
     out_bits: u8,
+    shadow: &[[bool; 4]],
 ) -> Result<Vec<[LinearGroup; 4]>, NpuError> {
     if cal.layers.len() != t.config.n_layers {
         return Err(NpuError::Quantization(format!(
@@ -155,17 +377,35 @@ pub fn quantized_groups(
         let mut groups = Vec::with_capacity(4);
         for site in SITES {
             let r = &ranges[site as usize];
-            let input = ActQuant::from_range(r.input.0, r.input.1)?;
+            let clipped = shadow.get(li).is_some_and(|s| s[site as usize]);
+            let (lo, hi) = cal.input_range(li, site, clipped);
+            let input = ActQuant::from_range(lo, hi)?;
             let mut projs = Vec::new();
             for (i, (name, w)) in projections(t, li, site).into_iter().enumerate() {
                 let f = dequantize(w)?;
-                let weights = QuantWeights::quantize(&f, w.rows, w.cols, per_channel)?;
-                let (lo, hi) = r.outputs.get(i).copied().unwrap_or((0.0, 0.0));
+                let (weights, gain) = match weights {
+                    WeightQuant::PerTensor => (QuantWeights::quantize(&f, w.rows, w.cols, false)?, None),
+                    WeightQuant::PerChannel => (QuantWeights::quantize(&f, w.rows, w.cols, true)?, None),
+                    WeightQuant::Folded => {
+                        let (q, g) = QuantWeights::quantize_folded(&f, w.rows, w.cols)?;
+                        (q, Some(g))
+                    }
+                };
+                let (lo, hi) = match (&gain, r.output_channels.get(i)) {
+                    // The graph's outputs are the real ones over each channel's gain.
+                    (Some(g), Some((mins, maxs))) if mins.len() == g.len() => mins
+                        .iter()
+                        .zip(maxs)
+                        .zip(g)
+                        .fold((0f32, 0f32), |(lo, hi), ((&a, &b), &g)| (lo.min(a / g), hi.max(b / g))),
+                    _ => r.outputs.get(i).copied().unwrap_or((0.0, 0.0)),
+                };
                 projs.push(Projection {
                     name: name.into(),
                     weights,
                     bias: None,
                     output: ActQuant::from_range_bits(lo, hi, out_bits)?,
+                    gain,
                 });
             }
             groups.push(LinearGroup { name: format!("l{li}_{}", site_name(site)), input, projections: projs });
@@ -198,6 +438,36 @@ fn without_weights(mut g: LinearGroup) -> LinearGroup {
 struct Built<'c> {
     group: LinearGroup,
     graph: Mutex<qnn_sys::api::Graph<'c>>,
+    shadow: Option<ShadowSite>,
+}
+
+/// Shadow outlier execution at one group: its int8 weights by input channel (hot in memory,
+/// cold on storage) and the CPU's own weights of its projections, which recompute an output the
+/// NPU saturated (the authors' code's output-side rule).
+pub struct ShadowSite {
+    pub weights: ShadowWeights,
+    cpu: Vec<WeightMatrix>,
+    recompute_saturated: bool,
+}
+
+/// Counters of shadow execution over a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShadowStats {
+    /// Groups with shadow execution, of all groups.
+    pub sites: usize,
+    pub all_sites: usize,
+    /// Chunks that ran a shadow group, and those that found outliers.
+    pub chunks: u64,
+    pub chunks_with_outliers: u64,
+    pub outlier_elements: u64,
+    pub outlier_channels: u64,
+    pub saturated_outputs: u64,
+    pub hot_rows_used: u64,
+    pub cold_rows_read: u64,
+    pub cold_bytes_read: u64,
+    /// Shadow weight bytes in memory, and all of them (memory + storage).
+    pub resident_bytes: u64,
+    pub total_bytes: u64,
 }
 
 /// A model's linear groups as finalized graphs of one QNN context, for chunks of `chunk` rows.
@@ -207,6 +477,16 @@ pub struct NpuLinears<'c> {
     lib: &'c qnn_sys::Library,
     executions: AtomicU64,
     modelled_ns: AtomicU64,
+    shadow: ShadowCounters,
+}
+
+#[derive(Debug, Default)]
+struct ShadowCounters {
+    chunks: AtomicU64,
+    chunks_with_outliers: AtomicU64,
+    elements: AtomicU64,
+    channels: AtomicU64,
+    saturated: AtomicU64,
 }
 
 impl<'c> NpuLinears<'c> {
@@ -223,7 +503,7 @@ impl<'c> NpuLinears<'c> {
             let mut built = Vec::with_capacity(4);
             for group in layer {
                 let graph = build_linear_group(context, &group, chunk)?;
-                built.push(Built { group: without_weights(group), graph: Mutex::new(graph) });
+                built.push(Built { group: without_weights(group), graph: Mutex::new(graph), shadow: None });
             }
             let built: [Built<'c>; 4] = match built.try_into() {
                 Ok(b) => b,
@@ -231,7 +511,14 @@ impl<'c> NpuLinears<'c> {
             };
             layers.push(built);
         }
-        Ok(Self { chunk, layers, lib, executions: AtomicU64::new(0), modelled_ns: AtomicU64::new(0) })
+        Ok(Self {
+            chunk,
+            layers,
+            lib,
+            executions: AtomicU64::new(0),
+            modelled_ns: AtomicU64::new(0),
+            shadow: ShadowCounters::default(),
+        })
     }
 
     /// Wraps graphs already in a context (`cache::graphs`), one per group in layer-major order.
@@ -250,7 +537,7 @@ impl<'c> NpuLinears<'c> {
             let built: Vec<Built<'c>> = layer
                 .into_iter()
                 .filter_map(|group| {
-                    graphs.next().map(|g| Built { group: without_weights(group), graph: Mutex::new(g) })
+                    graphs.next().map(|g| Built { group: without_weights(group), graph: Mutex::new(g), shadow: None })
                 })
                 .collect();
             match built.try_into() {
@@ -263,7 +550,14 @@ impl<'c> NpuLinears<'c> {
         // graphs ready: 250 MB with this, 361–369 MB without, 140 MB on the CPU alone; the
         // emulator holds the 106 MB of int8 weights).
         llmd_alloc_sys::release_free_memory();
-        Ok(Self { chunk, layers, lib, executions: AtomicU64::new(0), modelled_ns: AtomicU64::new(0) })
+        Ok(Self {
+            chunk,
+            layers,
+            lib,
+            executions: AtomicU64::new(0),
+            modelled_ns: AtomicU64::new(0),
+            shadow: ShadowCounters::default(),
+        })
     }
 
     /// The graphs of `context` (from [`prepare`]) for `groups` (flat, layer-major, as `prepare`
@@ -291,6 +585,55 @@ impl<'c> NpuLinears<'c> {
     /// The chunk size its graphs take.
     pub fn chunk(&self) -> usize {
         self.chunk
+    }
+
+    /// Turns on shadow outlier execution at the groups `sites` has one for (layer-major, one
+    /// entry per group, as [`prepare`] returns them).
+    pub fn set_shadow(&mut self, sites: Vec<Option<ShadowSite>>) -> Result<(), NpuError> {
+        if sites.len() != self.layers.len() * 4 {
+            return Err(NpuError::Quantization(format!(
+                "{} shadow entries for {} groups",
+                sites.len(),
+                self.layers.len() * 4
+            )));
+        }
+        for (b, s) in self.layers.iter_mut().flat_map(|l| l.iter_mut()).zip(sites) {
+            if let Some(s) = &s {
+                if s.weights.k != b.group.k()
+                    || s.weights.n() != b.group.projections.iter().map(|p| p.weights.rows).sum::<usize>()
+                {
+                    return Err(NpuError::Shape {
+                        graph: b.group.name.clone(),
+                        detail: "shadow weights of another shape".into(),
+                    });
+                }
+            }
+            b.shadow = s;
+        }
+        Ok(())
+    }
+
+    /// Shadow execution's counters so far.
+    pub fn shadow_stats(&self) -> ShadowStats {
+        let mut st = ShadowStats {
+            all_sites: self.layers.len() * 4,
+            chunks: self.shadow.chunks.load(Ordering::Relaxed),
+            chunks_with_outliers: self.shadow.chunks_with_outliers.load(Ordering::Relaxed),
+            outlier_elements: self.shadow.elements.load(Ordering::Relaxed),
+            outlier_channels: self.shadow.channels.load(Ordering::Relaxed),
+            saturated_outputs: self.shadow.saturated.load(Ordering::Relaxed),
+            ..Default::default()
+        };
+        for s in self.layers.iter().flat_map(|l| l.iter()).filter_map(|b| b.shadow.as_ref()) {
+            let c = &s.weights.counters;
+            st.sites += 1;
+            st.hot_rows_used += c.hot_rows_used.load(Ordering::Relaxed);
+            st.cold_rows_read += c.cold_rows_read.load(Ordering::Relaxed);
+            st.cold_bytes_read += c.cold_bytes_read.load(Ordering::Relaxed);
+            st.resident_bytes += s.weights.resident_bytes() as u64;
+            st.total_bytes += (s.weights.k * s.weights.n()) as u64;
+        }
+        st
     }
 
     /// Graph executions so far, and the modelled NPU time they add up to (nanoseconds; 0 on a
@@ -331,7 +674,8 @@ impl Linears for NpuLinears<'_> {
         let mut start = 0;
         while start < n {
             let m = chunk.min(n - start);
-            g.input.quantize(&x[start * k..(start + m) * k], &mut xq[..m * k]);
+            let xs = &x[start * k..(start + m) * k];
+            g.input.quantize(xs, &mut xq[..m * k]);
             xq[m * k..].fill(zero);
             let ys = {
                 let mut graph = b.graph.lock().unwrap_or_else(|e| e.into_inner());
@@ -343,14 +687,124 @@ impl Linears for NpuLinears<'_> {
                 ys
             };
             self.executions.fetch_add(1, Ordering::Relaxed);
-            for ((p, y), out) in g.projections.iter().zip(&ys).zip(outs.iter_mut()) {
+            // The outliers' product (on a phone: on the CPU while the NPU runs the graph).
+            let shadow = match &b.shadow {
+                Some(s) => {
+                    let o = extract(xs, k, &g.input);
+                    self.shadow.chunks.fetch_add(1, Ordering::Relaxed);
+                    if o.elements > 0 {
+                        self.shadow.chunks_with_outliers.fetch_add(1, Ordering::Relaxed);
+                        self.shadow.elements.fetch_add(o.elements as u64, Ordering::Relaxed);
+                        self.shadow.channels.fetch_add(o.channels.len() as u64, Ordering::Relaxed);
+                        Some((s, Some(s.weights.product(&o, 1).map_err(|e| BackendError::Device(e.to_string()))?)))
+                    } else {
+                        Some((s, None))
+                    }
+                }
+                None => None,
+            };
+            let nt = shadow.as_ref().map_or(0, |(s, _)| s.weights.n());
+            let mut col = 0;
+            for (pi, ((p, y), out)) in g.projections.iter().zip(&ys).zip(outs.iter_mut()).enumerate() {
                 let w = p.weights.rows;
-                p.output.dequantize_codes(&y[..m * w], &mut out[start * w..(start + m) * w]);
+                let out = &mut out[start * w..(start + m) * w];
+                p.output.dequantize_codes(&y[..m * w], out);
+                if let Some(gain) = &p.gain {
+                    for row in out.chunks_exact_mut(w) {
+                        for (v, g) in row.iter_mut().zip(gain) {
+                            *v *= g;
+                        }
+                    }
+                }
+                if let Some((s, prod)) = &shadow {
+                    let top = p.output.max_code() as u16;
+                    let mut wrow = Vec::new();
+                    for (r, row) in out.chunks_exact_mut(w).enumerate() {
+                        for (o, v) in row.iter_mut().enumerate() {
+                            let code = y[r * w + o];
+                            if s.recompute_saturated && (code == 0 || code == top) {
+                                // Saturated: the whole product in float, on the CPU's weights.
+                                let cpu = &s.cpu[pi];
+                                wrow.resize(cpu.cols, 0.0);
+                                dequantize_row(cpu, o, &mut wrow).map_err(|e| BackendError::Device(e.to_string()))?;
+                                *v = xs[r * k..(r + 1) * k].iter().zip(&wrow).map(|(a, b)| a * b).sum();
+                                self.shadow.saturated.fetch_add(1, Ordering::Relaxed);
+                            } else if let Some(prod) = prod {
+                                *v += prod[r * nt + col + o];
+                            }
+                        }
+                    }
+                }
+                col += w;
             }
             start += m;
         }
         Ok(true)
     }
+}
+
+/// The shadow half of every group `sites` marks (layer-major, one entry per group of
+/// `groups`, which still hold their int8 weights): channel-major rows, the channels that cover
+/// `config.hot_coverage` of calibration's outliers kept in memory and every row written to
+/// `cold` (a file, created or reused when its length is right) to read the others from;
+/// without a file, every row stays in memory.
+pub fn shadow_sites(
+    t: &Transformer,
+    groups: &[LinearGroup],
+    cal: &Calibration,
+    sites: &[[bool; 4]],
+    config: &ShadowConfig,
+    cold: Option<&std::path::Path>,
+) -> Result<Vec<Option<ShadowSite>>, NpuError> {
+    let mut cms = Vec::with_capacity(groups.len());
+    for (gi, g) in groups.iter().enumerate() {
+        let (li, si) = (gi / 4, gi % 4);
+        if !sites.get(li).is_some_and(|s| s[si]) {
+            cms.push(None);
+            continue;
+        }
+        let projs: Vec<(&QuantWeights, Option<&[f32]>)> =
+            g.projections.iter().map(|p| (&p.weights, p.gain.as_deref())).collect();
+        cms.push(Some(ShadowWeights::channel_major(&projs)?));
+    }
+    let total: usize = cms.iter().flatten().map(|c| c.rows.len()).sum();
+    let file = match cold {
+        Some(path) if total > 0 => {
+            let fresh = std::fs::metadata(path).map(|m| m.len() != total as u64).unwrap_or(true);
+            if fresh {
+                let tmp = path.with_extension("tmp");
+                let mut bytes = Vec::with_capacity(total);
+                for c in cms.iter().flatten() {
+                    bytes.extend(c.rows.iter().map(|&v| v as u8));
+                }
+                std::fs::write(&tmp, &bytes)
+                    .and_then(|()| std::fs::rename(&tmp, path))
+                    .map_err(|e| NpuError::Quantization(format!("{}: {e}", path.display())))?;
+            }
+            Some(std::sync::Arc::new(
+                std::fs::File::open(path).map_err(|e| NpuError::Quantization(format!("{}: {e}", path.display())))?,
+            ))
+        }
+        _ => None,
+    };
+    let mut offset = 0u64;
+    let mut out = Vec::with_capacity(groups.len());
+    for (gi, cm) in cms.into_iter().enumerate() {
+        let Some(cm) = cm else {
+            out.push(None);
+            continue;
+        };
+        let (li, site) = (gi / 4, SITES[gi % 4]);
+        let k = groups[gi].k();
+        let counts = &cal.layers[li][site as usize].outlier_counts;
+        let hot = if counts.len() == k { hot_channels(counts, config.hot_coverage) } else { vec![false; k] };
+        let cold = file.clone().map(|file| ColdRows { file, offset });
+        offset += cm.rows.len() as u64;
+        let weights = ShadowWeights::new(&cm, k, &hot, cold)?;
+        let cpu = projections(t, li, site).into_iter().map(|(_, w)| w.clone()).collect();
+        out.push(Some(ShadowSite { weights, cpu, recompute_saturated: config.recompute_saturated }));
+    }
+    Ok(out)
 }
 
 /// What [`prepare`] did and how long it took.
@@ -361,15 +815,73 @@ pub struct Prepared {
     pub quantize_s: f64,
     /// Building and finalizing (and storing), or loading from the cache.
     pub context_s: f64,
+    /// Laying out the shadow sites' weights (and writing their cold rows).
+    pub shadow_s: f64,
+    pub shadow_sites: usize,
     pub cache: crate::backend::npu::cache::CacheOutcome,
     pub cache_file: Option<std::path::PathBuf>,
 }
 
-/// A model's NPU context, ready for [`NpuLinears::from_context`]: calibrated on
-/// `calibration` (tokens), quantized (`out_bits` outputs, per-tensor weights), and its graphs at
-/// `chunk` rows loaded from `cache_dir`'s cache file when a sound one is there, else built,
-/// finalized and stored there (no cache without a directory).
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+/// How the NPU path quantizes a model, and where shadow execution runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NpuQuant {
+    /// 8 or 16-bit graph outputs.
+    pub out_bits: u8,
+    pub weights: WeightQuant,
+    /// Shadow outlier execution, or none (every input over its whole calibrated range).
+    pub shadow: Option<ShadowConfig>,
+}
+
+/// Shadow outlier execution's settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ShadowConfig {
+    /// The share of sites, least important first, that run without it (llm.npu §3.5).
+    pub prune: f64,
+    /// Hot channels: the fewest that cover this share of calibration's outliers (§3.4).
+    pub hot_coverage: f64,
+    /// Recompute in float, on the CPU's weights, an output whose code is the first or last
+    /// (the authors' code's output-side rule: the NPU may have saturated it).
+    pub recompute_saturated: bool,
+}
+
+/// llm.npu's default pruning rate (§3.5): shadow execution in the 15% most important sites.
+pub const PAPER_PRUNE: f64 = 0.85;
+
+/// The pruning rate the NPU path uses unless told otherwise.
+pub const DEFAULT_PRUNE: f64 = PAPER_PRUNE;
+
+/// The share of calibration's outliers the hot channels cover (the paper: "fewer than 3% of
+/// channels account for more than 80% of outliers").
+pub const HOT_COVERAGE: f64 = 0.8;
+
+impl Default for ShadowConfig {
+    fn default() -> Self {
+        Self { prune: DEFAULT_PRUNE, hot_coverage: HOT_COVERAGE, recompute_saturated: true }
+    }
+}
+
+impl Default for NpuQuant {
+    fn default() -> Self {
+        Self { out_bits: 16, weights: WeightQuant::Folded, shadow: Some(ShadowConfig::default()) }
+    }
+}
+
+/// A prepared NPU path: the context holding its graphs, the groups (with their int8 weights,
+/// until [`NpuLinears::from_context`] takes them), the graphs' tensor ids, the shadow sites for
+/// [`NpuLinears::set_shadow`], and what preparing did.
+pub struct PreparedNpu<'b> {
+    pub context: qnn_sys::api::Context<'b>,
+    pub groups: Vec<LinearGroup>,
+    pub ids: crate::backend::npu::cache::GraphIds,
+    pub shadow: Vec<Option<ShadowSite>>,
+    pub report: Prepared,
+}
+
+/// A model's NPU path, ready for [`NpuLinears::from_context`]: calibrated on `calibration`
+/// (tokens), quantized as `q` says, its graphs at `chunk` rows loaded from `cache_dir`'s cache
+/// file when a sound one is there, else built, finalized and stored there (no cache without a
+/// directory), and its shadow sites' weights (cold rows in a file beside the cache file).
+#[allow(clippy::too_many_arguments)]
 pub fn prepare<'b>(
     lib: &qnn_sys::Library,
     backend: &'b qnn_sys::api::Backend<'_>,
@@ -377,15 +889,19 @@ pub fn prepare<'b>(
     t: &Transformer,
     calibration: &[u32],
     chunk: usize,
-    out_bits: u8,
+    q: &NpuQuant,
     cache_dir: Option<&std::path::Path>,
-) -> Result<(qnn_sys::api::Context<'b>, Vec<LinearGroup>, crate::backend::npu::cache::GraphIds, Prepared), EngineError>
-{
+) -> Result<PreparedNpu<'b>, EngineError> {
     let t0 = std::time::Instant::now();
     let cal = calibrate(t, calibration)?;
     let calibrate_s = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();
-    let groups: Vec<LinearGroup> = quantized_groups(t, &cal, false, out_bits)?.into_iter().flatten().collect();
+    let sites = match q.shadow {
+        Some(s) => cal.shadow_sites(s.prune),
+        None => vec![[false; 4]; cal.layers.len()],
+    };
+    let groups: Vec<LinearGroup> =
+        quantized_groups(t, &cal, q.weights, q.out_bits, &sites)?.into_iter().flatten().collect();
     let quantize_s = t1.elapsed().as_secs_f64();
     let t2 = std::time::Instant::now();
     let (context, ids, cache, cache_file) = match cache_dir {
@@ -410,13 +926,19 @@ pub fn prepare<'b>(
             )
         }
     };
-    let prepared = Prepared {
+    let context_s = t2.elapsed().as_secs_f64();
+    let t3 = std::time::Instant::now();
+    let cold = cache_file.as_ref().map(|f| f.with_extension("shadow"));
+    let shadow = shadow_sites(t, &groups, &cal, &sites, &q.shadow.unwrap_or_default(), cold.as_deref())?;
+    let report = Prepared {
         calibration_tokens: calibration.len(),
         calibrate_s,
         quantize_s,
-        context_s: t2.elapsed().as_secs_f64(),
+        context_s,
+        shadow_s: t3.elapsed().as_secs_f64(),
+        shadow_sites: shadow.iter().flatten().count(),
         cache,
         cache_file,
     };
-    Ok((context, groups, ids, prepared))
+    Ok(PreparedNpu { context, groups, ids, shadow, report })
 }

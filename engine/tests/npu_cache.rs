@@ -8,7 +8,7 @@ mod common;
 
 use llmd_engine::backend::npu::cache::{graphs, key_for, load_or_build, path_for, CacheOutcome};
 use llmd_engine::backend::npu::graph::{run_linear_group, LinearGroup};
-use llmd_engine::prefill::{calibrate, quantized_groups};
+use llmd_engine::prefill::{calibrate, quantized_groups, WeightQuant};
 use std::path::PathBuf;
 
 const SM8650: u32 = 57;
@@ -19,7 +19,11 @@ fn model_groups(out_bits: u8) -> Vec<LinearGroup> {
     let m = common::default_model();
     let tokens = m.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice, and then rests in the shade of an old oak tree by the river.", false, false).expect("text");
     let cal = calibrate(&m.transformer, &tokens).expect("calibrates");
-    quantized_groups(&m.transformer, &cal, false, out_bits).expect("quantizes").into_iter().flatten().collect()
+    quantized_groups(&m.transformer, &cal, WeightQuant::PerTensor, out_bits, &[])
+        .expect("quantizes")
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
 fn scratch(name: &str) -> PathBuf {

@@ -3,14 +3,17 @@
 //! greedy tokens decoded on the CPU from the same KV cache. Once with the emulator provider,
 //! once with Qualcomm's x86-64 HTP library fed the emulator's tokens: at every step the two
 //! must pick the same token, or differ only at a near tie of the emulator's logits. The CPU-only
-//! run is printed beside them (how much the quantization changes the reply), not asserted: this
-//! path has no outlier handling yet (issue 30).
+//! run is printed beside them (how much the quantization changes the reply), not asserted. The
+//! NPU path runs as shipped: folded per-channel weights, 16-bit outputs, shadow outlier
+//! execution at the default pruning rate (its CPU half is the same code for both libraries).
 
 mod common;
 
 use llmd_engine::backend::blocks::Logits;
 use llmd_engine::chat::ChatMessage;
-use llmd_engine::prefill::{calibrate, quantized_groups, NpuLinears, CALIBRATION_TEXT};
+use llmd_engine::prefill::{
+    calibrate, quantized_groups, shadow_sites, NpuLinears, ShadowConfig, WeightQuant, CALIBRATION_TEXT, DEFAULT_PRUNE,
+};
 
 /// Greedy tokens decoded after the prompt.
 const DECODED: usize = 16;
@@ -94,7 +97,9 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
     let cal = calibrate(&m.transformer, &cal_tokens).expect("calibrates");
     let calibrated = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();
-    let groups = quantized_groups(&m.transformer, &cal, false, OUT_BITS).expect("quantizes");
+    let sites = cal.shadow_sites(DEFAULT_PRUNE);
+    let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, OUT_BITS, &sites).expect("quantizes");
+    let flat: Vec<_> = groups.iter().flatten().cloned().collect();
     let quantized = t1.elapsed().as_secs_f64();
     eprintln!(
         "prompt {} tokens; calibration {} tokens in {calibrated:.2} s; weights requantized in {quantized:.2} s",
@@ -116,7 +121,9 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
         let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
         let context = backend.context().expect("context");
         let t = std::time::Instant::now();
-        let npu = NpuLinears::build(&lib, &context, groups.clone(), CHUNK).expect("graphs build");
+        let mut npu = NpuLinears::build(&lib, &context, groups.clone(), CHUNK).expect("graphs build");
+        let shadow = shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("shadow");
+        npu.set_shadow(shadow).expect("shadow sites");
         let built = t.elapsed().as_secs_f64();
         let mut kv = m.transformer.new_kv();
         let t = std::time::Instant::now();

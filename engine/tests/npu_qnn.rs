@@ -73,6 +73,7 @@ fn group(
                 weights,
                 bias: bias_q,
                 output: ActQuant::from_range_bits(ylo, yhi, out_bits).expect("range"),
+                gain: None,
             }
         })
         .collect();

@@ -45,6 +45,10 @@ enum Command {
     Convert(modeltools::ConvertArgs),
     /// Perplexity of a model on a text file (windows of `--ctx` tokens).
     Perplexity(modeltools::PerplexityArgs),
+    /// The NPU path's quantization schemes side by side on a text (llm.npu's Table 6 in kind):
+    /// perplexity and next-token agreement with the float model for W8A8, SmoothQuant,
+    /// LLM.int8() and shadow outlier execution at several pruning rates (simulated quantization).
+    NpuAccuracy(modeltools::NpuAccuracyArgs),
     /// The QNN library for the NPU path: its provider, API versions and build id, the context
     /// cache, and a one-layer self-check against llmd's reference arithmetic (no daemon needed).
     NpuInfo(llmctl::npu::NpuArgs),
@@ -96,6 +100,7 @@ fn main() -> ExitCode {
         Command::Convert(args) => modeltools::convert(args),
         Command::Models(cli::ModelsArgs { local: Some(path) }) => cli::models_local(path),
         Command::Perplexity(args) => modeltools::perplexity(args),
+        Command::NpuAccuracy(args) => modeltools::npu_accuracy(args),
         Command::NpuInfo(args) => llmctl::npu::info(args),
         Command::GpuInfo(args) => llmctl::gpu::info(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
@@ -109,6 +114,7 @@ fn main() -> ExitCode {
             Command::Bench(_)
             | Command::Convert(_)
             | Command::Perplexity(_)
+            | Command::NpuAccuracy(_)
             | Command::NpuInfo(_)
             | Command::GpuInfo(_) => Ok(()),
         }),

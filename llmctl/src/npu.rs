@@ -40,6 +40,38 @@ pub struct NpuArgs {
     /// Calibration text file for the activations' scales (default: a built-in English text).
     #[arg(long, value_name = "FILE")]
     pub calibration: Option<PathBuf>,
+    /// Shadow outlier execution (llm.npu): inputs clipped to ±τ on the NPU, the values past it
+    /// multiplied on the CPU and added back.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub npu_shadow: String,
+    /// The share of linear sites, least important first, without shadow execution (0 to 1;
+    /// llm.npu's paper uses 0.85).
+    #[arg(long, default_value_t = llmd_engine::prefill::DEFAULT_PRUNE)]
+    pub npu_prune: f64,
+    /// int8 weight scales: folded (per-channel codes, the channels' scales applied on the
+    /// host), per-tensor (llm.npu's), or per-channel (in the graph; Qualcomm's HTP refuses it
+    /// with 16-bit outputs).
+    #[arg(long, default_value = "folded", value_parser = ["folded", "per-tensor", "per-channel"])]
+    pub npu_weights: String,
+}
+
+impl NpuArgs {
+    /// The engine's quantization settings these name.
+    pub fn quant(&self) -> Result<prefill::NpuQuant, String> {
+        use prefill::{NpuQuant, ShadowConfig, WeightQuant};
+        if !(0.0..=1.0).contains(&self.npu_prune) {
+            return Err(format!("--npu-prune {} must be between 0 and 1", self.npu_prune));
+        }
+        Ok(NpuQuant {
+            out_bits: 16,
+            weights: match self.npu_weights.as_str() {
+                "per-tensor" => WeightQuant::PerTensor,
+                "per-channel" => WeightQuant::PerChannel,
+                _ => WeightQuant::Folded,
+            },
+            shadow: (self.npu_shadow == "on").then_some(ShadowConfig { prune: self.npu_prune, ..Default::default() }),
+        })
+    }
 }
 
 /// The QNN library to load: `--qnn-lib`/`LLMD_QNN_LIB`, else the emulator provider beside llmctl.
@@ -86,11 +118,13 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
     }
     let chunk = args.npu_chunk as usize;
     let dir = cache_dir(args);
-    let (context, groups, ids, p) =
-        prefill::prepare(lib, backend, args.soc, &model.transformer, &tokens, chunk, 16, dir.as_deref())
+    let q = args.quant()?;
+    let prefill::PreparedNpu { context, groups, ids, shadow, report: p } =
+        prefill::prepare(lib, backend, args.soc, &model.transformer, &tokens, chunk, &q, dir.as_deref())
             .map_err(|e| format!("preparing the NPU graphs: {e}"))?;
     let context: &'static qnn_sys::api::Context<'static> = Box::leak(Box::new(context));
-    let npu = NpuLinears::from_context(lib, context, groups, &ids, chunk).map_err(|e| e.to_string())?;
+    let mut npu = NpuLinears::from_context(lib, context, groups, &ids, chunk).map_err(|e| e.to_string())?;
+    npu.set_shadow(shadow).map_err(|e| e.to_string())?;
     let provider = lib.providers().first().map(|p| p.name.clone()).unwrap_or_default();
     let how = match &p.cache {
         CacheOutcome::Loaded => {
@@ -98,14 +132,19 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
         }
         CacheOutcome::Built { reason } => format!("built and finalized ({reason})"),
     };
+    let st = npu.shadow_stats();
     eprintln!(
-        "npu: {provider} ({}), {} graphs of {chunk} rows {how} in {:.2} s; calibration {} tokens {:.2} s, requantization {:.2} s",
+        "npu: {provider} ({}), {} graphs of {chunk} rows {how} in {:.2} s; calibration {} tokens {:.2} s, requantization {:.2} s; shadow execution at {} of {} sites ({:.1} MB of int8 rows in memory, {:.1} MB on storage)",
         path.display(),
         npu.graph_names().len(),
         p.context_s,
         p.calibration_tokens,
         p.calibrate_s,
-        p.quantize_s
+        p.quantize_s,
+        st.sites,
+        st.all_sites,
+        st.resident_bytes as f64 / 1e6,
+        (st.total_bytes - st.resident_bytes.min(st.total_bytes)) as f64 / 1e6
     );
     Ok((npu, chunk))
 }
@@ -218,6 +257,7 @@ fn synthetic_group(name: &str, k: usize, outs: &[(&str, usize)]) -> LinearGroup 
                 weights,
                 bias: None,
                 output: ActQuant { scale: 2.0 * range / 65535.0, zero_point: 32767, bits: 16 },
+                gain: None,
             }
         })
         .collect();

@@ -24,6 +24,7 @@ pub mod pool;
 pub mod rows;
 #[cfg(target_arch = "x86_64")]
 mod rows_x86;
+pub mod sgemm;
 pub mod unpack;
 
 pub use packed::{int8_peak_macs_per_s, read_peak_bytes_per_s};

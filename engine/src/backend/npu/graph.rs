@@ -23,6 +23,10 @@ pub struct Projection {
     pub weights: QuantWeights,
     pub bias: Option<Vec<i32>>,
     pub output: ActQuant,
+    /// Per output channel, the factor the host multiplies the dequantized output by: the
+    /// channel's own weight scale over the graph's per-tensor one
+    /// ([`QuantWeights::quantize_folded`]); none for plain per-tensor or per-channel weights.
+    pub gain: Option<Vec<f32>>,
 }
 
 /// Projections reading one input: the unit a graph is built for.

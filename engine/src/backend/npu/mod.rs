@@ -12,3 +12,4 @@
 pub mod cache;
 pub mod graph;
 pub mod quant;
+pub mod shadow;

@@ -176,6 +176,25 @@ impl QuantWeights {
     }
 }
 
+impl QuantWeights {
+    /// Per-channel codes under one per-tensor scale: each output channel `o` quantized with its
+    /// own scale `s_o = max|W[o,:]| / 127`, the NPU told the one scale `s = max_o s_o`, and the
+    /// host multiplying output channel `o` by its gain `s_o / s` (≤ 1) when it dequantizes the
+    /// NPU's outputs. The NPU's arithmetic stays per tensor (llm.npu's W8A8, which Qualcomm's
+    /// HTP runs with 16-bit outputs: its native per-channel weights do not finalize with them),
+    /// while the weights keep per-channel precision. Returns the weights and the gains.
+    pub fn quantize_folded(w: &[f32], rows: usize, cols: usize) -> Result<(Self, Vec<f32>), NpuError> {
+        let per = Self::quantize(w, rows, cols, true)?;
+        let WeightScales::PerChannel(scales) = &per.scales else {
+            return Err(NpuError::Quantization("per-channel scales expected".into()));
+        };
+        let top = scales.iter().copied().fold(0f32, f32::max);
+        let top = if top > 0.0 { top } else { 1.0 };
+        let gains = scales.iter().map(|s| s / top).collect();
+        Ok((Self { rows, cols, q: per.q, scales: WeightScales::PerTensor(top) }, gains))
+    }
+}
+
 /// A bias quantized for `x_scale` and `w`'s scales: `round(b / (sx · sw[o]))` as int32.
 pub fn quantize_bias(b: &[f32], x_scale: f32, w: &QuantWeights) -> Result<Vec<i32>, NpuError> {
     if b.len() != w.rows {
