@@ -13,6 +13,7 @@ pub mod format;
 pub mod fuzzing;
 pub mod generate;
 pub mod model;
+pub mod ooe;
 pub mod prefill;
 pub mod quant;
 pub mod quantsim;

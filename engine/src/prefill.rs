@@ -848,7 +848,7 @@ pub struct ShadowConfig {
 pub const PAPER_PRUNE: f64 = 0.85;
 
 /// The pruning rate the NPU path uses unless told otherwise.
-pub const DEFAULT_PRUNE: f64 = PAPER_PRUNE;
+pub const DEFAULT_PRUNE: f64 = 0.5;
 
 /// The share of calibration's outliers the hot channels cover (the paper: "fewer than 3% of
 /// channels account for more than 80% of outliers").

@@ -10,5 +10,6 @@ pub mod client;
 pub mod gpu;
 pub mod modeltools;
 pub mod npu;
+pub mod npu_model;
 pub mod output;
 pub mod paths;

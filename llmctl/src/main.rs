@@ -49,6 +49,10 @@ enum Command {
     /// perplexity and next-token agreement with the float model for W8A8, SmoothQuant,
     /// LLM.int8() and shadow outlier execution at several pruning rates (simulated quantization).
     NpuAccuracy(modeltools::NpuAccuracyArgs),
+    /// llm.npu's prefill on a phone, MODELLED: chunk-sharing graphs vs per-length and padded
+    /// graphs, out-of-order vs in-order scheduling, prefill tok/s by pruning rate (the engine's
+    /// scheduler in a discrete-event simulation over the emulator's cost model).
+    NpuModel(llmctl::npu_model::NpuModelArgs),
     /// The QNN library for the NPU path: its provider, API versions and build id, the context
     /// cache, and a one-layer self-check against llmd's reference arithmetic (no daemon needed).
     NpuInfo(llmctl::npu::NpuArgs),
@@ -101,6 +105,7 @@ fn main() -> ExitCode {
         Command::Models(cli::ModelsArgs { local: Some(path) }) => cli::models_local(path),
         Command::Perplexity(args) => modeltools::perplexity(args),
         Command::NpuAccuracy(args) => modeltools::npu_accuracy(args),
+        Command::NpuModel(args) => llmctl::npu_model::run(args),
         Command::NpuInfo(args) => llmctl::npu::info(args),
         Command::GpuInfo(args) => llmctl::gpu::info(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
@@ -115,6 +120,7 @@ fn main() -> ExitCode {
             | Command::Convert(_)
             | Command::Perplexity(_)
             | Command::NpuAccuracy(_)
+            | Command::NpuModel(_)
             | Command::NpuInfo(_)
             | Command::GpuInfo(_) => Ok(()),
         }),
