@@ -169,3 +169,67 @@ fn a_reader_that_goes_away_ends_llmctl_quietly_as_sigpipe_would() {
     assert!(!e.contains("panicked"), "llmctl panicked on a broken pipe: {e}");
     assert_eq!(o.status.code(), Some(llmctl::output::BROKEN_PIPE_STATUS), "status {:?}: {e}", o.status);
 }
+
+/// `llmctl npu-accuracy`: the table's JSON on a short text (the default model, built-in
+/// calibration), W8A8 clearly worse than shadow execution; bad arguments refused in one line.
+#[test]
+fn npu_accuracy_compares_schemes_and_refuses_bad_arguments() {
+    let m = model();
+    let m = m.to_str().expect("utf-8 path");
+    let text = std::env::temp_dir().join(format!("llmd-acc-{}.txt", std::process::id()));
+    let para = "The history of computing is a story of machines that grew smaller while their reach grew larger. \
+                Early computers filled whole rooms and were tended by teams who fed them punched cards. ";
+    std::fs::write(&text, para.repeat(12)).expect("write");
+    let t = text.to_str().expect("path");
+    let o = llmctl(&[
+        "npu-accuracy",
+        "--model",
+        m,
+        "--text",
+        t,
+        "--tokens",
+        "256",
+        "--ctx",
+        "128",
+        "--chunk",
+        "64",
+        "--schemes",
+        "w8a8,shadow-0",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let rows = v["schemes"].as_array().expect("schemes");
+    let ppl =
+        |name: &str| rows.iter().find(|r| r["scheme"] == name).and_then(|r| r["perplexity"].as_f64()).expect(name);
+    assert_eq!(rows.len(), 3, "float first, then the two asked for");
+    assert!(ppl("float") > 1.0 && ppl("shadow-0") < ppl("w8a8"), "{v}");
+    assert!(rows.iter().all(|r| (0.0..=1.0).contains(&r["agreement"].as_f64().unwrap_or(-1.0))));
+    for (args, needle) in [
+        (vec!["npu-accuracy", "--model", m, "--text", t, "--schemes", "int4"], "unknown scheme"),
+        (vec!["npu-accuracy", "--model", m, "--text", t, "--schemes", "shadow-150"], "outside 0..=100"),
+        (
+            vec!["npu-accuracy", "--model", m, "--text", t, "--calibration", t, "--tokens", "128", "--ctx", "64"],
+            "overlap",
+        ),
+        (vec!["npu-model", "--prune", "2"], "between 0 and 1"),
+    ] {
+        let o = llmctl(&args);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(e.contains(needle), "{args:?}: {e:?} does not mention {needle:?}");
+    }
+    let _ = std::fs::remove_file(text);
+}
+
+/// `llmctl npu-model --json`: labelled modelled, out of order never slower than in order.
+#[test]
+fn npu_model_is_labelled_modelled_and_out_of_order_never_loses() {
+    let o = llmctl(&["npu-model", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["labelled"], "modelled");
+    for r in v["scheduler"].as_array().expect("scheduler rows") {
+        assert!(r["ooe_makespan_s"].as_f64() <= r["in_order_makespan_s"].as_f64(), "{r}");
+    }
+}
