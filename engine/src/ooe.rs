@@ -102,6 +102,9 @@ pub enum Policy {
     OutOfOrder,
     /// Each processor in chunk-major model order, waiting for its next subgraph.
     InOrder,
+    /// Any ready subgraph, picked pseudo-randomly from this seed: a legal schedule of its own
+    /// (tests run many, to show that every legal order gives the same result).
+    Random(u64),
 }
 
 /// Which subgraphs are ready, issued and done, and the pick.
@@ -115,6 +118,8 @@ pub struct Scheduler<'a> {
     finished: usize,
     /// InOrder: each processor's next position in model order.
     cursor: [usize; 2],
+    /// Random: the generator's state.
+    rng: u64,
 }
 
 fn pi(p: Proc) -> usize {
@@ -131,7 +136,11 @@ impl<'a> Scheduler<'a> {
         for j in dag.in_model_order() {
             waiting[Self::ix(dag, j)] = dag.deps(j).len();
         }
-        Self { dag, policy, waiting, issued: vec![false; n], done: vec![false; n], finished: 0, cursor: [0, 0] }
+        let rng = match policy {
+            Policy::Random(seed) => seed ^ 0x9E37_79B9_7F4A_7C15,
+            _ => 0,
+        };
+        Self { dag, policy, waiting, issued: vec![false; n], done: vec![false; n], finished: 0, cursor: [0, 0], rng }
     }
 
     fn ix(dag: &Dag, j: Job) -> usize {
@@ -184,6 +193,11 @@ impl<'a> Scheduler<'a> {
                     }
                 }
                 best.map(|b| b.1)
+            }
+            Policy::Random(_) => {
+                let r = self.ready(p);
+                self.rng = self.rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (!r.is_empty()).then(|| r[(self.rng >> 33) as usize % r.len()])
             }
             Policy::InOrder => {
                 let c = &mut self.cursor[pi(p)];

@@ -294,7 +294,8 @@ impl Pass<'_> {
 
     /// The attention subgraph of layer `li` (`li` names it to `capture`); the keys and values go
     /// to layer `kv_layer` of each sequence's cache (a device holding one layer per cache
-    /// passes 0).
+    /// passes 0). Its three parts — [`Self::attn_qkv`], [`Self::attn_core`], [`Self::attn_out`]
+    /// — are also run apart, as llm.npu's subgraphs (`crate::prefill_ooe`).
     pub fn attention(
         &self,
         st: &mut PassState,
@@ -302,22 +303,47 @@ impl Pass<'_> {
         li: usize,
         kv_layer: usize,
         w: AttnWeights,
-        mut capture: Option<Capture>,
+        capture: Option<Capture>,
     ) -> Result<(), BackendError> {
-        let c = self.c;
-        let n = st.n;
-        let (qd, kvd) = (c.q_dim(), c.kv_dim());
-        let PassState { x, buf, .. } = st;
-        let Scratch { h, q, k, v, attn, o, .. } = buf;
         // The caches' next rows, fetched while Q, K and V are computed (B=8 pass ~1–2% faster,
         // measured alternating pass by pass: the append had waited ~0.6 ms per pass on them).
-        // Not for one-token steps into f16 caches: attention appends those in its parallel
-        // step (see `CpuBackend::attention_many`).
+        Self::prepare_append(st, batch, kv_layer);
+        match capture {
+            Some(f) => {
+                self.attn_qkv(st, li, w, Some(&mut *f))?;
+                self.attn_core(st, batch, kv_layer, w)?;
+                self.attn_out(st, li, w, Some(f))
+            }
+            None => {
+                self.attn_qkv(st, li, w, None)?;
+                self.attn_core(st, batch, kv_layer, w)?;
+                self.attn_out(st, li, w, None)
+            }
+        }
+    }
+
+    /// Fetches the caches' next rows for layer `kv_layer`. Not for one-token steps into f16
+    /// caches: attention appends those in its parallel step (see `CpuBackend::attention_many`).
+    pub(crate) fn prepare_append(st: &PassState, batch: &mut Batch, kv_layer: usize) {
         for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&st.spans) {
             if len > 1 || (len == 1 && kv.kv_type() != kv::KvType::F16) {
                 kv.prepare_append(kv_layer, len);
             }
         }
+    }
+
+    /// Attention's first part: the input norm, then the QKV group (and its biases).
+    pub fn attn_qkv(
+        &self,
+        st: &mut PassState,
+        li: usize,
+        w: AttnWeights,
+        mut capture: Option<Capture>,
+    ) -> Result<(), BackendError> {
+        let c = self.c;
+        let n = st.n;
+        let PassState { x, buf, .. } = st;
+        let Scratch { h, q, k, v, .. } = buf;
         h.copy_from_slice(x);
         self.op(OpKind::RmsNorm, n)?.rms_norm(h, w.norm, c.norm_eps)?;
         if let Some(f) = capture.as_mut() {
@@ -331,14 +357,29 @@ impl Pass<'_> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Attention's middle part: RoPE, then every sequence's attention over its own cache, which
+    /// receives the new keys and values first (in the step itself where the backend can).
+    pub fn attn_core(
+        &self,
+        st: &mut PassState,
+        batch: &mut Batch,
+        kv_layer: usize,
+        w: AttnWeights,
+    ) -> Result<(), BackendError> {
+        let c = self.c;
+        let n = st.n;
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let PassState { buf, positions, spans, .. } = st;
+        let Scratch { q, k, v, attn, .. } = buf;
         let rope_op = self.op(OpKind::Rope, n)?;
-        rope_op.rope(q, &st.positions, &c.rope(c.n_heads), w.rope_freqs)?;
-        rope_op.rope(k, &st.positions, &c.rope(c.n_kv_heads), w.rope_freqs)?;
-        // Every sequence's attention in one step, each over its own cache, which receives the
-        // new keys and values first (in the step itself where the backend can).
+        rope_op.rope(q, positions, &c.rope(c.n_heads), w.rope_freqs)?;
+        rope_op.rope(k, positions, &c.rope(c.n_kv_heads), w.rope_freqs)?;
         let mut items = Vec::with_capacity(batch.len());
         let mut rest: &mut [f32] = attn;
-        for ((kv, _), &(off, len, start)) in batch.iter_mut().zip(&st.spans) {
+        for ((kv, _), &(off, len, start)) in batch.iter_mut().zip(spans.iter()) {
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len * qd);
             rest = tail;
             if len > 0 {
@@ -360,10 +401,23 @@ impl Pass<'_> {
                 });
             }
         }
-        self.op(OpKind::Attention, n)?.attention_many(&mut items)?;
-        drop(items);
+        self.op(OpKind::Attention, n)?.attention_many(&mut items)
+    }
+
+    /// Attention's last part: the O group and the residual.
+    pub fn attn_out(
+        &self,
+        st: &mut PassState,
+        li: usize,
+        w: AttnWeights,
+        mut capture: Option<Capture>,
+    ) -> Result<(), BackendError> {
+        let c = self.c;
+        let n = st.n;
+        let PassState { x, buf, .. } = st;
+        let Scratch { attn, o, .. } = buf;
         if let Some(f) = capture.as_mut() {
-            f(li, CaptureSite::O, attn, qd);
+            f(li, CaptureSite::O, attn, c.q_dim());
         }
         self.group(li, CaptureSite::O, [w.wo], attn, n, [&mut o[..]])?;
         x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);

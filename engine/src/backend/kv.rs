@@ -372,6 +372,13 @@ impl KvCache {
         }
     }
 
+    /// Sets how many positions the cache holds: the out-of-order prefill (`model::ooe`) sets
+    /// it to a chunk's first position before that chunk's attention in a layer, whose earlier
+    /// chunks (and only they) have appended their keys and values there.
+    pub(crate) fn set_len(&mut self, len: usize) {
+        self.len = len;
+    }
+
     /// Counts `n` more positions as held (after a pass appended them to every layer; a device
     /// keeping one layer per cache, after its own append).
     pub(crate) fn advance(&mut self, n: usize) {

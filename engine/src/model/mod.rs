@@ -3,6 +3,7 @@
 
 pub use crate::backend::kv;
 pub use crate::config;
+mod ooe;
 mod placed;
 pub use placed::Devices;
 pub mod stream;

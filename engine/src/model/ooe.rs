@@ -1,0 +1,118 @@
+//! llm.npu's out-of-order prefill (§3.6) on real threads: a prompt's chunks each hold their own
+//! pass state, and every layer is three subgraphs per chunk — the input norm and QKV group
+//! (NPU), RoPE and attention into the KV cache (CPU; after the same layer's attention of the
+//! previous chunk), the O group, residual, norm, gate/up, SwiGLU and down (NPU) — which one NPU
+//! thread and one CPU thread take from the shared [`crate::ooe::Scheduler`] in whatever order
+//! it picks. The arithmetic of each subgraph is the in-order pass's own (`Pass::attn_qkv`,
+//! `attn_core`, `attn_out`, `ffn`), so every legal order gives the same bits.
+//!
+//! Decision (the authors' code's split): the element-wise work between the O and down groups
+//! runs with them as one NPU-thread subgraph, as llm.npu's "Part 2" graph fuses it on the NPU;
+//! here it is host arithmetic on that thread.
+
+use super::Transformer;
+use crate::backend::blocks::{Linears, Logits, Pass, PassState};
+use crate::backend::kv::KvCache;
+use crate::error::BackendError;
+use crate::ooe::{run_threads, Dag, Job, Policy, Proc, Timeline};
+use std::sync::Mutex;
+
+/// The three subgraphs of a layer, in order.
+pub const SUBGRAPHS_PER_LAYER: usize = 3;
+
+impl Transformer {
+    /// The chunk × subgraph graph [`Self::prefill_out_of_order`] runs for `chunks` chunks.
+    pub fn prefill_dag(&self, chunks: usize) -> Dag {
+        let mut specs = Vec::with_capacity(self.weights.layers.len() * SUBGRAPHS_PER_LAYER);
+        for l in 0..self.weights.layers.len() {
+            specs.push((format!("l{l}.norm_qkv"), Proc::Npu, false));
+            specs.push((format!("l{l}.attention"), Proc::Cpu, true));
+            specs.push((format!("l{l}.o_ffn"), Proc::Npu, false));
+        }
+        Dag::chain(chunks, specs)
+    }
+
+    /// Prefills `tokens` after what `kv` holds in chunks of `chunk` tokens, their subgraphs
+    /// run out of order across chunks under `policy` on an NPU thread (`linears`' groups) and a
+    /// CPU thread, scored with the profiled times `times` (llm.npu's T(G)); returns the last
+    /// token's logits and the timeline. `kv` ends as an in-order prefill leaves it.
+    pub fn prefill_out_of_order(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        chunk: usize,
+        linears: &dyn Linears,
+        policy: Policy,
+        times: &(dyn Fn(Job) -> f64 + Sync),
+    ) -> Result<(Vec<f32>, Timeline), BackendError> {
+        if self.devices.is_some() {
+            return Err(BackendError::Device(
+                "the NPU prefill runs on the host's caches: detach the devices first".into(),
+            ));
+        }
+        if chunk == 0 {
+            return Err(BackendError::Shape { op: "prefill", detail: "a chunk of 0 tokens".into() });
+        }
+        if tokens.is_empty() {
+            return Ok((Vec::new(), Timeline { runs: Vec::new(), makespan: 0.0 }));
+        }
+        let base = kv.len();
+        if base + tokens.len() > self.config.context_length {
+            return Err(BackendError::Shape {
+                op: "prefill",
+                detail: format!(
+                    "{} positions exceed the context of {}",
+                    base + tokens.len(),
+                    self.config.context_length
+                ),
+            });
+        }
+        kv.move_all_home()?;
+        let p = Pass { linears: Some(linears), ..self.pass() };
+        let w = &self.weights;
+        let parts: Vec<&[u32]> = tokens.chunks(chunk).collect();
+        let mut states = Vec::with_capacity(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            let start = base + i * chunk;
+            let mut st = PassState::new(
+                &self.shape,
+                part.to_vec(),
+                (start..start + part.len()).collect(),
+                vec![(0, part.len(), start)],
+            );
+            p.embed(&mut st, &w.token_embd)?;
+            states.push(Mutex::new(st));
+        }
+        let dag = self.prefill_dag(parts.len());
+        let kvm = Mutex::new(&mut *kv);
+        let work = |j: Job| -> Result<(), BackendError> {
+            let (li, part) = (j.sg / SUBGRAPHS_PER_LAYER, j.sg % SUBGRAPHS_PER_LAYER);
+            let (attn, ffn) = w.layers[li].blocks(w.rope_freqs.as_deref());
+            let mut st = states[j.chunk].lock().unwrap_or_else(|e| e.into_inner());
+            match part {
+                0 => p.attn_qkv(&mut st, li, attn, None),
+                1 => {
+                    let mut kv = kvm.lock().unwrap_or_else(|e| e.into_inner());
+                    // This layer holds exactly the earlier chunks' positions (the graph's
+                    // cross-chunk edge): the chunk appends after them.
+                    kv.set_len(base + j.chunk * chunk);
+                    let batch = &mut [(&mut **kv, parts[j.chunk])];
+                    Pass::prepare_append(&st, batch, li);
+                    p.attn_core(&mut st, batch, li, attn)
+                }
+                _ => {
+                    p.attn_out(&mut st, li, attn, None)?;
+                    p.ffn(&mut st, li, ffn, None)
+                }
+            }
+        };
+        let timeline = run_threads(&dag, policy, times, &work)?;
+        let last = states.pop().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
+        let Some(last) = last else { return Ok((Vec::new(), timeline)) };
+        let tail = parts.last().copied().unwrap_or_default();
+        kv.set_len(base + tokens.len() - tail.len());
+        let out = p.finish(last, &mut [(kv, tail)], &w.output_norm, &w.output, Logits::Last)?.pop().unwrap_or_default();
+        w.check_files()?;
+        Ok((out, timeline))
+    }
+}
