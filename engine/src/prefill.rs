@@ -811,6 +811,8 @@ pub fn shadow_sites(
 #[derive(Clone, Debug)]
 pub struct Prepared {
     pub calibration_tokens: usize,
+    /// The calibration was read from the cache directory (else computed, and saved there).
+    pub calibration_cached: bool,
     pub calibrate_s: f64,
     pub quantize_s: f64,
     /// Building and finalizing (and storing), or loading from the cache.
@@ -893,7 +895,8 @@ pub fn prepare<'b>(
     cache_dir: Option<&std::path::Path>,
 ) -> Result<PreparedNpu<'b>, EngineError> {
     let t0 = std::time::Instant::now();
-    let cal = calibrate(t, calibration)?;
+    let (cal, calibration_cached) =
+        crate::backend::npu::calfile::load_or_calibrate(cache_dir, t, calibration, || calibrate(t, calibration))?;
     let calibrate_s = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();
     let sites = match q.shadow {
@@ -932,6 +935,7 @@ pub fn prepare<'b>(
     let shadow = shadow_sites(t, &groups, &cal, &sites, &q.shadow.unwrap_or_default(), cold.as_deref())?;
     let report = Prepared {
         calibration_tokens: calibration.len(),
+        calibration_cached,
         calibrate_s,
         quantize_s,
         context_s,

@@ -215,6 +215,9 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
     pb.finish_and_clear();
     let ppl = (total / count.max(1) as f64).exp();
     let secs = start.elapsed().as_secs_f64();
+    if let Some((n, _)) = &npu {
+        eprintln!("{}", crate::npu::shadow_summary(n));
+    }
     if a.json {
         crate::out!(
             "{}",

@@ -134,11 +134,12 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
     };
     let st = npu.shadow_stats();
     eprintln!(
-        "npu: {provider} ({}), {} graphs of {chunk} rows {how} in {:.2} s; calibration {} tokens {:.2} s, requantization {:.2} s; shadow execution at {} of {} sites ({:.1} MB of int8 rows in memory, {:.1} MB on storage)",
+        "npu: {provider} ({}), {} graphs of {chunk} rows {how} in {:.2} s; calibration {} tokens {} {:.2} s, requantization {:.2} s; shadow execution at {} of {} sites ({:.1} MB of int8 rows in memory, {:.1} MB on storage)",
         path.display(),
         npu.graph_names().len(),
         p.context_s,
         p.calibration_tokens,
+        if p.calibration_cached { "read from the cache in" } else { "run in" },
         p.calibrate_s,
         p.quantize_s,
         st.sites,
@@ -147,6 +148,26 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
         (st.total_bytes - st.resident_bytes.min(st.total_bytes)) as f64 / 1e6
     );
     Ok((npu, chunk))
+}
+
+/// One line on shadow execution's work so far (for the end of a run).
+pub fn shadow_summary(npu: &NpuLinears<'_>) -> String {
+    let s = npu.shadow_stats();
+    format!(
+        "shadow execution: {} of {} sites; {} of {} chunk runs found outliers ({} values, {} channel rows); {} saturated outputs recomputed; weight rows: {} hot (in memory), {} cold read ({:.1} KB); {:.1} MB of {:.1} MB held in memory",
+        s.sites,
+        s.all_sites,
+        s.chunks_with_outliers,
+        s.chunks,
+        s.outlier_elements,
+        s.outlier_channels,
+        s.saturated_outputs,
+        s.hot_rows_used,
+        s.cold_rows_read,
+        s.cold_bytes_read as f64 / 1e3,
+        s.resident_bytes as f64 / 1e6,
+        s.total_bytes as f64 / 1e6
+    )
 }
 
 /// `llmctl npu-info`.

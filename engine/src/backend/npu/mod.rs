@@ -10,6 +10,7 @@
 //!   quantization, chunk size, chip and library.
 
 pub mod cache;
+pub mod calfile;
 pub mod graph;
 pub mod quant;
 pub mod shadow;
