@@ -123,6 +123,8 @@ struct Status {
     /// The jobs' modelled NPU time (see [`JobSpan::modelled_ns`]).
     modelled_ns: u64,
     recent: VecDeque<JobSpan>,
+    /// Shadow outlier execution's counters of the model that ran last.
+    shadow: Option<(String, llmd_engine::prefill::ShadowStats)>,
 }
 
 /// The daemon's handle of the NPU thread (see the module doc).
@@ -355,6 +357,22 @@ impl Npu {
                 s.busy.as_secs_f64(),
                 s.modelled_ns as f64 / 1e9
             ));
+            if let Some((model, st)) = &s.shadow {
+                out.push_str(&format!(
+                    "  shadow {model}: {} of {} sites; {} of {} chunk runs found outliers ({} values); {} saturated outputs recomputed; rows {} hot, {} cold read ({} B); {} of {} B held in memory\n",
+                    st.sites,
+                    st.all_sites,
+                    st.chunks_with_outliers,
+                    st.chunks,
+                    st.outlier_elements,
+                    st.saturated_outputs,
+                    st.hot_rows_used,
+                    st.cold_rows_read,
+                    st.cold_bytes_read,
+                    st.resident_bytes,
+                    st.total_bytes
+                ));
+            }
             for j in &s.recent {
                 out.push_str(&format!(
                     "  npu_job request={} tokens={} start_ms={} end_ms={} ok={} modelled_ms={:.1}\n",
@@ -382,6 +400,7 @@ impl Status {
             busy: Duration::ZERO,
             modelled_ns: 0,
             recent: VecDeque::new(),
+            shadow: None,
         }
     }
 }
@@ -499,11 +518,13 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                         job(Ok(l as &dyn Linears));
                         // The job's span is the last one recorded: give it its modelled time.
                         let modelled = l.stats().1.saturating_sub(before);
+                        let name = r.model.upgrade().map(|m| m.name.clone()).unwrap_or_default();
                         let mut s = lock(status);
                         s.modelled_ns += modelled;
                         if let Some(span) = s.recent.back_mut() {
                             span.modelled_ns = modelled;
                         }
+                        s.shadow = Some((name, l.shadow_stats()));
                     }),
                     None => {
                         job(Err("the model's NPU graphs are not loaded".into()));
