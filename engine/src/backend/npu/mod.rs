@@ -10,7 +10,6 @@
 //!   quantization, chunk size, chip and library.
 
 pub mod cache;
-pub mod calfile;
 pub mod graph;
 pub mod quant;
 pub mod shadow;

@@ -16,6 +16,8 @@
 //! outliers outright); biases stay on the CPU in float (added after the graph, as for the CPU's
 //! matmuls), so the graphs the model uses are bias-free even for Qwen2's QKV.
 
+pub mod calfile;
+
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::npu::graph::{build_linear_group, graph_name, run_linear_group, LinearGroup, Projection};
 use crate::backend::npu::quant::{ActQuant, QuantWeights};
@@ -896,7 +898,7 @@ pub fn prepare<'b>(
 ) -> Result<PreparedNpu<'b>, EngineError> {
     let t0 = std::time::Instant::now();
     let (cal, calibration_cached) =
-        crate::backend::npu::calfile::load_or_calibrate(cache_dir, t, calibration, || calibrate(t, calibration))?;
+        calfile::load_or_calibrate(cache_dir, t, calibration, || calibrate(t, calibration))?;
     let calibrate_s = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();
     let sites = match q.shadow {
