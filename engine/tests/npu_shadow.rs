@@ -203,3 +203,39 @@ fn an_output_the_npu_saturated_is_recomputed_in_float() {
     let top = f64::from(ohi.max(-olo)) * f64::from(p.gain.as_ref().map_or(1.0, |g| g[0]));
     eprintln!("output 0: {want:.3}, past the NPU's range (±{top:.3}); {st:?}");
 }
+
+#[test]
+fn cold_rows_live_in_a_file_that_is_reused_only_while_it_holds_these_rows() {
+    let m = common::default_model();
+    let cal = calibration();
+    let sites = cal.shadow_sites(llmd_engine::prefill::DEFAULT_PRUNE);
+    let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &sites).expect("quantizes");
+    let flat: Vec<LinearGroup> = groups.iter().flatten().cloned().collect();
+    let dir = std::env::temp_dir().join(format!("llmd-cold-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("rows.shadow");
+    let config = ShadowConfig::default();
+    let made = shadow_sites(&m.transformer, &flat, &cal, &sites, &config, Some(&path)).expect("sites");
+    let rows: usize = made.iter().flatten().map(|s| s.weights.k * s.weights.n()).sum();
+    let resident: usize = made.iter().flatten().map(|s| s.weights.resident_bytes()).sum();
+    let len = std::fs::metadata(&path).expect("the file").len();
+    assert_eq!(len, rows as u64 + 8, "the rows and an 8-byte trailer");
+    assert!(resident * 10 < rows, "{resident} B of {rows} B in memory: the hot rows only");
+    let mtime = std::fs::metadata(&path).and_then(|m| m.modified()).expect("mtime");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    shadow_sites(&m.transformer, &flat, &cal, &sites, &config, Some(&path)).expect("again");
+    assert_eq!(std::fs::metadata(&path).and_then(|m| m.modified()).expect("mtime"), mtime, "a sound file is reused");
+    // A damaged trailer (or another model's rows of the same length) is rewritten.
+    let mut bytes = std::fs::read(&path).expect("read");
+    let n = bytes.len();
+    bytes[n - 6] ^= 0xFF;
+    std::fs::write(&path, &bytes).expect("write");
+    shadow_sites(&m.transformer, &flat, &cal, &sites, &config, Some(&path)).expect("rewritten");
+    let again = std::fs::read(&path).expect("read");
+    assert_ne!(again[n - 6], bytes[n - 6], "the trailer was rewritten");
+    // Without a cache directory the rows still leave memory (an unlinked scratch file).
+    let scratch = shadow_sites(&m.transformer, &flat, &cal, &sites, &config, None).expect("scratch");
+    let resident2: usize = scratch.iter().flatten().map(|s| s.weights.resident_bytes()).sum();
+    assert_eq!(resident2, resident);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -3,18 +3,20 @@
 //! KV cache), SwiGLU and the head stay on the CPU in float — llm.npu's split. The CPU then decodes
 //! from the same cache: nothing is copied between the two.
 //!
-//! - [`calibrate`]: one pass of calibration text on the CPU; the range of each group's input and
-//!   of each projection's output (before its bias) per layer.
-//! - [`quantized_groups`]: the model's weights, dequantized and requantized to int8 (per tensor,
-//!   llm.npu's choice, or per output channel), with the calibrated activation quantizations.
-//! - [`NpuLinears`]: those groups' graphs built and finalized in one QNN context, run chunk by
-//!   chunk (a short last chunk padded with the input's zero point; its rows are dropped).
+//! - [`calibrate`]: two passes of calibration text on the CPU — each group's input range, its
+//!   outlier threshold τ, per-channel ranges, each projection's output ranges; then each
+//!   channel's count of values past ±τ ([`SiteRanges`]). Saved with the NPU artefacts
+//!   ([`calfile`]).
+//! - [`quantized_groups`]: the model's weights requantized to int8 ([`WeightQuant`]), inputs
+//!   8-bit over the clipped range where shadow execution runs and the whole range elsewhere.
+//! - [`NpuLinears`]: those groups' graphs in one QNN context, run chunk by chunk (a short last
+//!   chunk padded with the input's zero point; its rows are dropped), with llm.npu's shadow
+//!   outlier execution at the sites [`Calibration::shadow_sites`] keeps ([`shadow_sites`]).
+//! - [`prepare`]: all of it, from the caches where they hold it.
 //!
-//! Decisions where llm.npu is silent or differs: activation ranges are the calibration's min
-//! and max (no clipping: llm.npu clips and runs the outliers on the CPU — shadow outlier
-//! execution, issue 30 — which this path does not have yet, and clipping without it loses the
-//! outliers outright); biases stay on the CPU in float (added after the graph, as for the CPU's
-//! matmuls), so the graphs the model uses are bias-free even for Qwen2's QKV.
+//! Biases stay on the CPU in float (added after the graph, as for the CPU's matmuls), so the
+//! graphs the model uses are bias-free even for Qwen2's QKV. The decisions where llm.npu is
+//! silent are in docs/DECISIONS.md ("llm.npu on the NPU path").
 
 pub mod calfile;
 
@@ -745,6 +747,51 @@ impl Linears for NpuLinears<'_> {
     }
 }
 
+/// The last bytes of a cold-rows file: the CRC-32 of its rows, then this.
+const COLD_MAGIC: &[u8; 4] = b"LSH1";
+
+/// The cold-rows file at `path` for `cms` (`total` bytes of rows, back to back): reused when its
+/// trailer names these very rows, else written (atomically); opened, and unlinked if asked.
+fn cold_file(
+    path: &std::path::Path,
+    cms: &[Option<crate::backend::npu::shadow::ChannelMajor>],
+    total: usize,
+    unlink: bool,
+) -> std::io::Result<std::fs::File> {
+    let mut crc = crc32fast::Hasher::new();
+    for c in cms.iter().flatten() {
+        crc.update(&c.rows.iter().map(|&v| v as u8).collect::<Vec<u8>>());
+    }
+    let mut trailer = crc.finalize().to_le_bytes().to_vec();
+    trailer.extend_from_slice(COLD_MAGIC);
+    let sound = || -> std::io::Result<bool> {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(path)?;
+        if f.metadata()?.len() != (total + trailer.len()) as u64 {
+            return Ok(false);
+        }
+        let mut t = vec![0u8; trailer.len()];
+        f.read_exact_at(&mut t, total as u64)?;
+        Ok(t == trailer)
+    };
+    if !sound().unwrap_or(false) {
+        let tmp = path.with_extension("tmp");
+        let mut bytes = Vec::with_capacity(total + trailer.len());
+        for c in cms.iter().flatten() {
+            bytes.extend(c.rows.iter().map(|&v| v as u8));
+        }
+        bytes.extend_from_slice(&trailer);
+        std::fs::write(&tmp, &bytes).and_then(|()| std::fs::rename(&tmp, path)).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })?;
+    }
+    let f = std::fs::File::open(path)?;
+    if unlink {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(f)
+}
+
 /// The shadow half of every group `sites` marks (layer-major, one entry per group of
 /// `groups`, which still hold their int8 weights): channel-major rows, the channels that cover
 /// `config.hot_coverage` of calibration's outliers kept in memory and every row written to
@@ -770,23 +817,30 @@ pub fn shadow_sites(
         cms.push(Some(ShadowWeights::channel_major(&projs)?));
     }
     let total: usize = cms.iter().flatten().map(|c| c.rows.len()).sum();
-    let file = match cold {
-        Some(path) if total > 0 => {
-            let fresh = std::fs::metadata(path).map(|m| m.len() != total as u64).unwrap_or(true);
-            if fresh {
-                let tmp = path.with_extension("tmp");
-                let mut bytes = Vec::with_capacity(total);
-                for c in cms.iter().flatten() {
-                    bytes.extend(c.rows.iter().map(|&v| v as u8));
-                }
-                std::fs::write(&tmp, &bytes)
-                    .and_then(|()| std::fs::rename(&tmp, path))
-                    .map_err(|e| NpuError::Quantization(format!("{}: {e}", path.display())))?;
-            }
-            Some(std::sync::Arc::new(
-                std::fs::File::open(path).map_err(|e| NpuError::Quantization(format!("{}: {e}", path.display())))?,
-            ))
+    // Without a cache directory the rows go to a temporary file, unlinked once open: holding
+    // them all in memory would be half a second int8 copy of the model at the default pruning.
+    let scratch;
+    let (cold, unlink) = match cold {
+        Some(p) => (Some(p), false),
+        None if total > 0 => {
+            static SEQ: AtomicU64 = AtomicU64::new(0);
+            scratch = std::env::temp_dir().join(format!(
+                "llmd-shadow-{}-{}.bin",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::Relaxed)
+            ));
+            (Some(scratch.as_path()), true)
         }
+        None => (None, false),
+    };
+    let file = match cold {
+        Some(path) if total > 0 => match cold_file(path, &cms, total, unlink) {
+            Ok(f) => Some(std::sync::Arc::new(f)),
+            Err(e) => {
+                tracing::warn!(file = %path.display(), "shadow rows kept in memory, the file failed: {e}");
+                None
+            }
+        },
         _ => None,
     };
     let mut offset = 0u64;
