@@ -435,7 +435,9 @@ impl SimLinears {
                     let mut tmp = vec![0f32; len];
                     fake_quant(q, &row[at..at + len], &mut tmp);
                     for ((v, t), s) in row[at..at + len].iter_mut().zip(&tmp).zip(&mut sat[at..at + len]) {
-                        *s = *v < lo + q.scale * 0.5 || *v > hi - q.scale * 0.5;
+                        // The first or last code, unless it is the zero point (the NPU path's rule).
+                        *s = (*v < lo + q.scale * 0.5 && q.zero_point != 0)
+                            || (*v > hi - q.scale * 0.5 && q.zero_point != q.max_code());
                         *v = *t;
                     }
                     at += len;

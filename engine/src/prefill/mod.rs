@@ -681,32 +681,41 @@ impl Linears for NpuLinears<'_> {
             let xs = &x[start * k..(start + m) * k];
             g.input.quantize(xs, &mut xq[..m * k]);
             xq[m * k..].fill(zero);
-            let ys = {
+            // The NPU's graph, and beside it on another thread the outliers' extraction and
+            // product (llm.npu: the CPU works while the NPU runs the graph).
+            let run_graph = || -> Result<Vec<Vec<u16>>, BackendError> {
                 let mut graph = b.graph.lock().unwrap_or_else(|e| e.into_inner());
                 let ys =
                     run_linear_group(&mut graph, g, chunk, &xq).map_err(|e| BackendError::Device(e.to_string()))?;
                 if let Some((last, _)) = self.lib.modelled_ns(&graph) {
                     self.modelled_ns.fetch_add(last, Ordering::Relaxed);
                 }
-                ys
+                Ok(ys)
             };
-            self.executions.fetch_add(1, Ordering::Relaxed);
-            // The outliers' product (on a phone: on the CPU while the NPU runs the graph).
-            let shadow = match &b.shadow {
-                Some(s) => {
-                    let o = extract(xs, k, &g.input);
-                    self.shadow.chunks.fetch_add(1, Ordering::Relaxed);
-                    if o.elements > 0 {
-                        self.shadow.chunks_with_outliers.fetch_add(1, Ordering::Relaxed);
-                        self.shadow.elements.fetch_add(o.elements as u64, Ordering::Relaxed);
-                        self.shadow.channels.fetch_add(o.channels.len() as u64, Ordering::Relaxed);
-                        Some((s, Some(s.weights.product(&o, 1).map_err(|e| BackendError::Device(e.to_string()))?)))
-                    } else {
-                        Some((s, None))
-                    }
+            let shadow_part = |s: &ShadowSite| -> Result<Option<Vec<f32>>, BackendError> {
+                let o = extract(xs, k, &g.input);
+                self.shadow.chunks.fetch_add(1, Ordering::Relaxed);
+                if o.elements == 0 {
+                    return Ok(None);
                 }
-                None => None,
+                self.shadow.chunks_with_outliers.fetch_add(1, Ordering::Relaxed);
+                self.shadow.elements.fetch_add(o.elements as u64, Ordering::Relaxed);
+                self.shadow.channels.fetch_add(o.channels.len() as u64, Ordering::Relaxed);
+                s.weights.product(&o, 1).map(Some).map_err(|e| BackendError::Device(e.to_string()))
             };
+            let (ys, shadow) = match &b.shadow {
+                Some(s) => std::thread::scope(|sc| {
+                    let beside = sc.spawn(|| shadow_part(s));
+                    let ys = run_graph();
+                    let prod = beside
+                        .join()
+                        .unwrap_or_else(|_| Err(BackendError::Device("the shadow product panicked".into())));
+                    (ys, prod.map(|p| Some((s, p))))
+                }),
+                None => (run_graph(), Ok(None)),
+            };
+            let (ys, shadow) = (ys?, shadow?);
+            self.executions.fetch_add(1, Ordering::Relaxed);
             let nt = shadow.as_ref().map_or(0, |(s, _)| s.weights.n());
             let mut col = 0;
             for (pi, ((p, y), out)) in g.projections.iter().zip(&ys).zip(outs.iter_mut()).enumerate() {
@@ -726,7 +735,9 @@ impl Linears for NpuLinears<'_> {
                     for (r, row) in out.chunks_exact_mut(w).enumerate() {
                         for (o, v) in row.iter_mut().enumerate() {
                             let code = y[r * w + o];
-                            if s.recompute_saturated && (code == 0 || code == top) {
+                            // A code at either end, unless it is the zero point (an exact 0).
+                            let extreme = (code == 0 || code == top) && i32::from(code) != p.output.zero_point;
+                            if s.recompute_saturated && extreme {
                                 // Saturated: the whole product in float, on the CPU's weights.
                                 let cpu = &s.cpu[pi];
                                 wrow.resize(cpu.cols, 0.0);

@@ -188,9 +188,12 @@ impl QuantWeights {
         let WeightScales::PerChannel(scales) = &per.scales else {
             return Err(NpuError::Quantization("per-channel scales expected".into()));
         };
-        let top = scales.iter().copied().fold(0f32, f32::max);
+        // A row of zeros has codes 0 whatever its scale (`quantize` gives it 1.0): it must not
+        // set the graph's scale, and takes the graph's own (gain 1).
+        let zero_row = |o: usize| w[o * cols..(o + 1) * cols].iter().all(|&v| v == 0.0);
+        let top = (0..rows).filter(|&o| !zero_row(o)).map(|o| scales[o]).fold(0f32, f32::max);
         let top = if top > 0.0 { top } else { 1.0 };
-        let gains = scales.iter().map(|s| s / top).collect();
+        let gains = (0..rows).map(|o| if zero_row(o) { 1.0 } else { scales[o] / top }).collect();
         Ok((Self { rows, cols, q: per.q, scales: WeightScales::PerTensor(top) }, gains))
     }
 }
@@ -271,6 +274,19 @@ mod tests {
         assert_eq!(c.q, vec![64, -127, 32, 127, -64, 0]);
         assert!(QuantWeights::quantize(&w, 4, 3, false).is_err());
         assert!(QuantWeights::quantize(&[f32::INFINITY], 1, 1, false).is_err());
+    }
+
+    #[test]
+    fn folded_weights_keep_each_channels_scale_and_ignore_zero_rows() {
+        let w = [0.5, -1.0, 0.0, 0.0, 0.1, -0.05];
+        let (q, gains) = QuantWeights::quantize_folded(&w, 3, 2).expect("folded");
+        assert_eq!(q.scales, WeightScales::PerTensor(1.0 / 127.0));
+        assert_eq!(q.q, vec![64, -127, 0, 0, 127, -64]);
+        assert_eq!(gains[1], 1.0, "a zero row takes the graph's scale");
+        assert!((gains[2] - 0.1).abs() < 1e-6, "{gains:?}");
+        // Code × graph scale × gain is each channel's own dequantization.
+        let real = f32::from(q.q[4]) * (1.0 / 127.0) * gains[2];
+        assert!((real - 0.1).abs() < 1e-6);
     }
 
     #[test]
