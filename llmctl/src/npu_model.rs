@@ -182,7 +182,7 @@ pub fn run(a: &NpuModelArgs) -> Result<(), String> {
     let s = QWEN1_5_1_8B;
     let mut out = serde_json::Map::new();
     let header = format!(
-        "MODELLED, not measured: {} shapes on the Snapdragon 8 Gen 3 profile (NPU: the emulator's cost model; CPU: {:.0} GFLOP/s attention, {:.0} G values/s element-wise; shadow hand-off {:.0} µs; graph build {:.2} s)",
+        "MODELLED, not measured: {} shapes on the Snapdragon 8 Gen 3 profile (NPU: the emulator's cost model; CPU: {:.0} GFLOP/s attention, {:.0} G values/s element-wise; NPU→CPU hand-off {:.0} µs; graph build {:.2} s)",
         s.name,
         CPU_ATTN_FLOPS / 1e9,
         CPU_ELEMS_PER_S / 1e9,
