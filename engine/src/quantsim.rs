@@ -8,9 +8,10 @@
 //!
 //! The schemes ([`Scheme`]):
 //! - `Float`: the model's weights dequantized to f32, f32 activations (the reference).
-//! - `W8`: per-tensor int8 weights, f32 activations (the weights' share of the error).
-//! - `W8A8`: per-tensor int8 weights, 8-bit activations over the calibration's whole range,
-//!   16-bit outputs (the NPU path before shadow execution).
+//! - `W8`: int8 weights (per tensor, or per channel unless [`SimOptions::weights`] is
+//!   per-tensor), f32 activations (the weights' share of the error).
+//! - `W8A8`: the NPU path's int8 weights, 8-bit activations per tensor over the calibration's
+//!   whole range, 16-bit outputs (the NPU path without shadow execution).
 //! - `SmoothQuant`: activations divided and weights multiplied per input channel by
 //!   `max|x_j|^α / max|W_j|^(1−α)`, then W8A8 (Xiao et al.; α = 0.5 in llm.npu's comparison).
 //! - `LlmInt8`: LLM.int8()'s decomposition (Dettmers et al.): the input channels holding a value
