@@ -106,7 +106,15 @@ impl Transformer {
                 }
             }
         };
-        let timeline = run_threads(&dag, policy, times, &work)?;
+        let timeline = match run_threads(&dag, policy, times, &work) {
+            Ok(t) => t,
+            Err(e) => {
+                // Layers hold different numbers of the prompt's positions: cut every one back.
+                kv.set_len(base);
+                kv.truncate(base);
+                return Err(e);
+            }
+        };
         let last = states.pop().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
         let Some(last) = last else { return Ok((Vec::new(), timeline)) };
         let tail = parts.last().copied().unwrap_or_default();

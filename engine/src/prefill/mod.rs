@@ -402,7 +402,12 @@ pub fn quantized_groups(
                         .zip(maxs)
                         .zip(g)
                         .fold((0f32, 0f32), |(lo, hi), ((&a, &b), &g)| (lo.min(a / g), hi.max(b / g))),
-                    _ => r.outputs.get(i).copied().unwrap_or((0.0, 0.0)),
+                    // No per-channel ranges: the overall one, over the smallest gain.
+                    _ => {
+                        let (lo, hi) = r.outputs.get(i).copied().unwrap_or((0.0, 0.0));
+                        let m = gain.as_ref().map_or(1.0, |g| g.iter().copied().fold(1.0f32, f32::min).max(1e-6));
+                        (lo / m, hi / m)
+                    }
                 };
                 projs.push(Projection {
                     name: name.into(),
