@@ -12,6 +12,7 @@ pub mod error;
 pub mod format;
 pub mod fuzzing;
 pub mod generate;
+pub mod hetero;
 pub mod model;
 pub mod ooe;
 pub mod prefill;

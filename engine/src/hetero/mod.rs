@@ -1,0 +1,17 @@
+//! HeteroLLM (Chen et al., arXiv 2501.14794): one matmul cut across the NPU and the GPU,
+//! fast synchronisation between them, a solver that picks each cut, and a SoC simulator
+//! that drives the same solver to tell how a phone should run a model.
+//!
+//! - [`partition`]: the cuts (row, sequence, multi-sequence, hybrid) as rectangles of one
+//!   output buffer, and their execution on two processors without merge copies;
+//! - [`soc`]: SoC profiles (`engine/data/socs.toml`) and the cost of a matmul on each processor;
+//! - [`solver`]: the paper's objective, per matmul;
+//! - [`sim`]: a whole prefill and decode on a modelled SoC — HeteroLLM's strategies, llm.npu's
+//!   INT8 chunked prefill beside them;
+//! - [`sync`]: the predicted-sleep-then-poll waiter and the fixed buffer pool.
+
+pub mod partition;
+pub mod sim;
+pub mod soc;
+pub mod solver;
+pub mod sync;
