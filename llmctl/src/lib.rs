@@ -13,3 +13,5 @@ pub mod npu;
 pub mod npu_model;
 pub mod output;
 pub mod paths;
+pub mod plan;
+pub mod sync_bench;

@@ -53,6 +53,15 @@ enum Command {
     /// graphs, out-of-order vs in-order scheduling, prefill tok/s by pruning rate (the engine's
     /// scheduler in a discrete-event simulation over the emulator's cost model).
     NpuModel(llmctl::npu_model::NpuModelArgs),
+    /// How a phone SoC should run a model, MODELLED (HeteroLLM's solver and simulator over a
+    /// SoC profile): per operator placement and cut, prefill and decode rates, weights per
+    /// processor, graphs to pre-build, INT8 (llm.npu) vs float (HeteroLLM) prefill with a
+    /// recommendation; `--paper` prints the paper's figures beside the model's.
+    Plan(llmctl::plan::PlanArgs),
+    /// Fast synchronisation on this machine, MEASURED: wake latency and CPU time of
+    /// predicted-sleep-then-poll against a condition variable and against sleeping, for
+    /// emulated kernels of 100–1000 µs.
+    SyncBench(llmctl::sync_bench::SyncBenchArgs),
     /// The QNN library for the NPU path: its provider, API versions and build id, the context
     /// cache, and a one-layer self-check against llmd's reference arithmetic (no daemon needed).
     NpuInfo(llmctl::npu::NpuArgs),
@@ -106,6 +115,8 @@ fn main() -> ExitCode {
         Command::Perplexity(args) => modeltools::perplexity(args),
         Command::NpuAccuracy(args) => modeltools::npu_accuracy(args),
         Command::NpuModel(args) => llmctl::npu_model::run(args),
+        Command::Plan(args) => llmctl::plan::run(args),
+        Command::SyncBench(args) => llmctl::sync_bench::run(args),
         Command::NpuInfo(args) => llmctl::npu::info(args),
         Command::GpuInfo(args) => llmctl::gpu::info(args),
         cmd => client::connect(cli.socket.as_deref(), &cli.service).and_then(|conn| match cmd {
@@ -121,6 +132,8 @@ fn main() -> ExitCode {
             | Command::Perplexity(_)
             | Command::NpuAccuracy(_)
             | Command::NpuModel(_)
+            | Command::Plan(_)
+            | Command::SyncBench(_)
             | Command::NpuInfo(_)
             | Command::GpuInfo(_) => Ok(()),
         }),

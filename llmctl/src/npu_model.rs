@@ -172,6 +172,17 @@ fn shadow_by_depth(layers: usize, prune: f64) -> impl Fn(usize, usize) -> bool {
     move |l, s| keep_site[l][s]
 }
 
+/// llm.npu's INT8 chunked prefill of `prompt` tokens (chunks of `chunk`, out-of-order, shadow
+/// execution at pruning `prune` by depth), modelled: seconds, with every NPU graph's time
+/// divided by `npu_speed` (a SoC profile derived from the 8 Gen 3's).
+pub fn int8_prefill_s(s: Shape, prompt: usize, chunk: usize, prune: f64, npu_speed: f64) -> f64 {
+    let chunk = chunk.max(1);
+    let m = Model::new(s, chunk, prompt.max(1).div_ceil(chunk), &shadow_by_depth(s.layers, prune));
+    let speed = if npu_speed > 0.0 { npu_speed } else { 1.0 };
+    let t = |j: Job| if m.dag.specs[j.sg].proc == Proc::Npu { m.t(j) / speed } else { m.t(j) };
+    simulate(&m.dag, Policy::OutOfOrder, &t).makespan
+}
+
 pub fn run(a: &NpuModelArgs) -> Result<(), String> {
     if a.chunk == 0 || a.prompts.contains(&0) {
         return Err("--chunk and every --prompts length must be at least 1".into());

@@ -132,7 +132,8 @@ pub struct Pass {
     /// One layer's matmuls as placed, and the head.
     pub ops: Vec<Choice>,
     pub head: Choice,
-    /// Distinct NPU graph sizes used (to pre-build).
+    /// Distinct NPU graph sizes the layers' matmuls use (to pre-build; the head's, if on the
+    /// NPU, is the one-token decode graph).
     pub graphs: Vec<usize>,
     /// Bytes of weights each processor needs resident (NPU, GPU).
     pub npu_weight_bytes: f64,
@@ -225,8 +226,7 @@ impl<'a> Sim<'a> {
         let prepare_s = if strategy == Strategy::OnlinePrepare { self.soc.prepare_s(m) } else { 0.0 };
         let seconds = matmul_s + other_s + prepare_s;
         let tok_per_s = if phase == Phase::Prefill { tokens as f64 / seconds } else { 1.0 / seconds };
-        let mut graphs: Vec<usize> =
-            ops.iter().chain(std::iter::once(&head)).flat_map(|c| c.cut.npu.iter().map(|s| s.graph)).collect();
+        let mut graphs: Vec<usize> = ops.iter().flat_map(|c| c.cut.npu.iter().map(|s| s.graph)).collect();
         graphs.sort_unstable();
         graphs.dedup();
         let bpw = shape.bits / 8.0;

@@ -257,12 +257,14 @@ impl Soc {
     }
 
     /// The NPU's fp16 rate for `m` tokens (the graph's size) of a `k`→`n` matmul in the
-    /// transposed orientation: the reduce rate when the output is narrower than the input
-    /// (FFN-down), scaled by `(m / saturation)^exponent` below saturation (stage performance).
+    /// transposed orientation: the full rate scaled by `(m / saturation)^exponent` below
+    /// saturation (stage performance), capped at the reduce rate when the output is narrower
+    /// than the input (FFN-down after transposition).
     pub fn npu_rate(&self, m: usize, k: usize, n: usize) -> f64 {
-        let base = if n < k { self.npu.fp16_reduce_tflops } else { self.npu.fp16_tflops } * 1e12 * self.npu_speed;
         let sat = (m as f64 / self.npu.saturation_tokens as f64).min(1.0);
-        base * sat.powf(self.npu.stage_exponent)
+        let rate = self.npu.fp16_tflops * sat.powf(self.npu.stage_exponent);
+        let rate = if n < k { rate.min(self.npu.fp16_reduce_tflops) } else { rate };
+        rate * 1e12 * self.npu_speed
     }
 
     /// One NPU graph of `m` tokens computing `n` outputs of `k` inputs from weights of

@@ -70,7 +70,9 @@ impl Predictor {
     pub fn predict(&self, op: &str) -> Option<Duration> {
         self.by_op.get(op).map(|&s| Duration::from_secs_f64(s.max(0.0)))
     }
-    /// Records an observed duration of `op`.
+    /// Records a duration of `op`: from its submission to the completion time its producer
+    /// recorded (an OpenCL event's end, the NPU's execute returning) — not to when a waiter
+    /// noticed, which would teach the predictor the waiter's own lateness.
     pub fn observe(&mut self, op: &str, took: Duration) {
         let s = took.as_secs_f64();
         match self.by_op.get_mut(op) {
@@ -82,20 +84,48 @@ impl Predictor {
     }
 }
 
-/// Waits for `flag` to reach `seq` for a submission made at `submitted`: sleeps until
-/// `predicted − WAKE_MARGIN` after it (if that is still ahead), then polls.
-pub fn wait_predicted(flag: &Flag, seq: u64, submitted: Instant, predicted: Option<Duration>) -> WaitStats {
-    let mut st = WaitStats::default();
-    if let Some(p) = predicted {
-        let wake = submitted + p.saturating_sub(WAKE_MARGIN);
-        let now = Instant::now();
-        if wake > now && !flag.done(seq) {
-            std::thread::sleep(wake - now);
-            st.slept = now.elapsed();
-        }
+/// The predicted-sleep-then-poll waiter. It also learns how late its own sleeps wake (timer
+/// slack and scheduling: 50–70 µs on this Linux machine, 80–100 µs for `usleep` on the phones
+/// HeteroLLM measured) and wakes that much earlier, so oversleeping does not add to the wait.
+#[derive(Debug, Default)]
+pub struct Waiter {
+    /// Moving average of how far past its target a sleep woke, seconds.
+    oversleep: f64,
+}
+
+impl Waiter {
+    pub fn new() -> Self {
+        Self::default()
     }
-    poll(flag, seq, &mut st);
-    st
+
+    /// The learned oversleep.
+    pub fn oversleep(&self) -> Duration {
+        Duration::from_secs_f64(self.oversleep.max(0.0))
+    }
+
+    /// Waits for `flag` to reach `seq` for a submission made at `submitted`: sleeps until
+    /// `predicted − WAKE_MARGIN − oversleep` after it (if that is still ahead), then polls.
+    pub fn wait(&mut self, flag: &Flag, seq: u64, submitted: Instant, predicted: Option<Duration>) -> WaitStats {
+        let mut st = WaitStats::default();
+        if let Some(p) = predicted {
+            let wake = submitted + p.saturating_sub(WAKE_MARGIN + self.oversleep());
+            let now = Instant::now();
+            if wake > now && !flag.done(seq) {
+                std::thread::sleep(wake - now);
+                let woke = Instant::now();
+                st.slept = woke - now;
+                let late = woke.saturating_duration_since(wake).as_secs_f64();
+                self.oversleep += EWMA_WEIGHT * (late - self.oversleep);
+            }
+        }
+        poll(flag, seq, &mut st);
+        st
+    }
+}
+
+/// One wait by a fresh [`Waiter`] (no learned oversleep).
+pub fn wait_predicted(flag: &Flag, seq: u64, submitted: Instant, predicted: Option<Duration>) -> WaitStats {
+    Waiter::new().wait(flag, seq, submitted, predicted)
 }
 
 /// Sleep-only: sleeps the predicted duration, then in steps of `step` until the flag is set.
