@@ -10,6 +10,7 @@
 //!   INT8 chunked prefill beside them;
 //! - [`sync`]: the predicted-sleep-then-poll waiter and the fixed buffer pool.
 
+pub mod exec;
 pub mod partition;
 pub mod sim;
 pub mod soc;

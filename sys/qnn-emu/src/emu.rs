@@ -97,6 +97,15 @@ struct FcPlan {
     m: usize,
     k: usize,
     n: usize,
+    /// A float (fp16) FullyConnected: its weights as f32, and its bias (HeteroLLM's placement).
+    float: Option<FloatFc>,
+}
+
+#[derive(Clone, Debug)]
+struct FloatFc {
+    w: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    out_f16: bool,
 }
 
 struct GraphState {
@@ -408,6 +417,9 @@ fn plan_fc(g: &GraphState, node: &Node) -> Result<FcPlan, EmuError> {
     let t = |id: u32| g.tensor(id).expect("checked when the node was added");
     let (x, w, y) = (t(node.inputs[0]), t(node.inputs[1]), t(node.outputs[0]));
     let b = node.inputs.get(2).map(|&id| t(id));
+    if x.data_type == dt::FLOAT_16 {
+        return plan_fc_float(node, x, w, b, y);
+    }
     // The output may be 16-bit (int8 arithmetic, a finer requantization).
     let y_want = if y.data_type == dt::UFIXED_POINT_16 { dt::UFIXED_POINT_16 } else { dt::UFIXED_POINT_8 };
     for (what, tensor, want) in
@@ -417,7 +429,7 @@ fn plan_fc(g: &GraphState, node: &Node) -> Result<FcPlan, EmuError> {
             let kind =
                 if matches!(tensor.data_type, dt::FLOAT_16 | dt::FLOAT_32) { "a float" } else { "an unsupported" };
             return bad(format!(
-                "{what} {:?} is {kind} type ({:#x}): the emulator runs W8A8 graphs only (uint8 or uint16 out)",
+                "{what} {:?} is {kind} type ({:#x}): the emulator runs W8A8 graphs (uint8 or uint16 out) and fp16 ones (fp16 input and weight)",
                 tensor.name, tensor.data_type
             ));
         }
@@ -482,7 +494,116 @@ fn plan_fc(g: &GraphState, node: &Node) -> Result<FcPlan, EmuError> {
             return bad(format!("weight {:?} channel {o} has scale {sw}", w.name));
         }
     }
-    Ok(FcPlan { m, k, n })
+    Ok(FcPlan { m, k, n, float: None })
+}
+
+fn f16_values(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
+}
+
+fn f32_values(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    half::f16::from_bits(h).to_f32()
+}
+
+/// Single to half, rounding to nearest, ties to even.
+fn f32_to_f16(v: f32) -> u16 {
+    half::f16::from_f32(v).to_bits()
+}
+
+/// Checks a float FullyConnected: fp16 input and weight (static), fp16 or fp32 output, an
+/// optional fp16 or fp32 bias of `[n]`; no quantization parameters.
+fn plan_fc_float(
+    node: &Node,
+    x: &TensorDesc,
+    w: &TensorDesc,
+    b: Option<&TensorDesc>,
+    y: &TensorDesc,
+) -> Result<FcPlan, EmuError> {
+    let bad = |m: String| err(code::GRAPH_INVALID_OP_CONFIG, format!("node {}: {m}", node.name));
+    if w.data_type != dt::FLOAT_16 || w.kind != tensor_type::STATIC {
+        return bad(format!("weight {:?} must be a static fp16 tensor beside an fp16 input", w.name));
+    }
+    if !matches!(y.data_type, dt::FLOAT_16 | dt::FLOAT_32) {
+        return bad(format!("output {:?} must be fp16 or fp32 for an fp16 input", y.name));
+    }
+    if !matches!(x.kind, tensor_type::APP_WRITE | tensor_type::NATIVE) {
+        return bad(format!("input {:?} must be a graph input or another node's output", x.name));
+    }
+    if !matches!(y.kind, tensor_type::APP_READ | tensor_type::NATIVE) {
+        return bad(format!("output {:?} must be a graph output or an intermediate", y.name));
+    }
+    if [x, w, y].iter().any(|t| !matches!(t.quant, Quant::None)) {
+        return bad("float tensors take no quantization parameters".into());
+    }
+    let k = *x.dims.last().unwrap_or(&0) as usize;
+    let m: usize = x.dims[..x.dims.len().saturating_sub(1)].iter().map(|&d| d as usize).product();
+    if w.dims.len() != 2 || w.dims[1] as usize != k {
+        return bad(format!("weight {:?} is {:?}, the input's rows are {k} wide", w.name, w.dims));
+    }
+    let n = w.dims[0] as usize;
+    if y.dims.len() != 2 || y.dims[0] as usize != m || y.dims[1] as usize != n {
+        return bad(format!("output {:?} is {:?}, the product is [{m}, {n}]", y.name, y.dims));
+    }
+    let wv = f16_values(w.data.as_deref().unwrap_or(&[]));
+    if wv.len() != n * k {
+        return bad(format!("weight {:?} holds {} values for {n} × {k}", w.name, wv.len()));
+    }
+    let bias = match b {
+        None => None,
+        Some(b) => {
+            if b.kind != tensor_type::STATIC || b.dims != [n as u32] || !matches!(b.quant, Quant::None) {
+                return bad(format!("bias {:?} must be a static float tensor of [{n}]", b.name));
+            }
+            let data = b.data.as_deref().unwrap_or(&[]);
+            Some(match b.data_type {
+                dt::FLOAT_16 => f16_values(data),
+                dt::FLOAT_32 => f32_values(data),
+                t => return bad(format!("bias {:?} is of type {t:#x}: fp16 or fp32", b.name)),
+            })
+        }
+    };
+    Ok(FcPlan { m, k, n, float: Some(FloatFc { w: wv, bias, out_f16: y.data_type == dt::FLOAT_16 }) })
+}
+
+/// The float FullyConnected's arithmetic, defined once (the engine's
+/// `backend::npu::fp16::reference` is the same sum): per output, the products of the f16 input
+/// and weight values in f32, summed in eight lanes (lane `j` takes the indices `≡ j mod 8` in
+/// order), the lanes added as `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`, then the bias, then rounded
+/// to the output type (fp16: nearest, ties to even).
+pub fn dot_f16_lanes(x: &[f32], w: &[f32]) -> f32 {
+    let mut l = [0f32; 8];
+    let (xc, xr) = x.split_at(x.len() / 8 * 8);
+    let (wc, wr) = w.split_at(xc.len());
+    for (a, b) in xc.chunks_exact(8).zip(wc.chunks_exact(8)) {
+        for j in 0..8 {
+            l[j] += a[j] * b[j];
+        }
+    }
+    for (j, (a, b)) in xr.iter().zip(wr).enumerate() {
+        l[j] += a * b;
+    }
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+fn fully_connected_float(xs: &[u8], p: &FcPlan, f: &FloatFc) -> Vec<u8> {
+    let x = f16_values(xs);
+    let mut out = Vec::with_capacity(p.m * p.n * if f.out_f16 { 2 } else { 4 });
+    for r in 0..p.m {
+        let xr = &x[r * p.k..(r + 1) * p.k];
+        for o in 0..p.n {
+            let v = dot_f16_lanes(xr, &f.w[o * p.k..(o + 1) * p.k]) + f.bias.as_ref().map_or(0.0, |b| b[o]);
+            if f.out_f16 {
+                out.extend_from_slice(&f32_to_f16(v).to_le_bytes());
+            } else {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+    out
 }
 
 pub fn graph_finalize(graph: u64) -> Result<(), EmuError> {
@@ -625,7 +746,8 @@ pub fn graph_execute(graph: u64, inputs: &[IoTensor<'_>], outputs: &[IoTensor<'_
                 ),
             );
         }
-        let mut modelled = cost::launch_ns(soc);
+        let mut modelled =
+            if g.plans.iter().all(|p| p.float.is_some()) { cost::LAUNCH_F16_NS } else { cost::launch_ns(soc) };
         for (node, plan) in g.nodes.iter().zip(&g.plans) {
             let t = |id: u32| g.tensor(id).expect("finalized");
             let (x, w, y) = (t(node.inputs[0]), t(node.inputs[1]), t(node.outputs[0]));
@@ -636,9 +758,15 @@ pub fn graph_execute(graph: u64, inputs: &[IoTensor<'_>], outputs: &[IoTensor<'_
                     format!("node {} reads {:?}, which nothing wrote", node.name, x.name),
                 );
             };
-            let out = fully_connected(xs, x, w, b, y, plan);
+            let out = match &plan.float {
+                Some(f) => fully_connected_float(xs, plan, f),
+                None => fully_connected(xs, x, w, b, y, plan),
+            };
             values.insert(y.id, out);
-            modelled += cost::fc_ns(soc, plan.m, plan.k, plan.n);
+            modelled += match plan.float {
+                Some(_) => cost::fc_f16_ns(soc, plan.m, plan.k, plan.n),
+                None => cost::fc_ns(soc, plan.m, plan.k, plan.n),
+            };
         }
         g.last_modelled_ns = modelled;
         g.total_modelled_ns += modelled;
@@ -748,6 +876,25 @@ pub mod cost {
         let weights = (k * n) as f64 / WEIGHT_BYTES_PER_S;
         let compute = 2.0 * (m * k * n) as f64 / OPS_PER_S;
         (weights.max(compute) * 1e9).round() as u64
+    }
+
+    /// One launch of a graph of fp16 nodes: 20 µs (`engine/data/socs.toml` `npu.launch_us`,
+    /// an [assumption]).
+    pub const LAUNCH_F16_NS: u64 = 20_000;
+
+    /// HeteroLLM's fp16 matmul on the 8 Gen 3 (`engine/data/socs.toml`, which the planner
+    /// reads; repeated here because this crate sits below the engine): compute at 4.2 TFLOPS
+    /// (at most 1.43 when the output is narrower than the input) times `(m/256)^0.5` below 256
+    /// rows, or the fp16 weights at 40 GB/s, whichever is slower.
+    pub fn fc_f16_ns(_soc: u32, m: usize, k: usize, n: usize) -> u64 {
+        let stage = (m as f64 / 256.0).min(1.0).sqrt();
+        let mut rate = 4.2e12 * stage;
+        if n < k {
+            rate = rate.min(1.43e12);
+        }
+        let compute = 2.0 * (m * k * n) as f64 / rate;
+        let bytes = (2 * k * n + 2 * m * (k + n)) as f64 / 40e9;
+        (compute.max(bytes) * 1e9).round() as u64
     }
 }
 
@@ -1060,7 +1207,69 @@ mod tests {
     }
 
     #[test]
-    fn a_float_fully_connected_is_refused() {
+    fn an_fp16_fully_connected_follows_its_definition() {
+        let b = backend_create_with_cap(DEFAULT_MEMORY_CAP).expect("backend");
+        let c = context_create(b, 0).expect("context");
+        let g = graph_create(c, "f16").expect("graph");
+        let (m, k, n) = (3usize, 21usize, 5usize);
+        let h = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+        let xv: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 19) as f32 - 9.0) / 7.0).collect();
+        let wv: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 23) as f32 - 11.0) / 13.0).collect();
+        let bv: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 0.5).collect();
+        let xs: Vec<u8> = xv.iter().flat_map(|&v| h(v)).collect();
+        let ws: Vec<u8> = wv.iter().flat_map(|&v| h(v)).collect();
+        let bs: Vec<u8> = bv.iter().flat_map(|&v| v.to_le_bytes()).collect();
+        let x = tensor_create(
+            g,
+            tensor("x", tensor_type::APP_WRITE, dt::FLOAT_16, Quant::None, &[m as u32, k as u32], None),
+        )
+        .expect("x");
+        let w = tensor_create(
+            g,
+            tensor("w", tensor_type::STATIC, dt::FLOAT_16, Quant::None, &[n as u32, k as u32], Some(ws)),
+        )
+        .expect("w");
+        let bt = tensor_create(g, tensor("b", tensor_type::STATIC, dt::FLOAT_32, Quant::None, &[n as u32], Some(bs)))
+            .expect("b");
+        let y = tensor_create(
+            g,
+            tensor("y", tensor_type::APP_READ, dt::FLOAT_16, Quant::None, &[m as u32, n as u32], None),
+        )
+        .expect("y");
+        node_add(
+            g,
+            Node { name: "fc".into(), op: "FullyConnected".into(), inputs: vec![x, w, bt], outputs: vec![y] },
+            &[],
+        )
+        .expect("added");
+        graph_finalize(g).expect("finalized");
+        let ys = vec![0u8; m * n * 2];
+        let out = graph_execute(
+            g,
+            &[IoTensor { id: x, dims: vec![m as u32, k as u32], data_type: dt::FLOAT_16, data: &xs }],
+            &[IoTensor { id: y, dims: vec![m as u32, n as u32], data_type: dt::FLOAT_16, data: &ys }],
+        )
+        .expect("ran");
+        let r16 = |v: f32| half::f16::from_f32(v).to_f32();
+        for r in 0..m {
+            for o in 0..n {
+                let xr: Vec<f32> = xv[r * k..(r + 1) * k].iter().map(|&v| r16(v)).collect();
+                let wr: Vec<f32> = wv[o * k..(o + 1) * k].iter().map(|&v| r16(v)).collect();
+                let want = half::f16::from_f32(dot_f16_lanes(&xr, &wr) + bv[o]).to_bits();
+                let i = 2 * (r * n + o);
+                assert_eq!(u16::from_le_bytes([out[0][i], out[0][i + 1]]), want);
+                // And close to the f64 product.
+                let exact: f64 = xr.iter().zip(&wr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() + bv[o] as f64;
+                assert!((half::f16::from_bits(want).to_f64() - exact).abs() <= 2e-3 * exact.abs().max(1.0));
+            }
+        }
+        let (last, _) = modelled_ns(g).expect("modelled");
+        assert!((cost::LAUNCH_F16_NS..cost::LAUNCH_NS).contains(&last), "{last}");
+        context_free(c).expect("freed");
+    }
+
+    #[test]
+    fn an_fp32_fully_connected_is_refused() {
         let b = backend_create_with_cap(DEFAULT_MEMORY_CAP).expect("backend");
         let c = context_create(b, 0).expect("context");
         let g = graph_create(c, "float").expect("graph");

@@ -1,0 +1,259 @@
+//! HeteroLLM's cuts on real processors: over random shapes and weights, every aligned cut the
+//! solver may choose (row, sequence, multi-sequence, hybrid; NPU rows at multiples of 256,
+//! NPU tokens at multiples of 32 in standard graphs, padded or not) equals the unpartitioned
+//! operator **bit for bit on one device type** — the CPU's kernels, the OpenCL GPU (PoCL or
+//! Intel's runtime), the NPU's fp16 graphs on the emulator provider — and, with the NPU's
+//! pieces on the emulator and the GPU's on OpenCL, stays within [`CROSS_DEVICE_REL_TOL`] of
+//! the f64 product. Also: the fp16 graphs on Qualcomm's x86-64 HTP library against the
+//! emulator's definition.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use llmd_device::GgmlType;
+use llmd_engine::backend::cpu::CpuBackend;
+use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions};
+use llmd_engine::backend::weight::WeightMatrix;
+use llmd_engine::hetero::exec::{f16_rows, CpuRunner, GpuRunner, NpuF16Runner};
+use llmd_engine::hetero::partition::{execute, Cut, Piece, PieceRunner};
+use llmd_engine::hetero::soc;
+use llmd_engine::hetero::solver::{Phase, Predicted, Solver};
+use std::sync::OnceLock;
+
+/// NPU (fp16 inputs, weights and output; f32 sums) against GPU (f32) pieces, relative to
+/// Σ|w·x| per output: x and w each rounded to half (2⁻¹¹ relative each), the f32 sums (≈ 1e-6
+/// at these widths), the output rounded to half (2⁻¹¹ of |y| ≤ Σ|w·x|): ≤ 3·2⁻¹¹ ≈ 1.5e-3
+/// in the worst case.
+pub const CROSS_DEVICE_REL_TOL: f64 = 1.5e-3;
+
+const SM8650: u32 = 57;
+
+fn gpu() -> Option<&'static GpuDevice> {
+    static G: OnceLock<Option<GpuDevice>> = OnceLock::new();
+    G.get_or_init(|| {
+        let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
+        match GpuDevice::open(&GpuOptions::default()) {
+            Ok(g) => Some(g),
+            Err(e) if !required => {
+                eprintln!("skipped: no usable OpenCL device ({e})");
+                None
+            }
+            Err(e) => panic!("LLMD_REQUIRE_OPENCL=1 and the GPU backend cannot start: {e}"),
+        }
+    })
+    .as_ref()
+}
+
+struct Case {
+    m: usize,
+    k: usize,
+    n: usize,
+    w: WeightMatrix,
+    dense: Vec<f32>,
+    x: Vec<f32>,
+}
+
+fn cases() -> Vec<Case> {
+    let mut rng = check::Rng(0x5eed_1234);
+    let mut out = Vec::new();
+    let shapes: [(GgmlType, usize, usize, usize); 7] = [
+        (GgmlType::Q6_K, 200, 256, 512),
+        (GgmlType::Q5_0, 65, 64, 768),
+        (GgmlType::Q8_0, 77, 256, 512),
+        (GgmlType::Q4_0, 300, 128, 768),
+        (GgmlType::Q4_K, 45, 256, 256),
+        (GgmlType::F16, 130, 96, 512),
+        (GgmlType::Q8_0, 1, 192, 1024),
+    ];
+    for (ty, m, k, n) in shapes {
+        let (bytes, dense) = check::random_weight(ty, n, k, &mut rng).unwrap();
+        let w = WeightMatrix::from_host_bytes("w", ty, n, k, bytes).unwrap();
+        let x = rng.vec(m * k);
+        out.push(Case { m, k, n, w, dense, x });
+    }
+    out
+}
+
+/// Every cut the solver may consider for `c`, GPU-only and NPU-only included.
+fn cuts(c: &Case) -> Vec<Cut> {
+    let soc = soc::find(None, "snapdragon_8gen3").unwrap();
+    let p = Predicted { soc: &soc, bits: 4.5 };
+    let phase = if c.m == 1 { Phase::Decode } else { Phase::Prefill };
+    let s = Solver::new(&p, &soc, phase, true);
+    let mut v = vec![Cut::gpu_only()];
+    for segs in s.token_sets(c.m) {
+        let mut r = 256;
+        while r < c.n {
+            v.push(Cut { npu: segs.clone(), npu_rows: r });
+            r += 256;
+        }
+        v.push(Cut { npu: segs, npu_rows: c.n });
+    }
+    v
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn run(cut: &Cut, c: &Case, npu: &dyn PieceRunner, gpu: &dyn PieceRunner) -> Vec<f32> {
+    let mut y = vec![f32::NAN; c.m * c.n];
+    execute(cut, &c.x, c.m, c.n, &mut y, npu, gpu).unwrap_or_else(|e| panic!("{cut:?}: {e}"));
+    y
+}
+
+#[test]
+fn every_cut_equals_the_whole_on_the_cpu() {
+    let cpu = CpuBackend::new(2);
+    let mut checked = 0;
+    for c in cases() {
+        let r = CpuRunner::new(&cpu, &c.w);
+        let whole = run(&Cut::gpu_only(), &c, &r, &r);
+        for cut in cuts(&c) {
+            assert_eq!(
+                bits(&run(&cut, &c, &r, &r)),
+                bits(&whole),
+                "{:?} m {} k {} n {}: {cut:?}",
+                c.w.ty,
+                c.m,
+                c.k,
+                c.n
+            );
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} cuts bit-identical on the CPU");
+    assert!(checked > 100);
+}
+
+#[test]
+fn every_cut_equals_the_whole_on_opencl() {
+    let Some(g) = gpu() else { return };
+    let mut checked = 0;
+    for c in cases() {
+        let r = GpuRunner::new(g, &c.w);
+        let whole = run(&Cut::gpu_only(), &c, &r, &r);
+        for cut in cuts(&c) {
+            assert_eq!(bits(&run(&cut, &c, &r, &r)), bits(&whole), "{:?} m {} n {}: {cut:?}", c.w.ty, c.m, c.n);
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} cuts bit-identical on OpenCL");
+}
+
+/// The (tokens, rows) graphs `cuts` need on the NPU — the GPU's pieces too, as graphs of
+/// their exact token count ([`Exact`]) — and the whole operator's.
+fn npu_shapes(c: &Case, cuts: &[Cut]) -> Vec<(usize, std::ops::Range<usize>)> {
+    let mut v = vec![(c.m, 0..c.n)];
+    for cut in cuts {
+        for p in cut.pieces(c.m, c.n).unwrap() {
+            v.push((p.graph.unwrap_or(p.tokens.len()), p.rows));
+        }
+    }
+    v.sort_by_key(|(m, r)| (*m, r.start, r.end));
+    v.dedup();
+    v
+}
+
+/// The NPU standing in for the GPU: a piece run in a graph of exactly its token count.
+struct Exact<'a>(&'a NpuF16Runner<'a>);
+
+impl PieceRunner for Exact<'_> {
+    fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
+        let p = Piece { graph: Some(piece.tokens.len()), ..piece.clone() };
+        self.0.run(&p, x, out)
+    }
+}
+
+#[test]
+fn every_cut_equals_the_whole_on_the_emulated_npu_and_across_npu_and_gpu() {
+    let lib = qnn_sys::Library::open(&common::emulator_library()).unwrap();
+    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).unwrap();
+    let ctx = backend.context().unwrap();
+    let mut checked = 0;
+    let mut worst = 0f64;
+    for (i, c) in cases().into_iter().enumerate() {
+        let cuts = cuts(&c);
+        let w16 = f16_rows(&c.w, 0..c.n).unwrap();
+        let npu = NpuF16Runner::build(&ctx, &format!("w{i}"), &w16, c.k, npu_shapes(&c, &cuts)).unwrap();
+        // The whole operator as one NPU graph of exactly m tokens.
+        let whole_cut = Cut::padded(c.m, c.m, c.n);
+        let whole = run(&whole_cut, &c, &npu, &npu);
+        for cut in &cuts {
+            assert_eq!(bits(&run(cut, &c, &npu, &Exact(&npu))), bits(&whole), "{cut:?}");
+            checked += 1;
+        }
+        // Across devices: the NPU's pieces on the emulator, the GPU's on OpenCL.
+        if let Some(g) = gpu() {
+            let gr = GpuRunner::new(g, &c.w);
+            for cut in &cuts {
+                let y = run(cut, &c, &npu, &gr);
+                for t in 0..c.m {
+                    for o in 0..c.n {
+                        let (wr, xr) = (&c.dense[o * c.k..(o + 1) * c.k], &c.x[t * c.k..(t + 1) * c.k]);
+                        let exact: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let scale: f64 = wr.iter().zip(xr).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                        let e = (y[t * c.n + o] as f64 - exact).abs() / scale.max(1e-30);
+                        worst = worst.max(e);
+                        assert!(e <= CROSS_DEVICE_REL_TOL, "{cut:?} token {t} row {o}: {e}");
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{checked} cuts bit-identical on the emulated NPU; NPU+GPU worst {worst:.2e} of Σ|w·x|");
+    assert!(checked > 100);
+}
+
+/// How far Qualcomm's HTP library may land from the emulator's fp16 definition, in units of
+/// the output's half-precision spacing: its summation order is its own. Seen (QAIRT 2.51,
+/// SM8650): 0–0.2% of outputs differ, by at most 12 ULPs (outputs near cancellation, whose
+/// ULP is small against their terms).
+pub const HTP_F16_MAX_ULPS: f32 = 16.0;
+
+#[test]
+fn fp16_graphs_on_qualcomms_htp_library_follow_the_emulators_definition() {
+    let htp = qnn_sys::Library::open(&common::htp_library()).expect("libQnnHtp.so loads");
+    let backend = qnn_sys::api::Backend::htp(&htp, SM8650).unwrap();
+    let ctx = backend.context().unwrap();
+    let mut rng = check::Rng(99);
+    for (i, (m, k, n)) in
+        [(32usize, 576usize, 256usize), (64, 256, 512), (1, 576, 1536), (256, 1536, 576)].into_iter().enumerate()
+    {
+        let (bytes, _) = check::random_weight(GgmlType::Q8_0, n, k, &mut rng).unwrap();
+        let w = WeightMatrix::from_host_bytes("w", GgmlType::Q8_0, n, k, bytes).unwrap();
+        let w16 = f16_rows(&w, 0..n).unwrap();
+        let x = rng.vec(m * k);
+        let built = NpuF16Runner::build(&ctx, &format!("h{i}"), &w16, k, [(m, 0..n)]);
+        let npu = match built {
+            Ok(r) => r,
+            Err(e) => panic!("HTP refused an fp16 FullyConnected of {m}×{k} by {k}×{n}: {e}"),
+        };
+        let c = Case { m, k, n, w, dense: Vec::new(), x };
+        let y = run(&Cut::padded(m, m, n), &c, &npu, &npu);
+        let wf: Vec<f32> = w16.iter().map(|&h| half::f16::from_bits(h).to_f32()).collect();
+        let (mut worst, mut differ) = (0f32, 0usize);
+        for t in 0..m {
+            let xr: Vec<f32> = c.x[t * k..(t + 1) * k].iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+            for o in 0..n {
+                let want = half::f16::from_f32(llmd_qnn_emu::emu::dot_f16_lanes(&xr, &wf[o * k..(o + 1) * k]));
+                let got = y[t * n + o];
+                let ulp = (half::f16::from_bits(want.to_bits() | 1).to_f32()
+                    - half::f16::from_bits(want.to_bits() & !1).to_f32())
+                .abs()
+                .max(f32::MIN_POSITIVE);
+                let e = (got - want.to_f32()).abs() / ulp;
+                if e > 0.0 {
+                    differ += 1;
+                }
+                worst = worst.max(e);
+            }
+        }
+        eprintln!(
+            "HTP fp16 {m}×{k}→{n}: {differ} of {} outputs differ from the emulator, worst {worst} half ULPs",
+            m * n
+        );
+        assert!(worst <= HTP_F16_MAX_ULPS, "{m}×{k}→{n}: {worst} ULPs");
+    }
+}
