@@ -314,6 +314,8 @@ pub struct Generation {
     prompt: Vec<u32>,
     prefilled: usize,
     prefill_chunk: usize,
+    /// Decode steps also go through the linears `step_with` is given (HeteroLLM's decode).
+    decode_with_linears: bool,
     logits: Vec<f32>,
     generated: usize,
     max_tokens: usize,
@@ -370,6 +372,7 @@ impl Generation {
             prompt,
             prefilled: 0,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            decode_with_linears: false,
             logits: Vec::new(),
             generated: 0,
             max_tokens: req.max_tokens,
@@ -385,6 +388,13 @@ impl Generation {
     /// Sets the prefill chunk size (tokens per prefill step).
     pub fn with_prefill_chunk(mut self, chunk: usize) -> Self {
         self.prefill_chunk = chunk.max(1);
+        self
+    }
+
+    /// Decode steps through the linears [`Self::step_with`] is given as well (HeteroLLM's
+    /// decode: the GPU leads, the NPU takes a slice), not only prefill chunks.
+    pub fn with_linears_for_decode(mut self) -> Self {
+        self.decode_with_linears = true;
         self
     }
 
@@ -428,7 +438,10 @@ impl Generation {
         }
         let (out, feed) = self.sample(model, kv.len())?;
         if let Some(tok) = feed {
-            let logits = model.transformer.forward(kv, &[tok], Logits::Last)?;
+            let logits = match prefill {
+                Some(l) if self.decode_with_linears => model.transformer.forward_with(kv, &[tok], l, Logits::Last)?,
+                _ => model.transformer.forward(kv, &[tok], Logits::Last)?,
+            };
             self.accept_logits(logits);
         }
         Ok(out)

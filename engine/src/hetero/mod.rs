@@ -11,6 +11,7 @@
 //! - [`sync`]: the predicted-sleep-then-poll waiter and the fixed buffer pool.
 
 pub mod exec;
+pub mod linears;
 pub mod partition;
 pub mod sim;
 pub mod soc;

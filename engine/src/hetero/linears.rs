@@ -1,0 +1,131 @@
+//! A model's linear layers on HeteroLLM's plan: every projection of every layer cut between the
+//! NPU (fp16 graphs through QNN) and the GPU (OpenCL) as the plan says, both writing into the
+//! projection's one output buffer; the rest of the pass — norms, RoPE, attention, SwiGLU, the
+//! head — runs where the engine's planner puts it (the host). Implements the engine's
+//! [`Linears`] hook, so the same pass code runs with or without it.
+//!
+//! The NPU's graphs are static, so the plan is made for a set of token counts up front (the
+//! daemon's: its prompt chunk sizes and 1 for decode); a pass of any other count is left to the
+//! planner (`group` returns false). **Decision:** each projection of a group (Q, K, V; gate,
+//! up) is cut on its own — the group shares its input, and the engine hands each projection its
+//! own output buffer, so no merge is needed.
+
+use super::exec::{f16_rows, GpuRunner, NpuF16Runner};
+use super::partition::{execute, Cut, CutKind, Dev};
+use super::solver::Op;
+use crate::backend::blocks::{CaptureSite, Linears};
+use crate::backend::gpu::GpuDevice;
+use crate::backend::weight::WeightMatrix;
+use crate::error::{BackendError, NpuError};
+use crate::model::Transformer;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One projection: its weight, its processors, and its cut per token count.
+struct Proj<'a> {
+    w: &'a WeightMatrix,
+    npu: NpuF16Runner<'a>,
+    gpu: GpuRunner<'a>,
+    cuts: HashMap<usize, Cut>,
+}
+
+/// Counters of what ran where.
+#[derive(Debug, Default)]
+pub struct HeteroStats {
+    pub matmuls: AtomicU64,
+    pub npu_pieces: AtomicU64,
+    pub gpu_pieces: AtomicU64,
+    pub split_matmuls: AtomicU64,
+}
+
+/// A model's projections on a plan (see the module).
+pub struct HeteroLinears<'a> {
+    layers: Vec<[Vec<Proj<'a>>; 4]>,
+    pub stats: HeteroStats,
+}
+
+impl<'a> HeteroLinears<'a> {
+    /// Plans every projection of `model` for each of `token_counts` with `plan` and builds the
+    /// NPU graphs the plans need in `context` (its owning thread: this one) and loads the GPU's
+    /// row ranges lazily on `gpu`.
+    pub fn build(
+        model: &'a Transformer,
+        context: &'a qnn_sys::api::Context<'_>,
+        gpu: &'a GpuDevice,
+        token_counts: &[usize],
+        plan: &dyn Fn(&Op) -> Cut,
+    ) -> Result<Self, NpuError> {
+        let mut layers = Vec::with_capacity(model.weights.layers.len());
+        for (li, l) in model.weights.layers.iter().enumerate() {
+            let sites: [Vec<&WeightMatrix>; 4] =
+                [vec![&l.wq, &l.wk, &l.wv], vec![&l.wo], vec![&l.w_gate, &l.w_up], vec![&l.w_down]];
+            let mut built: [Vec<Proj<'a>>; 4] = Default::default();
+            for (si, ws) in sites.into_iter().enumerate() {
+                for (pi, w) in ws.into_iter().enumerate() {
+                    let mut cuts = HashMap::new();
+                    let mut shapes = Vec::new();
+                    for &m in token_counts.iter().filter(|&&m| m > 0) {
+                        let op = Op { name: format!("l{li}.s{si}.p{pi}"), m, k: w.cols, n: w.rows };
+                        let cut = plan(&op);
+                        let pieces = cut
+                            .pieces(m, w.rows)
+                            .map_err(|e| NpuError::Shape { graph: op.name.clone(), detail: e.to_string() })?;
+                        shapes.extend(
+                            pieces.into_iter().filter(|p| p.dev == Dev::Npu).map(|p| (p.graph.unwrap_or(m), p.rows)),
+                        );
+                        cuts.insert(m, cut);
+                    }
+                    let w16 = if shapes.is_empty() {
+                        Vec::new()
+                    } else {
+                        f16_rows(w, 0..w.rows).map_err(NpuError::Quantization)?
+                    };
+                    let npu = NpuF16Runner::build(context, &format!("l{li}_s{si}_p{pi}"), &w16, w.cols, shapes)?;
+                    built[si].push(Proj { w, npu, gpu: GpuRunner::new(gpu, w), cuts });
+                }
+            }
+            layers.push(built);
+        }
+        Ok(Self { layers, stats: HeteroStats::default() })
+    }
+
+    /// NPU graphs built in all.
+    pub fn npu_graphs(&self) -> usize {
+        self.layers.iter().flat_map(|l| l.iter()).flat_map(|s| s.iter()).map(|p| p.npu.graphs()).sum()
+    }
+
+    /// The cut of projection `proj` of `site` in layer `li` for `m` tokens.
+    pub fn cut(&self, li: usize, site: CaptureSite, proj: usize, m: usize) -> Option<&Cut> {
+        self.layers.get(li)?.get(site as usize)?.get(proj)?.cuts.get(&m)
+    }
+}
+
+impl Linears for HeteroLinears<'_> {
+    fn group(
+        &self,
+        li: usize,
+        site: CaptureSite,
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<bool, BackendError> {
+        let Some(projs) = self.layers.get(li).and_then(|l| l.get(site as usize)) else { return Ok(false) };
+        if projs.len() != outs.len() || projs.iter().any(|p| !p.cuts.contains_key(&n)) {
+            return Ok(false);
+        }
+        for (p, out) in projs.iter().zip(outs.iter_mut()) {
+            let cut = &p.cuts[&n];
+            execute(cut, x, n, p.w.rows, out, &p.npu, &p.gpu)
+                .map_err(|e| BackendError::Device(format!("{}: {e}", p.w.name)))?;
+            let pieces = cut.pieces(n, p.w.rows).map_err(|e| BackendError::Device(e.to_string()))?;
+            let npu = pieces.iter().filter(|q| q.dev == Dev::Npu).count() as u64;
+            self.stats.matmuls.fetch_add(1, Ordering::Relaxed);
+            self.stats.npu_pieces.fetch_add(npu, Ordering::Relaxed);
+            self.stats.gpu_pieces.fetch_add(pieces.len() as u64 - npu, Ordering::Relaxed);
+            if !matches!(cut.kind(n, p.w.rows), CutKind::GpuOnly | CutKind::NpuOnly) {
+                self.stats.split_matmuls.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(true)
+    }
+}
