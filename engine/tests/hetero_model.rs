@@ -46,7 +46,7 @@ fn greedy(
     forced: Option<&[u32]>,
 ) -> (Vec<u32>, Vec<f32>) {
     let mut kv = m.transformer.new_kv();
-    let mut pass = |kv: &mut llmd_engine::backend::kv::KvCache, toks: &[u32]| match linears {
+    let pass = |kv: &mut llmd_engine::backend::kv::KvCache, toks: &[u32]| match linears {
         Some(l) => m.transformer.forward_with(kv, toks, l, Logits::Last).unwrap(),
         None => m.transformer.forward(kv, toks, Logits::Last).unwrap(),
     };
@@ -99,7 +99,8 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
         Solver::new(&prof, &soc, phase, true).solve(op).cut
     };
     let npu_only = |op: &Op| Cut { npu: vec![Segment { tokens: 0..op.m, graph: op.m }], npu_rows: op.n };
-    let plans: [(&str, &dyn Fn(&Op) -> Cut); 4] = [
+    type Plan<'p> = (&'p str, &'p dyn Fn(&Op) -> Cut);
+    let plans: [Plan; 4] = [
         ("partitioned", &forced),
         ("NPU only", &npu_only),
         ("GPU only", &|_: &Op| Cut::gpu_only()),
@@ -123,7 +124,7 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
         if name == "partitioned" {
             // A hybrid in prefill (standard graphs for the first tokens, half the rows), a
             // row cut in decode.
-            assert!(prompt.len() > 32 && prompt.len() % 32 != 0);
+            assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32));
             assert!(s.split_matmuls.load(Ordering::Relaxed) > 0 && s.npu_pieces.load(Ordering::Relaxed) > 0);
         }
         // Against the CPU, teacher-forced so one parting does not cascade.
