@@ -150,3 +150,27 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
         }
     }
 }
+
+#[test]
+fn a_prompt_length_without_a_plan_is_composed_from_the_planned_sizes() {
+    let Ok(gpu) = GpuDevice::open(&GpuOptions::default()) else {
+        assert!(std::env::var("LLMD_REQUIRE_OPENCL").is_err(), "LLMD_REQUIRE_OPENCL=1 and no OpenCL device");
+        return;
+    };
+    let m = common::default_model();
+    let prompt = m.tokenizer.encode("Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain, where the air is thinner and its pressure lower, it boils at a lower temperature, so that cooking pasta there takes", false, false).unwrap();
+    assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32), "{}", prompt.len());
+    let lib = qnn_sys::Library::open(&common::emulator_library()).unwrap();
+    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).unwrap();
+    let ctx = backend.context().unwrap();
+    let even = |op: &Op| llmd_engine::hetero::linears::even_cut(op, 64);
+    let l = HeteroLinears::build(&m.transformer, &ctx, &gpu, &[32, 1], &even).unwrap();
+    let (cpu, cpu_m) = greedy(m, &prompt, None, None);
+    let (tf, _) = greedy(m, &prompt, Some(&l), Some(&cpu));
+    let s = &l.stats;
+    // Every prefill matmul: one 32-token block (NPU rows, GPU rows) and the rest on the GPU.
+    assert!(s.split_matmuls.load(Ordering::Relaxed) >= 30 * 7 * (1 + DECODED as u64));
+    for (i, (&a, &b)) in cpu.iter().zip(&tf).enumerate() {
+        assert!(a == b || cpu_m[i] < NEAR_TIE, "step {i}: CPU {a}, hetero {b}, CPU margin {}", cpu_m[i]);
+    }
+}

@@ -5,14 +5,20 @@
 //! [`Linears`] hook, so the same pass code runs with or without it.
 //!
 //! The NPU's graphs are static, so the plan is made for a set of token counts up front (the
-//! daemon's: its prompt chunk sizes and 1 for decode); a pass of any other count is left to the
-//! planner (`group` returns false). **Decision:** each projection of a group (Q, K, V; gate,
-//! up) is cut on its own — the group shares its input, and the engine hands each projection its
-//! own output buffer, so no merge is needed.
+//! daemon's: the standard sizes and 1 for decode). A pass of another count is composed from
+//! them as HeteroLLM's multi-sequence cut: its tokens in blocks of the planned sizes, largest
+//! first, each block cut as planned for its size, the tokens left over (fewer than the
+//! smallest size) all on the GPU — one set of pieces run at once into the one output buffer.
+//! Only a pass too short for any planned size other than 1 goes to the planner instead
+//! (`group` returns false). **Decision:** each projection of a group (Q, K, V; gate, up) is cut
+//! on its own — the group shares its input, and the engine hands each projection its own
+//! output buffer, so no merge is needed.
 
 use super::exec::{f16_rows, GpuRunner, NpuF16Runner};
-use super::partition::{execute, Cut, CutKind, Dev};
+use super::partition::{execute_pieces, Cut, Dev, Piece, Segment};
+use super::soc::Soc;
 use super::solver::Op;
+use super::solver::{Phase, Predicted, Solver};
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::gpu::GpuDevice;
 use crate::backend::weight::WeightMatrix;
@@ -100,6 +106,55 @@ impl<'a> HeteroLinears<'a> {
     }
 }
 
+impl Proj<'_> {
+    /// The pieces of a pass of `m` tokens (see the module): a planned count's own cut, else
+    /// blocks of the planned sizes (largest first) and the rest on the GPU; None if no planned
+    /// size above 1 fits.
+    fn pieces(&self, m: usize) -> Option<Vec<Piece>> {
+        let n = self.w.rows;
+        if let Some(c) = self.cuts.get(&m) {
+            return c.pieces(m, n).ok();
+        }
+        let mut sizes: Vec<usize> = self.cuts.keys().copied().filter(|&s| s > 1 && s <= m).collect();
+        if sizes.is_empty() {
+            return None;
+        }
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &s in &sizes {
+            while m - at >= s {
+                for mut p in self.cuts[&s].pieces(s, n).ok()? {
+                    p.tokens = p.tokens.start + at..p.tokens.end + at;
+                    out.push(p);
+                }
+                at += s;
+            }
+        }
+        if at < m {
+            out.push(Piece { dev: Dev::Gpu, tokens: at..m, rows: 0..n, graph: None });
+        }
+        Some(out)
+    }
+}
+
+/// The solver's cut on `soc` (prediction mode at `bits` per weight; decode for one token).
+pub fn solver_cut(soc: &Soc, bits: f64, op: &Op) -> Cut {
+    let prof = Predicted { soc, bits };
+    let phase = if op.m == 1 { Phase::Decode } else { Phase::Prefill };
+    Solver::new(&prof, soc, phase, true).solve(op).cut
+}
+
+/// A fixed cut of every matmul, to run the partitioned path whatever the solver would choose
+/// for a model (a small one is GPU-only on a phone's profile): the NPU takes rows
+/// `0..n/2` (a multiple of `align`, at least one `align`) of all tokens in one graph of
+/// exactly `m` tokens — a row cut; the GPU the rest.
+pub fn even_cut(op: &Op, align: usize) -> Cut {
+    let a = align.max(1);
+    let rows = (op.n / 2 / a * a).max(a).min(op.n);
+    Cut { npu: vec![Segment { tokens: 0..op.m, graph: op.m }], npu_rows: rows }
+}
+
 impl Linears for HeteroLinears<'_> {
     fn group(
         &self,
@@ -110,19 +165,19 @@ impl Linears for HeteroLinears<'_> {
         outs: &mut [&mut [f32]],
     ) -> Result<bool, BackendError> {
         let Some(projs) = self.layers.get(li).and_then(|l| l.get(site as usize)) else { return Ok(false) };
-        if projs.len() != outs.len() || projs.iter().any(|p| !p.cuts.contains_key(&n)) {
+        if projs.len() != outs.len() {
             return Ok(false);
         }
-        for (p, out) in projs.iter().zip(outs.iter_mut()) {
-            let cut = &p.cuts[&n];
-            execute(cut, x, n, p.w.rows, out, &p.npu, &p.gpu)
+        let Some(plans) = projs.iter().map(|p| p.pieces(n)).collect::<Option<Vec<_>>>() else { return Ok(false) };
+        for ((p, out), pieces) in projs.iter().zip(outs.iter_mut()).zip(plans) {
+            execute_pieces(&pieces, x, n, p.w.rows, out, &p.npu, &p.gpu)
                 .map_err(|e| BackendError::Device(format!("{}: {e}", p.w.name)))?;
-            let pieces = cut.pieces(n, p.w.rows).map_err(|e| BackendError::Device(e.to_string()))?;
             let npu = pieces.iter().filter(|q| q.dev == Dev::Npu).count() as u64;
+            let gpu = pieces.len() as u64 - npu;
             self.stats.matmuls.fetch_add(1, Ordering::Relaxed);
             self.stats.npu_pieces.fetch_add(npu, Ordering::Relaxed);
-            self.stats.gpu_pieces.fetch_add(pieces.len() as u64 - npu, Ordering::Relaxed);
-            if !matches!(cut.kind(n, p.w.rows), CutKind::GpuOnly | CutKind::NpuOnly) {
+            self.stats.gpu_pieces.fetch_add(gpu, Ordering::Relaxed);
+            if npu > 0 && gpu > 0 {
                 self.stats.split_matmuls.fetch_add(1, Ordering::Relaxed);
             }
         }

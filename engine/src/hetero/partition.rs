@@ -309,11 +309,24 @@ pub fn execute(
     npu: &dyn PieceRunner,
     gpu: &dyn PieceRunner,
 ) -> Result<(), String> {
+    let pieces = cut.pieces(m, n).map_err(|e| e.to_string())?;
+    execute_pieces(&pieces, x, m, n, out, npu, gpu)
+}
+
+/// [`execute`] over pieces given directly (they must tile the output once).
+pub fn execute_pieces(
+    pieces: &[Piece],
+    x: &[f32],
+    m: usize,
+    n: usize,
+    out: &mut [f32],
+    npu: &dyn PieceRunner,
+    gpu: &dyn PieceRunner,
+) -> Result<(), String> {
     if out.len() != m * n || (m > 0 && !x.len().is_multiple_of(m)) {
         return Err(format!("execute: {} inputs, {} outputs for {m}×{n}", x.len(), out.len()));
     }
-    let pieces = cut.pieces(m, n).map_err(|e| e.to_string())?;
-    let mut views = views(out, n, &pieces).map_err(|e| e.to_string())?;
+    let mut views = views(out, n, pieces).map_err(|e| e.to_string())?;
     let mut npu_work = Vec::new();
     let mut gpu_work = Vec::new();
     for (p, v) in pieces.iter().zip(views.iter_mut()) {
