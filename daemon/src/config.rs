@@ -53,6 +53,54 @@ pub enum Backend {
     /// Decode steps on the GPU (OpenCL, `[gpu]`), batched across apps, while prompts are read
     /// on the CPU; each turn's KV cache is handed to the GPU at its first decode step.
     Gpu,
+    /// HeteroLLM (`[hetero]`): every linear layer's matmul cut between the NPU (fp16 graphs
+    /// through `[npu]`'s QNN library) and the GPU (`[gpu]`'s OpenCL device) on a plan, prompt
+    /// chunks and decode steps alike; norms, RoPE and attention on the CPU.
+    Hetero,
+}
+
+/// How `backend = "hetero"` cuts each matmul.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HeteroPlan {
+    /// HeteroLLM's solver over `[hetero] soc`'s profile (a small model may stay GPU-only).
+    #[default]
+    Solver,
+    /// Every matmul cut in two by rows (NPU about half, at multiples of `row_align`): the
+    /// partitioned path whatever the solver would choose.
+    Even,
+}
+
+/// HeteroLLM's partitioned execution (`[hetero]`, used with `backend = "hetero"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HeteroConfig {
+    /// The SoC profile the solver plans for (built in: snapdragon_8gen3, snapdragon_8gen2,
+    /// snapdragon_8elite; or a table of `soc_file`).
+    pub soc: String,
+    /// A TOML file of SoC profiles in the form of `engine/data/socs.toml` (an OEM's own).
+    pub soc_file: Option<PathBuf>,
+    pub plan: HeteroPlan,
+    /// Prompt token counts the NPU's graphs are built for (a prompt chunk is cut into blocks of
+    /// these, the rest on the GPU); decode's one-token graphs are always built.
+    pub sizes: Vec<usize>,
+    /// Row alignment of the `even` plan's cut.
+    pub row_align: usize,
+    /// Bits per weight the solver assumes the processors read (W4A16 as Q4_0: 4.5).
+    pub weight_bits: f64,
+}
+
+impl Default for HeteroConfig {
+    fn default() -> Self {
+        Self {
+            soc: "snapdragon_8gen3".into(),
+            soc_file: None,
+            plan: HeteroPlan::Solver,
+            sizes: vec![32, 256],
+            row_align: 64,
+            weight_bits: 4.5,
+        }
+    }
 }
 
 /// How the GPU's matmuls spread over its work-items (`gpu.matmul`).
@@ -182,6 +230,7 @@ pub struct Config {
     pub backend: Backend,
     pub npu: NpuConfig,
     pub gpu: GpuConfig,
+    pub hetero: HeteroConfig,
     pub limits: Limits,
     pub permissions: Permissions,
     pub scheduler: SchedulerConfig,
@@ -406,6 +455,7 @@ impl Default for Config {
             backend: Backend::Auto,
             npu: NpuConfig::default(),
             gpu: GpuConfig::default(),
+            hetero: HeteroConfig::default(),
             limits: Limits::default(),
             permissions: Permissions::default(),
             scheduler: SchedulerConfig::default(),
@@ -450,6 +500,27 @@ impl Config {
     /// Checks what start-up relies on.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        let h = &self.hetero;
+        if h.sizes.is_empty() || h.sizes.iter().any(|&s| !(2..=4096).contains(&s)) {
+            return bad(format!("hetero: sizes {:?}: one or more prompt token counts from 2 to 4096", h.sizes));
+        }
+        if h.row_align == 0 || h.row_align > 1 << 16 {
+            return bad(format!("hetero: row_align {} must be 1 to 65536", h.row_align));
+        }
+        if !(h.weight_bits.is_finite() && h.weight_bits > 0.0 && h.weight_bits <= 32.0) {
+            return bad(format!("hetero: weight_bits {} must be above 0 and at most 32", h.weight_bits));
+        }
+        if self.backend == Backend::Hetero {
+            let file = match &h.soc_file {
+                Some(p) => Some(
+                    std::fs::read_to_string(p)
+                        .map_err(|e| ConfigError::Invalid(format!("hetero: soc_file {}: {e}", p.display())))?,
+                ),
+                None => None,
+            };
+            llmd_engine::hetero::soc::find(file.as_deref(), &h.soc)
+                .map_err(|e| ConfigError::Invalid(format!("hetero: {e}")))?;
+        }
         self.socket_mode_bits()?;
         if self.permissions.open && !self.permissions.allowed_uids.is_empty() {
             return bad("permissions: open = true admits every uid; allowed_uids would mean nothing: set one".into());

@@ -21,7 +21,10 @@
 //! foreground prompt can take the NPU from a background one (llm.npu's chunk, 256 tokens).
 
 use llmd_engine::backend::blocks::Linears;
+use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
 use llmd_engine::backend::npu::cache::CacheOutcome;
+use llmd_engine::hetero::linears::{even_cut, solver_cut, HeteroLinears};
+use llmd_engine::hetero::solver::Op;
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
 use llmd_engine::Model;
 use std::collections::VecDeque;
@@ -43,6 +46,42 @@ self_cell::self_cell!(
         dependent: LinearsOf,
     }
 );
+
+/// What a model's hetero graphs borrow: the QNN context they are built in, the model whose
+/// weights they hold, the GPU that takes the other rows.
+struct HeteroOwner<'b> {
+    context: qnn_sys::api::Context<'b>,
+    model: Arc<Model>,
+    gpu: Arc<GpuDevice>,
+}
+
+type HeteroOf<'a> = HeteroLinears<'a>;
+
+self_cell::self_cell!(
+    /// A model's HeteroLLM plan: fp16 graphs in a context of their own, GPU row ranges.
+    struct HeteroGraphs<'b> {
+        owner: HeteroOwner<'b>,
+        #[not_covariant]
+        dependent: HeteroOf,
+    }
+);
+
+/// A model's prepared NPU work: llm.npu's INT8 graphs or HeteroLLM's plan.
+enum Prepared<'b> {
+    Int8(Graphs<'b>),
+    Hetero(HeteroGraphs<'b>),
+}
+
+/// The `[hetero]` settings the thread needs (`backend = "hetero"`).
+#[derive(Clone, Debug)]
+pub struct HeteroSettings {
+    pub gpu: GpuOptions,
+    pub soc: llmd_engine::hetero::soc::Soc,
+    pub plan: crate::config::HeteroPlan,
+    pub sizes: Vec<usize>,
+    pub row_align: usize,
+    pub weight_bits: f64,
+}
 
 /// Work for the NPU thread: called with the model's graphs, or with why there are none (the
 /// model was dropped, or its graphs failed); returns whether it succeeded (for `dump`).
@@ -125,6 +164,9 @@ struct Status {
     recent: VecDeque<JobSpan>,
     /// Shadow outlier execution's counters of the model that ran last.
     shadow: Option<(String, llmd_engine::prefill::ShadowStats)>,
+    /// HeteroLLM's counters of the model that ran last: matmuls, of them split, NPU pieces,
+    /// GPU pieces.
+    hetero: Option<(String, [u64; 4])>,
 }
 
 /// The daemon's handle of the NPU thread (see the module doc).
@@ -133,6 +175,8 @@ pub struct Npu {
     status: Arc<Mutex<Status>>,
     chunk: usize,
     soc: u32,
+    /// HeteroLLM's plan (`backend = "hetero"`): decode steps run on it too.
+    hetero: bool,
 }
 
 /// What the NPU thread needs from the config.
@@ -144,6 +188,8 @@ pub struct Settings {
     pub cache_dir: Option<PathBuf>,
     pub calibration: Option<PathBuf>,
     pub quant: llmd_engine::prefill::NpuQuant,
+    /// HeteroLLM's partitioned execution instead of llm.npu's INT8 graphs.
+    pub hetero: Option<HeteroSettings>,
 }
 
 /// The QNN library when the config names none: on Android the system's `libQnnHtp.so` (found
@@ -166,7 +212,13 @@ fn unix_ms(t: SystemTime) -> u64 {
 impl Npu {
     /// No NPU (`backend = "cpu"`).
     pub fn off() -> Arc<Self> {
-        Arc::new(Self { tx: None, status: Arc::new(Mutex::new(Status::new(State::Off))), chunk: 0, soc: 0 })
+        Arc::new(Self {
+            tx: None,
+            status: Arc::new(Mutex::new(Status::new(State::Off))),
+            chunk: 0,
+            soc: 0,
+            hetero: false,
+        })
     }
 
     /// The NPU the config asks for: off with `backend = "cpu"`, else started over `[npu]`'s
@@ -176,7 +228,7 @@ impl Npu {
         use crate::config::Backend;
         let n = &config.npu;
         let library = match (config.backend, &n.library) {
-            (Backend::Npu, l) => l.clone().unwrap_or_else(default_library),
+            (Backend::Npu | Backend::Hetero, l) => l.clone().unwrap_or_else(default_library),
             (Backend::Auto, Some(l)) => l.clone(),
             // Automatic placement uses a phone's NPU, not llmd's emulator of one (no faster than
             // the CPU here).
@@ -189,10 +241,43 @@ impl Npu {
             _ => return Self::off(),
         };
         let cache_dir = n.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("npu")));
+        let hetero = match config.backend {
+            Backend::Hetero => {
+                let h = &config.hetero;
+                let file = h.soc_file.as_ref().and_then(|p| std::fs::read_to_string(p).ok());
+                let soc = match llmd_engine::hetero::soc::find(file.as_deref(), &h.soc) {
+                    Ok(s) => s,
+                    Err(e) => return Self::not_here(&format!("[hetero] soc: {e}")),
+                };
+                let g = &config.gpu;
+                Some(HeteroSettings {
+                    gpu: GpuOptions {
+                        library: g.library.clone(),
+                        device: g.device,
+                        cache_dir: g
+                            .cache_dir
+                            .clone()
+                            .or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("gpu"))),
+                        ..GpuOptions::default()
+                    },
+                    soc,
+                    plan: h.plan,
+                    sizes: h.sizes.clone(),
+                    row_align: h.row_align,
+                    weight_bits: h.weight_bits,
+                })
+            }
+            _ => None,
+        };
+        let chunk = match &hetero {
+            Some(h) => h.sizes.iter().copied().max().unwrap_or(n.chunk),
+            None => n.chunk,
+        };
         Self::start(Settings {
+            hetero,
             library,
             soc: n.soc,
-            chunk: n.chunk,
+            chunk,
             cache_dir,
             calibration: n.calibration.clone(),
             quant: n.quant(),
@@ -203,14 +288,14 @@ impl Npu {
     fn not_here(reason: &str) -> Arc<Self> {
         tracing::info!("no NPU: prompts run on the CPU: {reason}");
         let state = State::Unavailable { reason: reason.to_string() };
-        Arc::new(Self { tx: None, status: Arc::new(Mutex::new(Status::new(state))), chunk: 0, soc: 0 })
+        Arc::new(Self { tx: None, status: Arc::new(Mutex::new(Status::new(state))), chunk: 0, soc: 0, hetero: false })
     }
 
     /// Starts the NPU thread over `settings.library`. Never fails: see the module doc.
     pub fn start(settings: Settings) -> Arc<Self> {
         let status = Arc::new(Mutex::new(Status::new(State::Starting)));
         let (tx, rx) = std::sync::mpsc::channel();
-        let (chunk, soc) = (settings.chunk, settings.soc);
+        let (chunk, soc, hetero) = (settings.chunk, settings.soc, settings.hetero.is_some());
         let st = status.clone();
         let spawned = std::thread::Builder::new().name("llmd-npu".into()).spawn(move || serve(settings, &st, rx));
         let tx = match spawned {
@@ -222,7 +307,7 @@ impl Npu {
                 None
             }
         };
-        Arc::new(Self { tx, status, chunk, soc })
+        Arc::new(Self { tx, status, chunk, soc, hetero })
     }
 
     fn status(&self) -> MutexGuard<'_, Status> {
@@ -268,6 +353,11 @@ impl Npu {
                 .iter()
                 .any(|m| m.key == key && m.model.strong_count() > 0 && matches!(m.graphs, GraphState::Ready { .. }));
         ready.then_some(self.chunk)
+    }
+
+    /// Whether `model`'s decode steps run on the NPU thread's plan (HeteroLLM's, ready).
+    pub fn decodes(&self, model: &Arc<Model>) -> bool {
+        self.hetero && self.ready(model).is_some()
     }
 
     /// Queues `job` (request `request`'s chunk of `tokens` prompt tokens) for `model`'s
@@ -351,7 +441,7 @@ impl Npu {
         }
         if !matches!(s.state, State::Off) {
             out.push_str(&format!(
-                "  jobs {} ({} prompt tokens), busy {:.2} s; modelled NPU time {:.3} s (the library's model of the chip, not measured)\n",
+                "  jobs {} ({} tokens), busy {:.2} s; modelled NPU time {:.3} s (the library's model of the chip, not measured)\n",
                 s.jobs,
                 s.tokens,
                 s.busy.as_secs_f64(),
@@ -371,6 +461,11 @@ impl Npu {
                     st.cold_bytes_read,
                     st.resident_bytes,
                     st.total_bytes
+                ));
+            }
+            if let Some((model, [m, split, np, gp])) = &s.hetero {
+                out.push_str(&format!(
+                    "  hetero {model}: {m} matmuls, {split} cut between the NPU and the GPU; {np} NPU pieces, {gp} GPU pieces\n"
                 ));
             }
             for j in &s.recent {
@@ -401,6 +496,7 @@ impl Status {
             modelled_ns: 0,
             recent: VecDeque::new(),
             shadow: None,
+            hetero: None,
         }
     }
 }
@@ -413,7 +509,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Resident<'b> {
     key: usize,
     model: Weak<Model>,
-    graphs: Graphs<'b>,
+    graphs: Prepared<'b>,
+}
+
+impl Prepared<'_> {
+    fn count(&self) -> usize {
+        match self {
+            Prepared::Int8(g) => g.with_dependent(|_, l| l.graph_names().len()),
+            Prepared::Hetero(g) => g.with_dependent(|_, l| l.npu_graphs()),
+        }
+    }
 }
 
 /// Marks the NPU unavailable if its thread ends while serving (a panic outside a job): every
@@ -465,7 +570,15 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
         Err(e) => return unavailable(format!("{}: the HTP backend did not start: {e}", path.display())),
     };
     let build_id = backend.build_id().unwrap_or_default();
-    tracing::info!(provider = %provider, library = %path.display(), "NPU serving");
+    // HeteroLLM's GPU half, opened by this thread (which owns the plan's pieces on both).
+    let gpu = match &settings.hetero {
+        Some(h) => match GpuDevice::open(&h.gpu) {
+            Ok(g) => Some(Arc::new(g)),
+            Err(e) => return unavailable(format!("backend \"hetero\" needs an OpenCL device: {e}")),
+        },
+        None => None,
+    };
+    tracing::info!(provider = %provider, library = %path.display(), hetero = gpu.is_some(), "NPU serving");
     lock(status).state = State::Serving { provider, library: path.clone(), build_id };
     let mut resident: Vec<Resident<'_>> = Vec::new();
     loop {
@@ -486,14 +599,17 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 let t = Instant::now();
                 lock(status).preparing = true;
                 let outcome =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prepare(&lib, &backend, &settings, &m)))
-                        .unwrap_or_else(|_| Err("preparing the graphs panicked".into()));
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (&settings.hetero, &gpu) {
+                        (Some(h), Some(g)) => prepare_hetero(&backend, h, g, &m),
+                        _ => prepare(&lib, &backend, &settings, &m).map(|(g, how)| (Prepared::Int8(g), how)),
+                    }))
+                    .unwrap_or_else(|_| Err("preparing the graphs panicked".into()));
                 let mut s = lock(status);
                 s.preparing = false;
                 let entry = s.models.iter_mut().find(|e| e.key == key && e.model.ptr_eq(&model));
                 match outcome {
                     Ok((graphs, how)) => {
-                        let n = graphs.with_dependent(|_, l| l.graph_names().len());
+                        let n = graphs.count();
                         tracing::info!(model = %m.name, graphs = n, "NPU graphs {how}");
                         if let Some(e) = entry {
                             e.graphs = GraphState::Ready { graphs: n, how, seconds: t.elapsed().as_secs_f64() };
@@ -512,8 +628,8 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
             Some(Msg::Run { key, job }) => {
                 let r = resident.iter().find(|r| r.key == key && r.model.strong_count() > 0);
                 // A job that panics loses only itself (its own guard reports it).
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match r {
-                    Some(r) => r.graphs.with_dependent(|_, l| {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match r.map(|r| (r, &r.graphs)) {
+                    Some((r, Prepared::Int8(graphs))) => graphs.with_dependent(|_, l| {
                         let before = l.stats().1;
                         job(Ok(l as &dyn Linears));
                         // The job's span is the last one recorded: give it its modelled time.
@@ -526,6 +642,14 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                         }
                         s.shadow = Some((name, l.shadow_stats()));
                     }),
+                    Some((r, Prepared::Hetero(graphs))) => graphs.with_dependent(|_, l| {
+                        job(Ok(l as &dyn Linears));
+                        let name = r.model.upgrade().map(|m| m.name.clone()).unwrap_or_default();
+                        let st = &l.stats;
+                        let c = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                        lock(status).hetero =
+                            Some((name, [c(&st.matmuls), c(&st.split_matmuls), c(&st.npu_pieces), c(&st.gpu_pieces)]));
+                    }),
                     None => {
                         job(Err("the model's NPU graphs are not loaded".into()));
                     }
@@ -533,6 +657,30 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
             }
         }
     }
+}
+
+/// HeteroLLM's plan for `model`: every projection's cut for each of `[hetero] sizes` and one
+/// token, the NPU's fp16 graphs built in a context of their own.
+fn prepare_hetero<'b>(
+    backend: &'b qnn_sys::api::Backend<'_>,
+    h: &HeteroSettings,
+    gpu: &Arc<GpuDevice>,
+    model: &Arc<Model>,
+) -> Result<(Prepared<'b>, String), String> {
+    let context = backend.context().map_err(|e| e.to_string())?;
+    let owner = HeteroOwner { context, model: model.clone(), gpu: gpu.clone() };
+    let mut counts = h.sizes.clone();
+    counts.push(1);
+    let plan = |op: &Op| match h.plan {
+        crate::config::HeteroPlan::Solver => solver_cut(&h.soc, h.weight_bits, op),
+        crate::config::HeteroPlan::Even => even_cut(op, h.row_align),
+    };
+    let graphs = HeteroGraphs::try_new(owner, |o| {
+        HeteroLinears::build(&o.model.transformer, &o.context, &o.gpu, &counts, &plan)
+    })
+    .map_err(|e| e.to_string())?;
+    let how = format!("planned ({:?} on {}, token counts {:?}; GPU {})", h.plan, h.soc.key, counts, gpu.info().name);
+    Ok((Prepared::Hetero(graphs), how))
 }
 
 /// Calibrates `model`, requantizes it, and loads its graphs from the cache or builds them.

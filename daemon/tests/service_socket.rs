@@ -1491,3 +1491,56 @@ fn by_default_work_goes_to_the_accelerators_this_system_has_and_here_that_is_the
     let log = d.log();
     assert!(!log.contains("the GPU cannot be used") && !log.contains("NPU unavailable"), "{log}");
 }
+
+// ---- HeteroLLM (`backend = "hetero"`: the emulator provider as NPU, OpenCL as GPU) ----
+
+#[test]
+fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cpus_tokens() {
+    if opencl_missing() {
+        return;
+    }
+    let config = format!(
+        "backend = \"hetero\"\n[npu]\nlibrary = {:?}\n[hetero]\nplan = \"even\"\nsizes = [32]\n",
+        common::emulator_library().display().to_string()
+    );
+    let d = Daemon::start(&config);
+    let conn = d.connect();
+    let ready = wait_npu(&conn, "ready:");
+    assert!(ready.contains("planned (Even"), "{ready}");
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(3);
+    let s = session(&conn);
+    let (cb, _keep, rx) = client::callback();
+    s.generate(&greedy(&prompt, 16), &cb).expect("submitted");
+    let got = collect_timed(rx, None).ids();
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+        .expect("model loads");
+    let want = greedy_ids(&m, &prompt, 16, None);
+    let npu = npu_dump(&conn);
+    eprintln!("{npu}");
+    assert_eq!(got, want, "the hetero plan's reply against the CPU's");
+    // Prompt chunks and decode steps both ran cut between the NPU and the GPU.
+    let line = npu.lines().find(|l| l.contains("hetero ")).unwrap_or_else(|| panic!("no hetero counters:\n{npu}"));
+    let nums: Vec<u64> = line.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
+    assert!(nums.len() >= 4 && nums[nums.len() - 4] > 0, "{line}");
+    let [matmuls, split, npu_pieces, gpu_pieces] =
+        [nums[nums.len() - 4], nums[nums.len() - 3], nums[nums.len() - 2], nums[nums.len() - 1]];
+    assert_eq!(matmuls, split, "every matmul cut: {line}");
+    assert!(npu_pieces >= matmuls && gpu_pieces >= matmuls, "{line}");
+    assert!(
+        npu.lines().filter(|l| l.contains("npu_job request=0 tokens=1 ")).count() >= 15,
+        "decode steps on the plan:\n{npu}"
+    );
+}
+
+/// Whether no OpenCL device can be opened (the test is then skipped, unless
+/// `LLMD_REQUIRE_OPENCL=1`).
+fn opencl_missing() -> bool {
+    match llmd_engine::backend::gpu::GpuDevice::open(&Default::default()) {
+        Ok(_) => false,
+        Err(e) => {
+            assert!(std::env::var("LLMD_REQUIRE_OPENCL").is_err(), "LLMD_REQUIRE_OPENCL=1 and no OpenCL device: {e}");
+            eprintln!("skipped: no OpenCL device ({e})");
+            true
+        }
+    }
+}

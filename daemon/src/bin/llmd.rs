@@ -38,7 +38,9 @@ struct Args {
     /// Which processors besides the CPU take work: auto (the default: a phone's NPU for
     /// prompts and its GPU for decode, where the system has them), cpu (none), npu (prompts'
     /// linear layers on QNN, the emulator included; `[npu]` in the config) or gpu (decode on
-    /// OpenCL, whatever the device; `[gpu]`). Overrides the config's `backend`.
+    /// OpenCL, whatever the device; `[gpu]`) or hetero (HeteroLLM: every linear layer cut
+    /// between the NPU's fp16 graphs and the GPU on a plan; `[hetero]`, `[npu]`, `[gpu]`).
+    /// Overrides the config's `backend`.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
     /// The QNN backend library for `--backend npu` (Qualcomm's libQnnHtp.so, or llmd's
@@ -59,6 +61,7 @@ enum BackendArg {
     Cpu,
     Npu,
     Gpu,
+    Hetero,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -109,6 +112,7 @@ fn run(args: Args) -> Result<(), String> {
             BackendArg::Cpu => llmd_daemon::config::Backend::Cpu,
             BackendArg::Npu => llmd_daemon::config::Backend::Npu,
             BackendArg::Gpu => llmd_daemon::config::Backend::Gpu,
+            BackendArg::Hetero => llmd_daemon::config::Backend::Hetero,
         };
     }
     // The OpenCL library: --opencl-lib, else LLMD_OPENCL_LIB, else the config's, else the default.

@@ -171,6 +171,76 @@ impl ModelEngine {
     }
 }
 
+impl ModelEngine {
+    /// The pass's decode steps on the NPU thread's HeteroLLM plan (each session's step through
+    /// the partitioned linears, one after another), beside its prompt chunks on the CPU on this
+    /// thread. None when the plan did not run them (the model is then off it: the caller runs
+    /// them on the CPU).
+    fn forward_on_plan(
+        &self,
+        model: &Arc<Model>,
+        batch: &[Fed<'_, Turn, Started>],
+        decode: &[usize],
+        cpu_logits: &mut Vec<(usize, Vec<f32>)>,
+    ) -> Result<Option<Vec<Vec<f32>>>, ServiceError> {
+        let work: Vec<(Arc<SessionCore>, Vec<u32>)> =
+            decode.iter().map(|&i| (batch[i].turn.session.clone(), batch[i].tokens.to_vec())).collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let m = model.clone();
+        let job: crate::npu::Job = Box::new(move |linears| {
+            // The worker planned nothing else of these sessions this pass: their locks are free.
+            let before: Vec<usize> = work.iter().map(|(s, _)| s.lock().kv_len()).collect();
+            let r: Result<Vec<Vec<f32>>, String> = linears.and_then(|l| {
+                work.iter().map(|(s, t)| s.lock().forward_with(&m, t, l).map_err(|e| e.to_string())).collect()
+            });
+            if r.is_err() {
+                // The CPU reruns every step: no cache keeps a position this job appended.
+                for ((s, _), &b) in work.iter().zip(&before) {
+                    s.lock().truncate_kv(b);
+                }
+            }
+            let ok = r.is_ok();
+            let _ = tx.send(r);
+            ok
+        });
+        if self.npu.submit(model, 0, decode.len(), job).is_err() {
+            return Ok(None);
+        }
+        let prefill: Vec<usize> = (0..batch.len()).filter(|i| !decode.contains(i)).collect();
+        if !prefill.is_empty() {
+            let logits = {
+                let mut guards: Vec<_> = prefill.iter().map(|&i| batch[i].turn.session.lock()).collect();
+                let mut seqs: Vec<(&mut SessionInner, &[u32])> =
+                    guards.iter_mut().zip(&prefill).map(|(g, &i)| (&mut **g, batch[i].tokens)).collect();
+                forward_batch(model, &mut seqs)
+            };
+            let planned = rx.recv();
+            cpu_logits.extend(prefill.iter().copied().zip(logits?));
+            return Ok(self.planned(model, planned));
+        }
+        let planned = rx.recv();
+        Ok(self.planned(model, planned))
+    }
+
+    fn planned(
+        &self,
+        model: &Arc<Model>,
+        r: Result<Result<Vec<Vec<f32>>, String>, std::sync::mpsc::RecvError>,
+    ) -> Option<Vec<Vec<f32>>> {
+        match r {
+            Ok(Ok(l)) => Some(l),
+            Ok(Err(reason)) => {
+                self.npu.fail(model, &reason);
+                None
+            }
+            Err(_) => {
+                self.npu.fail(model, "the NPU thread dropped a decode job");
+                None
+            }
+        }
+    }
+}
+
 impl Engine for ModelEngine {
     type Turn = Turn;
     type Seq = Started;
@@ -215,9 +285,14 @@ impl Engine for ModelEngine {
     fn forward(&mut self, batch: &mut [Fed<'_, Turn, Started>]) -> Result<(), ServiceError> {
         let Some(model) = batch.first().map(|f| f.turn.model.clone()) else { return Ok(()) };
         let decode: Vec<usize> = (0..batch.len()).filter(|&i| !batch[i].prefill).collect();
-        if !decode.is_empty() && self.gpu.takes(&model) {
+        let on_plan = !decode.is_empty() && self.npu.decodes(&model);
+        if on_plan || (!decode.is_empty() && self.gpu.takes(&model)) {
             let mut cpu = Vec::new();
-            let on_gpu = self.forward_on_gpu(&model, batch, &decode, &mut cpu)?;
+            let on_gpu = if on_plan {
+                self.forward_on_plan(&model, batch, &decode, &mut cpu)?
+            } else {
+                self.forward_on_gpu(&model, batch, &decode, &mut cpu)?
+            };
             let gpu = match on_gpu {
                 Some(l) => l,
                 // The GPU failed these steps (this model, or the GPU, is off it now): the CPU
