@@ -1544,3 +1544,30 @@ fn opencl_missing() -> bool {
         }
     }
 }
+
+#[test]
+fn an_npu_that_fails_mid_reply_leaves_the_request_to_the_cpu_with_the_same_tokens() {
+    if opencl_missing() {
+        return;
+    }
+    let config = format!(
+        "backend = \"hetero\"\n[npu]\nlibrary = {:?}\n[hetero]\nplan = \"even\"\nsizes = [32]\n",
+        common::emulator_library().display().to_string()
+    );
+    // The prompt's 32-token chunk runs 30 layers × 7 projections = 210 graphs, each decode step
+    // as many: the emulated NPU fails during the fourth step.
+    let d = Daemon::start_after(&config, Some("export LLMD_QNN_EMU_FAIL_AFTER=800"));
+    let conn = d.connect();
+    wait_npu(&conn, "ready:");
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(3);
+    let s = session(&conn);
+    let (cb, _keep, rx) = client::callback();
+    s.generate(&greedy(&prompt, 16), &cb).expect("submitted");
+    let got = collect_timed(rx, None).ids();
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+        .expect("model loads");
+    assert_eq!(got, greedy_ids(&m, &prompt, 16, None), "the reply, finished on the CPU");
+    let npu = npu_dump(&conn);
+    assert!(npu.contains("failed, on the CPU") && npu.contains("LLMD_QNN_EMU_FAIL_AFTER"), "{npu}");
+    assert!(npu.contains("ok=false"), "the failed step is listed:\n{npu}");
+}

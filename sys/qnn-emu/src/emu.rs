@@ -16,6 +16,9 @@ pub mod code {
     pub const CONTEXT_INVALID_HANDLE: u64 = 5002;
     pub const CONTEXT_BINARY_VERSION: u64 = 5004;
     pub const CONTEXT_CREATE_FROM_BINARY: u64 = 5005;
+    /// The graph range's first code (QNN_GRAPH_MIN_ERROR), for a device that fails a run
+    /// ([`super::FAIL_AFTER_ENV`]).
+    pub const GRAPH_GENERAL: u64 = 6000;
     pub const GRAPH_INVALID_HANDLE: u64 = 6001;
     pub const GRAPH_DOES_NOT_EXIST: u64 = 6002;
     pub const GRAPH_INVALID_NAME: u64 = 6003;
@@ -173,6 +176,18 @@ pub const DEFAULT_SOC: u32 = 57;
 pub const DEFAULT_MEMORY_CAP: u64 = 3584 << 20;
 
 const MIB: f64 = (1u64 << 20) as f64;
+
+/// With `LLMD_QNN_EMU_FAIL_AFTER=N`, every graph execution after the process's first `N`
+/// fails (`GRAPH_GENERAL`): an NPU that fails mid-run, for the daemon's tests of what a
+/// request does then.
+pub const FAIL_AFTER_ENV: &str = "LLMD_QNN_EMU_FAIL_AFTER";
+
+static EXECUTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn fail_after() -> Option<u64> {
+    static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.trim().parse().ok()))
+}
 
 /// The environment variable that sets the memory cap, in MiB.
 pub const MEMORY_ENV: &str = "LLMD_QNN_EMU_MEMORY_MB";
@@ -681,6 +696,11 @@ pub struct IoTensor<'a> {
 /// Runs `graph`: `inputs` are the client's input tensors; returns each output's bytes in the
 /// order of `outputs` (id, dims, type; their buffers' sizes in `data.len()`).
 pub fn graph_execute(graph: u64, inputs: &[IoTensor<'_>], outputs: &[IoTensor<'_>]) -> Result<Vec<Vec<u8>>, EmuError> {
+    if let Some(n) = fail_after() {
+        if EXECUTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= n {
+            return err(code::GRAPH_GENERAL, format!("the emulated NPU failed the run ({FAIL_AFTER_ENV}={n})"));
+        }
+    }
     with(|s| {
         let soc = {
             let g = s

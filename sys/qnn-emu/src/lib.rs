@@ -7,12 +7,17 @@
 //!   ([`emu`]'s `fully_connected`: the same definition as the engine's reference, bit for bit):
 //!   uint8 input and uint8 or uint16 output with one scale and offset each, int8 weights per tensor or per output
 //!   channel, optional int32 bias at the input's scale times the weight's.
-//! - **What an NPU refuses**: float tensors on a node (the NPU path's graphs are quantized),
+//! - **fp16 `FullyConnected` graphs** (HeteroLLM's float matmuls): fp16 input and weight, fp16
+//!   or fp32 output, optional float bias; products in f32 summed in eight lanes
+//!   ([`emu::dot_f16_lanes`], the definition), rounded to the output type.
+//! - **What an NPU refuses**: fp32 inputs on a FullyConnected,
 //!   ops it does not emulate, new tensors or nodes after finalize, a tensor at execute whose
 //!   shape or type differs from the one finalized (shapes are static), graphs past the
 //!   addressable-memory cap of a backend (`LLMD_QNN_EMU_MEMORY_MB`, 3.5 GiB by default).
 //! - **Context binaries** of its own layout (magic, version, chip, graphs, CRC-32), refused
 //!   when truncated, corrupt, of another version or for another chip.
+//! - **A failing device** for tests: `LLMD_QNN_EMU_FAIL_AFTER=N` fails every execution after the
+//!   process's first `N`.
 //! - **A modelled duration** for each execution, from the Snapdragon 8 Gen 3's measured figures
 //!   (`emu::cost`), read with [`LlmdQnnEmu_graphModelledNanos`]: what the phone would take,
 //!   labelled as modelled wherever it is shown.
