@@ -81,6 +81,18 @@ pub struct HeteroSettings {
     pub sizes: Vec<usize>,
     pub row_align: usize,
     pub weight_bits: f64,
+    /// Where each model's plan is stored (`<state_dir>/hetero`), if anywhere.
+    pub plan_dir: Option<PathBuf>,
+}
+
+/// Writes `bytes` to `file` through a temporary name in its directory (made if missing).
+fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(d) = file.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, file)
 }
 
 /// Work for the NPU thread: called with the model's graphs, or with why there are none (the
@@ -265,6 +277,7 @@ impl Npu {
                     sizes: h.sizes.clone(),
                     row_align: h.row_align,
                     weight_bits: h.weight_bits,
+                    plan_dir: config.residency.state_dir.as_ref().map(|d| d.join("hetero")),
                 })
             }
             _ => None,
@@ -679,7 +692,19 @@ fn prepare_hetero<'b>(
         HeteroLinears::build(&o.model.transformer, &o.context, &o.gpu, &counts, &plan)
     })
     .map_err(|e| e.to_string())?;
-    let how = format!("planned ({:?} on {}, token counts {:?}; GPU {})", h.plan, h.soc.key, counts, gpu.info().name);
+    let mut how =
+        format!("planned ({:?} on {}, token counts {:?}; GPU {})", h.plan, h.soc.key, counts, gpu.info().name);
+    // The plan kept per model, SoC and token count, for `dump`'s readers and OEM tooling.
+    if let Some(dir) = &h.plan_dir {
+        let file = dir.join(format!("{}.{}.{:?}.json", model.name, h.soc.key, h.plan).to_lowercase());
+        let body = graphs.with_dependent(|_, l| {
+            serde_json::json!({"model": model.name, "soc": h.soc.key, "plan": format!("{:?}", h.plan), "token_counts": counts, "cuts": l.plan_json()})
+        });
+        match write_atomically(&file, body.to_string().as_bytes()) {
+            Ok(()) => how.push_str(&format!(", stored in {}", file.display())),
+            Err(e) => tracing::warn!("the hetero plan was not stored in {}: {e}", file.display()),
+        }
+    }
     Ok((Prepared::Hetero(graphs), how))
 }
 

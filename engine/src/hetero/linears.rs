@@ -100,6 +100,39 @@ impl<'a> HeteroLinears<'a> {
         self.layers.iter().flat_map(|l| l.iter()).flat_map(|s| s.iter()).map(|p| p.npu.graphs()).sum()
     }
 
+    /// The plan as data: per layer, site and projection, the cut for each planned token count
+    /// (what the daemon stores per model, SoC and count).
+    pub fn plan_json(&self) -> serde_json::Value {
+        let sites = ["qkv", "o", "gate_up", "down"];
+        let layers: Vec<serde_json::Value> = self
+            .layers
+            .iter()
+            .map(|l| {
+                let mut m = serde_json::Map::new();
+                for (si, projs) in l.iter().enumerate() {
+                    let v: Vec<serde_json::Value> = projs
+                        .iter()
+                        .map(|p| {
+                            let mut cuts: Vec<(&usize, &Cut)> = p.cuts.iter().collect();
+                            cuts.sort_by_key(|(k, _)| **k);
+                            let cuts: serde_json::Map<String, serde_json::Value> = cuts
+                                .into_iter()
+                                .map(|(k, c)| {
+                                    let v = serde_json::json!({"kind": c.kind(*k, p.w.rows).name(), "npu_rows": c.npu_rows, "npu": c.npu});
+                                    (k.to_string(), v)
+                                })
+                                .collect();
+                            serde_json::json!({"weight": p.w.name, "rows": p.w.rows, "cols": p.w.cols, "cuts": cuts})
+                        })
+                        .collect();
+                    m.insert(sites[si].into(), v.into());
+                }
+                serde_json::Value::Object(m)
+            })
+            .collect();
+        serde_json::json!({ "layers": layers })
+    }
+
     /// The cut of projection `proj` of `site` in layer `li` for `m` tokens.
     pub fn cut(&self, li: usize, site: CaptureSite, proj: usize, m: usize) -> Option<&Cut> {
         self.layers.get(li)?.get(site as usize)?.get(proj)?.cuts.get(&m)
