@@ -147,8 +147,7 @@ pub fn run(a: &SyncBenchArgs) -> Result<(), String> {
     if a.waits_us.is_empty() || a.waits_us.iter().any(|&w| w == 0 || w > 1_000_000) {
         return Err("--waits-us must list durations of 1 to 1000000 µs".into());
     }
-    let slack =
-        std::fs::read_to_string("/proc/thread-self/timerslack_ns").ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let slack = std::fs::read_to_string("/proc/self/timerslack_ns").ok().and_then(|s| s.trim().parse::<u64>().ok());
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mut rows = Vec::new();
     for &w in &a.waits_us {

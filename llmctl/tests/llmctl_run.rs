@@ -233,3 +233,71 @@ fn npu_model_is_labelled_modelled_and_out_of_order_never_loses() {
         assert!(r["ooe_makespan_s"].as_f64() <= r["in_order_makespan_s"].as_f64(), "{r}");
     }
 }
+
+/// `llmctl plan`: labelled modelled; on the default model's file and on a known shape; the
+/// paper report within ±25% on most rows; an OEM's profile file; bad input named.
+#[test]
+fn plan_models_a_soc_and_names_bad_input() {
+    let m = common::model();
+    let m = m.to_str().expect("path");
+    let o = llmctl(&["plan", "--model", m, "--prompt", "100", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["labelled"], "modelled");
+    assert_eq!(v["model"]["layers"], 30);
+    assert!(v["prefill"]["tok_per_s"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
+    let o = llmctl(&["plan", "--paper", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let rows = v["rows"].as_array().expect("rows");
+    let within = rows.iter().filter(|r| (0.75..=1.25).contains(&r["ratio"].as_f64().unwrap_or(0.0))).count();
+    assert!(within + 2 >= rows.len(), "{v}");
+    let dir = std::env::temp_dir().join(format!("llmctl-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let socs = dir.join("socs.toml");
+    std::fs::write(&socs, "[fast_gpu]\nname = \"A faster GPU\"\nbase = \"snapdragon_8gen3\"\ngpu_speed = 4.0\n")
+        .expect("file");
+    let o = llmctl(&[
+        "plan",
+        "--soc-file",
+        socs.to_str().expect("path"),
+        "--soc",
+        "fast_gpu",
+        "--model",
+        "llama3_8b",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["soc"]["gpu_speed"], 4.0);
+    std::fs::write(&socs, "[broken]\nname = \"x\"\nbase = \"snapdragon_8gen3\"\ngpu_speed = -1.0\n").expect("file");
+    for (args, needle) in [
+        (vec!["plan", "--soc", "nope"], "no SoC profile"),
+        (vec!["plan", "--model", "no_such_model"], "neither a file nor a known shape"),
+        (vec!["plan", "--prompt", "0"], "--prompt"),
+        (vec!["plan", "--soc-file", socs.to_str().expect("path"), "--soc", "broken"], "positive"),
+        (vec!["sync-bench", "--rounds", "0"], "--rounds"),
+    ] {
+        let o = llmctl(&args);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(e.contains(needle), "{args:?}: {e:?} does not mention {needle:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `llmctl sync-bench --json`: labelled measured, the three waiters at the wait asked for, each
+/// with its figures (no timing is asserted: the machine may be busy with other tests).
+#[test]
+fn sync_bench_measures_the_three_waiters() {
+    let o = llmctl(&["sync-bench", "--waits-us", "300", "--rounds", "60", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["labelled"], "measured");
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 3);
+    for m in ["predicted sleep + poll", "condition variable", "sleep only"] {
+        let r = rows.iter().find(|r| r["method"] == m).unwrap_or_else(|| panic!("{m}: {v}"));
+        assert_eq!(r["wait_us"], 300);
+        assert!(r["p50_us"].as_f64().is_some_and(|x| x >= 0.0) && r["cpu_us_per_wait"].as_f64().is_some(), "{r}");
+    }
+}
