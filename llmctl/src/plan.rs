@@ -43,6 +43,11 @@ pub struct PlanArgs {
     /// Bits per weight the processors read, for a known shape (W4A16 as Q4_0: 4.5).
     #[arg(long, default_value_t = 4.5)]
     pub bits: f64,
+    /// The NPU's costs: "profile" (the SoC profile's model) or "tree" (HeteroLLM's
+    /// prediction mode: a regression tree over shapes fitted to timed samples — here, of the
+    /// profile's model).
+    #[arg(long, default_value = "profile", value_parser = ["profile", "tree"])]
+    pub profiler: String,
     /// Plan without fast synchronisation (conventional copies and queue restarts).
     #[arg(long)]
     pub no_fast_sync: bool,
@@ -153,8 +158,16 @@ pub fn run(a: &PlanArgs) -> Result<(), String> {
     }
     let soc = soc_of(a)?;
     let shape = shape_of(&a.model, a.bits)?;
-    let prof = Predicted { soc: &soc, bits: shape.bits };
-    let sim = Sim::new(&soc, &prof);
+    let predicted = Predicted { soc: &soc, bits: shape.bits };
+    let tree;
+    let prof: &dyn llmd_engine::hetero::solver::Profiler = if a.profiler == "tree" {
+        tree = llmd_engine::hetero::profiler::Regression::from_profile(&soc, shape.bits)
+            .ok_or("the regression tree has no samples")?;
+        &tree
+    } else {
+        &predicted
+    };
+    let sim = Sim::new(&soc, prof);
     let fast = !a.no_fast_sync;
     let pre = sim.prefill(&shape, a.prompt, Strategy::HeteroTensor, fast);
     let dec = sim.decode(&shape, a.prompt, Strategy::HeteroTensor, fast);
@@ -182,10 +195,11 @@ pub fn run(a: &PlanArgs) -> Result<(), String> {
         return Ok(());
     }
     crate::out!(
-        "MODELLED, not measured: {} on the {} profile ({}), {} layers, d {}, FFN {}, {:.2} bits per weight; {} synchronisation",
+        "MODELLED, not measured: {} on the {} profile ({}, NPU costs from the {}), {} layers, d {}, FFN {}, {:.2} bits per weight; {} synchronisation",
         shape.name,
         soc.name,
         soc.key,
+        if a.profiler == "tree" { "regression tree" } else { "profile's model" },
         shape.layers,
         shape.d,
         shape.ffn,

@@ -13,6 +13,7 @@
 pub mod exec;
 pub mod linears;
 pub mod partition;
+pub mod profiler;
 pub mod sim;
 pub mod soc;
 pub mod solver;
