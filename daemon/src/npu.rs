@@ -177,8 +177,8 @@ struct Status {
     /// Shadow outlier execution's counters of the model that ran last.
     shadow: Option<(String, llmd_engine::prefill::ShadowStats)>,
     /// HeteroLLM's counters of the model that ran last: matmuls, of them split, NPU pieces,
-    /// GPU pieces.
-    hetero: Option<(String, [u64; 4])>,
+    /// GPU pieces, fast-sync waits and their polling nanoseconds.
+    hetero: Option<(String, [u64; 6])>,
 }
 
 /// The daemon's handle of the NPU thread (see the module doc).
@@ -476,9 +476,10 @@ impl Npu {
                     st.total_bytes
                 ));
             }
-            if let Some((model, [m, split, np, gp])) = &s.hetero {
+            if let Some((model, [m, split, np, gp, waits, polled])) = &s.hetero {
                 out.push_str(&format!(
-                    "  hetero {model}: {m} matmuls, {split} cut between the NPU and the GPU; {np} NPU pieces, {gp} GPU pieces\n"
+                    "  hetero {model}: {m} matmuls, {split} cut between the NPU and the GPU; {np} NPU pieces, {gp} GPU pieces\n  fast sync {model}: {waits} waits for the NPU, {:.1} ms polling\n",
+                    *polled as f64 / 1e6
                 ));
             }
             for j in &s.recent {
@@ -660,8 +661,17 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                         let name = r.model.upgrade().map(|m| m.name.clone()).unwrap_or_default();
                         let st = &l.stats;
                         let c = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-                        lock(status).hetero =
-                            Some((name, [c(&st.matmuls), c(&st.split_matmuls), c(&st.npu_pieces), c(&st.gpu_pieces)]));
+                        lock(status).hetero = Some((
+                            name,
+                            [
+                                c(&st.matmuls),
+                                c(&st.split_matmuls),
+                                c(&st.npu_pieces),
+                                c(&st.gpu_pieces),
+                                c(&l.sync.waits),
+                                c(&l.sync.polled_ns),
+                            ],
+                        ));
                     }),
                     None => {
                         job(Err("the model's NPU graphs are not loaded".into()));

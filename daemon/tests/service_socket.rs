@@ -1526,6 +1526,8 @@ fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cp
         [nums[nums.len() - 4], nums[nums.len() - 3], nums[nums.len() - 2], nums[nums.len() - 1]];
     assert_eq!(matmuls, split, "every matmul cut: {line}");
     assert!(npu_pieces >= matmuls && gpu_pieces >= matmuls, "{line}");
+    let fast = npu.lines().find(|l| l.contains("fast sync ")).unwrap_or_else(|| panic!("no fast-sync line:\n{npu}"));
+    assert!(fast.contains(&format!(": {split} waits for the NPU")), "a fast-sync wait per cut matmul: {fast}");
     assert!(
         npu.lines().filter(|l| l.contains("npu_job request=0 tokens=1 ")).count() >= 15,
         "decode steps on the plan:\n{npu}"

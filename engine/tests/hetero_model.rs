@@ -114,18 +114,25 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
         let (toks, margins) = greedy(m, &prompt, Some(&l), None);
         let s = &l.stats;
         eprintln!(
-            "{name}: {toks:?} ({} NPU graphs; {} matmuls, {} split, {} NPU and {} GPU pieces)",
+            "{name}: {toks:?} ({} NPU graphs; {} matmuls, {} split, {} NPU and {} GPU pieces; {} fast-sync waits, {:.1} ms polling)",
             l.npu_graphs(),
             s.matmuls.load(Ordering::Relaxed),
             s.split_matmuls.load(Ordering::Relaxed),
             s.npu_pieces.load(Ordering::Relaxed),
-            s.gpu_pieces.load(Ordering::Relaxed)
+            s.gpu_pieces.load(Ordering::Relaxed),
+            l.sync.waits.load(Ordering::Relaxed),
+            l.sync.polled_ns.load(Ordering::Relaxed) as f64 / 1e6
         );
         if name == "partitioned" {
             // A hybrid in prefill (standard graphs for the first tokens, half the rows), a
             // row cut in decode.
             assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32));
             assert!(s.split_matmuls.load(Ordering::Relaxed) > 0 && s.npu_pieces.load(Ordering::Relaxed) > 0);
+            assert_eq!(
+                l.sync.waits.load(Ordering::Relaxed),
+                s.split_matmuls.load(Ordering::Relaxed),
+                "a fast-sync wait per cut matmul"
+            );
         }
         // Against the CPU, teacher-forced so one parting does not cascade.
         let (tf, _) = greedy(m, &prompt, Some(&l), Some(&cpu));

@@ -134,11 +134,19 @@ pub fn f16_rows(w: &WeightMatrix, rows: Range<usize>) -> Result<Vec<u16>, String
     Ok(out)
 }
 
-/// The NPU's fp16 graphs for one matrix: one per (token count, row range), built up front.
+/// The NPU's fp16 graphs for one matrix: one per (token count, row range), built up front,
+/// each with its input and output buffers (allocated once, reused by every run: the slots a
+/// phone would map into both the NPU and the GPU).
 pub struct NpuF16Runner<'c> {
     pub name: String,
     pub k: usize,
-    graphs: HashMap<(usize, usize, usize), Mutex<Graph<'c>>>,
+    graphs: HashMap<(usize, usize, usize), Mutex<NpuGraph<'c>>>,
+}
+
+struct NpuGraph<'c> {
+    graph: Graph<'c>,
+    x: Vec<u8>,
+    y: Vec<u8>,
 }
 
 /// The name of the fp16 graph of `name` at `m` tokens over `rows`.
@@ -176,7 +184,8 @@ impl<'c> NpuF16Runner<'c> {
             let y =
                 g.output(&TensorSpec::new("y", &[m as u32, rows.len() as u32], dt::FLOAT_16, Quantization::None))?;
             g.node("fc", "FullyConnected", &[x, w], &[y], &[])?;
-            graphs.insert((m, rows.start, rows.end), Mutex::new(g.finalize()?));
+            let (x, y) = (vec![0u8; m * k * 2], vec![0u8; m * rows.len() * 2]);
+            graphs.insert((m, rows.start, rows.end), Mutex::new(NpuGraph { graph: g.finalize()?, x, y }));
         }
         Ok(Self { name: name.to_owned(), k, graphs })
     }
@@ -195,12 +204,14 @@ impl PieceRunner for NpuF16Runner<'_> {
             .get(&key)
             .ok_or_else(|| format!("no NPU graph {}", f16_graph_name(&self.name, m, &piece.rows)))?;
         let xs = piece_x(piece, x, self.k)?;
-        let mut xb = vec![0u8; m * self.k * 2];
-        for (d, &v) in xb.chunks_exact_mut(2).zip(xs) {
+        let mut slot = g.lock().map_err(|_| "poisoned")?;
+        let NpuGraph { graph, x: xb, y: yb } = &mut *slot;
+        let used = xs.len() * 2;
+        for (d, &v) in xb[..used].chunks_exact_mut(2).zip(xs) {
             d.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
         }
-        let mut yb = vec![0u8; m * piece.rows.len() * 2];
-        g.lock().map_err(|_| "poisoned")?.execute(&[&xb], &mut [&mut yb]).map_err(|e| e.to_string())?;
+        xb[used..].fill(0);
+        graph.execute(&[xb], &mut [yb]).map_err(|e| e.to_string())?;
         let w = piece.rows.len();
         for (i, o) in out.iter_mut().enumerate() {
             for (j, v) in o.iter_mut().enumerate() {

@@ -15,7 +15,7 @@
 //! output buffer, so no merge is needed.
 
 use super::exec::{f16_rows, GpuRunner, NpuF16Runner};
-use super::partition::{execute_pieces, Cut, Dev, Piece, Segment};
+use super::partition::{execute_synced, Cut, Dev, Piece, Segment};
 use super::soc::Soc;
 use super::solver::Op;
 use super::solver::{Phase, Predicted, Solver};
@@ -48,6 +48,9 @@ pub struct HeteroStats {
 pub struct HeteroLinears<'a> {
     layers: Vec<[Vec<Proj<'a>>; 4]>,
     pub stats: HeteroStats,
+    /// The control plane's wait for the NPU's half of each cut matmul (predicted sleep, then
+    /// polling its flag), predictions per projection kind and token count.
+    pub sync: super::sync::FastSync,
 }
 
 impl<'a> HeteroLinears<'a> {
@@ -92,7 +95,7 @@ impl<'a> HeteroLinears<'a> {
             }
             layers.push(built);
         }
-        Ok(Self { layers, stats: HeteroStats::default() })
+        Ok(Self { layers, stats: HeteroStats::default(), sync: super::sync::FastSync::new() })
     }
 
     /// NPU graphs built in all.
@@ -202,8 +205,10 @@ impl Linears for HeteroLinears<'_> {
             return Ok(false);
         }
         let Some(plans) = projs.iter().map(|p| p.pieces(n)).collect::<Option<Vec<_>>>() else { return Ok(false) };
-        for ((p, out), pieces) in projs.iter().zip(outs.iter_mut()).zip(plans) {
-            execute_pieces(&pieces, x, n, p.w.rows, out, &p.npu, &p.gpu)
+        for (pi, ((p, out), pieces)) in projs.iter().zip(outs.iter_mut()).zip(plans).enumerate() {
+            // Every layer runs the same operators: one prediction per site, projection and count.
+            let key = format!("{}.{pi}.{n}", site as usize);
+            execute_synced(&pieces, x, n, p.w.rows, out, &p.npu, &p.gpu, Some((&self.sync, &key)))
                 .map_err(|e| BackendError::Device(format!("{}: {e}", p.w.name)))?;
             let npu = pieces.iter().filter(|q| q.dev == Dev::Npu).count() as u64;
             let gpu = pieces.len() as u64 - npu;

@@ -323,6 +323,24 @@ pub fn execute_pieces(
     npu: &dyn PieceRunner,
     gpu: &dyn PieceRunner,
 ) -> Result<(), String> {
+    execute_synced(pieces, x, m, n, out, npu, gpu, None)
+}
+
+/// [`execute_pieces`] where the caller, its GPU pieces done, waits for the NPU's by HeteroLLM's
+/// fast synchronisation (`sync`: the waiter and predictions, and the operator's key): the NPU's
+/// thread sets a flag and records its completion time when its last piece is written; the
+/// caller sleeps for the operator's predicted remainder and polls the flag.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_synced(
+    pieces: &[Piece],
+    x: &[f32],
+    m: usize,
+    n: usize,
+    out: &mut [f32],
+    npu: &dyn PieceRunner,
+    gpu: &dyn PieceRunner,
+    sync: Option<(&super::sync::FastSync, &str)>,
+) -> Result<(), String> {
     if out.len() != m * n || (m > 0 && !x.len().is_multiple_of(m)) {
         return Err(format!("execute: {} inputs, {} outputs for {m}×{n}", x.len(), out.len()));
     }
@@ -345,9 +363,25 @@ pub fn execute_pieces(
         run(npu, npu_work)?;
         return run(gpu, gpu_work);
     }
+    let flag = super::sync::Flag::new();
+    let submitted = std::time::Instant::now();
+    let done_at = std::sync::Mutex::new(None);
     std::thread::scope(|s| {
-        let h = s.spawn(|| run(npu, npu_work));
+        let h = s.spawn(|| {
+            let r = run(npu, npu_work);
+            if let Ok(mut d) = done_at.lock() {
+                *d = Some(std::time::Instant::now());
+            }
+            flag.set(1);
+            r
+        });
         let g = run(gpu, gpu_work);
+        if let Some((fs, key)) = sync {
+            fs.wait(key, &flag, 1, submitted);
+            if let Some(t) = done_at.lock().ok().and_then(|d| *d) {
+                fs.observe(key, t.saturating_duration_since(submitted));
+            }
+        }
         let nres = h.join().unwrap_or_else(|_| Err("the NPU's thread panicked".into()));
         nres.and(g)
     })
