@@ -81,8 +81,9 @@ pub struct HeteroConfig {
     /// A TOML file of SoC profiles in the form of `engine/data/socs.toml` (an OEM's own).
     pub soc_file: Option<PathBuf>,
     pub plan: HeteroPlan,
-    /// Prompt token counts the NPU's graphs are built for (a prompt chunk is cut into blocks of
-    /// these, the rest on the GPU); decode's one-token graphs are always built.
+    /// Prompt token counts each projection is planned for (a prompt chunk is cut into blocks of
+    /// these, the rest on the GPU; with `plan = "solver"` each count's cut decides the NPU's
+    /// graphs — standard sizes, possibly padded — or none); decode (one token) is always planned.
     pub sizes: Vec<usize>,
     /// Row alignment of the `even` plan's cut.
     pub row_align: usize,

@@ -24,18 +24,7 @@ const DECODED: usize = 12;
 const NEAR_TIE: f32 = 0.25;
 const SM8650: u32 = 57;
 
-fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
-    let (mut best, mut second) = ((0usize, f32::NEG_INFINITY), f32::NEG_INFINITY);
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best.1 {
-            second = best.1;
-            best = (i, v);
-        } else if v > second {
-            second = v;
-        }
-    }
-    (best.0 as u32, best.1 - second)
-}
+use common::argmax_and_margin;
 
 /// Greedy tokens and margins: the prompt, then `DECODED` steps, every pass through `linears`
 /// (None: the CPU), fed `forced` tokens when given (teacher forcing).

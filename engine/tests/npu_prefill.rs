@@ -38,18 +38,7 @@ const OUT_BITS: u8 = 16;
 /// SM8650 (Snapdragon 8 Gen 3).
 const SM8650: u32 = 57;
 
-fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
-    let (mut best, mut second) = ((0usize, f32::NEG_INFINITY), f32::NEG_INFINITY);
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best.1 {
-            second = best.1;
-            best = (i, v);
-        } else if v > second {
-            second = v;
-        }
-    }
-    (best.0 as u32, best.1 - second)
-}
+use common::argmax_and_margin;
 
 /// Greedy decoding on the CPU from `kv` after the prompt's last logits: each step's argmax and
 /// top-two margin. With `forced`, the forced tokens are fed instead of the argmaxes (teacher

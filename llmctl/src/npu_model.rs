@@ -67,9 +67,47 @@ pub struct NpuModelArgs {
     pub json: bool,
 }
 
-/// The NPU's time for one graph of `m` rows holding FullyConnected nodes `k × n`.
-fn npu_s(m: usize, fcs: &[(usize, usize)]) -> f64 {
-    (cost::launch_ns(57) + fcs.iter().map(|&(k, n)| cost::fc_ns(57, m, k, n)).sum::<u64>()) as f64 / 1e9
+/// The figures the INT8 model's durations come from: by default the emulator's Snapdragon 8
+/// Gen 3 cost model and the constants above; `llmctl plan` gives a SoC profile's.
+#[derive(Clone, Copy, Debug)]
+pub struct Int8Costs {
+    /// Per graph execution, seconds.
+    pub launch_s: f64,
+    /// INT8 weight bytes the NPU streams per second.
+    pub weight_bytes_per_s: f64,
+    /// INT8 operations per second at chunk sizes.
+    pub ops_per_s: f64,
+    pub cpu_attn_flops: f64,
+    pub cpu_elems_per_s: f64,
+    /// One NPU→CPU hand-off, seconds.
+    pub sync_s: f64,
+}
+
+impl Default for Int8Costs {
+    fn default() -> Self {
+        Self {
+            launch_s: cost::LAUNCH_NS as f64 / 1e9,
+            weight_bytes_per_s: cost::WEIGHT_BYTES_PER_S,
+            ops_per_s: cost::OPS_PER_S,
+            cpu_attn_flops: CPU_ATTN_FLOPS,
+            cpu_elems_per_s: CPU_ELEMS_PER_S,
+            sync_s: SYNC_S,
+        }
+    }
+}
+
+impl Int8Costs {
+    /// The NPU's time for one graph of `m` rows holding FullyConnected nodes `k × n` (the
+    /// emulator's `cost::fc_ns` with these rates).
+    fn npu_s(&self, m: usize, fcs: &[(usize, usize)]) -> f64 {
+        self.launch_s
+            + fcs
+                .iter()
+                .map(|&(k, n)| {
+                    ((k * n) as f64 / self.weight_bytes_per_s).max(2.0 * (m * k * n) as f64 / self.ops_per_s)
+                })
+                .sum::<f64>()
+    }
 }
 
 /// llm.npu's subgraphs of one chunk on our NPU path, with their durations: per layer norm (CPU),
@@ -82,10 +120,21 @@ pub struct Model {
 
 impl Model {
     pub fn new(s: Shape, chunk: usize, chunks: usize, shadow: &dyn Fn(usize, usize) -> bool) -> Self {
+        Self::with_costs(s, chunk, chunks, shadow, Int8Costs::default())
+    }
+
+    /// [`Self::new`] with durations from `k`.
+    pub fn with_costs(
+        s: Shape,
+        chunk: usize,
+        chunks: usize,
+        shadow: &dyn Fn(usize, usize) -> bool,
+        k: Int8Costs,
+    ) -> Self {
         let c = chunk as f64;
         let mut specs: Vec<Spec> = Vec::new();
         let mut times: Vec<Box<dyn Fn(usize) -> f64>> = Vec::new();
-        let el = move |per_row: usize| c * per_row as f64 / CPU_ELEMS_PER_S;
+        let el = move |per_row: usize| c * per_row as f64 / k.cpu_elems_per_s;
         let mut prev: Vec<usize> = Vec::new();
         for l in 0..s.layers {
             let mut cpu = |name: String, kv: bool, t: Box<dyn Fn(usize) -> f64>, after: Vec<usize>| {
@@ -93,13 +142,13 @@ impl Model {
                 times.push(t);
                 specs.len() - 1
             };
-            let hand_off = if l > 0 { SYNC_S } else { 0.0 };
+            let hand_off = if l > 0 { k.sync_s } else { 0.0 };
             let norm = cpu(format!("l{l}.norm"), false, Box::new(move |_| el(3 * s.d) + hand_off), prev.clone());
             let (qd, kvd) = (s.q_dim, s.kv_dim);
             // Attention of chunk i: its rows against (i + 1/2)·C positions on average, QK and PV.
             let att = move |i: usize| {
                 let ctx = (i as f64 + 0.5) * c;
-                2.0 * 2.0 * c * ctx * qd as f64 / CPU_ATTN_FLOPS + el(qd + kvd)
+                2.0 * 2.0 * c * ctx * qd as f64 / k.cpu_attn_flops + el(qd + kvd)
             };
             let mut after = vec![norm];
             type Group = (&'static str, Vec<(usize, usize)>, usize);
@@ -109,9 +158,9 @@ impl Model {
                 ("gate_up", vec![(s.d, s.ffn), (s.d, s.ffn)], s.d),
                 ("down", vec![(s.ffn, s.d)], s.ffn),
             ];
-            for (site, (gname, fcs, k)) in groups.into_iter().enumerate() {
+            for (site, (gname, fcs, kin)) in groups.into_iter().enumerate() {
                 let n_out: usize = fcs.iter().map(|f| f.1).sum();
-                let t_npu = npu_s(chunk, &fcs);
+                let t_npu = k.npu_s(chunk, &fcs);
                 specs.push(Spec { name: format!("l{l}.{gname}"), proc: Proc::Npu, kv: false, after: after.clone() });
                 times.push(Box::new(move |_| t_npu));
                 let npu = specs.len() - 1;
@@ -119,7 +168,7 @@ impl Model {
                 if shadow(l, site) {
                     // Extraction and the product: from the input the CPU already holds; the merge
                     // is in the next CPU subgraph, which waits for the NPU's output anyway.
-                    let t = el(k) + c * OUTLIER_CHANNELS * n_out as f64 * 2.0 / CPU_ATTN_FLOPS;
+                    let t = el(kin) + c * OUTLIER_CHANNELS * n_out as f64 * 2.0 / k.cpu_attn_flops;
                     specs.push(Spec {
                         name: format!("l{l}.{gname}.shadow"),
                         proc: Proc::Cpu,
@@ -140,7 +189,7 @@ impl Model {
                 };
                 specs.push(Spec { name, proc: Proc::Cpu, kv, after: outs });
                 // Every CPU subgraph after an NPU graph waits for its output: one hand-off.
-                times.push(Box::new(move |i| t(i) + SYNC_S));
+                times.push(Box::new(move |i| t(i) + k.sync_s));
                 after = vec![specs.len() - 1];
             }
         }
@@ -173,14 +222,11 @@ fn shadow_by_depth(layers: usize, prune: f64) -> impl Fn(usize, usize) -> bool {
 }
 
 /// llm.npu's INT8 chunked prefill of `prompt` tokens (chunks of `chunk`, out-of-order, shadow
-/// execution at pruning `prune` by depth), modelled: seconds, with every NPU graph's time
-/// divided by `npu_speed` (a SoC profile derived from the 8 Gen 3's).
-pub fn int8_prefill_s(s: Shape, prompt: usize, chunk: usize, prune: f64, npu_speed: f64) -> f64 {
+/// execution at pruning `prune` by depth), modelled with `costs`: seconds.
+pub fn int8_prefill_s(s: Shape, prompt: usize, chunk: usize, prune: f64, costs: Int8Costs) -> f64 {
     let chunk = chunk.max(1);
-    let m = Model::new(s, chunk, prompt.max(1).div_ceil(chunk), &shadow_by_depth(s.layers, prune));
-    let speed = if npu_speed > 0.0 { npu_speed } else { 1.0 };
-    let t = |j: Job| if m.dag.specs[j.sg].proc == Proc::Npu { m.t(j) / speed } else { m.t(j) };
-    simulate(&m.dag, Policy::OutOfOrder, &t).makespan
+    let m = Model::with_costs(s, chunk, prompt.max(1).div_ceil(chunk), &shadow_by_depth(s.layers, prune), costs);
+    simulate(&m.dag, Policy::OutOfOrder, &|j| m.t(j)).makespan
 }
 
 pub fn run(a: &NpuModelArgs) -> Result<(), String> {

@@ -7,13 +7,16 @@
 //! `llmctl plan --paper` prints the HeteroLLM figures the model reproduces on the 8 Gen 3
 //! profile, each beside the paper's.
 
-use crate::npu_model::{int8_prefill_s, Shape as Int8Shape};
+use crate::npu_model::{int8_prefill_s, Int8Costs, Shape as Int8Shape};
 use clap::Args;
 use llmd_engine::hetero::partition::CutKind;
 use llmd_engine::hetero::sim::{known_shape, Pass, Shape, Sim, Strategy, KNOWN_SHAPES};
 use llmd_engine::hetero::soc::{self, Soc};
 use llmd_engine::hetero::solver::{Choice, Predicted};
 use std::path::PathBuf;
+
+/// The longest prompt planned (the solver's search grows with it; phones' prompts are shorter).
+pub const MAX_PROMPT: usize = 16384;
 
 /// llm.npu's default pruning (its §3.3: shadow execution in the top 15% of layers).
 pub const INT8_PRUNE: f64 = 0.85;
@@ -92,6 +95,20 @@ fn int8_shape(s: &Shape) -> Int8Shape {
     Int8Shape { name: "model", layers: s.layers, d: s.d, q_dim: s.q_dim, kv_dim: s.kv_dim, ffn: s.ffn }
 }
 
+/// llm.npu's INT8 path on `soc`: its profile's INT8 rates (scaled by its NPU speed), CPU
+/// figures and CPU–NPU hand-off.
+fn int8_costs(soc: &Soc) -> Int8Costs {
+    let n = &soc.npu;
+    Int8Costs {
+        launch_s: n.int8_launch_ms * 1e-3 / soc.npu_speed,
+        weight_bytes_per_s: n.int8_weight_gb_per_s * 1e9 * soc.npu_speed,
+        ops_per_s: n.int8_tops * 1e12 * soc.npu_speed,
+        cpu_attn_flops: soc.cpu.attention_gflops * 1e9,
+        cpu_elems_per_s: soc.cpu.elementwise_gelems_per_s * 1e9,
+        sync_s: soc.sync.cpu_npu_handoff_us * 1e-6,
+    }
+}
+
 fn soc_of(a: &PlanArgs) -> Result<Soc, String> {
     let file = match &a.soc_file {
         Some(p) => Some(std::fs::read_to_string(p).map_err(|e| format!("--soc-file {}: {e}", p.display()))?),
@@ -150,8 +167,8 @@ pub fn run(a: &PlanArgs) -> Result<(), String> {
     if a.paper {
         return paper(a);
     }
-    if a.prompt == 0 || a.prompt > 1 << 20 {
-        return Err("--prompt must be 1 to 1048576 tokens".into());
+    if a.prompt == 0 || a.prompt > MAX_PROMPT {
+        return Err(format!("--prompt must be 1 to {MAX_PROMPT} tokens"));
     }
     if !(a.bits.is_finite() && a.bits > 0.0 && a.bits <= 32.0) {
         return Err("--bits must be above 0 and at most 32".into());
@@ -175,7 +192,7 @@ pub fn run(a: &PlanArgs) -> Result<(), String> {
         .into_iter()
         .map(|s| (s, sim.prefill(&shape, a.prompt, s, fast), sim.decode(&shape, a.prompt, s, fast)))
         .collect();
-    let int8_s = int8_prefill_s(int8_shape(&shape), a.prompt, INT8_CHUNK, INT8_PRUNE, soc.npu_speed);
+    let int8_s = int8_prefill_s(int8_shape(&shape), a.prompt, INT8_CHUNK, INT8_PRUNE, int8_costs(&soc));
     let int8_tok_s = a.prompt as f64 / int8_s;
     let float_tok_s = pre.tok_per_s;
     let recommend = if int8_tok_s >= INT8_WORTH_X * float_tok_s { "INT8 (llm.npu)" } else { "float (HeteroLLM)" };
@@ -258,7 +275,7 @@ fn paper(a: &PlanArgs) -> Result<(), String> {
     let p525 = t(&llama, 525).seconds;
     let dec = sim.decode(&llama, 256, Strategy::HeteroTensor, true);
     let dec_gpu = sim.decode(&llama, 256, Strategy::GpuOnly, true);
-    let int8 = |m: usize| m as f64 / int8_prefill_s(int8_shape(&qwen), m, INT8_CHUNK, INT8_PRUNE, soc.npu_speed);
+    let int8 = |m: usize| m as f64 / int8_prefill_s(int8_shape(&qwen), m, INT8_CHUNK, INT8_PRUNE, int8_costs(&soc));
     let rows = vec![
         Row {
             what: "Llama-3-8B prefill, 1024 tokens, tok/s",
@@ -336,7 +353,7 @@ fn paper(a: &PlanArgs) -> Result<(), String> {
             what: "Qwen1.5-1.8B INT8 prefill (llm.npu), 1024 tokens",
             paper: 564.0,
             ours: int8(1024),
-            inputs: "npu-model: emulator cost, OOE, 85% pruned; paper's figure cited by HeteroLLM, length not given",
+            inputs: "llm.npu's model (npu-model) on the profile's INT8 and CPU figures, OOE, 85% pruned; cited by HeteroLLM, no length given",
         },
     ];
     let q_float = t(&qwen, 1024).tok_per_s;

@@ -154,12 +154,7 @@ impl ModelEngine {
         let prefill: Vec<usize> = (0..batch.len()).filter(|i| !decode.contains(i)).collect();
         if !prefill.is_empty() {
             let start_ms = crate::gpu::epoch_ms();
-            let logits = {
-                let mut guards: Vec<_> = prefill.iter().map(|&i| batch[i].turn.session.lock()).collect();
-                let mut seqs: Vec<(&mut SessionInner, &[u32])> =
-                    guards.iter_mut().zip(&prefill).map(|(g, &i)| (&mut **g, batch[i].tokens)).collect();
-                forward_batch(model, &mut seqs)
-            };
+            let logits = forward_on_cpu(model, batch, &prefill);
             let tokens = prefill.iter().map(|&i| batch[i].tokens.len()).sum();
             self.gpu.beside(id, tokens, start_ms, crate::gpu::epoch_ms());
             // The GPU's steps are awaited even when the CPU's failed: their sessions are in use.
@@ -169,6 +164,18 @@ impl ModelEngine {
         }
         Ok(rx.recv().ok().and_then(Result::ok))
     }
+}
+
+/// The batch's entries `which` in one CPU pass (their sessions locked for it).
+fn forward_on_cpu(
+    model: &Arc<Model>,
+    batch: &[Fed<'_, Turn, Started>],
+    which: &[usize],
+) -> Result<Vec<Vec<f32>>, ServiceError> {
+    let mut guards: Vec<_> = which.iter().map(|&i| batch[i].turn.session.lock()).collect();
+    let mut seqs: Vec<(&mut SessionInner, &[u32])> =
+        guards.iter_mut().zip(which).map(|(g, &i)| (&mut **g, batch[i].tokens)).collect();
+    forward_batch(model, &mut seqs)
 }
 
 impl ModelEngine {
@@ -189,16 +196,29 @@ impl ModelEngine {
         let m = model.clone();
         let job: crate::npu::Job = Box::new(move |linears| {
             // The worker planned nothing else of these sessions this pass: their locks are free.
-            let before: Vec<usize> = work.iter().map(|(s, _)| s.lock().kv_len()).collect();
+            // Unless every step succeeds, every cache goes back to where it was — on an error or a
+            // panic alike (the guard) — since the CPU then reruns every step.
+            struct Rollback<'w> {
+                work: &'w [(Arc<SessionCore>, Vec<u32>)],
+                before: Vec<usize>,
+                armed: bool,
+            }
+            impl Drop for Rollback<'_> {
+                fn drop(&mut self) {
+                    if self.armed {
+                        for ((s, _), &b) in self.work.iter().zip(&self.before) {
+                            s.lock().truncate_kv(b);
+                        }
+                    }
+                }
+            }
+            let mut guard =
+                Rollback { work: &work, before: work.iter().map(|(s, _)| s.lock().kv_len()).collect(), armed: true };
             let r: Result<Vec<Vec<f32>>, String> = linears.and_then(|l| {
                 work.iter().map(|(s, t)| s.lock().forward_with(&m, t, l).map_err(|e| e.to_string())).collect()
             });
-            if r.is_err() {
-                // The CPU reruns every step: no cache keeps a position this job appended.
-                for ((s, _), &b) in work.iter().zip(&before) {
-                    s.lock().truncate_kv(b);
-                }
-            }
+            guard.armed = r.is_err();
+            drop(guard);
             let ok = r.is_ok();
             let _ = tx.send(r);
             ok
@@ -208,15 +228,11 @@ impl ModelEngine {
         }
         let prefill: Vec<usize> = (0..batch.len()).filter(|i| !decode.contains(i)).collect();
         if !prefill.is_empty() {
-            let logits = {
-                let mut guards: Vec<_> = prefill.iter().map(|&i| batch[i].turn.session.lock()).collect();
-                let mut seqs: Vec<(&mut SessionInner, &[u32])> =
-                    guards.iter_mut().zip(&prefill).map(|(g, &i)| (&mut **g, batch[i].tokens)).collect();
-                forward_batch(model, &mut seqs)
-            };
-            let planned = rx.recv();
+            let logits = forward_on_cpu(model, batch, &prefill);
+            // The plan's outcome first: a failed plan is marked even if the CPU's pass failed too.
+            let planned = self.planned(model, rx.recv());
             cpu_logits.extend(prefill.iter().copied().zip(logits?));
-            return Ok(self.planned(model, planned));
+            return Ok(planned);
         }
         let planned = rx.recv();
         Ok(self.planned(model, planned))
@@ -297,12 +313,7 @@ impl Engine for ModelEngine {
                 Some(l) => l,
                 // The GPU failed these steps (this model, or the GPU, is off it now): the CPU
                 // runs them, each session's cache brought home from the device.
-                None => {
-                    let mut guards: Vec<_> = decode.iter().map(|&i| batch[i].turn.session.lock()).collect();
-                    let mut seqs: Vec<(&mut SessionInner, &[u32])> =
-                        guards.iter_mut().zip(&decode).map(|(g, &i)| (&mut **g, batch[i].tokens)).collect();
-                    forward_batch(&model, &mut seqs)?
-                }
+                None => forward_on_cpu(&model, batch, &decode)?,
             };
             for (i, l) in decode.iter().copied().zip(gpu).chain(cpu) {
                 let f = &mut batch[i];

@@ -207,6 +207,9 @@ impl PieceRunner for NpuF16Runner<'_> {
         let mut slot = g.lock().map_err(|_| "poisoned")?;
         let NpuGraph { graph, x: xb, y: yb } = &mut *slot;
         let used = xs.len() * 2;
+        if used > xb.len() {
+            return Err(format!("{} tokens in a graph of {m}", piece.tokens.len()));
+        }
         for (d, &v) in xb[..used].chunks_exact_mut(2).zip(xs) {
             d.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
         }

@@ -65,6 +65,8 @@ impl<'a> HeteroLinears<'a> {
         plan: &dyn Fn(&Op) -> Cut,
     ) -> Result<Self, NpuError> {
         let mut layers = Vec::with_capacity(model.weights.layers.len());
+        // Every layer has the same shapes: each (tokens, in, out) is planned once.
+        let mut planned: HashMap<(usize, usize, usize), Cut> = HashMap::new();
         for (li, l) in model.weights.layers.iter().enumerate() {
             let sites: [Vec<&WeightMatrix>; 4] =
                 [vec![&l.wq, &l.wk, &l.wv], vec![&l.wo], vec![&l.w_gate, &l.w_up], vec![&l.w_down]];
@@ -75,7 +77,7 @@ impl<'a> HeteroLinears<'a> {
                     let mut shapes = Vec::new();
                     for &m in token_counts.iter().filter(|&&m| m > 0) {
                         let op = Op { name: format!("l{li}.s{si}.p{pi}"), m, k: w.cols, n: w.rows };
-                        let cut = plan(&op);
+                        let cut = planned.entry((m, w.cols, w.rows)).or_insert_with(|| plan(&op)).clone();
                         let pieces = cut
                             .pieces(m, w.rows)
                             .map_err(|e| NpuError::Shape { graph: op.name.clone(), detail: e.to_string() })?;

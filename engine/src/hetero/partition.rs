@@ -16,7 +16,7 @@
 //! [`Cut::pieces`] turns a cut into rectangles of the output that tile it exactly once;
 //! [`execute`] hands each device its rectangles as views into the one output buffer (each
 //! token's row split at the pieces' row bounds: disjoint borrows, no merge copies) and runs the
-//! two devices on two threads. Per output element nothing changes — the same weight row and the
+//! two devices on two threads (the NPU's on the caller's). Per output element nothing changes — the same weight row and the
 //! same token's activations, in the same order — so a cut equals the whole operator bit for bit
 //! on one device type (tested on the CPU's kernels and on OpenCL).
 
@@ -40,7 +40,7 @@ impl Dev {
 
 /// A run of tokens the NPU computes in a pre-built graph of `graph` tokens (`tokens.len() ≤
 /// graph`; the rest of the graph's input is padding, its output discarded).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct Segment {
     pub tokens: Range<usize>,
     pub graph: usize,
@@ -199,7 +199,9 @@ impl Cut {
         if self.npu_rows > n {
             return Err(bad(format!("{} NPU rows", self.npu_rows)));
         }
-        let mut covered = vec![false; m];
+        // The segments' token ranges, sorted: checked for overlaps without touching every token
+        // (the solver prices thousands of cuts per operator).
+        let mut spans: Vec<Range<usize>> = Vec::with_capacity(self.npu.len());
         for s in &self.npu {
             if s.tokens.start > s.tokens.end || s.tokens.end > m {
                 return Err(bad(format!("segment {:?}", s.tokens)));
@@ -207,12 +209,13 @@ impl Cut {
             if s.tokens.len() > s.graph {
                 return Err(bad(format!("segment {:?} in a graph of {} tokens", s.tokens, s.graph)));
             }
-            for c in &mut covered[s.tokens.clone()] {
-                if *c {
-                    return Err(bad(format!("segment {:?} overlaps another", s.tokens)));
-                }
-                *c = true;
+            if !s.tokens.is_empty() {
+                spans.push(s.tokens.clone());
             }
+        }
+        spans.sort_by_key(|r| r.start);
+        if let Some(w) = spans.windows(2).find(|w| w[1].start < w[0].end) {
+            return Err(bad(format!("segment {:?} overlaps another", w[1])));
         }
         let mut out = Vec::new();
         if self.npu_rows > 0 {
@@ -233,18 +236,11 @@ impl Cut {
         }
         // …and the runs of tokens no segment covers.
         let mut t = 0;
-        while t < m {
-            if covered[t] {
-                t += 1;
-                continue;
+        for r in spans.iter().chain(std::iter::once(&(m..m))) {
+            if r.start > t && n > 0 {
+                out.push(Piece { dev: Dev::Gpu, tokens: t..r.start, rows: 0..n, graph: None });
             }
-            let start = t;
-            while t < m && !covered[t] {
-                t += 1;
-            }
-            if n > 0 {
-                out.push(Piece { dev: Dev::Gpu, tokens: start..t, rows: 0..n, graph: None });
-            }
+            t = t.max(r.end);
         }
         Ok(out)
     }
@@ -326,10 +322,11 @@ pub fn execute_pieces(
     execute_synced(pieces, x, m, n, out, npu, gpu, None)
 }
 
-/// [`execute_pieces`] where the caller, its GPU pieces done, waits for the NPU's by HeteroLLM's
-/// fast synchronisation (`sync`: the waiter and predictions, and the operator's key): the NPU's
+/// [`execute_pieces`] where the caller, its NPU pieces done, waits for the GPU's by HeteroLLM's
+/// fast synchronisation (`sync`: the waiter and predictions, and the operator's key): the GPU's
 /// thread sets a flag and records its completion time when its last piece is written; the
-/// caller sleeps for the operator's predicted remainder and polls the flag.
+/// caller sleeps for the operator's predicted remainder and polls the flag. Pieces with more
+/// tokens than their graph are refused.
 #[allow(clippy::too_many_arguments)]
 pub fn execute_synced(
     pieces: &[Piece],
@@ -343,6 +340,9 @@ pub fn execute_synced(
 ) -> Result<(), String> {
     if out.len() != m * n || (m > 0 && !x.len().is_multiple_of(m)) {
         return Err(format!("execute: {} inputs, {} outputs for {m}×{n}", x.len(), out.len()));
+    }
+    if let Some(p) = pieces.iter().find(|p| p.graph.is_some_and(|g| p.tokens.len() > g)) {
+        return Err(format!("execute: {} tokens in a graph of {:?}", p.tokens.len(), p.graph));
     }
     let mut views = views(out, n, pieces).map_err(|e| e.to_string())?;
     let mut npu_work = Vec::new();
@@ -363,27 +363,36 @@ pub fn execute_synced(
         run(npu, npu_work)?;
         return run(gpu, gpu_work);
     }
+    // The caller runs the NPU's pieces (so QNN is called from the caller's thread only); a
+    // scoped thread the GPU's, and sets the flag the caller then waits on — set whatever
+    // happens to the pieces (a guard), so a failure or a panic there never leaves the caller
+    // polling.
+    struct SetOnDrop<'f>(&'f super::sync::Flag, &'f std::sync::Mutex<Option<std::time::Instant>>);
+    impl Drop for SetOnDrop<'_> {
+        fn drop(&mut self) {
+            if let Ok(mut d) = self.1.lock() {
+                *d = Some(std::time::Instant::now());
+            }
+            self.0.set(1);
+        }
+    }
     let flag = super::sync::Flag::new();
     let submitted = std::time::Instant::now();
     let done_at = std::sync::Mutex::new(None);
     std::thread::scope(|s| {
         let h = s.spawn(|| {
-            let r = run(npu, npu_work);
-            if let Ok(mut d) = done_at.lock() {
-                *d = Some(std::time::Instant::now());
-            }
-            flag.set(1);
-            r
+            let _set = SetOnDrop(&flag, &done_at);
+            run(gpu, gpu_work)
         });
-        let g = run(gpu, gpu_work);
+        let n = run(npu, npu_work);
         if let Some((fs, key)) = sync {
             fs.wait(key, &flag, 1, submitted);
             if let Some(t) = done_at.lock().ok().and_then(|d| *d) {
                 fs.observe(key, t.saturating_duration_since(submitted));
             }
         }
-        let nres = h.join().unwrap_or_else(|_| Err("the NPU's thread panicked".into()));
-        nres.and(g)
+        let g = h.join().unwrap_or_else(|_| Err("the GPU's thread panicked".into()));
+        n.and(g)
     })
 }
 

@@ -37,7 +37,6 @@ pub struct Npu {
     pub int8_launch_ms: f64,
     pub int8_weight_gb_per_s: f64,
     pub int8_tops: f64,
-    pub addressable_gb: f64,
 }
 
 #[derive(Clone, Debug, Deserialize, serde::Serialize)]
@@ -55,21 +54,18 @@ pub struct Gpu {
 pub struct Cpu {
     pub attention_gflops: f64,
     pub elementwise_gelems_per_s: f64,
-    pub bandwidth_gb_per_s: f64,
 }
 
 #[derive(Clone, Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Memory {
     pub pair_gb_per_s: f64,
-    pub peak_gb_per_s: f64,
 }
 
 #[derive(Clone, Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Sync {
     pub copy_us: f64,
-    pub sleep_granularity_us: f64,
     pub poll_us: f64,
     pub cpu_npu_handoff_us: f64,
 }
@@ -79,7 +75,6 @@ pub struct Sync {
 pub struct Graph {
     pub prepare_intercept_ms: f64,
     pub prepare_ms_per_token: f64,
-    pub int8_build_s: f64,
 }
 
 /// One table of the file as written: a full profile, or `base` plus speed factors.
@@ -213,7 +208,6 @@ impl Soc {
             ("gpu.submit_us", self.gpu.submit_us),
             ("gpu.empty_queue_us", self.gpu.empty_queue_us),
             ("sync.copy_us", self.sync.copy_us),
-            ("sync.sleep_granularity_us", self.sync.sleep_granularity_us),
             ("sync.poll_us", self.sync.poll_us),
             ("sync.cpu_npu_handoff_us", self.sync.cpu_npu_handoff_us),
             ("graph.prepare_intercept_ms", self.graph.prepare_intercept_ms),
@@ -224,11 +218,20 @@ impl Soc {
                 return Err(format!("{k} = {v}: must be a number ≥ 0"));
             }
         }
-        if self.npu.sizes.is_empty() || self.npu.sizes.iter().any(|&s| s == 0 || s > 1 << 20) {
-            return Err(format!("npu.sizes {:?}: one or more sizes of 1 to 2^20 tokens", self.npu.sizes));
+        // Bounds that keep the solver's search (tokens / seq_align × rows / row_align cuts per
+        // operator) to a second or so on a phone-sized model.
+        if self.npu.sizes.is_empty() || self.npu.sizes.len() > 16 || self.npu.sizes.iter().any(|&s| s == 0 || s > 65536)
+        {
+            return Err(format!("npu.sizes {:?}: 1 to 16 sizes of 1 to 65536 tokens", self.npu.sizes));
         }
-        if self.npu.row_align == 0 || self.npu.seq_align == 0 || self.npu.saturation_tokens == 0 {
-            return Err("npu.row_align, seq_align and saturation_tokens must be ≥ 1".into());
+        if !(16..=65536).contains(&self.npu.row_align) || !(8..=4096).contains(&self.npu.seq_align) {
+            return Err(format!(
+                "npu.row_align {} (16 to 65536) or seq_align {} (8 to 4096) out of range",
+                self.npu.row_align, self.npu.seq_align
+            ));
+        }
+        if self.npu.saturation_tokens == 0 || self.npu.saturation_tokens > 1 << 20 {
+            return Err("npu.saturation_tokens must be 1 to 2^20".into());
         }
         Ok(())
     }

@@ -6,9 +6,9 @@
 //!
 //! **Decisions where the paper is silent.** "max" is [`Soc::overlap`] (both processors slow
 //! while they share memory); `T_copy` is 0 with the zero-copy buffer pool and two 400 µs
-//! copies without it; `T_sync` is two flag hand-offs plus, in NPU-dominant prefill, one GPU
-//! submission (its queue drained while it waited), or, without fast synchronisation, a
-//! drained queue's restart ([`SyncCosts`]). The GPU-only option carries no sync term: the
+//! copies without it; `T_sync` is two flag hand-offs plus, in prefill, one GPU submission per
+//! matmul the NPU takes part in (NPU-dominant: the next GPU kernel goes in after the NPU is
+//! done), or, without fast synchronisation, a drained queue's restart ([`SyncCosts`]). The GPU-only option carries no sync term: the
 //! GPU runs the neighbouring norms and SwiGLU anyway.
 
 use super::partition::{Cut, CutKind, Segment, Sizes};
@@ -109,14 +109,9 @@ impl<'a> Solver<'a> {
 
     /// The modelled time of `cut` for `op`.
     pub fn cost(&self, op: &Op, cut: &Cut) -> f64 {
-        let Ok(pieces) = cut.pieces(op.m, op.n) else { return f64::INFINITY };
-        let mut npu = 0.0;
-        let mut gpu = 0.0;
-        for p in &pieces {
-            match p.graph {
-                Some(g) => npu += self.profiler.npu_s(g, op.k, p.rows.len()),
-                None => gpu += self.profiler.gpu_s(p.tokens.len(), op.k, p.rows.len()),
-            }
+        let (npu, gpu) = self.times(op, cut);
+        if !(npu.is_finite() && gpu.is_finite()) {
+            return f64::INFINITY;
         }
         match cut.kind(op.m, op.n) {
             CutKind::GpuOnly => gpu,
@@ -133,8 +128,9 @@ impl<'a> Solver<'a> {
     pub fn token_sets(&self, m: usize) -> Vec<Vec<Segment>> {
         let align = if self.phase == Phase::Decode { 1 } else { self.soc.npu.seq_align.max(1) };
         let mut out: Vec<Vec<Segment>> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         let mut push = |v: Vec<Segment>| {
-            if !v.is_empty() && !out.contains(&v) {
+            if !v.is_empty() && seen.insert(v.clone()) {
                 out.push(v);
             }
         };

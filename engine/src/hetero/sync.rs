@@ -1,6 +1,8 @@
 //! HeteroLLM's fast synchronisation (§4.2): a completion flag stored beside each output, a
 //! waiter that sleeps for the operator's predicted duration and then polls the flag, and a
-//! pool of a few fixed buffer slots that every layer reuses (mapped once into both devices).
+//! pool of a few fixed buffer slots that every layer reuses (what a phone maps once into both
+//! devices; here built and tested on its own — the real path keeps each NPU graph's buffers,
+//! and PoCL's results are read back).
 //!
 //! **Decisions where the paper is silent.** The prediction is an exponentially weighted moving
 //! average of the operator's observed durations (weight [`EWMA_WEIGHT`]; every layer runs the

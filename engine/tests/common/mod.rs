@@ -126,3 +126,18 @@ pub fn htp_library() -> PathBuf {
 pub fn emulator_library() -> PathBuf {
     llmd_qnn_emu::built_library().unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// The argmax of `logits` and its margin over the runner-up.
+#[allow(dead_code)]
+pub fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
+    let (mut best, mut second) = ((0usize, f32::NEG_INFINITY), f32::NEG_INFINITY);
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best.1 {
+            second = best.1;
+            best = (i, v);
+        } else if v > second {
+            second = v;
+        }
+    }
+    (best.0 as u32, best.1 - second)
+}
