@@ -131,12 +131,25 @@ unsafe impl Send for Library {}
 // SAFETY: as above: nothing here is mutated through a shared reference.
 unsafe impl Sync for Library {}
 
+/// `dlopen`'s flag that keeps a library mapped after `dlclose` (the same value in glibc and
+/// bionic).
+const RTLD_NODELETE: std::ffi::c_int = 0x1000;
+
 impl Library {
     /// Loads the QNN backend library at `path` and reads its providers.
     pub fn open(path: &Path) -> Result<Self, LoadError> {
         // SAFETY: loading a shared library runs its initialisers; a QNN backend library's are
-        // Qualcomm's (or our emulator's), which is what the caller asked to load.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| LoadError::Open(e.to_string()))?;
+        // Qualcomm's (or our emulator's), which is what the caller asked to load. RTLD_NODELETE:
+        // the library stays mapped after its last handle closes — a backend's worker threads may
+        // outlive the handle (a test process once crashed at exit after all its tests passed).
+        let lib: libloading::Library = unsafe {
+            libloading::os::unix::Library::open(
+                Some(path),
+                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_LOCAL | RTLD_NODELETE,
+            )
+        }
+        .map_err(|e| LoadError::Open(e.to_string()))?
+        .into();
         // SAFETY: the symbol's type is QNN's documented signature for this entry point.
         let get: libloading::Symbol<'_, GetProviders> =
             unsafe { lib.get(b"QnnInterface_getProviders\0") }.map_err(|e| LoadError::NoEntryPoint(e.to_string()))?;
