@@ -1504,14 +1504,7 @@ fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cp
     let conn = d.connect();
     let ready = wait_npu(&conn, "ready:");
     assert!(ready.contains("planned (Even"), "{ready}");
-    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(3);
-    let s = session(&conn);
-    let (cb, _keep, rx) = client::callback();
-    s.generate(&greedy(&prompt, 16), &cb).expect("submitted");
-    let got = collect_timed(rx, None).ids();
-    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
-        .expect("model loads");
-    let want = greedy_ids(&m, &prompt, 16, None);
+    let (got, want) = hetero_reply(&conn);
     let npu = npu_dump(&conn);
     eprintln!("{npu}");
     assert_eq!(got, want, "the hetero plan's reply against the CPU's");
@@ -1539,6 +1532,19 @@ fn hetero_config() -> String {
     )
 }
 
+/// The daemon's 16 greedy tokens after a 3-sentence prompt (a 32-token chunk and a rest),
+/// and the CPU's in-process.
+fn hetero_reply(conn: &Connection) -> (Vec<i32>, Vec<i32>) {
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(3);
+    let s = session(conn);
+    let (cb, _keep, rx) = client::callback();
+    s.generate(&greedy(&prompt, 16), &cb).expect("submitted");
+    let got = collect_timed(rx, None).ids();
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+        .expect("model loads");
+    (got, greedy_ids(&m, &prompt, 16, None))
+}
+
 /// Whether no OpenCL device can be opened (the test is then skipped, unless
 /// `LLMD_REQUIRE_OPENCL=1`).
 fn opencl_missing() -> bool {
@@ -1563,14 +1569,8 @@ fn an_npu_that_fails_mid_reply_leaves_the_request_to_the_cpu_with_the_same_token
     let d = Daemon::start_after(&config, Some("export LLMD_QNN_EMU_FAIL_AFTER=800"));
     let conn = d.connect();
     wait_npu(&conn, "ready:");
-    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(3);
-    let s = session(&conn);
-    let (cb, _keep, rx) = client::callback();
-    s.generate(&greedy(&prompt, 16), &cb).expect("submitted");
-    let got = collect_timed(rx, None).ids();
-    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
-        .expect("model loads");
-    assert_eq!(got, greedy_ids(&m, &prompt, 16, None), "the reply, finished on the CPU");
+    let (got, want) = hetero_reply(&conn);
+    assert_eq!(got, want, "the reply, finished on the CPU");
     let npu = npu_dump(&conn);
     assert!(npu.contains("failed, on the CPU") && npu.contains("LLMD_QNN_EMU_FAIL_AFTER"), "{npu}");
     assert!(npu.contains("ok=false"), "the failed step is listed:\n{npu}");

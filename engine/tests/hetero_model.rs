@@ -156,6 +156,7 @@ fn a_prompt_length_without_a_plan_is_composed_from_the_planned_sizes() {
     let m = common::default_model();
     let prompt = m.tokenizer.encode("Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain, where the air is thinner and its pressure lower, it boils at a lower temperature, so that cooking pasta there takes", false, false).unwrap();
     assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32), "{}", prompt.len());
+    eprintln!("prompt {} tokens: blocks of 32 and the rest on the GPU", prompt.len());
     let lib = qnn_sys::Library::open(&common::emulator_library()).unwrap();
     let backend = qnn_sys::api::Backend::htp(&lib, SM8650).unwrap();
     let ctx = backend.context().unwrap();

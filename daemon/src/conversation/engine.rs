@@ -132,8 +132,7 @@ impl ModelEngine {
         decode: &[usize],
         cpu_logits: &mut Vec<(usize, Vec<f32>)>,
     ) -> Result<Option<Vec<Vec<f32>>>, ServiceError> {
-        let work: Vec<(Arc<SessionCore>, Vec<u32>)> =
-            decode.iter().map(|&i| (batch[i].turn.session.clone(), batch[i].tokens.to_vec())).collect();
+        let work = decode_work(batch, decode);
         let (tx, rx) = std::sync::mpsc::channel();
         let m = model.clone();
         let job: crate::gpu::Job = Box::new(move |devs| {
@@ -166,6 +165,11 @@ impl ModelEngine {
     }
 }
 
+/// The sessions and tokens of the batch's decode steps `decode`, for a job on another thread.
+fn decode_work(batch: &[Fed<'_, Turn, Started>], decode: &[usize]) -> Vec<(Arc<SessionCore>, Vec<u32>)> {
+    decode.iter().map(|&i| (batch[i].turn.session.clone(), batch[i].tokens.to_vec())).collect()
+}
+
 /// The batch's entries `which` in one CPU pass (their sessions locked for it).
 fn forward_on_cpu(
     model: &Arc<Model>,
@@ -190,8 +194,7 @@ impl ModelEngine {
         decode: &[usize],
         cpu_logits: &mut Vec<(usize, Vec<f32>)>,
     ) -> Result<Option<Vec<Vec<f32>>>, ServiceError> {
-        let work: Vec<(Arc<SessionCore>, Vec<u32>)> =
-            decode.iter().map(|&i| (batch[i].turn.session.clone(), batch[i].tokens.to_vec())).collect();
+        let work = decode_work(batch, decode);
         let (tx, rx) = std::sync::mpsc::channel();
         let m = model.clone();
         let job: crate::npu::Job = Box::new(move |linears| {

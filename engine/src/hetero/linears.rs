@@ -137,11 +137,6 @@ impl<'a> HeteroLinears<'a> {
             .collect();
         serde_json::json!({ "layers": layers })
     }
-
-    /// The cut of projection `proj` of `site` in layer `li` for `m` tokens.
-    pub fn cut(&self, li: usize, site: CaptureSite, proj: usize, m: usize) -> Option<&Cut> {
-        self.layers.get(li)?.get(site as usize)?.get(proj)?.cuts.get(&m)
-    }
 }
 
 impl Proj<'_> {

@@ -11,7 +11,7 @@
 
 use super::partition::{Cut, CutKind, Segment, Sizes};
 use super::soc::Soc;
-use super::solver::{Choice, Op, Phase, Predicted, Profiler, Solver};
+use super::solver::{Choice, Op, Phase, Profiler, Solver};
 
 /// A model's shapes (what the simulator needs of it).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -295,21 +295,17 @@ impl<'a> Sim<'a> {
     }
 }
 
-/// The plain prediction-mode simulator of a SoC at W4A16 (Q4_0) weights.
-pub fn predicted(soc: &Soc, bits: f64) -> Predicted<'_> {
-    Predicted { soc, bits }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::hetero::soc;
+    use crate::hetero::solver::Predicted;
 
     #[test]
     fn strategies_compute_and_order_as_the_paper() {
         let soc = soc::load(soc::BUILTIN, "snapdragon_8gen3").unwrap();
-        let p = predicted(&soc, 4.5);
+        let p = Predicted { soc: &soc, bits: 4.5 };
         let sim = Sim::new(&soc, &p);
         let s = known_shape("llama3_8b").unwrap();
         let t = sim.prefill(&s, 256, Strategy::HeteroTensor, true);

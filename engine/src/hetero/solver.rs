@@ -94,8 +94,6 @@ pub struct Solver<'a> {
     pub phase: Phase,
     /// Standard graph sizes (prefill: the SoC's; decode: one token).
     pub sizes: Sizes,
-    /// Consider splits at all (false: Hetero-layer — each matmul on one processor).
-    pub partition: bool,
 }
 
 impl<'a> Solver<'a> {
@@ -104,7 +102,7 @@ impl<'a> Solver<'a> {
             Phase::Prefill => soc.sizes(),
             Phase::Decode => Sizes::new(vec![1]).unwrap_or_else(Sizes::heterollm),
         };
-        Self { profiler, soc, sync: SyncCosts::new(soc, phase, fast_sync), phase, sizes, partition: true }
+        Self { profiler, soc, sync: SyncCosts::new(soc, phase, fast_sync), phase, sizes }
     }
 
     /// The modelled time of `cut` for `op`.
@@ -171,25 +169,12 @@ impl<'a> Solver<'a> {
         let rows = self.row_options(op.n);
         for segs in self.token_sets(op.m) {
             let covers = segs.iter().map(|s| s.tokens.len()).sum::<usize>() == op.m;
-            let eval = |r: usize| {
-                let cut = Cut { npu: segs.clone(), npu_rows: r };
-                (self.cost(op, &cut), cut)
-            };
-            if covers {
-                let (c, _) = eval(op.n);
-                npu_only_s = npu_only_s.min(c);
-            }
-            if !self.partition {
-                if covers {
-                    let (c, cut) = eval(op.n);
-                    if c < best.0 {
-                        best = (c, cut);
-                    }
-                }
-                continue;
-            }
             for &r in &rows {
-                let (c, cut) = eval(r);
+                let cut = Cut { npu: segs.clone(), npu_rows: r };
+                let c = self.cost(op, &cut);
+                if covers && r == op.n {
+                    npu_only_s = npu_only_s.min(c);
+                }
                 if c < best.0 || (c == best.0 && prefer(&cut, &best.1)) {
                     best = (c, cut);
                 }
