@@ -148,6 +148,12 @@ pub struct NpuConfig {
     /// Rows of each graph: the NPU takes prompts in chunks of this many tokens, the last one
     /// padded (llm.npu's default 256).
     pub chunk: usize,
+    /// Prompt chunks one NPU job prefills together, out of order (llm.npu's out-of-order
+    /// execution: the NPU runs one chunk's linear groups while a CPU thread runs another's
+    /// attention; the same results as one chunk at a time). 1..=64; 1: one chunk per job. A
+    /// job is not preempted, so a larger value delays another app's prompt by up to that many
+    /// chunks of the NPU.
+    pub ooe_chunks: usize,
     /// Finalized contexts, so later starts load instead of finalizing. Default:
     /// `<residency.state_dir>/npu`; none without a state directory.
     pub cache_dir: Option<PathBuf>,
@@ -173,6 +179,7 @@ impl Default for NpuConfig {
             library: None,
             soc: 57,
             chunk: 256,
+            ooe_chunks: 4,
             cache_dir: None,
             calibration: None,
             output_bits: 16,
@@ -538,6 +545,9 @@ impl Config {
         let n = &self.npu;
         if !(1..=4096).contains(&n.chunk) {
             return bad(format!("npu.chunk {} must be 1..=4096", n.chunk));
+        }
+        if !(1..=64).contains(&n.ooe_chunks) {
+            return bad(format!("npu.ooe_chunks {} must be 1..=64", n.ooe_chunks));
         }
         if !(0.0..=1.0).contains(&n.shadow_prune) {
             return bad(format!("npu.shadow_prune {} must be between 0 and 1", n.shadow_prune));

@@ -23,7 +23,7 @@
 use llmd_engine::backend::blocks::Linears;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
 use llmd_engine::backend::npu::cache::CacheOutcome;
-use llmd_engine::hetero::linears::{even_cut, solver_cut, HeteroLinears};
+use llmd_engine::hetero::linears::{even_cut, solver_cut, HeteroLinears, HeteroPlan};
 use llmd_engine::hetero::solver::Op;
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
 use llmd_engine::Model;
@@ -186,6 +186,8 @@ pub struct Npu {
     tx: Option<Mutex<Sender<Msg>>>,
     status: Arc<Mutex<Status>>,
     chunk: usize,
+    /// Prompt chunks one job prefills out of order (`[npu] ooe_chunks`).
+    ooe_chunks: usize,
     soc: u32,
     /// HeteroLLM's plan (`backend = "hetero"`): decode steps run on it too.
     hetero: bool,
@@ -197,6 +199,8 @@ pub struct Settings {
     pub library: PathBuf,
     pub soc: u32,
     pub chunk: usize,
+    /// Prompt chunks one job prefills out of order (1: in order).
+    pub ooe_chunks: usize,
     pub cache_dir: Option<PathBuf>,
     pub calibration: Option<PathBuf>,
     pub quant: llmd_engine::prefill::NpuQuant,
@@ -228,6 +232,7 @@ impl Npu {
             tx: None,
             status: Arc::new(Mutex::new(Status::new(State::Off))),
             chunk: 0,
+            ooe_chunks: 1,
             soc: 0,
             hetero: false,
         })
@@ -286,11 +291,15 @@ impl Npu {
             Some(h) => h.sizes.iter().copied().max().unwrap_or(n.chunk),
             None => n.chunk,
         };
+        // HeteroLLM's plan cuts each chunk's matmuls; only llm.npu's INT8 path runs chunks out
+        // of order.
+        let ooe_chunks = if hetero.is_some() { 1 } else { n.ooe_chunks.max(1) };
         Self::start(Settings {
             hetero,
             library,
             soc: n.soc,
             chunk,
+            ooe_chunks,
             cache_dir,
             calibration: n.calibration.clone(),
             quant: n.quant(),
@@ -301,14 +310,22 @@ impl Npu {
     fn not_here(reason: &str) -> Arc<Self> {
         tracing::info!("no NPU: prompts run on the CPU: {reason}");
         let state = State::Unavailable { reason: reason.to_string() };
-        Arc::new(Self { tx: None, status: Arc::new(Mutex::new(Status::new(state))), chunk: 0, soc: 0, hetero: false })
+        Arc::new(Self {
+            tx: None,
+            status: Arc::new(Mutex::new(Status::new(state))),
+            chunk: 0,
+            ooe_chunks: 1,
+            soc: 0,
+            hetero: false,
+        })
     }
 
     /// Starts the NPU thread over `settings.library`. Never fails: see the module doc.
     pub fn start(settings: Settings) -> Arc<Self> {
         let status = Arc::new(Mutex::new(Status::new(State::Starting)));
         let (tx, rx) = std::sync::mpsc::channel();
-        let (chunk, soc, hetero) = (settings.chunk, settings.soc, settings.hetero.is_some());
+        let (chunk, ooe_chunks, soc, hetero) =
+            (settings.chunk, settings.ooe_chunks.max(1), settings.soc, settings.hetero.is_some());
         let st = status.clone();
         let spawned = std::thread::Builder::new().name("llmd-npu".into()).spawn(move || serve(settings, &st, rx));
         let tx = match spawned {
@@ -320,7 +337,7 @@ impl Npu {
                 None
             }
         };
-        Arc::new(Self { tx, status, chunk, soc, hetero })
+        Arc::new(Self { tx, status, chunk, ooe_chunks, soc, hetero })
     }
 
     fn status(&self) -> MutexGuard<'_, Status> {
@@ -355,8 +372,14 @@ impl Npu {
         let _ = lock(tx).send(Msg::Prepare { key, model: Arc::downgrade(model) });
     }
 
-    /// The rows of a job for `model` when its graphs are ready and the thread is not busy
-    /// preparing another model's (a chunk of at most this many prompt tokens), else None.
+    /// Rows of each graph: a job's prompt tokens run in chunks of this many.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// The prompt tokens a job for `model` may take when its graphs are ready and the thread is
+    /// not busy preparing another model's (up to `[npu] ooe_chunks` chunks, prefilled out of
+    /// order), else None.
     pub fn ready(&self, model: &Arc<Model>) -> Option<usize> {
         let key = Arc::as_ptr(model) as usize;
         let s = self.status();
@@ -365,7 +388,7 @@ impl Npu {
             && s.models
                 .iter()
                 .any(|m| m.key == key && m.model.strong_count() > 0 && matches!(m.graphs, GraphState::Ready { .. }));
-        ready.then_some(self.chunk)
+        ready.then_some(self.chunk * self.ooe_chunks)
     }
 
     /// Whether `model`'s decode steps run on the NPU thread's plan (HeteroLLM's, ready).
@@ -614,7 +637,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 lock(status).preparing = true;
                 let outcome =
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (&settings.hetero, &gpu) {
-                        (Some(h), Some(g)) => prepare_hetero(&backend, h, g, &m),
+                        (Some(h), Some(g)) => prepare_hetero(&lib, &backend, &settings, h, g, &m),
                         _ => prepare(&lib, &backend, &settings, &m).map(|(g, how)| (Prepared::Int8(g), how)),
                     }))
                     .unwrap_or_else(|_| Err("preparing the graphs panicked".into()));
@@ -683,27 +706,63 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
 }
 
 /// HeteroLLM's plan for `model`: every projection's cut for each of `[hetero] sizes` and one
-/// token, the NPU's fp16 graphs built in a context of their own.
+/// token, the NPU's fp16 graphs in a context of their own — loaded from the NPU's graph cache
+/// (`cache_dir`, the same cache as the INT8 graphs', keyed by the library, chip, plan and
+/// weights) when a sound one is there, else built, finalized and stored.
 fn prepare_hetero<'b>(
+    lib: &'b qnn_sys::Library,
     backend: &'b qnn_sys::api::Backend<'_>,
+    settings: &Settings,
     h: &HeteroSettings,
     gpu: &Arc<GpuDevice>,
     model: &Arc<Model>,
 ) -> Result<(Prepared<'b>, String), String> {
-    let context = backend.context().map_err(|e| e.to_string())?;
-    let owner = HeteroOwner { context, model: model.clone(), gpu: gpu.clone() };
     let mut counts = h.sizes.clone();
     counts.push(1);
     let plan = |op: &Op| match h.plan {
         crate::config::HeteroPlan::Solver => solver_cut(&h.soc, h.weight_bits, op),
         crate::config::HeteroPlan::Even => even_cut(op, h.row_align),
     };
+    let t = &model.transformer;
+    let planned = HeteroPlan::new(t, &counts, &plan).map_err(|e| e.to_string())?;
+    let (context, ids, cached) = match &settings.cache_dir {
+        Some(dir) => {
+            let key = llmd_engine::backend::npu::cache::key_with(
+                lib,
+                backend,
+                settings.soc,
+                counts.iter().copied().max().unwrap_or(1),
+                planned.npu_graphs(),
+                &mut |f| {
+                    let _ = planned.content(t, f);
+                },
+            )
+            .map_err(|e| e.to_string())?;
+            let (c, ids, outcome) =
+                llmd_engine::backend::npu::cache::load_or_build_with(backend, dir, &key, planned.npu_graphs(), |c| {
+                    planned.build_graphs(t, c)
+                })
+                .map_err(|e| e.to_string())?;
+            (c, ids, Some(outcome))
+        }
+        None => {
+            let c = backend.context().map_err(|e| e.to_string())?;
+            let ids = planned.build_graphs(t, &c).map_err(|e| e.to_string())?;
+            (c, ids, None)
+        }
+    };
+    let owner = HeteroOwner { context, model: model.clone(), gpu: gpu.clone() };
     let graphs = HeteroGraphs::try_new(owner, |o| {
-        HeteroLinears::build(&o.model.transformer, &o.context, &o.gpu, &counts, &plan)
+        HeteroLinears::from_context(&o.model.transformer, &o.context, &o.gpu, &planned, &ids)
     })
     .map_err(|e| e.to_string())?;
     let mut how =
         format!("planned ({:?} on {}, token counts {:?}; GPU {})", h.plan, h.soc.key, counts, gpu.info().name);
+    match cached {
+        Some(CacheOutcome::Loaded) => how.push_str(", fp16 graphs loaded from the cache"),
+        Some(CacheOutcome::Built { reason }) => how.push_str(&format!(", fp16 graphs built and finalized ({reason})")),
+        None => how.push_str(", fp16 graphs built (no cache directory)"),
+    }
     // The plan kept per model, SoC and token count, for `dump`'s readers and OEM tooling.
     if let Some(dir) = &h.plan_dir {
         let file = dir.join(format!("{}.{}.{:?}.json", model.name, h.soc.key, h.plan).to_lowercase());

@@ -1062,8 +1062,18 @@ const NPU_READY: Duration = Duration::from_secs(120);
 /// A prompt a greedy reply keeps counting after, for 1,500 tokens and more (measured).
 const COUNTING: &str = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,";
 
+/// The NPU path over `library`, one chunk per NPU job (`ooe_chunks = 1`: the tests that count
+/// a job per chunk).
 fn npu_config(library: &std::path::Path) -> String {
-    format!("backend = \"npu\"\n[npu]\nlibrary = {:?}\nchunk = {NPU_CHUNK}\n", library.display().to_string())
+    npu_config_ooe(library, 1)
+}
+
+/// The NPU path over `library`, up to `ooe_chunks` chunks per job prefilled out of order.
+fn npu_config_ooe(library: &std::path::Path, ooe_chunks: usize) -> String {
+    format!(
+        "backend = \"npu\"\n[npu]\nlibrary = {:?}\nchunk = {NPU_CHUNK}\nooe_chunks = {ooe_chunks}\n",
+        library.display().to_string()
+    )
 }
 
 /// The `NPU` section of the daemon's dump.
@@ -1174,6 +1184,41 @@ fn greedy_ids(
     })
     .expect("generates");
     out
+}
+
+/// llm.npu's out-of-order prefill on the daemon's product path: with `[npu] ooe_chunks = 4` a
+/// prompt of several chunks goes to the NPU thread four chunks per job, their subgraphs run out
+/// of order across the chunks (the NPU's linear groups on the NPU thread, attention on a CPU
+/// thread), and the reply is the engine's in-order NPU prefill's, token for token (the order
+/// changes no bit: `engine/tests/npu_ooe.rs`).
+#[test]
+fn the_npu_prefills_several_chunks_per_job_out_of_order_with_the_in_order_tokens() {
+    let d = Daemon::start(&npu_config_ooe(&common::emulator_library(), 4));
+    let conn = d.connect();
+    wait_npu(&conn, "ready:");
+    let long_prompt = "The history of computing is long and varied, and it began with counting. ".repeat(12);
+    let s = session(&conn);
+    let (cb, _keep, rx) = client::callback();
+    s.generate(&greedy(&long_prompt, 8), &cb).expect("submitted");
+    let a = collect_timed(rx, None);
+    let npu = npu_dump(&conn);
+    let jobs: Vec<usize> = npu
+        .lines()
+        .filter(|l| l.contains(&format!("npu_job request={} ", a.id)))
+        .map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("tokens="))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("tokens= in {l:?}"))
+        })
+        .collect();
+    let prompt_tokens = a.stats().promptTokens as usize;
+    eprintln!("{prompt_tokens} prompt tokens in NPU jobs of {jobs:?} tokens");
+    assert!(prompt_tokens > 4 * NPU_CHUNK, "the prompt spans more than one job of four chunks");
+    assert_eq!(jobs.iter().sum::<usize>(), prompt_tokens, "all of the prompt on the NPU:\n{npu}");
+    assert_eq!(jobs.len(), prompt_tokens.div_ceil(4 * NPU_CHUNK), "four chunks a job:\n{npu}");
+    assert!(jobs.iter().all(|&n| n <= 4 * NPU_CHUNK) && jobs[0] == 4 * NPU_CHUNK, "{jobs:?}");
+    assert_eq!(a.ids(), npu_reference(&long_prompt, 8), "the in-order NPU prefill's reply");
 }
 
 #[test]
@@ -1499,11 +1544,14 @@ fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cp
     if opencl_missing() {
         return;
     }
-    let config = hetero_config();
+    let cache = std::env::temp_dir().join(format!("llmd-hetero-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let config = format!("{}cache_dir = {:?}\n", hetero_config(), cache.display().to_string());
     let d = Daemon::start(&config);
     let conn = d.connect();
     let ready = wait_npu(&conn, "ready:");
     assert!(ready.contains("planned (Even"), "{ready}");
+    assert!(ready.contains("fp16 graphs built and finalized"), "a first start builds its graphs: {ready}");
     let (got, want) = hetero_reply(&conn);
     let npu = npu_dump(&conn);
     eprintln!("{npu}");
@@ -1522,12 +1570,26 @@ fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cp
         npu.lines().filter(|l| l.contains("npu_job request=0 tokens=1 ")).count() >= 10,
         "decode steps on the plan:\n{npu}"
     );
+    // The second start loads the plan's fp16 graphs from the cache, and replies the same.
+    let first = ready.lines().find(|l| l.contains("ready:")).unwrap_or_default().trim().to_owned();
+    drop(conn);
+    drop(d);
+    let d = Daemon::start(&config);
+    let conn = d.connect();
+    let ready = wait_npu(&conn, "ready:");
+    let second = ready.lines().find(|l| l.contains("ready:")).unwrap_or_default().trim().to_owned();
+    eprintln!("first start:  {first}\nsecond start: {second}");
+    assert!(ready.contains("fp16 graphs loaded from the cache"), "{ready}");
+    let (got, want) = hetero_reply(&conn);
+    assert_eq!(got, want, "the cached plan's reply against the CPU's");
+    let _ = std::fs::remove_dir_all(&cache);
 }
 
-/// `backend = "hetero"` on the emulator provider, every matmul cut in two, 32-token graphs.
+/// `backend = "hetero"` on the emulator provider, every matmul cut in two, 32-token graphs;
+/// ends inside `[npu]` (a caller may add its keys).
 fn hetero_config() -> String {
     format!(
-        "backend = \"hetero\"\n[npu]\nlibrary = {:?}\n[hetero]\nplan = \"even\"\nsizes = [32]\n",
+        "backend = \"hetero\"\n[hetero]\nplan = \"even\"\nsizes = [32]\n[npu]\nlibrary = {:?}\n",
         common::emulator_library().display().to_string()
     )
 }

@@ -4,12 +4,24 @@ pub use crate::graph::OpKind;
 use crate::graph::Subgraph;
 use crate::GgmlType;
 
-/// The kind of processor behind a device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// The kind of processor behind a device: the engine's one processor enum (placement, the job
+/// graph's lanes, the pieces of a cut operator).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub enum Processor {
     Cpu,
     Gpu,
     Npu,
+}
+
+impl Processor {
+    /// Its name as llmd's reports print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Processor::Cpu => "CPU",
+            Processor::Gpu => "GPU",
+            Processor::Npu => "NPU",
+        }
+    }
 }
 
 /// Where a device's memory is.

@@ -18,11 +18,13 @@
 
 mod desc;
 mod dtype;
+mod error;
 mod event;
 mod graph;
 
 pub use desc::{BufferUsage, DeviceDesc, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes};
 pub use dtype::GgmlType;
+pub use error::DeviceError;
 pub use event::Event;
 pub use graph::{BlockShape, RopeParams, RopeStyle, Subgraph, SubgraphKind, WeightRole};
 
@@ -30,23 +32,6 @@ use std::any::Any;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-/// What a device call can fail with.
-#[derive(Debug, thiserror::Error, Clone, PartialEq)]
-pub enum DeviceError {
-    /// The device cannot do this (an op, a weight type, a shape it has no graph for).
-    #[error("{device}: unsupported: {what}")]
-    Unsupported { device: String, what: String },
-    /// Its memory is full (or the allocation is larger than it can ever hold).
-    #[error("{device}: out of memory: {bytes} bytes of {usage:?} asked")]
-    OutOfMemory { device: String, usage: BufferUsage, bytes: usize },
-    /// A handle of another device, or of the wrong kind, or a range past a buffer's end.
-    #[error("{device}: invalid argument: {detail}")]
-    Invalid { device: String, detail: String },
-    /// The work itself failed on the device.
-    #[error("{device}: execution failed: {detail}")]
-    Execution { device: String, detail: String },
-}
 
 /// Identifies one device instance within the process (handles carry it, so a device can refuse
 /// another's buffer).

@@ -25,7 +25,7 @@
 //! * **Smoothing** (NPU-aware, calibration-based) is applied when calibration tokens are given:
 //!   see [`crate::smooth`].
 
-use crate::backend::cpu::kpacked::{self, KKind, KPackedMatrix};
+use crate::backend::layout::kpacked::{self, KKind, KPackedMatrix};
 use crate::error::{EngineError, FormatError};
 use crate::format::llmd::{Metadata, QuantInfo, TensorKind, Writer};
 use crate::format::TensorRef;

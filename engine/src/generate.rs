@@ -204,11 +204,25 @@ impl Model {
         prompt: &[u32],
         req: &GenerateRequest,
         prefill: Option<(&dyn crate::backend::blocks::Linears, usize)>,
+        on_text: impl FnMut(&str, &[u32]) -> Flow,
+    ) -> Result<GenerationStats, GenerateError> {
+        self.generate_in_chunks(kv, prompt, req, prefill, 1, on_text)
+    }
+
+    /// [`Self::generate_in_with`] prefilling up to `out_of_order` chunks per unit, their
+    /// subgraphs out of order across chunks ([`Generation::with_out_of_order`]).
+    pub fn generate_in_chunks(
+        &self,
+        kv: &mut KvCache,
+        prompt: &[u32],
+        req: &GenerateRequest,
+        prefill: Option<(&dyn crate::backend::blocks::Linears, usize)>,
+        out_of_order: usize,
         mut on_text: impl FnMut(&str, &[u32]) -> Flow,
     ) -> Result<GenerationStats, GenerateError> {
         let mut g = Generation::new(self, kv, prompt.to_vec(), req)?;
         if let Some((_, chunk)) = prefill {
-            g = g.with_prefill_chunk(chunk);
+            g = g.with_prefill_chunk(chunk).with_out_of_order(out_of_order);
         }
         loop {
             let out = g.step_with(self, kv, prefill.map(|p| p.0))?;
@@ -316,6 +330,9 @@ pub struct Generation {
     prefill_chunk: usize,
     /// Decode steps also go through the linears `step_with` is given (HeteroLLM's decode).
     decode_with_linears: bool,
+    /// Prompt chunks one unit of work prefills out of order through the linears `step_with` is
+    /// given (llm.npu's out-of-order execution across chunks; 1: one chunk per unit, in order).
+    out_of_order: usize,
     logits: Vec<f32>,
     generated: usize,
     max_tokens: usize,
@@ -372,6 +389,7 @@ impl Generation {
             prompt,
             prefilled: 0,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            out_of_order: 1,
             decode_with_linears: false,
             logits: Vec::new(),
             generated: 0,
@@ -389,6 +407,20 @@ impl Generation {
     pub fn with_prefill_chunk(mut self, chunk: usize) -> Self {
         self.prefill_chunk = chunk.max(1);
         self
+    }
+
+    /// Up to `chunks` prompt chunks per unit of work when [`Self::step_with`] is given linears
+    /// (the NPU path): their subgraphs run out of order across the chunks, on the linears'
+    /// thread and a CPU thread (`Transformer::prefill_out_of_order`), with the same bits as one
+    /// chunk at a time. 1 (the default): one chunk per unit.
+    pub fn with_out_of_order(mut self, chunks: usize) -> Self {
+        self.out_of_order = chunks.max(1);
+        self
+    }
+
+    /// Prompt tokens one unit of work prefills: a chunk, or several out of order.
+    pub fn prefill_unit(&self) -> usize {
+        self.prefill_chunk.saturating_mul(self.out_of_order)
     }
 
     /// Decode steps through the linears [`Self::step_with`] is given as well (HeteroLLM's
@@ -427,6 +459,22 @@ impl Generation {
         kv: &mut KvCache,
         prefill: Option<&dyn crate::backend::blocks::Linears>,
     ) -> Result<StepOutput, GenerateError> {
+        if let Some(l) = prefill.filter(|_| self.out_of_order > 1) {
+            if let Some(tokens) = self.prefill_unit_tokens() {
+                let (n, base) = (tokens.len(), kv.len());
+                let times = model.transformer.prefill_times(base, n, self.prefill_chunk);
+                let (logits, _) = model.transformer.prefill_out_of_order(
+                    kv,
+                    tokens,
+                    self.prefill_chunk,
+                    l,
+                    crate::sched::Policy::OutOfOrder,
+                    &times,
+                )?;
+                self.accept_prefill(n, logits);
+                return Ok(StepOutput::default());
+            }
+        }
         if let Some(chunk) = self.prefill_chunk_tokens() {
             let n = chunk.len();
             let logits = match prefill {
@@ -454,6 +502,26 @@ impl Generation {
             return None;
         }
         let end = (self.prefilled + self.prefill_chunk).min(self.prompt.len());
+        Some(&self.prompt[self.prefilled..end])
+    }
+
+    /// The next unit of prefill ([`Self::prefill_unit`] tokens at most), while the prompt is
+    /// still being read.
+    pub fn prefill_unit_tokens(&self) -> Option<&[u32]> {
+        if self.finished.is_some() || !self.is_prefilling() {
+            return None;
+        }
+        let end = (self.prefilled + self.prefill_unit()).min(self.prompt.len());
+        Some(&self.prompt[self.prefilled..end])
+    }
+
+    /// The next `limit` prompt tokens at most, whatever the chunk size (a unit of work that
+    /// prefills several chunks: the NPU's out-of-order jobs), while the prompt is being read.
+    pub fn prefill_at_most(&self, limit: usize) -> Option<&[u32]> {
+        if self.finished.is_some() || !self.is_prefilling() {
+            return None;
+        }
+        let end = (self.prefilled + limit.max(1)).min(self.prompt.len());
         Some(&self.prompt[self.prefilled..end])
     }
 

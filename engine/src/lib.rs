@@ -14,7 +14,6 @@ pub mod fuzzing;
 pub mod generate;
 pub mod hetero;
 pub mod model;
-pub mod ooe;
 pub mod prefill;
 pub mod quant;
 pub mod quantsim;

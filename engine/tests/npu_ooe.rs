@@ -6,10 +6,10 @@
 
 mod common;
 
-use llmd_engine::ooe::{Job, Policy, Proc};
 use llmd_engine::prefill::{
     calibrate, quantized_groups, shadow_sites, NpuLinears, ShadowConfig, WeightQuant, CALIBRATION_TEXT, DEFAULT_PRUNE,
 };
+use llmd_engine::sched::{Job, Policy, Processor};
 
 const SM8650: u32 = 57;
 const CHUNK: usize = 32;
@@ -52,7 +52,7 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
     let want_kv = kv_bytes(&kv);
     // llm.npu's profiled times stand in as: NPU subgraphs 2, attention 1 plus the chunk index.
     let dag = m.transformer.prefill_dag(prompt.len().div_ceil(CHUNK));
-    let times = |j: Job| if dag.specs[j.sg].proc == Proc::Npu { 2.0 } else { 1.0 + j.chunk as f64 };
+    let times = |j: Job| if dag.specs[j.step].proc == Processor::Npu { 2.0 } else { 1.0 + j.chunk as f64 };
     let mut orders = std::collections::HashSet::new();
     for policy in [Policy::OutOfOrder, Policy::InOrder, Policy::Random(1), Policy::Random(2), Policy::Random(3)] {
         let mut kv = fresh();
@@ -64,8 +64,8 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
             "{policy:?}: logits differ"
         );
         assert!(kv_bytes(&kv) == want_kv, "{policy:?}: KV caches differ");
-        let order: Vec<Job> = tl.order(Proc::Npu).into_iter().chain(tl.order(Proc::Cpu)).collect();
-        let out_of_model_order = tl.order(Proc::Npu).windows(2).filter(|w| w[1] < w[0]).count();
+        let order: Vec<Job> = tl.order(Processor::Npu).into_iter().chain(tl.order(Processor::Cpu)).collect();
+        let out_of_model_order = tl.order(Processor::Npu).windows(2).filter(|w| w[1] < w[0]).count();
         eprintln!(
             "{policy:?}: {} jobs in {:.2} s, NPU thread idle {:.0}%, {out_of_model_order} NPU subgraphs run before an earlier one",
             tl.runs.len(),

@@ -151,7 +151,7 @@ fn read_prompt(arg: &str) -> Result<String, String> {
 
 /// Keeps a shell prompt off the last line, but writes only the generated text into pipes.
 fn end_line(out: &mut impl Write) {
-    if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+    if crate::output::is_terminal() {
         let _ = writeln!(out);
     }
 }
@@ -231,10 +231,10 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     let gpu_before = gpu.as_ref().map(|g| g.stats());
     let prefill = npu.as_ref().map(|(n, chunk)| (n as &dyn llmd_engine::backend::blocks::Linears, *chunk));
     let mut kv = model.transformer.new_kv();
-    let mut out = std::io::stdout().lock();
+    let mut out = crate::output::stdout();
     let mut write_err = None;
     let stats = model
-        .generate_in_with(&mut kv, &tokens, &req, prefill, |text, _| {
+        .generate_in_chunks(&mut kv, &tokens, &req, prefill, args.npu.npu_ooe_chunks as usize, |text, _| {
             if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
                 write_err = Some(e);
                 return Flow::Stop;
@@ -311,7 +311,7 @@ pub fn run_remote(conn: &Connection, args: &RunArgs) -> Result<(), String> {
     } else {
         request(Some(&prompt_text), vec![], &args.sampling, args.max_tokens, &args.stop)
     };
-    let mut out = std::io::stdout().lock();
+    let mut out = crate::output::stdout();
     let stats = client::stream(&session, &req, &mut out)?;
     end_line(&mut out);
     eprintln!("open {open_ms:.0} ms | {}", client::stats_line(&stats));
@@ -354,7 +354,7 @@ pub fn chat(conn: &Connection, args: &ChatArgs) -> Result<(), String> {
         }
         msgs.push(("user".to_owned(), line.to_owned()));
         let req = request(None, msgs, &args.sampling, args.max_tokens, &[]);
-        let mut out = std::io::stdout().lock();
+        let mut out = crate::output::stdout();
         match client::stream(&session, &req, &mut out) {
             Ok(stats) => {
                 let _ = writeln!(out);

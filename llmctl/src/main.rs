@@ -77,6 +77,8 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == RENDER_CHAT_TEMPLATE) {
         return ExitCode::from(llmd_engine::chat::sandbox_child_main().clamp(0, 255) as u8);
     }
+    // Before anything loads a library that prints on descriptor 1 (QNN's do).
+    llmctl::output::isolate();
     // With --local, a model file's chat template renders in a child llmctl with bounded memory
     // and CPU, as in llmd. Without its own path (rare), it renders in-process.
     if let Ok(program) = std::env::current_exe() {

@@ -33,6 +33,11 @@ pub struct NpuArgs {
     /// (llm.npu's default is 256).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub npu_chunk: u64,
+    /// Prompt chunks prefilled together, out of order (llm.npu's out-of-order execution: the
+    /// NPU runs one chunk's linear groups while the CPU runs another's attention, in the order
+    /// the scheduler's score picks; the same results as in order). 1: one chunk at a time.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub npu_ooe_chunks: u64,
     /// Directory of finalized NPU contexts, so later runs load instead of finalizing ("none":
     /// no cache). Default: $XDG_CACHE_HOME/llmd/npu, else ~/.cache/llmd/npu.
     #[arg(long, value_name = "DIR")]
@@ -174,11 +179,14 @@ pub fn shadow_summary(npu: &NpuLinears<'_>) -> String {
 pub fn info(args: &NpuArgs) -> Result<(), String> {
     let path = library_path(args)?;
     let lib = qnn_sys::Library::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    println!("library        {}", path.display());
+    crate::out!("library        {}", path.display());
     for p in lib.providers() {
-        println!(
+        crate::out!(
             "provider       {} (backend id {}), core API {}, backend API {}",
-            p.name, p.backend_id, p.api.core, p.api.backend
+            p.name,
+            p.backend_id,
+            p.api.core,
+            p.api.backend
         );
     }
     let Some(_) = lib.provider(qnn_sys::BACKEND_ID_HTP) else {
@@ -186,10 +194,10 @@ pub fn info(args: &NpuArgs) -> Result<(), String> {
     };
     let backend =
         qnn_sys::api::Backend::htp(&lib, args.soc).map_err(|e| format!("the HTP backend did not start: {e}"))?;
-    println!("build id       {}", backend.build_id().map_err(|e| e.to_string())?);
-    println!("chip           {} (QNN SoC model)", args.soc);
+    crate::out!("build id       {}", backend.build_id().map_err(|e| e.to_string())?);
+    crate::out!("chip           {} (QNN SoC model)", args.soc);
     match cache_dir(args) {
-        None => println!("context cache  off"),
+        None => crate::out!("context cache  off"),
         Some(d) => {
             let mut files: Vec<(String, u64)> = std::fs::read_dir(&d)
                 .map(|r| {
@@ -200,14 +208,14 @@ pub fn info(args: &NpuArgs) -> Result<(), String> {
                 })
                 .unwrap_or_default();
             files.sort();
-            println!(
+            crate::out!(
                 "context cache  {} ({} files, {:.1} MB)",
                 d.display(),
                 files.len(),
                 files.iter().map(|f| f.1).sum::<u64>() as f64 / 1e6
             );
             for (name, size) in files {
-                println!("               {name}  {:.1} MB", size as f64 / 1e6);
+                crate::out!("               {name}  {:.1} MB", size as f64 / 1e6);
             }
         }
     }
@@ -237,7 +245,7 @@ pub fn info(args: &NpuArgs) -> Result<(), String> {
             worst.2 += wp.len();
         }
     }
-    println!(
+    crate::out!(
         "self-check     one layer (4 groups, 32 rows): {} of {} outputs differ from the reference ({:.2}%), at most {} LSB; {:.2} s",
         worst.1,
         worst.2,

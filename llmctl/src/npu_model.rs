@@ -22,7 +22,7 @@
 //!   a model's graphs for one shape.
 
 use clap::Args;
-use llmd_engine::ooe::{simulate, Dag, Job, Policy, Proc, Spec};
+use llmd_engine::sched::{simulate, Dag, Job, Policy, Processor, Spec};
 use llmd_qnn_emu::emu::cost;
 
 /// Attention FLOPs per second on the phone's CPU cores [assumption, calibrated: see the module].
@@ -138,7 +138,7 @@ impl Model {
         let mut prev: Vec<usize> = Vec::new();
         for l in 0..s.layers {
             let mut cpu = |name: String, kv: bool, t: Box<dyn Fn(usize) -> f64>, after: Vec<usize>| {
-                specs.push(Spec { name, proc: Proc::Cpu, kv, after });
+                specs.push(Spec { name, proc: Processor::Cpu, kv, after });
                 times.push(t);
                 specs.len() - 1
             };
@@ -161,7 +161,12 @@ impl Model {
             for (site, (gname, fcs, kin)) in groups.into_iter().enumerate() {
                 let n_out: usize = fcs.iter().map(|f| f.1).sum();
                 let t_npu = k.npu_s(chunk, &fcs);
-                specs.push(Spec { name: format!("l{l}.{gname}"), proc: Proc::Npu, kv: false, after: after.clone() });
+                specs.push(Spec {
+                    name: format!("l{l}.{gname}"),
+                    proc: Processor::Npu,
+                    kv: false,
+                    after: after.clone(),
+                });
                 times.push(Box::new(move |_| t_npu));
                 let npu = specs.len() - 1;
                 let mut outs = vec![npu];
@@ -171,7 +176,7 @@ impl Model {
                     let t = el(kin) + c * OUTLIER_CHANNELS * n_out as f64 * 2.0 / k.cpu_attn_flops;
                     specs.push(Spec {
                         name: format!("l{l}.{gname}.shadow"),
-                        proc: Proc::Cpu,
+                        proc: Processor::Cpu,
                         kv: false,
                         after: after.clone(),
                     });
@@ -187,7 +192,7 @@ impl Model {
                         continue;
                     }
                 };
-                specs.push(Spec { name, proc: Proc::Cpu, kv, after: outs });
+                specs.push(Spec { name, proc: Processor::Cpu, kv, after: outs });
                 // Every CPU subgraph after an NPU graph waits for its output: one hand-off.
                 times.push(Box::new(move |i| t(i) + k.sync_s));
                 after = vec![specs.len() - 1];
@@ -197,12 +202,12 @@ impl Model {
     }
 
     pub fn t(&self, j: Job) -> f64 {
-        (self.times[j.sg])(j.chunk)
+        (self.times[j.step])(j.chunk)
     }
 
     /// Busy time per processor over all chunks.
-    pub fn work(&self, p: Proc) -> f64 {
-        self.dag.in_model_order().filter(|j| self.dag.specs[j.sg].proc == p).map(|j| self.t(j)).sum()
+    pub fn work(&self, p: Processor) -> f64 {
+        self.dag.in_model_order().filter(|j| self.dag.specs[j.step].proc == p).map(|j| self.t(j)).sum()
     }
 }
 
@@ -248,7 +253,7 @@ pub fn run(a: &NpuModelArgs) -> Result<(), String> {
     );
     // 1. Anchors: one 256-token chunk, no shadow.
     let one = Model::new(s, 256, 1, &|_, _| false);
-    let (npu1, cpu1) = (one.work(Proc::Npu), one.work(Proc::Cpu));
+    let (npu1, cpu1) = (one.work(Processor::Npu), one.work(Processor::Cpu));
     // 2. Chunk-sharing vs one graph set per prompt length vs pad to the longest.
     let wbytes = (s.layers * (s.d * (s.q_dim + 2 * s.kv_dim) + s.q_dim * s.d + 3 * s.d * s.ffn)) as f64;
     let longest = *a.prompts.iter().max().unwrap_or(&a.chunk);

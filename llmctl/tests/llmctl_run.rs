@@ -301,3 +301,79 @@ fn sync_bench_measures_the_three_waiters() {
         assert!(r["p50_us"].as_f64().is_some_and(|x| x >= 0.0) && r["cpu_us_per_wait"].as_f64().is_some(), "{r}");
     }
 }
+
+/// What a library prints never reaches llmctl's standard output: Qualcomm's HTP library prints
+/// `# LIBNATIVE: …` and `<E> unexpected GraphHtpSettings option 66` on descriptor 1 when its
+/// backend starts and its graphs finalize; llmctl's own lines are all that standard output holds,
+/// and the library's text is on standard error.
+#[test]
+fn what_a_library_prints_goes_to_stderr_never_to_the_reply_stream() {
+    let htp = common::htp_library();
+    let cache = tempfile_dir("llmctl-npu-info");
+    let o = llmctl(&[
+        "npu-info",
+        "--qnn-lib",
+        htp.to_str().expect("utf-8 path"),
+        "--npu-cache",
+        cache.to_str().expect("utf-8 path"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    const OURS: [&str; 7] = ["library ", "provider ", "build id ", "chip ", "context cache ", "self-check ", "      "];
+    for line in out.lines() {
+        assert!(
+            OURS.iter().any(|p| line.starts_with(p)),
+            "a line on stdout that llmctl did not write: {line:?}\n{out}"
+        );
+    }
+    assert!(out.contains("self-check"), "{out}");
+    // The library did print (else this test shows nothing): its text went to standard error.
+    let e = stderr(&o);
+    assert!(e.contains("LIBNATIVE") || e.contains("GraphHtpSettings"), "the library printed nothing: {e}");
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// A fresh directory under the system's temporary directory.
+fn tempfile_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+/// `run --local --backend npu` prefills several chunks per unit out of order (llm.npu's
+/// out-of-order execution on the product path: the emulated NPU's linear groups on this thread,
+/// attention on a CPU thread, in the scheduler's order) and replies exactly as one chunk at a
+/// time does.
+#[test]
+fn npu_prefill_out_of_order_replies_as_in_order() {
+    let m = model();
+    let emu = llmd_qnn_emu::built_library().unwrap_or_else(|e| panic!("{e}"));
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(6);
+    let run = |chunks: &str| {
+        let o = llmctl(&[
+            "run",
+            "--local",
+            "--backend",
+            "npu",
+            "--qnn-lib",
+            emu.to_str().expect("utf-8 path"),
+            "--npu-cache",
+            "none",
+            "--npu-chunk",
+            "16",
+            "--npu-ooe-chunks",
+            chunks,
+            "--model",
+            m.to_str().expect("utf-8 path"),
+            "--max-tokens",
+            "8",
+            &prompt,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let (in_order, out_of_order) = (run("1"), run("4"));
+    assert!(!in_order.is_empty());
+    assert_eq!(out_of_order, in_order, "the same reply in and out of order");
+}

@@ -292,6 +292,10 @@ impl Engine for ModelEngine {
         s.gen.prefill_chunk_at_most(n).map(<[u32]>::to_vec)
     }
 
+    fn offload_tokens(&self, s: &Started, n: usize) -> Option<Vec<u32>> {
+        s.gen.prefill_at_most(n).map(<[u32]>::to_vec)
+    }
+
     fn sample(&mut self, t: &Turn, s: &mut Started) -> Result<(StepOutput, Option<u32>), ServiceError> {
         let kv_len = t.session.lock().kv_len();
         Ok(s.gen.sample(&t.model, kv_len)?)
@@ -350,7 +354,7 @@ impl Engine for ModelEngine {
 
     fn offload(&mut self, id: u64, t: &Turn, tokens: Vec<u32>, withdraw: Arc<AtomicBool>) -> Result<(), ServiceError> {
         let (session, model) = (t.session.clone(), t.model.clone());
-        let n = tokens.len();
+        let (n, chunk) = (tokens.len(), self.npu.chunk());
         let before = session.lock().kv_len();
         let mut reply = Reply { id, tokens: n, before, tx: Some(self.npu_done.0.clone()) };
         let job: crate::npu::Job = Box::new(move |graphs| {
@@ -363,7 +367,7 @@ impl Engine for ModelEngine {
                 // The worker plans nothing of this session until the reply: the lock is free.
                 Ok(graphs) => {
                     let w = Withdrawable { graphs, withdraw: &withdraw };
-                    match session.lock().forward_with(&model, &tokens, &w) {
+                    match session.lock().prefill_with(&model, &tokens, chunk, &w) {
                         Ok(logits) => ChunkOutcome::Logits(logits),
                         Err(_) if withdraw.load(Ordering::Acquire) => ChunkOutcome::Withdrawn,
                         Err(e) => ChunkOutcome::Failed(e.to_string()),

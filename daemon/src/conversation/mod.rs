@@ -298,6 +298,22 @@ impl SessionInner {
             .map_err(|e| ServiceError::Internal(e.to_string()))
     }
 
+    /// Prefills `tokens` with the linear groups on `linears` (the NPU's graphs of `chunk`
+    /// rows), several chunks out of order; the logits after the last token. On an error the
+    /// cache is as it was.
+    pub fn prefill_with(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        chunk: usize,
+        linears: &dyn llmd_engine::backend::blocks::Linears,
+    ) -> Result<Vec<f32>, ServiceError> {
+        model
+            .transformer
+            .prefill_sequence_with(&mut self.kv, tokens, chunk, linears)
+            .map_err(|e| ServiceError::Internal(e.to_string()))
+    }
+
     /// Positions the KV cache holds.
     pub fn kv_len(&self) -> usize {
         self.kv.len()

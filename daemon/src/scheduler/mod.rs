@@ -15,64 +15,19 @@
 //! above it (see the crate's doc comment).
 
 pub mod admission;
+mod job;
 pub mod outbox;
 pub mod worker;
 
 pub use admission::{Admission, Admitted, JobInfo, QueueReport, Ticket};
+pub use job::Job;
 pub use outbox::{CallbackSink, Delivery, Outbox, Sink, MAX_UNSENT};
 pub use worker::{Engine, Fed, Worker};
 
-use crate::policy::{Class, PolicyConfig};
-use std::sync::atomic::{AtomicBool, Ordering};
+use crate::policy::PolicyConfig;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-/// An admitted request on its way to (and in) the worker.
-pub struct Job<T> {
-    pub id: u64,
-    pub uid: u32,
-    pub session: u64,
-    /// The scheduling class (the request's hint capped by its uid's).
-    pub class: Class,
-    /// Milliseconds from admission by which it must finish (0 = none).
-    pub deadline_ms: u64,
-    /// When it was admitted, on the admission clock.
-    pub admitted_ms: u64,
-    pub enqueued: Instant,
-    /// Set to stop it (see [`Admitted::cancel`]).
-    pub cancel: Arc<AtomicBool>,
-    /// Its session's closed flag: a closed session's request ends as cancelled.
-    pub closed: Arc<AtomicBool>,
-    /// Where the worker puts the request's callbacks.
-    pub outbox: Outbox,
-    /// What the engine needs to run it.
-    pub turn: T,
-}
-
-impl<T> Job<T> {
-    /// The job of an admitted request whose callbacks go to `sink`.
-    pub fn new(a: Admitted, closed: Arc<AtomicBool>, sink: Arc<dyn Sink>, turn: T) -> Self {
-        Self {
-            id: a.id,
-            uid: a.ticket.uid,
-            session: a.ticket.session,
-            class: a.ticket.class,
-            deadline_ms: a.ticket.deadline_ms,
-            admitted_ms: a.admitted_ms,
-            enqueued: a.enqueued,
-            outbox: Outbox::new(sink, a.cancel.clone()),
-            cancel: a.cancel,
-            closed,
-            turn,
-        }
-    }
-
-    /// Whether it was cancelled or its session closed.
-    pub fn stopped(&self) -> bool {
-        self.cancel.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire)
-    }
-}
+use std::time::Duration;
 
 /// What Binder threads hold of the scheduler: the admission books and the worker's queue.
 pub struct Scheduler<T> {

@@ -45,6 +45,12 @@ pub trait Engine {
     fn prompt_left(&self, seq: &Self::Seq) -> usize;
     /// The next at most `n` prompt tokens to feed, if the prompt is not all fed.
     fn prompt_chunk(&self, seq: &Self::Seq, n: usize) -> Option<Vec<u32>>;
+
+    /// The next `n` prompt tokens at most for an accelerator's job ([`Self::offload_chunk`]'s
+    /// size, which may span several of the CPU's chunks).
+    fn offload_tokens(&self, seq: &Self::Seq, n: usize) -> Option<Vec<u32>> {
+        self.prompt_chunk(seq, n)
+    }
     /// Samples the next token from the last logits: what to stream, and the token to feed
     /// (none when the generation ended: then `done` is set).
     fn sample(&mut self, turn: &Self::Turn, seq: &mut Self::Seq) -> Result<(StepOutput, Option<u32>), ServiceError>;
@@ -381,7 +387,7 @@ impl<E: Engine> Worker<E> {
         let id = self.policy.best_prompt(now_ms, entries, |e| able.iter().any(|a| a.0 == e.id))?;
         let n = able.iter().find(|a| a.0 == id).map(|a| a.1)?;
         let r = self.active.get_mut(&id)?;
-        let tokens = self.engine.prompt_chunk(&r.seq, n)?;
+        let tokens = self.engine.offload_tokens(&r.seq, n)?;
         let fed = tokens.len();
         let withdraw = Arc::new(AtomicBool::new(false));
         match self.engine.offload(id, &r.job.turn, tokens, withdraw.clone()) {

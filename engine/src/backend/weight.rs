@@ -1,8 +1,8 @@
 //! A weight matrix as the CPU keeps it: the file's bytes (mapped) and, for the types the
 //! packed kernels take, a copy in their tile layout.
 
-use crate::backend::cpu::kpacked::{KKind, KPackedMatrix};
-use crate::backend::cpu::packed::{PackKind, PackedMatrix};
+use crate::backend::layout::kpacked::{KKind, KPackedMatrix};
+use crate::backend::layout::packed::{PackKind, PackedMatrix};
 use crate::format::TensorRef;
 use crate::quant::{self, GgmlType};
 use llmd_alloc_sys::HugeArena;
@@ -108,7 +108,7 @@ impl WeightMatrix {
         file: &Arc<crate::format::ModelBytes>,
         r: &std::ops::Range<usize>,
     ) -> HostCopy {
-        let start = r.start - r.start % crate::backend::cpu::packed::HOST_ALIGN;
+        let start = r.start - r.start % crate::backend::layout::packed::HOST_ALIGN;
         let rows = FileRows { file: file.clone(), range: start..r.end };
         HostCopy { layout, ty, bytes: Arc::new(rows), offset: r.start - start }
     }

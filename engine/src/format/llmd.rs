@@ -28,7 +28,7 @@
 //! channel `i` taking `B_i · ⌈D/128⌉ · 16` bytes (see [`crate::quant::edgeflow`]).
 //!
 //! A tensor of kind `k_packed` holds a K-quant tensor in the CPU kernels' tile records
-//! (`backend::cpu::kpacked`, its `RECORD_LAYOUT` number stored with it): the converter keeps
+//! (`backend::layout::kpacked`, its `RECORD_LAYOUT` number stored with it): the converter keeps
 //! a source's K-quant tensors this way, so loading them is a read with no repacking.
 
 use crate::config::ModelConfig;
@@ -58,7 +58,7 @@ pub enum TensorKind {
     /// EdgeFlow mixed-precision channels (one bit-width and one f16 scale per row).
     Edgeflow,
     /// A K-quant tensor (Q2_K … Q6_K, by GGUF type id) already in the CPU kernels' tile
-    /// records (`backend::cpu::kpacked`), record layout `layout`: loading is a read and a copy,
+    /// records (`backend::layout::kpacked`), record layout `layout`: loading is a read and a copy,
     /// with no repacking. The loader checks the layout number and the length.
     KPacked { type_id: u32, layout: u32 },
 }

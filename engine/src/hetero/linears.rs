@@ -15,12 +15,13 @@
 //! output buffer, so no merge is needed.
 
 use super::exec::{f16_rows, GpuRunner, NpuF16Runner};
-use super::partition::{execute_synced, Cut, Dev, Piece, Segment};
+use super::partition::{execute_synced, Cut, Piece, Processor, Segment};
 use super::soc::Soc;
 use super::solver::Op;
 use super::solver::{Phase, Predicted, Solver};
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::gpu::GpuDevice;
+use crate::backend::npu::cache::GraphIds;
 use crate::backend::weight::WeightMatrix;
 use crate::error::{BackendError, NpuError};
 use crate::model::Transformer;
@@ -53,6 +54,125 @@ pub struct HeteroLinears<'a> {
     pub sync: super::sync::FastSync,
 }
 
+/// One projection's part of a [`HeteroPlan`]: its cut per token count and the NPU graphs
+/// (token count, rows) those cuts need.
+struct PlannedProj {
+    /// Layer, site (QKV, O, gate/up, down) and projection within the site.
+    at: (usize, usize, usize),
+    cuts: HashMap<usize, Cut>,
+    shapes: Vec<(usize, std::ops::Range<usize>)>,
+}
+
+/// HeteroLLM's plan of a model before any graph exists: every projection's cut for each
+/// planned token count, and so the NPU graphs to build — what the graph cache's key is made of.
+pub struct HeteroPlan {
+    projs: Vec<PlannedProj>,
+}
+
+impl HeteroPlan {
+    /// Plans every projection of `model` for each of `token_counts` with `plan`.
+    pub fn new(model: &Transformer, token_counts: &[usize], plan: &dyn Fn(&Op) -> Cut) -> Result<Self, NpuError> {
+        let mut projs = Vec::new();
+        // Every layer has the same shapes: each (tokens, in, out) is planned once.
+        let mut planned: HashMap<(usize, usize, usize), Cut> = HashMap::new();
+        for (li, l) in model.weights.layers.iter().enumerate() {
+            for (si, ws) in sites(l).into_iter().enumerate() {
+                for (pi, w) in ws.into_iter().enumerate() {
+                    let mut cuts = HashMap::new();
+                    let mut shapes = Vec::new();
+                    for &m in token_counts.iter().filter(|&&m| m > 0) {
+                        let op = Op { name: format!("l{li}.s{si}.p{pi}"), m, k: w.cols, n: w.rows };
+                        let cut = planned.entry((m, w.cols, w.rows)).or_insert_with(|| plan(&op)).clone();
+                        let pieces = cut
+                            .pieces(m, w.rows)
+                            .map_err(|e| NpuError::Shape { graph: op.name.clone(), detail: e.to_string() })?;
+                        shapes.extend(
+                            pieces
+                                .into_iter()
+                                .filter(|p| p.dev == Processor::Npu)
+                                .map(|p| (p.graph.unwrap_or(m), p.rows)),
+                        );
+                        cuts.insert(m, cut);
+                    }
+                    projs.push(PlannedProj { at: (li, si, pi), cuts, shapes });
+                }
+            }
+        }
+        Ok(Self { projs })
+    }
+
+    /// Distinct NPU graphs the plan needs, in all.
+    pub fn npu_graphs(&self) -> usize {
+        self.projs.iter().map(|p| unique_count(&p.shapes)).sum()
+    }
+
+    /// Feeds `f` what the NPU's graphs are made of — each graph's name and shape and its
+    /// matrix's weights (the file's bytes, or its rows read one by one) — for the graph cache's
+    /// key: another model, plan or weight gives another key.
+    pub fn content(&self, model: &Transformer, f: &mut dyn FnMut(&[u8])) -> Result<(), NpuError> {
+        let mut row = Vec::new();
+        for p in self.projs.iter().filter(|p| !p.shapes.is_empty()) {
+            let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
+            f(projection_name(p.at).as_bytes());
+            for (m, rows) in &p.shapes {
+                for v in [*m, rows.start, rows.end, w.cols] {
+                    f(&(v as u64).to_le_bytes());
+                }
+            }
+            f(w.name.as_bytes());
+            match w.source_bytes() {
+                Some(b) => f(b),
+                None => {
+                    for r in 0..w.rows {
+                        w.read_row(r, &mut row)
+                            .map_err(|e| NpuError::Quantization(format!("{}: row {r}: {e}", w.name)))?;
+                        f(&row);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Builds and finalizes every NPU graph of the plan in `context`, returning their tensor
+    /// ids in the order [`HeteroLinears::from_context`] retrieves them.
+    pub fn build_graphs(&self, model: &Transformer, context: &qnn_sys::api::Context<'_>) -> Result<GraphIds, NpuError> {
+        let mut ids = Vec::new();
+        for p in self.projs.iter().filter(|p| !p.shapes.is_empty()) {
+            let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
+            let w16 = f16_rows(w, 0..w.rows).map_err(NpuError::Quantization)?;
+            ids.extend(NpuF16Runner::build_ids(
+                context,
+                &projection_name(p.at),
+                &w16,
+                w.cols,
+                p.shapes.iter().cloned(),
+            )?);
+        }
+        Ok(ids)
+    }
+}
+
+/// A layer's projections by site: QKV, O, gate/up, down.
+fn sites(l: &crate::model::weights::LayerWeights) -> [Vec<&WeightMatrix>; 4] {
+    [vec![&l.wq, &l.wk, &l.wv], vec![&l.wo], vec![&l.w_gate, &l.w_up], vec![&l.w_down]]
+}
+
+fn weight(model: &Transformer, (li, si, pi): (usize, usize, usize)) -> Option<&WeightMatrix> {
+    let l = model.weights.layers.get(li)?;
+    sites(l).get(si)?.get(pi).copied()
+}
+
+fn projection_name((li, si, pi): (usize, usize, usize)) -> String {
+    format!("l{li}_s{si}_p{pi}")
+}
+
+fn unique_count(shapes: &[(usize, std::ops::Range<usize>)]) -> usize {
+    let set: std::collections::HashSet<(usize, usize, usize)> =
+        shapes.iter().filter(|(m, r)| *m > 0 && !r.is_empty()).map(|(m, r)| (*m, r.start, r.end)).collect();
+    set.len()
+}
+
 impl<'a> HeteroLinears<'a> {
     /// Plans every projection of `model` for each of `token_counts` with `plan` and builds the
     /// NPU graphs the plans need in `context` (its owning thread: this one) and loads the GPU's
@@ -64,38 +184,39 @@ impl<'a> HeteroLinears<'a> {
         token_counts: &[usize],
         plan: &dyn Fn(&Op) -> Cut,
     ) -> Result<Self, NpuError> {
-        let mut layers = Vec::with_capacity(model.weights.layers.len());
-        // Every layer has the same shapes: each (tokens, in, out) is planned once.
-        let mut planned: HashMap<(usize, usize, usize), Cut> = HashMap::new();
-        for (li, l) in model.weights.layers.iter().enumerate() {
-            let sites: [Vec<&WeightMatrix>; 4] =
-                [vec![&l.wq, &l.wk, &l.wv], vec![&l.wo], vec![&l.w_gate, &l.w_up], vec![&l.w_down]];
-            let mut built: [Vec<Proj<'a>>; 4] = Default::default();
-            for (si, ws) in sites.into_iter().enumerate() {
-                for (pi, w) in ws.into_iter().enumerate() {
-                    let mut cuts = HashMap::new();
-                    let mut shapes = Vec::new();
-                    for &m in token_counts.iter().filter(|&&m| m > 0) {
-                        let op = Op { name: format!("l{li}.s{si}.p{pi}"), m, k: w.cols, n: w.rows };
-                        let cut = planned.entry((m, w.cols, w.rows)).or_insert_with(|| plan(&op)).clone();
-                        let pieces = cut
-                            .pieces(m, w.rows)
-                            .map_err(|e| NpuError::Shape { graph: op.name.clone(), detail: e.to_string() })?;
-                        shapes.extend(
-                            pieces.into_iter().filter(|p| p.dev == Dev::Npu).map(|p| (p.graph.unwrap_or(m), p.rows)),
-                        );
-                        cuts.insert(m, cut);
-                    }
-                    let w16 = if shapes.is_empty() {
-                        Vec::new()
-                    } else {
-                        f16_rows(w, 0..w.rows).map_err(NpuError::Quantization)?
-                    };
-                    let npu = NpuF16Runner::build(context, &format!("l{li}_s{si}_p{pi}"), &w16, w.cols, shapes)?;
-                    built[si].push(Proj { w, npu, gpu: GpuRunner::new(gpu, w), cuts });
-                }
-            }
-            layers.push(built);
+        let plan = HeteroPlan::new(model, token_counts, plan)?;
+        let ids = plan.build_graphs(model, context)?;
+        Self::from_context(model, context, gpu, &plan, &ids)
+    }
+
+    /// `plan`'s projections over the NPU graphs already in `context` — built in this process
+    /// ([`HeteroPlan::build_graphs`]) or loaded from the graph cache — by their tensor ids.
+    pub fn from_context(
+        model: &'a Transformer,
+        context: &'a qnn_sys::api::Context<'_>,
+        gpu: &'a GpuDevice,
+        plan: &HeteroPlan,
+        ids: &[(u32, Vec<u32>)],
+    ) -> Result<Self, NpuError> {
+        let mut layers: Vec<[Vec<Proj<'a>>; 4]> = (0..model.weights.layers.len()).map(|_| Default::default()).collect();
+        let mut at = 0usize;
+        for p in &plan.projs {
+            let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
+            let n = unique_count(&p.shapes);
+            let mine = ids.get(at..at + n).ok_or_else(|| NpuError::Shape {
+                graph: projection_name(p.at),
+                detail: format!("{} graph ids for more graphs", ids.len()),
+            })?;
+            at += n;
+            let npu = NpuF16Runner::retrieve(context, &projection_name(p.at), w.cols, p.shapes.iter().cloned(), mine)?;
+            let (li, si, _) = p.at;
+            layers[li][si].push(Proj { w, npu, gpu: GpuRunner::new(gpu, w), cuts: p.cuts.clone() });
+        }
+        if at != ids.len() {
+            return Err(NpuError::Shape {
+                graph: "hetero".into(),
+                detail: format!("{} graph ids for {at} graphs", ids.len()),
+            });
         }
         Ok(Self { layers, stats: HeteroStats::default(), sync: super::sync::FastSync::new() })
     }
@@ -165,7 +286,7 @@ impl Proj<'_> {
             }
         }
         if at < m {
-            out.push(Piece { dev: Dev::Gpu, tokens: at..m, rows: 0..n, graph: None });
+            out.push(Piece { dev: Processor::Gpu, tokens: at..m, rows: 0..n, graph: None });
         }
         Some(out)
     }
@@ -207,7 +328,7 @@ impl Linears for HeteroLinears<'_> {
             let key = format!("{}.{pi}.{n}", site as usize);
             execute_synced(&pieces, x, n, p.w.rows, out, &p.npu, &p.gpu, Some((&self.sync, &key)))
                 .map_err(|e| BackendError::Device(format!("{}: {e}", p.w.name)))?;
-            let npu = pieces.iter().filter(|q| q.dev == Dev::Npu).count() as u64;
+            let npu = pieces.iter().filter(|q| q.dev == Processor::Npu).count() as u64;
             let gpu = pieces.len() as u64 - npu;
             self.stats.matmuls.fetch_add(1, Ordering::Relaxed);
             self.stats.npu_pieces.fetch_add(npu, Ordering::Relaxed);

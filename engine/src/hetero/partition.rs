@@ -22,21 +22,7 @@
 
 use std::ops::Range;
 
-/// The two processors a matmul is cut between.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
-pub enum Dev {
-    Npu,
-    Gpu,
-}
-
-impl Dev {
-    pub fn name(self) -> &'static str {
-        match self {
-            Dev::Npu => "NPU",
-            Dev::Gpu => "GPU",
-        }
-    }
-}
+pub use llmd_device::Processor;
 
 /// A run of tokens the NPU computes in a pre-built graph of `graph` tokens (`tokens.len() ≤
 /// graph`; the rest of the graph's input is padding, its output discarded).
@@ -82,7 +68,7 @@ impl CutKind {
 /// One rectangle of the output and the processor that computes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
-    pub dev: Dev,
+    pub dev: Processor,
     pub tokens: Range<usize>,
     pub rows: Range<usize>,
     /// The NPU graph's token count (the tokens padded to it); `None` on the GPU.
@@ -221,7 +207,7 @@ impl Cut {
         if self.npu_rows > 0 {
             for s in self.npu.iter().filter(|s| !s.tokens.is_empty()) {
                 out.push(Piece {
-                    dev: Dev::Npu,
+                    dev: Processor::Npu,
                     tokens: s.tokens.clone(),
                     rows: 0..self.npu_rows,
                     graph: Some(s.graph),
@@ -231,14 +217,14 @@ impl Cut {
         // The GPU: beside each segment (rows past npu_rows, or all of them when the NPU has none).
         if self.npu_rows < n {
             for s in self.npu.iter().filter(|s| !s.tokens.is_empty()) {
-                out.push(Piece { dev: Dev::Gpu, tokens: s.tokens.clone(), rows: self.npu_rows..n, graph: None });
+                out.push(Piece { dev: Processor::Gpu, tokens: s.tokens.clone(), rows: self.npu_rows..n, graph: None });
             }
         }
         // …and the runs of tokens no segment covers.
         let mut t = 0;
         for r in spans.iter().chain(std::iter::once(&(m..m))) {
             if r.start > t && n > 0 {
-                out.push(Piece { dev: Dev::Gpu, tokens: t..r.start, rows: 0..n, graph: None });
+                out.push(Piece { dev: Processor::Gpu, tokens: t..r.start, rows: 0..n, graph: None });
             }
             t = t.max(r.end);
         }
@@ -349,8 +335,9 @@ pub fn execute_synced(
     let mut gpu_work = Vec::new();
     for (p, v) in pieces.iter().zip(views.iter_mut()) {
         match p.dev {
-            Dev::Npu => npu_work.push((p, v)),
-            Dev::Gpu => gpu_work.push((p, v)),
+            Processor::Npu => npu_work.push((p, v)),
+            Processor::Gpu => gpu_work.push((p, v)),
+            Processor::Cpu => return Err("execute: a cut runs on the NPU and the GPU, not the CPU".into()),
         }
     }
     let run = |runner: &dyn PieceRunner, work: Vec<(&Piece, &mut Vec<&mut [f32]>)>| -> Result<(), String> {
@@ -453,7 +440,7 @@ mod tests {
             assert_eq!(c.kind(m, n), kind, "{c:?}");
             let p = c.pieces(m, n).unwrap();
             assert!(covers_once(&p, m, n), "{c:?}");
-            assert!(p.iter().filter(|p| p.dev == Dev::Npu).all(|p| sizes.all().contains(&p.graph.unwrap())));
+            assert!(p.iter().filter(|p| p.dev == Processor::Npu).all(|p| sizes.all().contains(&p.graph.unwrap())));
         }
     }
 

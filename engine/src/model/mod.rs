@@ -3,9 +3,10 @@
 
 pub use crate::backend::kv;
 pub use crate::config;
+mod devices;
 mod ooe;
 mod placed;
-pub use placed::Devices;
+pub use devices::Devices;
 pub mod stream;
 pub mod weights;
 
@@ -43,7 +44,7 @@ pub struct Transformer {
     pub shape: BlockShape,
     planner: Planner,
     /// Devices besides the host that passes are placed on (none: every subgraph on the host).
-    devices: Option<placed::Devices>,
+    devices: Option<devices::Devices>,
     /// How new KV caches store keys and values.
     pub kv_type: kv::KvType,
 }
@@ -64,7 +65,7 @@ impl Transformer {
         devices: Vec<std::sync::Arc<dyn llmd_device::Device>>,
         cost: std::sync::Arc<dyn crate::sched::CostModel>,
     ) {
-        self.devices = (!devices.is_empty()).then(|| placed::Devices::new(devices, cost));
+        self.devices = (!devices.is_empty()).then(|| devices::Devices::new(devices, cost));
     }
 
     pub fn planner(&self) -> &Planner {

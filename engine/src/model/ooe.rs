@@ -2,7 +2,7 @@
 //! pass state, and every layer is three subgraphs per chunk — the input norm and QKV group
 //! (NPU), RoPE and attention into the KV cache (CPU; after the same layer's attention of the
 //! previous chunk), the O group, residual, norm, gate/up, SwiGLU and down (NPU) — which one NPU
-//! thread and one CPU thread take from the shared [`crate::ooe::Scheduler`] in whatever order
+//! thread and one CPU thread take from the shared [`crate::sched::Scheduler`] in whatever order
 //! it picks. The arithmetic of each subgraph is the in-order pass's own (`Pass::attn_qkv`,
 //! `attn_core`, `attn_out`, `ffn`), so every legal order gives the same bits.
 //!
@@ -14,7 +14,7 @@ use super::Transformer;
 use crate::backend::blocks::{Linears, Logits, Pass, PassState};
 use crate::backend::kv::KvCache;
 use crate::error::BackendError;
-use crate::ooe::{run_threads, Dag, Job, Policy, Proc, Timeline};
+use crate::sched::{run_threads, Dag, Job, Policy, Processor, Timeline};
 use std::sync::Mutex;
 
 /// The three subgraphs of a layer, in order.
@@ -25,11 +25,35 @@ impl Transformer {
     pub fn prefill_dag(&self, chunks: usize) -> Dag {
         let mut specs = Vec::with_capacity(self.weights.layers.len() * SUBGRAPHS_PER_LAYER);
         for l in 0..self.weights.layers.len() {
-            specs.push((format!("l{l}.norm_qkv"), Proc::Npu, false));
-            specs.push((format!("l{l}.attention"), Proc::Cpu, true));
-            specs.push((format!("l{l}.o_ffn"), Proc::Npu, false));
+            specs.push((format!("l{l}.norm_qkv"), Processor::Npu, false));
+            specs.push((format!("l{l}.attention"), Processor::Cpu, true));
+            specs.push((format!("l{l}.o_ffn"), Processor::Npu, false));
         }
         Dag::chain(chunks, specs)
+    }
+
+    /// llm.npu's profiled time T(G) of each job of [`Self::prefill_dag`] for `tokens` prompt
+    /// tokens after `base` in chunks of `chunk`, estimated from the shapes: an NPU subgraph's
+    /// multiply-accumulates (its linear groups), attention's over its context. Decision: the
+    /// scheduler's scores compare only NPU times (Eq. 6), whose ratios the shapes fix; a device's
+    /// measured rate would scale them all alike. Any legal order gives the same bits
+    /// (`engine/tests/npu_ooe.rs`), so an estimate costs speed at most, never results.
+    pub fn prefill_times(&self, base: usize, tokens: usize, chunk: usize) -> impl Fn(Job) -> f64 + Sync {
+        let s = &self.shape;
+        let (d, q, kv, ff) =
+            (s.d_model as f64, (s.n_heads * s.head_dim) as f64, (s.n_kv_heads * s.head_dim) as f64, s.ffn_dim as f64);
+        let (qkv, o_ffn) = (d * (q + 2.0 * kv), d * q + 3.0 * d * ff);
+        let chunk = chunk.max(1);
+        move |j: Job| {
+            let start = j.chunk * chunk;
+            let n = tokens.saturating_sub(start).min(chunk) as f64;
+            match j.step % SUBGRAPHS_PER_LAYER {
+                0 => n * qkv,
+                // Queries × the keys and values they see (the chunk's own, half on average).
+                1 => n * q * 2.0 * ((base + start) as f64 + n / 2.0),
+                _ => n * o_ffn,
+            }
+        }
     }
 
     /// Prefills `tokens` after what `kv` holds in chunks of `chunk` tokens, their subgraphs
@@ -86,7 +110,7 @@ impl Transformer {
         let dag = self.prefill_dag(parts.len());
         let kvm = Mutex::new(&mut *kv);
         let work = |j: Job| -> Result<(), BackendError> {
-            let (li, part) = (j.sg / SUBGRAPHS_PER_LAYER, j.sg % SUBGRAPHS_PER_LAYER);
+            let (li, part) = (j.step / SUBGRAPHS_PER_LAYER, j.step % SUBGRAPHS_PER_LAYER);
             let (attn, ffn) = w.layers[li].blocks(w.rope_freqs.as_deref());
             let mut st = states[j.chunk].lock().unwrap_or_else(|e| e.into_inner());
             match part {

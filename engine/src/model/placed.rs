@@ -1,58 +1,30 @@
 //! A pass whose subgraphs run on several devices: placed by [`crate::sched::place`], run in
-//! [`crate::sched::JobQueue`] order, the residual stream moved between host memory and a
+//! [`crate::sched::Dag`] order, the residual stream moved between host memory and a
 //! device's buffers with events ordering each step. Subgraphs placed on the host run the host
 //! blocks ([`crate::backend::blocks`]) in place; the others go through the device contract:
 //! their weights loaded once per device ([`Device::load_weight`]), an executable prepared once
 //! per device, subgraph and token count, each layer's KV cache in the memory of the device its
 //! attention runs on (`KvCache::device_layer`).
 
+use super::devices::Devices;
 use super::kv::{DeviceKv, KvCache};
 use super::weights::WeightMatrix;
 use super::{Logits, Transformer};
 use crate::backend::blocks::{Pass, PassState};
 use crate::backend::{bytes_f32, f32_bytes};
 use crate::error::BackendError;
-use crate::sched::{self, CostModel, JobQueue};
+use crate::sched::{self, Dag};
 use llmd_device::{
-    Bindings, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, Event, Executable, GgmlType, HostLayout,
-    HostWeight, MemoryKind, SeqBinding, Subgraph, SubgraphKind, Weight, WeightRole,
+    Bindings, Buffer, BufferUsage, DeviceDesc, DeviceError, Event, Executable, GgmlType, HostLayout, HostWeight,
+    MemoryKind, SeqBinding, Subgraph, SubgraphKind, Weight, WeightRole,
 };
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Positions of the smallest device KV cache (a sequence's buffer then doubles as it grows).
 const MIN_DEVICE_KV: usize = 256;
 
-/// The devices a model runs on besides the host, and what they hold of it.
-pub struct Devices {
-    pub list: Vec<Arc<dyn Device>>,
-    pub cost: Arc<dyn CostModel>,
-    state: Mutex<DevState>,
-}
-
-#[derive(Default)]
-struct DevState {
-    /// Per (device index, subgraph): its weights on that device.
-    weights: HashMap<(usize, Subgraph), Arc<Vec<Weight>>>,
-    /// Per (device index, subgraph, tokens).
-    exes: HashMap<(usize, Subgraph, usize), Executable>,
-    /// Per (device index, the model's bytes): a matrix already on that device — a tied
-    /// embedding and output head share their bytes and are loaded once.
-    by_bytes: HashMap<(usize, usize, usize), Weight>,
-}
-
 fn dev_err(e: DeviceError) -> BackendError {
     BackendError::Device(e.to_string())
-}
-
-impl Devices {
-    pub fn new(list: Vec<Arc<dyn Device>>, cost: Arc<dyn CostModel>) -> Self {
-        Self { list, cost, state: Mutex::new(DevState::default()) }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, DevState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 /// Where the residual stream is between two subgraphs.
@@ -222,7 +194,11 @@ impl Transformer {
         let (rows, counts) = Pass::logit_rows(&st.spans, which);
         let mut loc = Loc::Host;
         let mut logits: Option<Vec<Vec<f32>>> = None;
-        for job in JobQueue::new(pass.clone(), 1).in_order() {
+        // The pass as one chunk of the job graph, each step on its device's processor, run one
+        // job at a time in model order (every dependency is an earlier step).
+        let procs: Vec<_> = placement.iter().map(|&d| descs[d].processor).collect();
+        let dag = Dag::from_pass(&pass, &procs, 1);
+        for job in dag.in_model_order() {
             let sg = pass[job.step];
             let d = placement[job.step];
             if d == 0 {

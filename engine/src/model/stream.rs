@@ -26,8 +26,8 @@ use super::kv::KvCache;
 use super::weights::{LayerWeights, ModelWeights, WeightMatrix};
 use super::Logits;
 use crate::backend::blocks::Pass;
-use crate::backend::cpu::kpacked::{self, KKind, KPackedMatrix};
-use crate::backend::cpu::packed::{PackKind, PackedMatrix};
+use crate::backend::layout::kpacked::{self, KKind, KPackedMatrix};
+use crate::backend::layout::packed::{PackKind, PackedMatrix};
 use crate::backend::Planner;
 use crate::error::{EngineError, FormatError};
 use crate::format::llmd::{self, Metadata, TensorEntry, TensorKind};
@@ -177,7 +177,7 @@ pub(crate) fn load<T: Send + 'static>(
     let total = header.data_len;
     let readers = opts.readers.clamp(1, 8);
 
-    let arena = crate::backend::cpu::packed::weight_arena(packed_bytes(&meta.tensors));
+    let arena = crate::backend::layout::packed::weight_arena(packed_bytes(&meta.tensors));
     let meta = Arc::new(meta);
     let next = Arc::new(AtomicUsize::new(0));
     let read_so_far = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -537,7 +537,7 @@ fn build_from(
             Ok(Part::Matrix(WeightMatrix::with_kpacked(&t.name, tref(ty), k)))
         }
         TensorKind::Edgeflow => {
-            if cols % crate::backend::cpu::packed::BLOCK != 0 {
+            if cols % crate::backend::layout::packed::BLOCK != 0 {
                 return Err(bad(format!("{cols} columns are not a multiple of 32")));
             }
             let (bits_len, scales_len) = llmd::edgeflow_prefix(rows);

@@ -72,7 +72,7 @@ fn packed_bytes(tensors: &TensorMap) -> usize {
 
 struct Loader<'a> {
     t: &'a TensorMap,
-    /// Where the packed matrices go (see [`crate::backend::cpu::packed::weight_arena`]).
+    /// Where the packed matrices go (see [`crate::backend::layout::packed::weight_arena`]).
     arena: Option<HugeArena>,
     /// Bytes of matrices bound so far and in all, reported after each.
     done: std::cell::Cell<u64>,
@@ -193,7 +193,7 @@ impl ModelWeights {
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self, FormatError> {
         let total = tensors.values().map(|t| t.range.len() as u64).sum();
-        let arena = crate::backend::cpu::packed::weight_arena(packed_bytes(tensors));
+        let arena = crate::backend::layout::packed::weight_arena(packed_bytes(tensors));
         let l = Loader {
             t: tensors,
             arena,

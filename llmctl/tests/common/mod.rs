@@ -42,3 +42,14 @@ pub fn llmd() -> PathBuf {
 pub fn greedy(prompt: &str, max_tokens: i32) -> GenerateRequest {
     GenerateRequest { prompt: prompt.into(), temperature: 0.0, maxTokens: max_tokens, ..GenerateRequest::default() }
 }
+
+/// Qualcomm's HTP library built for x86-64: `LLMD_QNN_LIB`, else the cache
+/// `scripts/fetch-qnn.sh` fills (and prints).
+pub fn htp_library() -> PathBuf {
+    if let Some(p) = std::env::var_os("LLMD_QNN_LIB") {
+        return p.into();
+    }
+    let out = Command::new(root().join("scripts/fetch-qnn.sh")).output().expect("scripts/fetch-qnn.sh runs");
+    assert!(out.status.success(), "scripts/fetch-qnn.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("libQnnHtp.so")
+}

@@ -616,3 +616,17 @@ impl Graph<'_> {
         })
     }
 }
+
+impl crate::Library {
+    /// The modelled duration of `graph`'s last execution and of all of them, in nanoseconds —
+    /// what a phone's NPU would take, from measured figures — if the library is llmd's emulator
+    /// provider (`None` for Qualcomm's library, which runs for real).
+    pub fn modelled_ns(&self, graph: &Graph<'_>) -> Option<(u64, u64)> {
+        let f = self.modelled?;
+        let (mut last, mut total) = (0u64, 0u64);
+        // SAFETY: `graph` is a live graph of a provider of this library; both out-pointers are
+        // valid for writes.
+        let code = unsafe { f(graph.raw(), &mut last, &mut total) };
+        (code == QNN_SUCCESS).then_some((last, total))
+    }
+}

@@ -14,40 +14,12 @@
 //!
 //! All `unsafe` of the NPU path lives in this crate, each block with its `// SAFETY:`.
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_char, CStr};
 use std::path::Path;
 
 pub mod api;
 pub mod types;
 pub use types::*;
-
-/// `Qnn_ErrorHandle_t`: 0 is success; the low 16 bits are the error code.
-pub type ErrorHandle = u64;
-/// `QNN_SUCCESS`.
-pub const QNN_SUCCESS: ErrorHandle = 0;
-
-/// `Qnn_Version_t`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Version {
-    pub major: u32,
-    pub minor: u32,
-    pub patch: u32,
-}
-
-impl std::fmt::Display for Version {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
-    }
-}
-
-/// `Qnn_ApiVersion_t`: the core API's version and the backend API's.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ApiVersion {
-    pub core: Version,
-    pub backend: Version,
-}
 
 /// The head of `QnnInterface_t`, the fields before its function table (which is read only
 /// through the whole record, once its API version is known to have it).
@@ -172,18 +144,6 @@ impl Library {
         Ok(Self { providers, modelled, _lib: lib })
     }
 
-    /// The modelled duration of `graph`'s last execution and of all of them, in nanoseconds —
-    /// what a phone's NPU would take, from measured figures — if the library is llmd's emulator
-    /// provider (`None` for Qualcomm's library, which runs for real).
-    pub fn modelled_ns(&self, graph: &api::Graph<'_>) -> Option<(u64, u64)> {
-        let f = self.modelled?;
-        let (mut last, mut total) = (0u64, 0u64);
-        // SAFETY: `graph` is a live graph of a provider of this library; both out-pointers are
-        // valid for writes.
-        let code = unsafe { f(graph.raw(), &mut last, &mut total) };
-        (code == QNN_SUCCESS).then_some((last, total))
-    }
-
     /// The first provider for `backend_id` whose core API is 2.x at or past [`MIN_CORE_API`],
     /// with its function table (valid while `self` is loaded).
     pub fn provider(&self, backend_id: u32) -> Option<&Interface> {
@@ -222,10 +182,6 @@ impl Library {
 
 /// `QNN_BACKEND_ID_HTP`: the Hexagon NPU backend.
 pub const BACKEND_ID_HTP: u32 = 6;
-
-/// A QNN handle (backend, device, context, graph, log, profile, signal, memory): opaque, never
-/// dereferenced (a device handle may be the value 1).
-pub type Handle = *mut c_void;
 
 /// The QNN error code of an error handle (its low 16 bits; the rest is reserved).
 pub fn error_code(e: ErrorHandle) -> u16 {

@@ -2,8 +2,39 @@
 //! enum is a 4-byte C enum (here `u32` constants); every size and offset that the ABI fixes is
 //! asserted at compile time (LP64: x86-64 and aarch64).
 
-use super::{ApiVersion, ErrorHandle, Handle};
 use std::ffi::{c_char, c_void};
+
+/// `Qnn_ErrorHandle_t`: 0 is success; the low 16 bits are the error code.
+pub type ErrorHandle = u64;
+/// `QNN_SUCCESS`.
+pub const QNN_SUCCESS: ErrorHandle = 0;
+
+/// `Qnn_Version_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Version {
+    pub major: u32,
+    pub minor: u32,
+    pub patch: u32,
+}
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+/// `Qnn_ApiVersion_t`: the core API's version and the backend API's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ApiVersion {
+    pub core: Version,
+    pub backend: Version,
+}
+
+/// A QNN handle (backend, device, context, graph, log, profile, signal, memory): opaque, never
+/// dereferenced (a device handle may be the value 1).
+pub type Handle = *mut c_void;
 
 /// `Qnn_DataType_t` values (the low byte is the bit width written in decimal, read as hex).
 pub mod data_type {

@@ -91,18 +91,11 @@ impl AttnKernels {
         let mut v = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-            {
+            let f = super::features::features();
+            if f.avx2_fma_f16c() && f.avx512f && f.avx512vl {
                 v.push(x86::AVX512VL);
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if f.avx2_fma_f16c() {
                 v.push(x86::AVX2);
             }
         }

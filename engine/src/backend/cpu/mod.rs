@@ -6,24 +6,14 @@
 //! f16, queries are rounded to f16 before `K·q` and softmax weights before `V·p`, and sums of
 //! squares and softmax denominators accumulate in f64.
 
+mod arch;
 pub mod attn_kernels;
 pub mod device;
+pub mod features;
 pub mod kpacked;
-#[cfg(target_arch = "aarch64")]
-mod kpacked_arm;
-#[cfg(target_arch = "x86_64")]
-mod kpacked_avx2;
-#[cfg(target_arch = "x86_64")]
-mod kpacked_x86;
 pub mod packed;
-#[cfg(target_arch = "aarch64")]
-mod packed_arm;
-#[cfg(target_arch = "x86_64")]
-mod packed_x86;
 pub mod pool;
 pub mod rows;
-#[cfg(target_arch = "x86_64")]
-mod rows_x86;
 pub mod sgemm;
 pub mod unpack;
 

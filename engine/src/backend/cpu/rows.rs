@@ -1,6 +1,6 @@
 //! The CPU's dot product of one unpacked weight row with a quantized activation row (weights
 //! of types without a packed layout, and embeddings on flash): AVX2 kernels for Q4_0, Q4_1 and
-//! Q8_0 (`rows_x86.rs`), else the portable reference (`quant::vec_dot`) compiled for AVX2 and
+//! Q8_0 (`arch/x86/rows.rs`), else the portable reference (`quant::vec_dot`) compiled for AVX2 and
 //! FMA, chosen once at run time; bit-equal to the reference (tested).
 
 use crate::quant::{vec_dot_portable, GgmlType};
@@ -19,9 +19,9 @@ pub fn dot(wty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
             // read only within the whole blocks of `w` and `a`.
             return unsafe {
                 match wty {
-                    GgmlType::Q4_1 => super::rows_x86::dot_q4_1_q8_1(w, a),
-                    GgmlType::Q4_0 => super::rows_x86::dot_q4_0_q8_0(w, a),
-                    GgmlType::Q8_0 => super::rows_x86::dot_q8_0_q8_0(w, a),
+                    GgmlType::Q4_1 => super::arch::x86::rows::dot_q4_1_q8_1(w, a),
+                    GgmlType::Q4_0 => super::arch::x86::rows::dot_q4_0_q8_0(w, a),
+                    GgmlType::Q8_0 => super::arch::x86::rows::dot_q8_0_q8_0(w, a),
                     _ => vec_dot_avx2_fma(wty, w, a),
                 }
             };
@@ -39,15 +39,10 @@ pub fn row_kernel_name() -> &'static str {
     "portable"
 }
 
-/// Whether the x86 kernels can run (checked once).
+/// Whether the x86 kernels can run.
 #[cfg(target_arch = "x86_64")]
 fn has_avx2_fma_f16c() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-    })
+    super::features::features().avx2_fma_f16c()
 }
 
 #[cfg(target_arch = "x86_64")]

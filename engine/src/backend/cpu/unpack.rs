@@ -58,7 +58,7 @@ pub fn unpack_channel(bits: u8, data: &[u8], out: &mut [i8]) {
     let tab = Table::new(bits);
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if super::features::features().avx2 {
             // SAFETY: AVX2 was detected at run time; the kernel reads `n` whole groups of
             // `data` and writes `n · 128` bytes of `out`, both checked just above.
             unsafe { x86::unpack_avx2(&tab, bits, data.as_ptr(), out.as_mut_ptr(), n) };
@@ -86,7 +86,7 @@ pub fn unpack_channel(bits: u8, data: &[u8], out: &mut [i8]) {
 pub fn unpack_kernel_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if super::features::features().avx2 {
             return "avx2";
         }
         "sse2"

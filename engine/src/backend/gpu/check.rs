@@ -4,8 +4,8 @@
 //! (which `engine/tests/gpu_opencl.rs` holds the kernels to as well).
 
 use super::{GpuDevice, GpuWeight, State, TILE_TYPES, WEIGHT_TYPES};
-use crate::backend::cpu::kpacked::{KKind, KPackedMatrix};
-use crate::backend::cpu::packed::{PackKind, PackedMatrix, PageAligned};
+use crate::backend::layout::kpacked::{KKind, KPackedMatrix};
+use crate::backend::layout::packed::{PackKind, PackedMatrix, PageAligned};
 use crate::backend::{bytes_f32, f32_bytes};
 use crate::quant::dequantize_row;
 use llmd_device::{

@@ -85,7 +85,7 @@ pub const TILE_TYPES: [GgmlType; 8] = [
 pub enum Layout {
     /// The model file's rows (ggml's blocks).
     Rows,
-    /// The CPU kernels' tiles of 16 rows (`backend::cpu::packed`, `kpacked`), read where the
+    /// The CPU kernels' tiles of 16 rows (`backend::layout::packed`, `kpacked`), read where the
     /// host keeps them.
     Tiles,
 }
@@ -112,8 +112,8 @@ fn tile_suffix(t: GgmlType) -> Option<&'static str> {
 /// Bytes of one tile of 16 rows of `cols` columns of `t` in the CPU's tile layout (the
 /// kernels' `stride`), from the CPU's own record sizes.
 pub fn tile_stride(t: GgmlType, cols: usize) -> Option<usize> {
-    use crate::backend::cpu::kpacked::{KKind, SB};
-    use crate::backend::cpu::packed::{PackKind, BLOCK};
+    use crate::backend::layout::kpacked::{KKind, SB};
+    use crate::backend::layout::packed::{PackKind, BLOCK};
     if let Some(k) = PackKind::of(t) {
         return cols.is_multiple_of(BLOCK).then(|| cols / BLOCK * k.record_bytes());
     }
@@ -1053,8 +1053,8 @@ impl Device for GpuDevice {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::kpacked::KKind;
-    use crate::backend::cpu::packed::PackKind;
+    use crate::backend::layout::kpacked::KKind;
+    use crate::backend::layout::packed::PackKind;
 
     /// The kernels' record offsets (`DQ_PK` in llmd.cl, `tile_rec` sizes in the `dq_pq*`
     /// functions) are the CPU layout's own numbers.

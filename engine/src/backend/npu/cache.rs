@@ -66,14 +66,7 @@ pub fn key_for(
     groups: &[LinearGroup],
     chunk: usize,
 ) -> Result<CacheKey, NpuError> {
-    let p = lib
-        .provider(qnn_sys::BACKEND_ID_HTP)
-        .ok_or_else(|| NpuError::Library("the library has no HTP provider of core API 2.27 or newer".into()))?;
-    let info = lib
-        .providers()
-        .into_iter()
-        .find(|i| i.backend_id == p.head.backend_id)
-        .ok_or_else(|| NpuError::Library("no provider record".into()))?;
+    let (provider, core_api, backend_api) = provider_of(lib)?;
     struct Both(crc32fast::Hasher, u64);
     impl Both {
         fn update(&mut self, b: &[u8]) {
@@ -106,10 +99,10 @@ pub fn key_for(
         }
     }
     Ok(CacheKey {
-        provider: info.name,
+        provider,
         build_id: backend.build_id()?,
-        core_api: info.api.core.to_string(),
-        backend_api: info.api.backend.to_string(),
+        core_api,
+        backend_api,
         soc,
         chunk,
         groups: groups.len(),
@@ -190,9 +183,32 @@ pub fn load_or_build<'b>(
     groups: &[LinearGroup],
     chunk: usize,
 ) -> Result<(Context<'b>, GraphIds, CacheOutcome), NpuError> {
+    load_or_build_with(backend, dir, key, groups.len(), |context| {
+        let mut ids = Vec::with_capacity(groups.len());
+        for g in groups {
+            let graph = build_linear_group(context, g, chunk)?;
+            let io = graph.io();
+            let input = io.inputs.first().map(|i| i.1).unwrap_or(0);
+            ids.push((input, io.outputs.iter().map(|o| o.1).collect()));
+        }
+        Ok(ids)
+    })
+}
+
+/// A context of `graphs` graphs: loaded from `dir`'s cache file for `key` when there is a sound
+/// one, else made by `build` (which builds and finalizes every graph in the context and returns
+/// each one's tensor ids, in the order the caller retrieves them) and stored there. Both graph
+/// families of the NPU (the W8A8 linear groups, HeteroLLM's fp16 matmuls) go through it.
+pub fn load_or_build_with<'b>(
+    backend: &'b Backend<'_>,
+    dir: &Path,
+    key: &CacheKey,
+    graphs: usize,
+    build: impl FnOnce(&Context<'b>) -> Result<GraphIds, NpuError>,
+) -> Result<(Context<'b>, GraphIds, CacheOutcome), NpuError> {
     let path = path_for(dir, key)?;
     let reason = match read(&path, key) {
-        Ok((header, bytes, at)) if header.ids.len() == groups.len() => match backend.context_from_binary(&bytes[at]) {
+        Ok((header, bytes, at)) if header.ids.len() == graphs => match backend.context_from_binary(&bytes[at]) {
             Ok(context) => return Ok((context, header.ids, CacheOutcome::Loaded)),
             Err(e) => format!("the library refused the cached binary: {e}"),
         },
@@ -200,13 +216,7 @@ pub fn load_or_build<'b>(
         Err(why) => why,
     };
     let context = backend.context()?;
-    let mut ids = Vec::with_capacity(groups.len());
-    for g in groups {
-        let graph = build_linear_group(&context, g, chunk)?;
-        let io = graph.io();
-        let input = io.inputs.first().map(|i| i.1).unwrap_or(0);
-        ids.push((input, io.outputs.iter().map(|o| o.1).collect()));
-    }
+    let ids = build(&context)?;
     let binary = context.binary()?;
     // A cache that cannot be written (a read-only or full disk) costs the next start a
     // finalize, not this one its graphs.
@@ -215,6 +225,56 @@ pub fn load_or_build<'b>(
         Err(e) => format!("{reason}; not stored: {e}"),
     };
     Ok((context, ids, CacheOutcome::Built { reason }))
+}
+
+/// The key of a context of other graphs than [`key_for`]'s linear groups (HeteroLLM's fp16
+/// matmuls): the library and chip as there, `chunk` and `graphs` as the caller counts them,
+/// and the CRC-32 and FNV-1a 64 of `content` (every graph's name, shape and weights, fed by
+/// the caller).
+pub fn key_with(
+    lib: &qnn_sys::Library,
+    backend: &Backend<'_>,
+    soc: u32,
+    chunk: usize,
+    graphs: usize,
+    content: &mut dyn FnMut(&mut Feed<'_>),
+) -> Result<CacheKey, NpuError> {
+    let (provider, core_api, backend_api) = provider_of(lib)?;
+    let mut crc = crc32fast::Hasher::new();
+    let mut fnv = 0xCBF2_9CE4_8422_2325u64;
+    content(&mut |b: &[u8]| {
+        crc.update(b);
+        for &x in b {
+            fnv = (fnv ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01B3);
+        }
+    });
+    Ok(CacheKey {
+        provider,
+        build_id: backend.build_id()?,
+        core_api,
+        backend_api,
+        soc,
+        chunk,
+        groups: graphs,
+        groups_crc: crc.finalize(),
+        groups_fnv: fnv,
+    })
+}
+
+/// What [`key_with`]'s caller feeds its content to.
+pub type Feed<'a> = dyn FnMut(&[u8]) + 'a;
+
+/// The HTP provider's name and its core and backend API versions.
+fn provider_of(lib: &qnn_sys::Library) -> Result<(String, String, String), NpuError> {
+    let p = lib
+        .provider(qnn_sys::BACKEND_ID_HTP)
+        .ok_or_else(|| NpuError::Library("the library has no HTP provider of core API 2.27 or newer".into()))?;
+    let info = lib
+        .providers()
+        .into_iter()
+        .find(|i| i.backend_id == p.head.backend_id)
+        .ok_or_else(|| NpuError::Library("no provider record".into()))?;
+    Ok((info.name, info.api.core.to_string(), info.api.backend.to_string()))
 }
 
 /// The graphs of a context from [`load_or_build`], by the ids it returned.

@@ -11,11 +11,11 @@
 //! short pass of its own after the weights. Per super-block and half, one FMA per sum.
 //! Up to four tokens per call share each segment's unpacked weights.
 
-use super::kpacked::{KActs, KKind, KPackedMatrix, SB};
-use super::packed::TILE_ROWS;
+use crate::backend::layout::kpacked::{KActs, KKind, KPackedMatrix, SB};
+use crate::backend::layout::packed::TILE_ROWS;
 use std::arch::x86_64::*;
 
-use super::kpacked::{kind_of, K_Q2K, K_Q3K, K_Q4K, K_Q5K, K_Q6K};
+use crate::backend::layout::kpacked::{kind_of, K_Q2K, K_Q3K, K_Q4K, K_Q5K, K_Q6K};
 
 /// Tokens per inner call: each token's i16 and i32 sums of one half stay in registers.
 const MAX_NT: usize = 4;
@@ -313,8 +313,8 @@ unsafe fn tile_k<const KIND: u8, const NT: usize>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::kpacked::{reference, run, KActs, KKind, KPackedMatrix, SB};
-    use super::super::packed::{Kernel, KernelKind, TILE_ROWS};
+    use crate::backend::cpu::kpacked::{reference, run, KActs, KKind, KPackedMatrix, SB};
+    use crate::backend::cpu::packed::{Kernel, KernelKind, TILE_ROWS};
 
     /// GGUF rows of `kind`: the first tile with every bit set (every weight, scale and minimum
     /// at its largest), the rest pseudo-random; the f16 scales sane.

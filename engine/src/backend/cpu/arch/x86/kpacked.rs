@@ -4,8 +4,8 @@
 //! registers: per chunk (4 columns × 16 rows) one `vpdpbusd` per token, per group one
 //! `vpmulld` by the 16 rows' scales, per super-block two FMAs.
 
-use super::kpacked::{KActs, KKind, KPackedMatrix, SB};
-use super::packed::TILE_ROWS;
+use crate::backend::layout::kpacked::{KActs, KKind, KPackedMatrix, SB};
+use crate::backend::layout::packed::TILE_ROWS;
 use std::arch::asm;
 use std::arch::x86_64::*;
 
@@ -34,7 +34,7 @@ unsafe fn dpbusd_bcst(acc: __m512i, w: __m512i, p: *const u8) -> __m512i {
     acc
 }
 
-use super::kpacked::{kind_of, K_Q2K, K_Q3K, K_Q4K, K_Q5K, K_Q6K};
+use crate::backend::layout::kpacked::{kind_of, K_Q2K, K_Q3K, K_Q4K, K_Q5K, K_Q6K};
 
 /// Tokens per inner call (4 × 4 accumulators of 16 lanes stay in registers).
 const MAX_NT: usize = 4;
@@ -69,7 +69,7 @@ const BUFFER_FROM: usize = 8;
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW and VNNI, FMA and F16C, and with `amx` AMX-INT8 with the
-/// process granted its tile state ([`amx_usable`]); the shapes were checked by `kpacked::run`
+/// process granted its tile state (`Features::amx`); the shapes were checked by `kpacked::run`
 /// (`out` holds `nt * TILE_ROWS` values, tokens `t0..t0 + nt` are quantized).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 pub unsafe fn tile_avx512vnni(
@@ -688,20 +688,6 @@ pub const AMX_TOKENS: usize = 16;
 /// 223.4 / 237.8: within this machine's drift. Why AMX gains less at 256 tokens is not settled.
 pub const AMX_MAX_TOKENS: usize = 64;
 
-/// True if this CPU has AMX-INT8 and the OS lets this process use the tile state (asked once,
-/// for the whole process: `llmd_alloc_sys::request_tile_data`).
-pub fn amx_usable() -> bool {
-    static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *USABLE.get_or_init(|| {
-        // CPUID leaf 7, sub-leaf 0: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
-        let leaf7 = __cpuid(0).eax >= 7 && {
-            let r = __cpuid_count(7, 0);
-            r.edx & (1 << 24) != 0 && r.edx & (1 << 25) != 0
-        };
-        leaf7 && llmd_alloc_sys::request_tile_data()
-    })
-}
-
 /// The tile configuration of one kind's AMX blocks (palette 1), two sets so one group's
 /// product runs while the one before is scaled: `tmm0`/`tmm3` the activations (16 tokens × one
 /// group's bytes), `tmm1`/`tmm4` the group's weights (its 4-column chunks, each a row of 16
@@ -712,7 +698,7 @@ struct TileConfig([u8; 64]);
 /// Loads the tile configuration for groups of `group` columns into this thread.
 ///
 /// # Safety
-/// AMX must be usable ([`amx_usable`]); [`release_tiles`] before this thread returns to code
+/// AMX must be usable (`Features::amx`); [`release_tiles`] before this thread returns to code
 /// that does not know of tiles.
 #[inline]
 unsafe fn load_tile_config(group: usize) {
@@ -734,7 +720,7 @@ unsafe fn load_tile_config(group: usize) {
 /// Returns the tile state to its initial (unconfigured) state.
 ///
 /// # Safety
-/// AMX must be usable ([`amx_usable`]).
+/// AMX must be usable (`Features::amx`).
 #[inline]
 unsafe fn release_tiles() {
     // SAFETY: AMX is usable (the caller's contract); `tilerelease` touches no memory.
@@ -838,8 +824,8 @@ unsafe fn amx_block<const KIND: u8>(
 /// The CPU must support AVX-512 F/BW/VL; the slices hold exactly `x.len() / 256` super-blocks
 /// (asserted by the caller).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub unsafe fn quantize_rows_avx512(x: &[f32], o: super::kpacked::KActsOut<'_>) {
-    let super::kpacked::KActsOut { qs, d, bs16, bs32 } = o;
+pub unsafe fn quantize_rows_avx512(x: &[f32], o: crate::backend::layout::kpacked::KActsOut<'_>) {
+    let crate::backend::layout::kpacked::KActsOut { qs, d, bs16, bs32 } = o;
     for (i, (xb, qb)) in x.chunks_exact(SB).zip(qs.chunks_exact_mut(SB)).enumerate() {
         // SAFETY: `xb` holds 256 values, `qb` 256 bytes: 16 loads and stores of 16 each.
         unsafe {

@@ -1,5 +1,5 @@
-//! The engine's scheduler: which device runs each subgraph of a pass, and in what order the
-//! subgraphs of several prompt chunks may run.
+//! The engine's scheduler: which device runs each subgraph of a pass, in what order the
+//! subgraphs of several prompt chunks run, and how one matmul may be split between devices.
 //!
 //! - **Placement** ([`place`]): for each subgraph of a pass in order, the devices that can take
 //!   it ([`DeviceDesc::check`]: ops, weight types, static shapes) are priced by a
@@ -8,16 +8,30 @@
 //!   mapping and cache maintenance the model's figure stands for) — and the cheapest chain over
 //!   the pass wins (ties: the earlier device). A layer's attention stays on the device that
 //!   holds its KV cache (`kv_home`), and is first placed only where one-token steps can follow.
-//! - **Jobs** ([`JobQueue`]): chunk × subgraph, each job waiting for the previous subgraph of
-//!   its chunk and, for attention, the same layer's attention of the previous chunk (its keys
-//!   and values); everything else may run out of order — llm.npu's out-of-order subgraph
-//!   execution plugs in here. A pass of the engine today is one chunk.
-//! - **Splitting** ([`Splitter`], [`Split`]): the hook where HeteroLLM cuts one matmul across
-//!   devices by rows or by tokens. The executor runs [`Split::Whole`] today; the contract's
-//!   row-range weight loads ([`llmd_device::Device::load_weight`]) are what a split needs.
+//! - **The job graph** ([`Dag`], `graph.rs`): chunk × step, each job waiting for its same-chunk
+//!   predecessors and, for a step that uses the KV cache, the same step of the previous chunk.
+//!   One job graph for every pass: the placed executor's (`model/placed.rs`) and llm.npu's
+//!   out-of-order chunked prefill's (`model/ooe.rs`).
+//! - **Order** ([`Scheduler`], `order.rs`): which ready job an idle processor takes — llm.npu's
+//!   out-of-order score, in order, or random legal orders; [`simulate`] and [`optimum`] measure
+//!   it, [`run_threads`] (`threads.rs`) runs it on one thread per processor.
+//! - **Splitting** ([`Splitter`], [`Split`], `split.rs`): the hook where HeteroLLM cuts one
+//!   matmul across devices by rows or by tokens. The executor runs [`Split::Whole`] today;
+//!   HeteroLLM's cuts run through `hetero/` (the contract's row-range weight loads,
+//!   [`llmd_device::Device::load_weight`], are what a split on the executor needs).
 
-use llmd_device::{BlockShape, Cost, DeviceDesc, GgmlType, MemoryKind, Subgraph, SubgraphKind, WeightRole};
-use std::ops::Range;
+mod graph;
+mod order;
+mod split;
+mod threads;
+
+pub use graph::{Dag, Job, Spec};
+pub use llmd_device::Processor;
+pub use order::{optimum, simulate, Policy, Scheduler, Timeline, LANES};
+pub use split::{proportional, NoSplit, Split, Splitter};
+pub use threads::run_threads;
+
+use llmd_device::{BlockShape, Cost, DeviceDesc, GgmlType, MemoryKind, Subgraph, SubgraphKind};
 
 /// Prices a subgraph on a device (None: the model has no figure; such a device is taken only
 /// where no priced one can run the subgraph).
@@ -232,134 +246,6 @@ pub fn place(
     Ok(out)
 }
 
-/// One job: subgraph `step` (an index into the pass) of prompt chunk `chunk`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Job {
-    pub chunk: usize,
-    pub step: usize,
-}
-
-/// The jobs of `chunks` chunks of one pass layout, with their dependencies (module doc).
-pub struct JobQueue {
-    pass: Vec<Subgraph>,
-    chunks: usize,
-    state: Vec<u8>, // 0 waiting, 1 issued, 2 done
-}
-
-impl JobQueue {
-    pub fn new(pass: Vec<Subgraph>, chunks: usize) -> Self {
-        let n = pass.len() * chunks;
-        Self { pass, chunks, state: vec![0; n] }
-    }
-
-    fn idx(&self, j: Job) -> usize {
-        j.chunk * self.pass.len() + j.step
-    }
-
-    pub fn subgraph(&self, j: Job) -> Subgraph {
-        self.pass[j.step]
-    }
-
-    /// The jobs `j` waits for.
-    pub fn deps(&self, j: Job) -> Vec<Job> {
-        let mut d = Vec::new();
-        if j.step > 0 {
-            d.push(Job { chunk: j.chunk, step: j.step - 1 });
-        }
-        if j.chunk > 0 && self.pass[j.step].uses_kv() {
-            d.push(Job { chunk: j.chunk - 1, step: j.step });
-        }
-        d
-    }
-
-    /// Jobs not yet issued whose dependencies are done, chunk-major.
-    pub fn ready(&self) -> Vec<Job> {
-        let mut r = Vec::new();
-        for chunk in 0..self.chunks {
-            for step in 0..self.pass.len() {
-                let j = Job { chunk, step };
-                if self.state[self.idx(j)] == 0 && self.deps(j).iter().all(|&d| self.state[self.idx(d)] == 2) {
-                    r.push(j);
-                }
-            }
-        }
-        r
-    }
-
-    pub fn issue(&mut self, j: Job) {
-        let i = self.idx(j);
-        self.state[i] = 1;
-    }
-
-    pub fn complete(&mut self, j: Job) {
-        let i = self.idx(j);
-        self.state[i] = 2;
-    }
-
-    pub fn is_done(&self) -> bool {
-        self.state.iter().all(|&s| s == 2)
-    }
-
-    /// Every job in an order that respects the dependencies, for one executor running them
-    /// one at a time: chunk by chunk, each chunk's subgraphs in pass order (every dependency
-    /// is an earlier step of the same chunk or the same step of an earlier chunk). What
-    /// [`Self::ready`] would give, taking its first job each time, without its scans.
-    pub fn in_order(self) -> Vec<Job> {
-        (0..self.chunks).flat_map(|chunk| (0..self.pass.len()).map(move |step| Job { chunk, step })).collect()
-    }
-}
-
-/// How one matmul of a subgraph is divided between devices.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Split {
-    /// On the subgraph's device alone.
-    Whole,
-    /// Output rows (weight rows) per device index: HeteroLLM's row cut.
-    Rows(Vec<(usize, Range<usize>)>),
-    /// Tokens per device index: HeteroLLM's sequence cut.
-    Tokens(Vec<(usize, Range<usize>)>),
-}
-
-/// Decides the [`Split`] of each matmul (HeteroLLM's partition solver implements this).
-pub trait Splitter: Send + Sync {
-    fn split(&self, sg: Subgraph, role: WeightRole, rows: usize, n_tokens: usize, devices: &[&DeviceDesc]) -> Split;
-}
-
-/// Never splits.
-pub struct NoSplit;
-
-impl Splitter for NoSplit {
-    fn split(&self, _: Subgraph, _: WeightRole, _: usize, _: usize, _: &[&DeviceDesc]) -> Split {
-        Split::Whole
-    }
-}
-
-/// Cuts `0..n` into contiguous ranges in proportion to `shares` (each a non-negative weight;
-/// others count as 0), every range a multiple of `align` rows except the one that takes the
-/// remainder: the last with a positive share (all of `0..n` if none is positive, the last
-/// range). Ranges may be empty; no `shares`, no ranges.
-pub fn proportional(n: usize, shares: &[f64], align: usize) -> Vec<Range<usize>> {
-    let share = |s: f64| if s.is_finite() && s > 0.0 { s } else { 0.0 };
-    let total: f64 = shares.iter().map(|&s| share(s)).sum();
-    let last = shares.iter().rposition(|&s| share(s) > 0.0).unwrap_or(shares.len().saturating_sub(1));
-    let align = align.max(1);
-    let mut out = Vec::with_capacity(shares.len());
-    let mut at = 0usize;
-    let mut acc = 0.0;
-    for (i, &s) in shares.iter().enumerate() {
-        let end = if i >= last {
-            n
-        } else {
-            acc += share(s);
-            let raw = if total > 0.0 { (n as f64 * acc / total).round() as usize } else { 0 };
-            (raw / align * align).clamp(at, n)
-        };
-        out.push(at..end);
-        at = end;
-    }
-    out
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -471,52 +357,5 @@ mod tests {
         let e = place(&[&none], &pass, &q8, &s, 4, &[], &cost).unwrap_err();
         assert_eq!(e.subgraph, Subgraph::EMBED);
         assert!(e.reasons.contains("not available"), "{e}");
-    }
-
-    #[test]
-    fn jobs_wait_for_their_chunk_and_for_the_previous_chunks_kv() {
-        let pass = Subgraph::pass(2); // embed a0 f0 a1 f1 head
-        let q = JobQueue::new(pass.clone(), 2);
-        assert_eq!(q.deps(Job { chunk: 1, step: 1 }), vec![Job { chunk: 1, step: 0 }, Job { chunk: 0, step: 1 }]);
-        assert_eq!(q.deps(Job { chunk: 1, step: 2 }), vec![Job { chunk: 1, step: 1 }], "FFN needs no KV");
-        // At the start both chunks' embeddings are ready: chunk 1 need not wait for chunk 0.
-        assert_eq!(q.ready(), vec![Job { chunk: 0, step: 0 }, Job { chunk: 1, step: 0 }]);
-        let mut q = q;
-        for j in [Job { chunk: 0, step: 0 }, Job { chunk: 1, step: 0 }] {
-            q.issue(j);
-            q.complete(j);
-        }
-        // Chunk 1's first attention waits for chunk 0's.
-        assert_eq!(q.ready(), vec![Job { chunk: 0, step: 1 }]);
-        let order = JobQueue::new(pass.clone(), 3).in_order();
-        assert_eq!(order.len(), 18);
-        let pos = |j: Job| order.iter().position(|&o| o == j).unwrap();
-        for &j in &order {
-            for d in JobQueue::new(pass.clone(), 3).deps(j) {
-                assert!(pos(d) < pos(j), "{d:?} before {j:?}");
-            }
-        }
-        assert_eq!(JobQueue::new(pass.clone(), 1).in_order().len(), 6);
-        // The same order as always taking the first ready job.
-        let mut q = JobQueue::new(pass.clone(), 3);
-        let mut walk = Vec::new();
-        while let Some(&j) = q.ready().first() {
-            q.issue(j);
-            q.complete(j);
-            walk.push(j);
-        }
-        assert!(q.is_done());
-        assert_eq!(walk, JobQueue::new(pass, 3).in_order());
-    }
-
-    #[test]
-    fn proportional_cuts_cover_every_row_once_on_aligned_bounds() {
-        assert_eq!(proportional(100, &[1.0, 1.0], 1), vec![0..50, 50..100]);
-        assert_eq!(proportional(100, &[3.0, 1.0], 16), vec![0..64, 64..100]);
-        assert_eq!(proportional(10, &[0.0, 1.0], 1), vec![0..0, 0..10]);
-        assert_eq!(proportional(10, &[f64::NAN, 0.0], 1), vec![0..0, 0..10]);
-        assert_eq!(proportional(10, &[1.0, 0.0], 1), vec![0..10, 10..10], "the remainder to a positive share");
-        assert_eq!(proportional(10, &[], 1), Vec::<Range<usize>>::new());
-        assert_eq!(NoSplit.split(Subgraph::ffn(0), WeightRole::Up, 10, 1, &[]), Split::Whole);
     }
 }

@@ -11,12 +11,12 @@
 //!
 //! Runs in CI under qemu-user (correctness against the scalar reference, not speed).
 
-use super::kpacked::{KActs, KKind, KPackedMatrix, SB};
-use super::packed::TILE_ROWS;
+use crate::backend::layout::kpacked::{KActs, KKind, KPackedMatrix, SB};
+use crate::backend::layout::packed::TILE_ROWS;
 use std::arch::aarch64::*;
 use std::arch::asm;
 
-use super::kpacked::{kind_of, K_Q2K, K_Q3K, K_Q4K, K_Q5K, K_Q6K};
+use crate::backend::layout::kpacked::{kind_of, K_Q2K, K_Q3K, K_Q4K, K_Q5K, K_Q6K};
 
 /// Tokens per inner call (each token's sums of one quad stay in registers).
 const MAX_NT: usize = 4;
@@ -357,8 +357,8 @@ unsafe fn tile_k<const KIND: u8, const NT: usize>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::kpacked::{reference, run, KActs, KKind, KPackedMatrix, SB};
-    use super::super::packed::{Kernel, KernelKind, TILE_ROWS};
+    use crate::backend::cpu::kpacked::{reference, run, KActs, KKind, KPackedMatrix, SB};
+    use crate::backend::cpu::packed::{Kernel, KernelKind, TILE_ROWS};
 
     /// GGUF rows of `kind`: the first tile with every bit set (every weight, scale and minimum
     /// at its largest), the rest pseudo-random; the f16 scales sane.

@@ -5,7 +5,7 @@
 //! weights are unpacked once and used by both tokens while all 16 lanes stay in registers) and
 //! a last odd token goes alone ([`group512`]); one token (GEMV) streams the weights once.
 
-use super::packed::{PackKind, PackedMatrix, QuantActs, QuantOut, BLOCK, TILE_ROWS};
+use crate::backend::layout::packed::{PackKind, PackedMatrix, QuantActs, QuantOut, BLOCK, TILE_ROWS};
 use std::arch::x86_64::*;
 
 /// Tokens per call of the AVX-512 inner loop (2 × 8 group lanes fill zmm16–zmm31).
@@ -375,7 +375,7 @@ macro_rules! pair_scales {
 /// in `zmm(16 + 8j + k)` for the whole tile) and each chunk's weights live only while used,
 /// nothing spills: B=8 passes measured 11.6–13.8 ms against 14.3–19.5 (`batchbench`,
 /// alternated runs). Same operations on the same values in the same order per lane as
-/// [`group512`] and [`super::packed::reference`] (tested bit for bit).
+/// [`group512`] and [`crate::backend::layout::packed::reference`] (tested bit for bit).
 ///
 /// # Safety
 /// As [`tile_avx512vnni`], for tokens `t0` and `t0 + 1`, whose 16 values go to `out[0]` and
@@ -663,7 +663,7 @@ unsafe fn group512_blocksum<const KIND: u8, const NT: usize>(
     }
 }
 
-/// [`super::packed::quantize_rows_body`] with AVX-512: per block, two 16-lane loads, the
+/// [`crate::backend::layout::packed::quantize_rows_body`] with AVX-512: per block, two 16-lane loads, the
 /// maximum magnitude, one multiply and one round-to-nearest-even conversion per 16 values,
 /// and the group sums from one `vpdpbusd` against ones. Equal to the definition bit for bit
 /// (tested) for finite inputs; with NaNs both give garbage, neither panics.

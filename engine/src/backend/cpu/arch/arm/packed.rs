@@ -7,7 +7,7 @@
 //!
 //! Runs in CI under qemu-user (correctness against the scalar reference, not speed).
 
-use super::packed::{PackKind, PackedMatrix, QuantActs, BLOCK, TILE_ROWS};
+use crate::backend::layout::packed::{PackKind, PackedMatrix, QuantActs, BLOCK, TILE_ROWS};
 use half::f16;
 use std::arch::aarch64::*;
 use std::arch::asm;
