@@ -20,6 +20,8 @@ export LLMD_REQUIRE_OPENCL=1 LLMD_REQUIRE_SUBGROUPS=1 LLMD_REQUIRE_FP16=1
 echo "== no import circles between the top-level modules, nor between the files, of any crate (tools/module_cycles.py)" >&2
 python3 tools/module_cycles.py .
 python3 tools/module_cycles.py . --files
+echo "== accelerator runtimes named only by their backends (tools/confined_imports.py)" >&2
+python3 tools/confined_imports.py .
 echo "== cargo test (release; the real model runs in these tests)" >&2
 cargo test --release --workspace
 if [ "${LLMD_LARGE_MODEL_TESTS:-0}" = 1 ]; then

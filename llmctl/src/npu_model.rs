@@ -1,5 +1,5 @@
 //! `llmctl npu-model`: llm.npu's prefill on a phone, **modelled** — the engine's out-of-order
-//! scheduler (`llmd_engine::ooe`) run as a discrete-event simulation over a model's shapes, with
+//! scheduler (`llmd_engine::sched`) run as a discrete-event simulation over a model's shapes, with
 //! every duration from a named input:
 //!
 //! - **NPU graphs**: the emulator provider's cost model of the Snapdragon 8 Gen 3

@@ -4,7 +4,7 @@
 //! scale ([`ShadowWeights::product`]); the sum is added to the NPU's output of the clipped input.
 //! By linearity `x·W = clip(x)·W + (x − clip(x))·W`, so only the clipped part is recomputed.
 //!
-//! Decisions where the paper is silent (ARCHITECTURE.md, "The NPU path"):
+//! Decisions where the paper is silent (docs/DECISIONS.md):
 //! - **Residual.** An extracted element contributes `x − s·(clamp(q) − z)`: its value beyond the
 //!   dequantized clipped code (the paper's `ext(x − s·x_q)`), not the authors' code's integer
 //!   multiple of `s` — the two differ by under `s/2` per outlier.
