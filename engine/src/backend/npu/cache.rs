@@ -66,48 +66,28 @@ pub fn key_for(
     groups: &[LinearGroup],
     chunk: usize,
 ) -> Result<CacheKey, NpuError> {
-    let (provider, core_api, backend_api) = provider_of(lib)?;
-    struct Both(crc32fast::Hasher, u64);
-    impl Both {
-        fn update(&mut self, b: &[u8]) {
-            self.0.update(b);
-            for &x in b {
-                self.1 = (self.1 ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01B3);
+    key_with(lib, backend, soc, chunk, groups.len(), &mut |h: &mut Feed<'_>| {
+        for g in groups {
+            h(g.name.as_bytes());
+            for q in std::iter::once(g.input).chain(g.projections.iter().map(|p| p.output)) {
+                h(&q.scale.to_le_bytes());
+                h(&q.zero_point.to_le_bytes());
+                h(&[q.bits]);
+            }
+            for p in &g.projections {
+                h(p.name.as_bytes());
+                h(&(p.weights.rows as u64).to_le_bytes());
+                h(&(p.weights.cols as u64).to_le_bytes());
+                match &p.weights.scales {
+                    WeightScales::PerTensor(s) => h(&s.to_le_bytes()),
+                    WeightScales::PerChannel(v) => v.iter().for_each(|s| h(&s.to_le_bytes())),
+                }
+                h(&p.weights.q.iter().map(|&v| v as u8).collect::<Vec<u8>>());
+                if let Some(b) = &p.bias {
+                    b.iter().for_each(|v| h(&v.to_le_bytes()));
+                }
             }
         }
-    }
-    let mut h = Both(crc32fast::Hasher::new(), 0xCBF2_9CE4_8422_2325);
-    for g in groups {
-        h.update(g.name.as_bytes());
-        for q in std::iter::once(g.input).chain(g.projections.iter().map(|p| p.output)) {
-            h.update(&q.scale.to_le_bytes());
-            h.update(&q.zero_point.to_le_bytes());
-            h.update(&[q.bits]);
-        }
-        for p in &g.projections {
-            h.update(p.name.as_bytes());
-            h.update(&(p.weights.rows as u64).to_le_bytes());
-            h.update(&(p.weights.cols as u64).to_le_bytes());
-            match &p.weights.scales {
-                WeightScales::PerTensor(s) => h.update(&s.to_le_bytes()),
-                WeightScales::PerChannel(v) => v.iter().for_each(|s| h.update(&s.to_le_bytes())),
-            }
-            h.update(&p.weights.q.iter().map(|&v| v as u8).collect::<Vec<u8>>());
-            if let Some(b) = &p.bias {
-                b.iter().for_each(|v| h.update(&v.to_le_bytes()));
-            }
-        }
-    }
-    Ok(CacheKey {
-        provider,
-        build_id: backend.build_id()?,
-        core_api,
-        backend_api,
-        soc,
-        chunk,
-        groups: groups.len(),
-        groups_crc: h.0.finalize(),
-        groups_fnv: h.1,
     })
 }
 
