@@ -460,17 +460,9 @@ impl Generation {
         prefill: Option<&dyn crate::backend::blocks::Linears>,
     ) -> Result<StepOutput, GenerateError> {
         if let Some(l) = prefill.filter(|_| self.out_of_order > 1) {
-            if let Some(tokens) = self.prefill_unit_tokens() {
-                let (n, base) = (tokens.len(), kv.len());
-                let times = model.transformer.prefill_times(base, n, self.prefill_chunk);
-                let (logits, _) = model.transformer.prefill_out_of_order(
-                    kv,
-                    tokens,
-                    self.prefill_chunk,
-                    l,
-                    crate::sched::Policy::OutOfOrder,
-                    &times,
-                )?;
+            if let Some(tokens) = self.prefill_at_most(self.prefill_unit()) {
+                let n = tokens.len();
+                let logits = model.transformer.prefill_chunks(kv, tokens, self.prefill_chunk, l)?;
                 self.accept_prefill(n, logits);
                 return Ok(StepOutput::default());
             }
@@ -502,16 +494,6 @@ impl Generation {
             return None;
         }
         let end = (self.prefilled + self.prefill_chunk).min(self.prompt.len());
-        Some(&self.prompt[self.prefilled..end])
-    }
-
-    /// The next unit of prefill ([`Self::prefill_unit`] tokens at most), while the prompt is
-    /// still being read.
-    pub fn prefill_unit_tokens(&self) -> Option<&[u32]> {
-        if self.finished.is_some() || !self.is_prefilling() {
-            return None;
-        }
-        let end = (self.prefilled + self.prefill_unit()).min(self.prompt.len());
         Some(&self.prompt[self.prefilled..end])
     }
 

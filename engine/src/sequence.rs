@@ -85,11 +85,9 @@ impl Transformer {
         self.forward_batch_on(devs, &mut kvs, which)
     }
 
-    /// Prefills `tokens` after what `seq` holds with the linear groups on `linears` (the NPU's
-    /// graphs of `chunk` rows): more than one chunk runs out of order across the chunks
-    /// ([`Transformer::prefill_out_of_order`], llm.npu's score over the shapes' times), one
-    /// chunk as [`Self::forward_sequence_with`] — the same bits either way. Returns the last
-    /// token's logits; on an error the sequence is cut back to what it held before.
+    /// [`Transformer::prefill_chunks`] on a sequence: `tokens` with the linear groups on
+    /// `linears` (the NPU's graphs of `chunk` rows), several chunks out of order; on an error
+    /// the sequence is cut back to what it held before.
     pub fn prefill_sequence_with(
         &self,
         seq: &mut Sequence,
@@ -97,18 +95,7 @@ impl Transformer {
         chunk: usize,
         linears: &dyn crate::backend::blocks::Linears,
     ) -> Result<Vec<f32>, BackendError> {
-        if tokens.len() <= chunk.max(1) {
-            return self.forward_sequence_with(seq, tokens, linears);
-        }
-        let before = seq.kv.len();
-        let times = self.prefill_times(before, tokens.len(), chunk);
-        let r = self
-            .prefill_out_of_order(&mut seq.kv, tokens, chunk, linears, crate::sched::Policy::OutOfOrder, &times)
-            .map(|(logits, _)| logits);
-        if r.is_err() {
-            seq.kv.truncate(before);
-        }
-        r
+        self.prefill_chunks(&mut seq.kv, tokens, chunk, linears)
     }
 
     /// Runs `tokens` after what `seq` holds with the linear groups on `linears` (the NPU

@@ -56,6 +56,31 @@ impl Transformer {
         }
     }
 
+    /// Prefills `tokens` after what `kv` holds with the linear groups on `linears` (graphs of
+    /// `chunk` rows) and returns the last token's logits: one chunk as an in-order pass, more out
+    /// of order across the chunks ([`Self::prefill_out_of_order`], llm.npu's score over
+    /// [`Self::prefill_times`]) — the same bits either way. On an error `kv` is cut back to what
+    /// it held. The product path's one way in: llmctl's generation and the daemon's NPU jobs.
+    pub fn prefill_chunks(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        chunk: usize,
+        linears: &dyn Linears,
+    ) -> Result<Vec<f32>, BackendError> {
+        let before = kv.len();
+        let r = if tokens.len() <= chunk.max(1) {
+            self.forward_with(kv, tokens, linears, Logits::Last)
+        } else {
+            let times = self.prefill_times(before, tokens.len(), chunk);
+            self.prefill_out_of_order(kv, tokens, chunk, linears, Policy::OutOfOrder, &times).map(|(l, _)| l)
+        };
+        if r.is_err() {
+            kv.truncate(before);
+        }
+        r
+    }
+
     /// Prefills `tokens` after what `kv` holds in chunks of `chunk` tokens, their subgraphs
     /// run out of order across chunks under `policy` on an NPU thread (`linears`' groups) and a
     /// CPU thread, scored with the profiled times `times` (llm.npu's T(G)); returns the last
