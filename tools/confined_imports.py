@@ -6,9 +6,8 @@ its home; exit 0 if there are none.
 
 Rules (paths relative to REPO; `sys/` holds the crates themselves):
 - `opencl_rt_sys` (OpenCL) only under engine/src/backend/gpu/;
-- `qnn_sys` (QNN) only under engine/src/backend/npu/ — and, until the NPU is one device of the
-  engine (`QnnDevice`), in the files listed in QNN_NOT_YET below. The list only shrinks: a file
-  on it that no longer names `qnn_sys` is an error too, so the list is kept true.
+- `qnn_sys` (QNN) only under engine/src/backend/npu/ (the daemon and llmctl reach QNN through
+  the engine's `QnnDevice`; they do not depend on qnn-sys).
 Tests (`*/tests/`) and `sys/` are not checked: they test the crates themselves."""
 import os, re, sys
 
@@ -17,16 +16,7 @@ RULES = {
     "opencl_rt_sys": ["engine/src/backend/gpu/"],
     "qnn_sys": ["engine/src/backend/npu/"],
 }
-QNN_NOT_YET = {
-    "engine/src/error.rs",
-    "engine/src/prefill/mod.rs",
-    "engine/src/hetero/exec.rs",
-    "engine/src/hetero/linears.rs",
-    "daemon/src/npu.rs",
-    "llmctl/src/npu.rs",
-}
 errors = []
-seen_not_yet = set()
 for root, dirs, files in os.walk(repo):
     dirs[:] = [d for d in dirs if d not in ("target", ".git", "node_modules", "fuzz", "sys", "tests")]
     for f in files:
@@ -39,13 +29,8 @@ for root, dirs, files in os.walk(repo):
                 continue
             if any(path.startswith(h) for h in homes):
                 continue
-            if crate == "qnn_sys" and path in QNN_NOT_YET:
-                seen_not_yet.add(path)
-                continue
             errors.append(f"{path}: names {crate} outside {', '.join(homes)}")
-for path in sorted(QNN_NOT_YET - seen_not_yet):
-    errors.append(f"{path}: no longer names qnn_sys: take it off QNN_NOT_YET in tools/confined_imports.py")
 for e in errors:
     print(e)
-print(f"{len(errors)} confinement error(s); qnn_sys still outside its backend in {len(seen_not_yet)} file(s)")
+print(f"{len(errors)} confinement error(s)")
 sys.exit(0 if not errors else 1)

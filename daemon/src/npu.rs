@@ -23,6 +23,7 @@
 use llmd_engine::backend::blocks::Linears;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
 use llmd_engine::backend::npu::cache::CacheOutcome;
+use llmd_engine::backend::npu::{NpuContext, QnnDevice};
 use llmd_engine::hetero::linears::{even_cut, solver_cut, HeteroLinears, HeteroPlan};
 use llmd_engine::hetero::solver::Op;
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
@@ -41,7 +42,7 @@ type LinearsOf<'c> = NpuLinears<'c>;
 self_cell::self_cell!(
     /// A model's finalized QNN context and the graphs in it.
     struct Graphs<'b> {
-        owner: qnn_sys::api::Context<'b>,
+        owner: NpuContext<'b>,
         #[not_covariant]
         dependent: LinearsOf,
     }
@@ -50,7 +51,7 @@ self_cell::self_cell!(
 /// What a model's hetero graphs borrow: the QNN context they are built in, the model whose
 /// weights they hold, the GPU that takes the other rows.
 struct HeteroOwner<'b> {
-    context: qnn_sys::api::Context<'b>,
+    context: NpuContext<'b>,
     model: Arc<Model>,
     gpu: Arc<GpuDevice>,
 }
@@ -584,29 +585,11 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
         s.models.clear();
     };
     let path = &settings.library;
-    let lib = match qnn_sys::Library::open(path) {
-        Ok(l) => l,
-        Err(e) => return unavailable(format!("{}: {e}", path.display())),
+    let device = match QnnDevice::open(path, settings.soc) {
+        Ok(d) => d,
+        Err(e) => return unavailable(e.to_string()),
     };
-    let htp = lib.providers().into_iter().find(|p| p.backend_id == qnn_sys::BACKEND_ID_HTP).map(|p| p.name);
-    let (Some(provider), Some(_)) = (htp, lib.provider(qnn_sys::BACKEND_ID_HTP)) else {
-        let found: Vec<String> = lib
-            .providers()
-            .iter()
-            .map(|p| format!("{} (backend {}, core API {})", p.name, p.backend_id, p.api.core))
-            .collect();
-        return unavailable(format!(
-            "{}: no HTP provider with core API {} or newer (found: {})",
-            path.display(),
-            qnn_sys::MIN_CORE_API,
-            if found.is_empty() { "none".to_owned() } else { found.join(", ") }
-        ));
-    };
-    let backend = match qnn_sys::api::Backend::htp(&lib, settings.soc) {
-        Ok(b) => b,
-        Err(e) => return unavailable(format!("{}: the HTP backend did not start: {e}", path.display())),
-    };
-    let build_id = backend.build_id().unwrap_or_default();
+    let (provider, build_id) = (device.provider().name.clone(), device.build_id().to_owned());
     // HeteroLLM's GPU half, opened by this thread (which owns the plan's pieces on both).
     let gpu = match &settings.hetero {
         Some(h) => match GpuDevice::open(&h.gpu) {
@@ -637,8 +620,8 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 lock(status).preparing = true;
                 let outcome =
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (&settings.hetero, &gpu) {
-                        (Some(h), Some(g)) => prepare_hetero(&lib, &backend, &settings, h, g, &m),
-                        _ => prepare(&lib, &backend, &settings, &m).map(|(g, how)| (Prepared::Int8(g), how)),
+                        (Some(h), Some(g)) => prepare_hetero(&device, &settings, h, g, &m),
+                        _ => prepare(&device, &settings, &m).map(|(g, how)| (Prepared::Int8(g), how)),
                     }))
                     .unwrap_or_else(|_| Err("preparing the graphs panicked".into()));
                 let mut s = lock(status);
@@ -710,8 +693,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
 /// (`cache_dir`, the same cache as the INT8 graphs', keyed by the library, chip, plan and
 /// weights) when a sound one is there, else built, finalized and stored.
 fn prepare_hetero<'b>(
-    lib: &'b qnn_sys::Library,
-    backend: &'b qnn_sys::api::Backend<'_>,
+    device: &'b QnnDevice,
     settings: &Settings,
     h: &HeteroSettings,
     gpu: &Arc<GpuDevice>,
@@ -728,9 +710,7 @@ fn prepare_hetero<'b>(
     let (context, ids, cached) = match &settings.cache_dir {
         Some(dir) => {
             let key = llmd_engine::backend::npu::cache::key_with(
-                lib,
-                backend,
-                settings.soc,
+                device,
                 counts.iter().copied().max().unwrap_or(1),
                 planned.npu_graphs(),
                 &mut |f| {
@@ -739,14 +719,14 @@ fn prepare_hetero<'b>(
             )
             .map_err(|e| e.to_string())?;
             let (c, ids, outcome) =
-                llmd_engine::backend::npu::cache::load_or_build_with(backend, dir, &key, planned.npu_graphs(), |c| {
+                llmd_engine::backend::npu::cache::load_or_build_with(device, dir, &key, planned.npu_graphs(), |c| {
                     planned.build_graphs(t, c)
                 })
                 .map_err(|e| e.to_string())?;
             (c, ids, Some(outcome))
         }
         None => {
-            let c = backend.context().map_err(|e| e.to_string())?;
+            let c = device.context().map_err(|e| e.to_string())?;
             let ids = planned.build_graphs(t, &c).map_err(|e| e.to_string())?;
             (c, ids, None)
         }
@@ -778,12 +758,7 @@ fn prepare_hetero<'b>(
 }
 
 /// Calibrates `model`, requantizes it, and loads its graphs from the cache or builds them.
-fn prepare<'b>(
-    lib: &'b qnn_sys::Library,
-    backend: &'b qnn_sys::api::Backend<'_>,
-    s: &Settings,
-    model: &Model,
-) -> Result<(Graphs<'b>, String), String> {
+fn prepare<'b>(device: &'b QnnDevice, s: &Settings, model: &Model) -> Result<(Graphs<'b>, String), String> {
     let text = match &s.calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("calibration text {}: {e}", f.display()))?,
         None => CALIBRATION_TEXT.to_owned(),
@@ -793,7 +768,7 @@ fn prepare<'b>(
         return Err("the calibration text has no tokens".into());
     }
     let prefill::PreparedNpu { context, groups, ids, shadow, report: p } =
-        prefill::prepare(lib, backend, s.soc, &model.transformer, &tokens, s.chunk, &s.quant, s.cache_dir.as_deref())
+        prefill::prepare(device, &model.transformer, &tokens, s.chunk, &s.quant, s.cache_dir.as_deref())
             .map_err(|e| e.to_string())?;
     let how = match &p.cache {
         CacheOutcome::Loaded => format!(
@@ -803,7 +778,7 @@ fn prepare<'b>(
         CacheOutcome::Built { reason } => format!("built and finalized ({reason})"),
     };
     let graphs = Graphs::try_new(context, |c| {
-        let mut n = NpuLinears::from_context(lib, c, groups, &ids, s.chunk)?;
+        let mut n = NpuLinears::from_context(device, c, groups, &ids, s.chunk)?;
         n.set_shadow(shadow)?;
         Ok::<_, llmd_engine::error::NpuError>(n)
     })

@@ -1149,12 +1149,12 @@ fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
     use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
     let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
         .expect("model loads");
-    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator loads");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("emulator opens");
     let cal = m.tokenizer.encode(CALIBRATION_TEXT, false, false).expect("calibration tokens");
     let q = prefill::NpuQuant::default();
-    let p = prefill::prepare(&lib, &backend, SM8650, &m.transformer, &cal, NPU_CHUNK, &q, None).expect("graphs");
-    let mut npu = NpuLinears::from_context(&lib, &p.context, p.groups, &p.ids, NPU_CHUNK).expect("linears");
+    let p = prefill::prepare(&device, &m.transformer, &cal, NPU_CHUNK, &q, None).expect("graphs");
+    let mut npu = NpuLinears::from_context(&device, &p.context, p.groups, &p.ids, NPU_CHUNK).expect("linears");
     npu.set_shadow(p.shadow).expect("shadow sites");
     greedy_ids(&m, prompt, max_tokens, Some((&npu, NPU_CHUNK)))
 }

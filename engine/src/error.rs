@@ -155,8 +155,28 @@ pub enum NpuError {
     /// The context cache could not be read or written.
     #[error("NPU context cache: {0}")]
     Cache(String),
+    /// The QNN library did not load (missing, another architecture, not a QNN library).
+    #[error("NPU library {path}: {reason}")]
+    Open { path: std::path::PathBuf, reason: String },
+    /// The library has no HTP provider of a core API llmd supports.
+    #[error("NPU library {path}: no HTP provider with core API {min_core_api} or newer (found: {})", if found.is_empty() { "none".to_owned() } else { found.join(", ") })]
+    NoHtp { path: std::path::PathBuf, min_core_api: String, found: Vec<String> },
+    /// The HTP backend or its device did not start.
+    #[error("NPU library {path}: the HTP backend did not start: {reason}")]
+    BackendStart { path: std::path::PathBuf, reason: String },
     #[error(transparent)]
-    Qnn(#[from] qnn_sys::api::QnnError),
+    Qnn(QnnFailure),
+}
+
+/// A QNN call that failed (`backend::npu` converts QNN's own error into it).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error("{}", if *code == 0 { format!("{call}: {message}") } else { format!("{call} failed with QNN error {code} ({message})") })]
+pub struct QnnFailure {
+    /// The QNN function (`graphFinalize`, ...), or what llmd checked before calling it.
+    pub call: &'static str,
+    /// QNN's error code (0 when llmd refused before calling).
+    pub code: u16,
+    pub message: String,
 }
 
 /// Any engine error, for callers that do not care which part failed.

@@ -77,9 +77,9 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
         .tokenizer
         .encode("A prism splits white light into a spectrum because each wavelength bends by a different amount. The three primary colours of light are red, green and blue; mixing them in equal parts gives", false, false)
         .unwrap();
-    let lib = qnn_sys::Library::open(&common::emulator_library()).unwrap();
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).unwrap();
-    let ctx = backend.context().unwrap();
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let ctx = device.context().unwrap();
     let counts = [prompt.len(), 1];
     let soc = soc::find(None, "snapdragon_8gen3").unwrap();
     let prof = Predicted { soc: &soc, bits: 4.5 };
@@ -157,9 +157,9 @@ fn a_prompt_length_without_a_plan_is_composed_from_the_planned_sizes() {
     let prompt = m.tokenizer.encode("Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain, where the air is thinner and its pressure lower, it boils at a lower temperature, so that cooking pasta there takes", false, false).unwrap();
     assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32), "{}", prompt.len());
     eprintln!("prompt {} tokens: blocks of 32 and the rest on the GPU", prompt.len());
-    let lib = qnn_sys::Library::open(&common::emulator_library()).unwrap();
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).unwrap();
-    let ctx = backend.context().unwrap();
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let ctx = device.context().unwrap();
     let even = |op: &Op| llmd_engine::hetero::linears::even_cut(op, 64);
     let l = HeteroLinears::build(&m.transformer, &ctx, &gpu, &[32, 1], &even).unwrap();
     let (cpu, cpu_m) = greedy(m, &prompt, None, None);

@@ -168,9 +168,9 @@ impl PieceRunner for Exact<'_> {
 
 #[test]
 fn every_cut_equals_the_whole_on_the_emulated_npu_and_across_npu_and_gpu() {
-    let lib = qnn_sys::Library::open(&common::emulator_library()).unwrap();
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).unwrap();
-    let ctx = backend.context().unwrap();
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let ctx = device.context().unwrap();
     let mut checked = 0;
     let mut worst = 0f64;
     for (i, c) in cases().into_iter().enumerate() {
@@ -214,9 +214,9 @@ pub const HTP_F16_MAX_ULPS: f32 = 16.0;
 
 #[test]
 fn fp16_graphs_on_qualcomms_htp_library_follow_the_emulators_definition() {
-    let htp = qnn_sys::Library::open(&common::htp_library()).expect("libQnnHtp.so loads");
-    let backend = qnn_sys::api::Backend::htp(&htp, SM8650).unwrap();
-    let ctx = backend.context().unwrap();
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::htp_library(), SM8650).expect("the QNN library opens");
+    let ctx = device.context().unwrap();
     let mut rng = check::Rng(99);
     for (i, (m, k, n)) in
         [(32usize, 576usize, 256usize), (64, 256, 512), (1, 576, 1536), (256, 1536, 576)].into_iter().enumerate()

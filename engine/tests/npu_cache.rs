@@ -33,7 +33,11 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 /// One chunk of every group on the context's graphs, as output codes.
-fn outputs(context: &qnn_sys::api::Context<'_>, groups: &[LinearGroup], ids: &[(u32, Vec<u32>)]) -> Vec<Vec<u16>> {
+fn outputs(
+    context: &llmd_engine::backend::npu::NpuContext<'_>,
+    groups: &[LinearGroup],
+    ids: &[(u32, Vec<u32>)],
+) -> Vec<Vec<u16>> {
     let mut gs = graphs(context, groups, CHUNK, ids).expect("graphs found");
     let mut all = Vec::new();
     for (g, graph) in groups.iter().zip(gs.iter_mut()).step_by(17) {
@@ -47,30 +51,31 @@ fn outputs(context: &qnn_sys::api::Context<'_>, groups: &[LinearGroup], ids: &[(
 fn a_second_start_loads_the_graphs_and_anything_changed_or_damaged_is_rebuilt() {
     let groups = model_groups(16);
     let dir = scratch("emu");
-    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("loads");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-    let key = key_for(&lib, &backend, SM8650, &groups, CHUNK).expect("key");
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let key = key_for(&device, &groups, CHUNK).expect("key");
 
-    let (ctx, ids, first) = load_or_build(&backend, &dir, &key, &groups, CHUNK).expect("built");
+    let (ctx, ids, first) = load_or_build(&device, &dir, &key, &groups, CHUNK).expect("built");
     assert!(matches!(first, CacheOutcome::Built { .. }), "{first:?}");
     let built = outputs(&ctx, &groups, &ids);
     drop(ctx);
-    let (ctx, ids, second) = load_or_build(&backend, &dir, &key, &groups, CHUNK).expect("loaded");
+    let (ctx, ids, second) = load_or_build(&device, &dir, &key, &groups, CHUNK).expect("loaded");
     assert_eq!(second, CacheOutcome::Loaded);
     assert_eq!(outputs(&ctx, &groups, &ids), built, "the loaded graphs compute what the built ones did");
     drop(ctx);
 
     // Another chunk size, another quantization, another chip: other keys, never this file.
-    let key_chunk = key_for(&lib, &backend, SM8650, &groups, 64).expect("key");
+    let key_chunk = key_for(&device, &groups, 64).expect("key");
     let mut changed = groups.clone();
     changed[5].projections[0].weights.q[0] ^= 1;
-    let key_weights = key_for(&lib, &backend, SM8650, &changed, CHUNK).expect("key");
-    let key_soc = key_for(&lib, &backend, 43, &groups, CHUNK).expect("key");
+    let key_weights = key_for(&device, &changed, CHUNK).expect("key");
+    let other_chip = llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), 43).expect("opens");
+    let key_soc = key_for(&other_chip, &groups, CHUNK).expect("key");
     for k in [&key_chunk, &key_weights, &key_soc] {
         assert_ne!(k, &key);
         assert_ne!(path_for(&dir, k).expect("path"), path_for(&dir, &key).expect("path"));
     }
-    let (_, _, o) = load_or_build(&backend, &dir, &key_weights, &changed, CHUNK).expect("built");
+    let (_, _, o) = load_or_build(&device, &dir, &key_weights, &changed, CHUNK).expect("built");
     assert!(matches!(o, CacheOutcome::Built { .. }), "a changed weight was served from the cache: {o:?}");
 
     // A file under this key's name but holding another key (as if the library had been
@@ -79,7 +84,7 @@ fn a_second_start_loads_the_graphs_and_anything_changed_or_damaged_is_rebuilt() 
     let mut other_lib = key.clone();
     other_lib.build_id.push_str("-upgraded");
     std::fs::copy(path_for(&dir, &key_weights).expect("path"), &path).expect("copied");
-    let (_, _, o) = load_or_build(&backend, &dir, &key, &groups, CHUNK).expect("rebuilt");
+    let (_, _, o) = load_or_build(&device, &dir, &key, &groups, CHUNK).expect("rebuilt");
     match o {
         CacheOutcome::Built { reason } => assert!(reason.contains("another model"), "{reason}"),
         o => panic!("a file of another key was served: {o:?}"),
@@ -87,7 +92,7 @@ fn a_second_start_loads_the_graphs_and_anything_changed_or_damaged_is_rebuilt() 
     // The library upgraded: the sound file of the old library's key (rebuilt just above) put
     // under the new key's name is refused, not served.
     std::fs::copy(&path, path_for(&dir, &other_lib).expect("path")).expect("copied");
-    let (_, _, o) = load_or_build(&backend, &dir, &other_lib, &groups, CHUNK).expect("built");
+    let (_, _, o) = load_or_build(&device, &dir, &other_lib, &groups, CHUNK).expect("built");
     match o {
         CacheOutcome::Built { reason } => assert!(reason.contains("another model"), "{reason}"),
         o => panic!("another library's binary was served: {o:?}"),
@@ -97,14 +102,14 @@ fn a_second_start_loads_the_graphs_and_anything_changed_or_damaged_is_rebuilt() 
     let len = std::fs::metadata(&path).expect("file").len();
     let f = std::fs::OpenOptions::new().write(true).open(&path).expect("open");
     f.set_len(len / 2).expect("truncated");
-    let (ctx, ids, o) = load_or_build(&backend, &dir, &key, &groups, CHUNK).expect("rebuilt");
+    let (ctx, ids, o) = load_or_build(&device, &dir, &key, &groups, CHUNK).expect("rebuilt");
     match &o {
         CacheOutcome::Built { reason } => assert!(reason.contains("truncated or corrupt"), "{reason}"),
         o => panic!("a truncated file was served: {o:?}"),
     }
     assert_eq!(outputs(&ctx, &groups, &ids), built);
     drop(ctx);
-    let (_, _, o) = load_or_build(&backend, &dir, &key, &groups, CHUNK).expect("loaded");
+    let (_, _, o) = load_or_build(&device, &dir, &key, &groups, CHUNK).expect("loaded");
     assert_eq!(o, CacheOutcome::Loaded, "the rebuilt file is served next time");
     assert!(
         std::fs::read_dir(&dir).expect("dir").all(|e| !e
@@ -121,18 +126,18 @@ fn a_second_start_loads_the_graphs_and_anything_changed_or_damaged_is_rebuilt() 
 fn qualcomms_library_loads_the_cached_graphs_faster_than_it_finalizes_them() {
     let groups = model_groups(16);
     let dir = scratch("htp");
-    let lib = qnn_sys::Library::open(&common::htp_library()).expect("loads");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-    let key = key_for(&lib, &backend, SM8650, &groups, CHUNK).expect("key");
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::htp_library(), SM8650).expect("the QNN library opens");
+    let key = key_for(&device, &groups, CHUNK).expect("key");
     let t = std::time::Instant::now();
-    let (ctx, ids, first) = load_or_build(&backend, &dir, &key, &groups, CHUNK).expect("built");
+    let (ctx, ids, first) = load_or_build(&device, &dir, &key, &groups, CHUNK).expect("built");
     let build_s = t.elapsed().as_secs_f64();
     assert!(matches!(first, CacheOutcome::Built { .. }));
     let size = std::fs::metadata(path_for(&dir, &key).expect("path")).expect("file").len();
     let built = outputs(&ctx, &groups, &ids);
     drop(ctx);
     let t = std::time::Instant::now();
-    let (ctx, ids, second) = load_or_build(&backend, &dir, &key, &groups, CHUNK).expect("loaded");
+    let (ctx, ids, second) = load_or_build(&device, &dir, &key, &groups, CHUNK).expect("loaded");
     let load_s = t.elapsed().as_secs_f64();
     assert_eq!(second, CacheOutcome::Loaded);
     let t = std::time::Instant::now();

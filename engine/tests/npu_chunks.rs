@@ -25,8 +25,8 @@ const KV_REL_TOL: f32 = 0.0;
 
 /// The groups' graphs at `rows` rows in `ctx`, with shadow execution where `sites` says.
 fn build<'c>(
-    lib: &'c qnn_sys::Library,
-    ctx: &'c qnn_sys::api::Context<'_>,
+    device: &'c llmd_engine::backend::npu::QnnDevice,
+    ctx: &'c llmd_engine::backend::npu::NpuContext<'_>,
     rows: usize,
     groups: Vec<[llmd_engine::backend::npu::graph::LinearGroup; 4]>,
     flat: &[llmd_engine::backend::npu::graph::LinearGroup],
@@ -34,7 +34,7 @@ fn build<'c>(
     sites: &[[bool; 4]],
 ) -> NpuLinears<'c> {
     let m = common::default_model();
-    let mut n = NpuLinears::build(lib, ctx, groups, rows).expect("graphs");
+    let mut n = NpuLinears::build(device, ctx, groups, rows).expect("graphs");
     let sh = shadow_sites(&m.transformer, flat, cal, sites, &ShadowConfig::default(), None).expect("shadow");
     n.set_shadow(sh).expect("set");
     n
@@ -55,10 +55,10 @@ fn chunked_prefill_equals_one_pass_for_random_lengths_and_chunk_sizes() {
     let sites = cal.shadow_sites(DEFAULT_PRUNE);
     let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &sites).expect("quantizes");
     let flat: Vec<_> = groups.iter().flatten().cloned().collect();
-    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-    let ctx_whole = backend.context().expect("context");
-    let whole = build(&lib, &ctx_whole, WHOLE, groups.clone(), &flat, &cal, &sites);
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let ctx_whole = device.context().expect("context");
+    let whole = build(&device, &ctx_whole, WHOLE, groups.clone(), &flat, &cal, &sites);
     // A prompt of ordinary text, cut at random lengths (seeded).
     let text = m
         .tokenizer
@@ -80,8 +80,8 @@ fn chunked_prefill_equals_one_pass_for_random_lengths_and_chunk_sizes() {
     };
     let mut worst = (0f32, 0f32);
     for chunk in [16usize, 32, 64] {
-        let ctx = backend.context().expect("context");
-        let chunked = build(&lib, &ctx, chunk, groups.clone(), &flat, &cal, &sites);
+        let ctx = device.context().expect("context");
+        let chunked = build(&device, &ctx, chunk, groups.clone(), &flat, &cal, &sites);
         for _ in 0..2 {
             let p = 1 + next(text.len().min(WHOLE));
             let prompt = &text[..p];

@@ -28,10 +28,10 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
     let sites = cal.shadow_sites(DEFAULT_PRUNE);
     let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &sites).expect("quantizes");
     let flat: Vec<_> = groups.iter().flatten().cloned().collect();
-    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-    let ctx = backend.context().expect("context");
-    let mut npu = NpuLinears::build(&lib, &ctx, groups, CHUNK).expect("graphs");
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let ctx = device.context().expect("context");
+    let mut npu = NpuLinears::build(&device, &ctx, groups, CHUNK).expect("graphs");
     npu.set_shadow(shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("shadow"))
         .expect("set");
     // Four chunks, the last one short; after a turn already in the cache.

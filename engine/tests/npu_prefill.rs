@@ -106,11 +106,10 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
     // of its steps can be compared with the emulator's.
     let mut emulator: Option<(Vec<u32>, Vec<f32>, Vec<f32>)> = None;
     for (name, path) in [("emulator", common::emulator_library()), ("Qualcomm HTP", common::htp_library())] {
-        let lib = qnn_sys::Library::open(&path).expect("the library loads");
-        let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-        let context = backend.context().expect("context");
+        let device = llmd_engine::backend::npu::QnnDevice::open(&path, SM8650).expect("the QNN library opens");
+        let context = device.context().expect("context");
         let t = std::time::Instant::now();
-        let mut npu = NpuLinears::build(&lib, &context, groups.clone(), CHUNK).expect("graphs build");
+        let mut npu = NpuLinears::build(&device, &context, groups.clone(), CHUNK).expect("graphs build");
         let shadow = shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("shadow");
         npu.set_shadow(shadow).expect("shadow sites");
         let built = t.elapsed().as_secs_f64();

@@ -11,6 +11,7 @@ mod common;
 
 use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, LinearGroup, Projection};
 use llmd_engine::backend::npu::quant::{quantize_bias, ActQuant, QuantWeights};
+use llmd_engine::backend::npu::QnnDevice;
 
 /// Largest difference from the reference, in output codes: the HTP requantizes with fixed-point
 /// multipliers and may round to the neighbouring code (the design's first probe: 1 LSB).
@@ -83,11 +84,10 @@ fn group(
 /// A group's kind: its name, input width, and its projections' names and widths.
 type GroupKind<'a> = (&'a str, usize, Vec<(&'a str, usize)>);
 
-/// Builds, finalizes and runs `g` at `chunk` rows on `lib`'s HTP provider; returns the outputs and
-/// the finalize and run times in seconds.
-fn run_on(lib: &qnn_sys::Library, g: &LinearGroup, chunk: usize, xq: &[u8]) -> (Vec<Vec<u16>>, f64, f64) {
-    let backend = qnn_sys::api::Backend::htp(lib, SM8650).expect("backend");
-    let context = backend.context().expect("context");
+/// Builds, finalizes and runs `g` at `chunk` rows in a new context of `device`; returns the
+/// outputs and the finalize and run times in seconds.
+fn run_on(device: &QnnDevice, g: &LinearGroup, chunk: usize, xq: &[u8]) -> (Vec<Vec<u16>>, f64, f64) {
+    let context = device.context().expect("context");
     let t0 = std::time::Instant::now();
     let mut graph = build_linear_group(&context, g, chunk).expect("graph builds and finalizes");
     let built = t0.elapsed().as_secs_f64();
@@ -113,8 +113,8 @@ fn compare(got: &[Vec<u16>], want: &[Vec<u16>]) -> (usize, usize, i32) {
 
 #[test]
 fn every_linear_group_runs_on_qualcomms_library_within_one_lsb_and_on_the_emulator_exactly() {
-    let htp = qnn_sys::Library::open(&common::htp_library()).expect("libQnnHtp.so loads");
-    let emu = qnn_sys::Library::open(&common::emulator_library()).expect("libllmd_qnn_emu.so loads");
+    let htp = QnnDevice::open(&common::htp_library(), SM8650).expect("libQnnHtp.so opens");
+    let emu = QnnDevice::open(&common::emulator_library(), SM8650).expect("libllmd_qnn_emu.so opens");
     let (hidden, q, kv, ffn) = (576usize, 576usize, 192usize, 1536usize);
     let kinds: [GroupKind; 4] = [
         ("qkv", hidden, vec![("q", q), ("k", kv), ("v", kv)]),
@@ -174,4 +174,30 @@ fn a_group_whose_shapes_do_not_fit_is_refused_before_qnn_sees_it() {
     // Per-channel weights with 16-bit outputs: Qualcomm's library fails them at finalize.
     let g3 = group("bad3", 8, &[("a", 4)], false, true, 16, &x, 4);
     assert!(g3.check().expect_err("refused").to_string().contains("per-channel weights with 16-bit outputs"));
+}
+
+#[test]
+fn opening_a_qnn_library_names_the_step_that_failed() {
+    use llmd_engine::error::NpuError;
+    let dir = std::env::temp_dir().join(format!("llmd-qnn-open-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let not_elf = dir.join("libQnnHtp.so");
+    std::fs::write(&not_elf, b"not a shared library").expect("written");
+    for path in [dir.join("missing/libQnnHtp.so"), not_elf] {
+        match QnnDevice::open(&path, SM8650) {
+            Err(NpuError::Open { path: p, .. }) => assert_eq!(p, path),
+            Err(e) => panic!("{}: another error: {e}", path.display()),
+            Ok(_) => panic!("{} opened", path.display()),
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // Both libraries: the HTP provider found, its build id read, the chip kept.
+    for path in [common::emulator_library(), common::htp_library()] {
+        let d = QnnDevice::open(&path, SM8650).expect("opens");
+        assert!(d.provider().usable_htp && d.provider().backend_id == 6, "{:?}", d.provider());
+        assert!(!d.build_id().is_empty(), "{}: no build id", path.display());
+        assert_eq!((d.soc(), d.path()), (SM8650, path.as_path()));
+        let listed = QnnDevice::providers(&path).expect("providers");
+        assert!(listed.contains(d.provider()), "{listed:?}");
+    }
 }

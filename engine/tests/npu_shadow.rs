@@ -63,11 +63,11 @@ fn shadow_with_an_infinite_threshold_is_plain_w8a8_bit_for_bit() {
     let all = vec![[true; 4]; cal.layers.len()];
     let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &all).expect("quantizes");
     let flat: Vec<LinearGroup> = groups.iter().flatten().cloned().collect();
-    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-    let (c1, c2) = (backend.context().expect("context"), backend.context().expect("context"));
-    let plain = NpuLinears::build(&lib, &c1, groups.clone(), CHUNK).expect("graphs");
-    let mut shadow = NpuLinears::build(&lib, &c2, groups, CHUNK).expect("graphs");
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let (c1, c2) = (device.context().expect("context"), device.context().expect("context"));
+    let plain = NpuLinears::build(&device, &c1, groups.clone(), CHUNK).expect("graphs");
+    let mut shadow = NpuLinears::build(&device, &c2, groups, CHUNK).expect("graphs");
     let config = ShadowConfig { recompute_saturated: false, ..Default::default() };
     shadow.set_shadow(shadow_sites(&m.transformer, &flat, &cal, &all, &config, None).expect("sites")).expect("set");
     let mut seed = 1;
@@ -96,11 +96,11 @@ fn shadow_adds_the_float_product_of_the_extracted_outliers() {
     let all = vec![[true; 4]; cal.layers.len()];
     let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &all).expect("quantizes");
     let flat: Vec<LinearGroup> = groups.iter().flatten().cloned().collect();
-    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-    let (c1, c2) = (backend.context().expect("context"), backend.context().expect("context"));
-    let plain = NpuLinears::build(&lib, &c1, groups.clone(), CHUNK).expect("graphs");
-    let mut shadow = NpuLinears::build(&lib, &c2, groups, CHUNK).expect("graphs");
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let (c1, c2) = (device.context().expect("context"), device.context().expect("context"));
+    let plain = NpuLinears::build(&device, &c1, groups.clone(), CHUNK).expect("graphs");
+    let mut shadow = NpuLinears::build(&device, &c2, groups, CHUNK).expect("graphs");
     let config = ShadowConfig { recompute_saturated: false, ..Default::default() };
     shadow.set_shadow(shadow_sites(&m.transformer, &flat, &cal, &all, &config, None).expect("sites")).expect("set");
     let mut seed = 2;
@@ -162,10 +162,10 @@ fn an_output_the_npu_saturated_is_recomputed_in_float() {
     let all = vec![[true; 4]; cal.layers.len()];
     let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &all).expect("quantizes");
     let flat: Vec<LinearGroup> = groups.iter().flatten().cloned().collect();
-    let lib = qnn_sys::Library::open(&common::emulator_library()).expect("emulator");
-    let backend = qnn_sys::api::Backend::htp(&lib, SM8650).expect("backend");
-    let context = backend.context().expect("context");
-    let mut shadow = NpuLinears::build(&lib, &context, groups, CHUNK).expect("graphs");
+    let device =
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let context = device.context().expect("context");
+    let mut shadow = NpuLinears::build(&device, &context, groups, CHUNK).expect("graphs");
     shadow
         .set_shadow(shadow_sites(&m.transformer, &flat, &cal, &all, &ShadowConfig::default(), None).expect("sites"))
         .expect("set");

@@ -5,6 +5,7 @@
 use llmd_engine::backend::npu::cache::CacheOutcome;
 use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, LinearGroup, Projection};
 use llmd_engine::backend::npu::quant::{ActQuant, QuantWeights};
+use llmd_engine::backend::npu::QnnDevice;
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
 use std::path::{Path, PathBuf};
 
@@ -99,20 +100,17 @@ pub fn cache_dir(args: &NpuArgs) -> Option<PathBuf> {
     crate::paths::cache_dir(args.npu_cache.as_deref(), "npu")
 }
 
-fn open(path: &Path, soc: u32) -> Result<(&'static qnn_sys::Library, &'static qnn_sys::api::Backend<'static>), String> {
-    let lib = qnn_sys::Library::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    // llmctl is a one-shot process: the library, backend and context live until it exits.
-    let lib: &'static qnn_sys::Library = Box::leak(Box::new(lib));
-    let backend = qnn_sys::api::Backend::htp(lib, soc)
-        .map_err(|e| format!("{}: the HTP backend did not start: {e}", path.display()))?;
-    Ok((lib, Box::leak(Box::new(backend))))
+/// The library at `path` opened for chip `soc`: llmctl is a one-shot process, so the device
+/// and the context its graphs live in stay until it exits.
+fn open(path: &Path, soc: u32) -> Result<&'static QnnDevice, String> {
+    Ok(Box::leak(Box::new(QnnDevice::open(path, soc).map_err(|e| e.to_string())?)))
 }
 
 /// The NPU prefill for `model`: the library opened, the model calibrated and quantized, its
 /// graphs loaded from the cache or built. Prints what it did on standard error.
 pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears<'static>, usize), String> {
     let path = library_path(args)?;
-    let (lib, backend) = open(&path, args.soc)?;
+    let device = open(&path, args.soc)?;
     let text = match &args.calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
         None => CALIBRATION_TEXT.to_owned(),
@@ -125,12 +123,12 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
     let dir = cache_dir(args);
     let q = args.quant()?;
     let prefill::PreparedNpu { context, groups, ids, shadow, report: p } =
-        prefill::prepare(lib, backend, args.soc, &model.transformer, &tokens, chunk, &q, dir.as_deref())
+        prefill::prepare(device, &model.transformer, &tokens, chunk, &q, dir.as_deref())
             .map_err(|e| format!("preparing the NPU graphs: {e}"))?;
-    let context: &'static qnn_sys::api::Context<'static> = Box::leak(Box::new(context));
-    let mut npu = NpuLinears::from_context(lib, context, groups, &ids, chunk).map_err(|e| e.to_string())?;
+    let context: &'static _ = Box::leak(Box::new(context));
+    let mut npu = NpuLinears::from_context(device, context, groups, &ids, chunk).map_err(|e| e.to_string())?;
     npu.set_shadow(shadow).map_err(|e| e.to_string())?;
-    let provider = lib.providers().first().map(|p| p.name.clone()).unwrap_or_default();
+    let provider = &device.provider().name;
     let how = match &p.cache {
         CacheOutcome::Loaded => {
             format!("loaded from {}", p.cache_file.as_ref().map_or(String::new(), |f| f.display().to_string()))
@@ -178,23 +176,19 @@ pub fn shadow_summary(npu: &NpuLinears<'_>) -> String {
 /// `llmctl npu-info`.
 pub fn info(args: &NpuArgs) -> Result<(), String> {
     let path = library_path(args)?;
-    let lib = qnn_sys::Library::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let providers = QnnDevice::providers(&path).map_err(|e| e.to_string())?;
     crate::out!("library        {}", path.display());
-    for p in lib.providers() {
+    for p in &providers {
         crate::out!(
             "provider       {} (backend id {}), core API {}, backend API {}",
             p.name,
             p.backend_id,
-            p.api.core,
-            p.api.backend
+            p.core_api,
+            p.backend_api
         );
     }
-    let Some(_) = lib.provider(qnn_sys::BACKEND_ID_HTP) else {
-        return Err(format!("no HTP provider with core API {} or newer", qnn_sys::MIN_CORE_API));
-    };
-    let backend =
-        qnn_sys::api::Backend::htp(&lib, args.soc).map_err(|e| format!("the HTP backend did not start: {e}"))?;
-    crate::out!("build id       {}", backend.build_id().map_err(|e| e.to_string())?);
+    let device = QnnDevice::open(&path, args.soc).map_err(|e| e.to_string())?;
+    crate::out!("build id       {}", device.build_id());
     crate::out!("chip           {} (QNN SoC model)", args.soc);
     match cache_dir(args) {
         None => crate::out!("context cache  off"),
@@ -221,7 +215,7 @@ pub fn info(args: &NpuArgs) -> Result<(), String> {
     }
     // The self-check: one layer of SmolLM2-135M's shapes (hidden 576, Q 576, K/V 192, FFN 1536)
     // with fixed pseudo-random weights, every group at 32 rows, against the reference.
-    let context = backend.context().map_err(|e| e.to_string())?;
+    let context = device.context().map_err(|e| e.to_string())?;
     let (d, q, kv, f) = (576usize, 576usize, 192usize, 1536usize);
     let chunk = 32;
     let mut worst = (0i32, 0usize, 0usize);

@@ -22,6 +22,7 @@ use super::solver::{Phase, Predicted, Solver};
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::gpu::GpuDevice;
 use crate::backend::npu::cache::GraphIds;
+use crate::backend::npu::NpuContext;
 use crate::backend::weight::WeightMatrix;
 use crate::error::{BackendError, NpuError};
 use crate::model::Transformer;
@@ -136,7 +137,7 @@ impl HeteroPlan {
 
     /// Builds and finalizes every NPU graph of the plan in `context`, returning their tensor
     /// ids in the order [`HeteroLinears::from_context`] retrieves them.
-    pub fn build_graphs(&self, model: &Transformer, context: &qnn_sys::api::Context<'_>) -> Result<GraphIds, NpuError> {
+    pub fn build_graphs(&self, model: &Transformer, context: &NpuContext<'_>) -> Result<GraphIds, NpuError> {
         let mut ids = Vec::new();
         for p in self.projs.iter().filter(|p| !p.shapes.is_empty()) {
             let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
@@ -179,7 +180,7 @@ impl<'a> HeteroLinears<'a> {
     /// row ranges lazily on `gpu`.
     pub fn build(
         model: &'a Transformer,
-        context: &'a qnn_sys::api::Context<'_>,
+        context: &'a NpuContext<'_>,
         gpu: &'a GpuDevice,
         token_counts: &[usize],
         plan: &dyn Fn(&Op) -> Cut,
@@ -193,7 +194,7 @@ impl<'a> HeteroLinears<'a> {
     /// ([`HeteroPlan::build_graphs`]) or loaded from the graph cache — by their tensor ids.
     pub fn from_context(
         model: &'a Transformer,
-        context: &'a qnn_sys::api::Context<'_>,
+        context: &'a NpuContext<'_>,
         gpu: &'a GpuDevice,
         plan: &HeteroPlan,
         ids: &[(u32, Vec<u32>)],

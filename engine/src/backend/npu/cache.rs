@@ -12,10 +12,11 @@
 //! chunk size, and a CRC-32 over every group's name, quantization and int8 weights — so a
 //! changed model, calibration or quantization option changes it.
 
+use super::device::{NpuContext, QnnDevice};
 use super::graph::{build_linear_group, graph_name, retrieve_linear_group, LinearGroup};
 use super::quant::WeightScales;
 use crate::error::NpuError;
-use qnn_sys::api::{Backend, Context, Graph};
+use qnn_sys::api::Graph;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -58,15 +59,9 @@ pub enum CacheOutcome {
     Built { reason: String },
 }
 
-/// The key for `groups` at `chunk` rows on `backend` of `lib` for chip `soc`.
-pub fn key_for(
-    lib: &qnn_sys::Library,
-    backend: &Backend<'_>,
-    soc: u32,
-    groups: &[LinearGroup],
-    chunk: usize,
-) -> Result<CacheKey, NpuError> {
-    key_with(lib, backend, soc, chunk, groups.len(), &mut |h: &mut Feed<'_>| {
+/// The key for `groups` at `chunk` rows on `device` (its library and chip).
+pub fn key_for(device: &QnnDevice, groups: &[LinearGroup], chunk: usize) -> Result<CacheKey, NpuError> {
+    key_with(device, chunk, groups.len(), &mut |h: &mut Feed<'_>| {
         for g in groups {
             h(g.name.as_bytes());
             for q in std::iter::once(g.input).chain(g.projections.iter().map(|p| p.output)) {
@@ -156,46 +151,50 @@ fn write(path: &Path, header: &Header, binary: &[u8]) -> Result<(), NpuError> {
 
 /// A context holding `groups`' graphs at `chunk` rows: loaded from `dir`'s cache file for `key`
 /// when there is a sound one, else built, finalized and stored there.
-pub fn load_or_build<'b>(
-    backend: &'b Backend<'_>,
+pub fn load_or_build<'d>(
+    device: &'d QnnDevice,
     dir: &Path,
     key: &CacheKey,
     groups: &[LinearGroup],
     chunk: usize,
-) -> Result<(Context<'b>, GraphIds, CacheOutcome), NpuError> {
-    load_or_build_with(backend, dir, key, groups.len(), |context| {
-        let mut ids = Vec::with_capacity(groups.len());
-        for g in groups {
-            let graph = build_linear_group(context, g, chunk)?;
-            let io = graph.io();
-            let input = io.inputs.first().map(|i| i.1).unwrap_or(0);
-            ids.push((input, io.outputs.iter().map(|o| o.1).collect()));
-        }
-        Ok(ids)
-    })
+) -> Result<(NpuContext<'d>, GraphIds, CacheOutcome), NpuError> {
+    load_or_build_with(device, dir, key, groups.len(), |context| build_groups(context, groups, chunk))
+}
+
+/// Builds and finalizes `groups`' graphs at `chunk` rows in `context`, returning each one's
+/// tensor ids (what [`graphs`] retrieves them by).
+pub fn build_groups(context: &NpuContext<'_>, groups: &[LinearGroup], chunk: usize) -> Result<GraphIds, NpuError> {
+    let mut ids = Vec::with_capacity(groups.len());
+    for g in groups {
+        let io = build_linear_group(context, g, chunk)?.io();
+        let input = io.inputs.first().map(|i| i.1).unwrap_or(0);
+        ids.push((input, io.outputs.iter().map(|o| o.1).collect()));
+    }
+    Ok(ids)
 }
 
 /// A context of `graphs` graphs: loaded from `dir`'s cache file for `key` when there is a sound
 /// one, else made by `build` (which builds and finalizes every graph in the context and returns
 /// each one's tensor ids, in the order the caller retrieves them) and stored there. Both graph
 /// families of the NPU (the W8A8 linear groups, HeteroLLM's fp16 matmuls) go through it.
-pub fn load_or_build_with<'b>(
-    backend: &'b Backend<'_>,
+pub fn load_or_build_with<'d>(
+    device: &'d QnnDevice,
     dir: &Path,
     key: &CacheKey,
     graphs: usize,
-    build: impl FnOnce(&Context<'b>) -> Result<GraphIds, NpuError>,
-) -> Result<(Context<'b>, GraphIds, CacheOutcome), NpuError> {
+    build: impl FnOnce(&NpuContext<'d>) -> Result<GraphIds, NpuError>,
+) -> Result<(NpuContext<'d>, GraphIds, CacheOutcome), NpuError> {
     let path = path_for(dir, key)?;
     let reason = match read(&path, key) {
-        Ok((header, bytes, at)) if header.ids.len() == graphs => match backend.context_from_binary(&bytes[at]) {
-            Ok(context) => return Ok((context, header.ids, CacheOutcome::Loaded)),
+        Ok((header, bytes, at)) if header.ids.len() == graphs => match device.backend().context_from_binary(&bytes[at])
+        {
+            Ok(context) => return Ok((NpuContext(context), header.ids, CacheOutcome::Loaded)),
             Err(e) => format!("the library refused the cached binary: {e}"),
         },
         Ok(_) => "the cache file lists another number of graphs".into(),
         Err(why) => why,
     };
-    let context = backend.context()?;
+    let context = device.context()?;
     let ids = build(&context)?;
     let binary = context.binary()?;
     // A cache that cannot be written (a read-only or full disk) costs the next start a
@@ -212,14 +211,12 @@ pub fn load_or_build_with<'b>(
 /// and the CRC-32 and FNV-1a 64 of `content` (every graph's name, shape and weights, fed by
 /// the caller).
 pub fn key_with(
-    lib: &qnn_sys::Library,
-    backend: &Backend<'_>,
-    soc: u32,
+    device: &QnnDevice,
     chunk: usize,
     graphs: usize,
     content: &mut dyn FnMut(&mut Feed<'_>),
 ) -> Result<CacheKey, NpuError> {
-    let (provider, core_api, backend_api) = provider_of(lib)?;
+    let p = device.provider();
     let mut crc = crc32fast::Hasher::new();
     let mut fnv = 0xCBF2_9CE4_8422_2325u64;
     content(&mut |b: &[u8]| {
@@ -229,11 +226,11 @@ pub fn key_with(
         }
     });
     Ok(CacheKey {
-        provider,
-        build_id: backend.build_id()?,
-        core_api,
-        backend_api,
-        soc,
+        provider: p.name.clone(),
+        build_id: device.build_id().to_owned(),
+        core_api: p.core_api.clone(),
+        backend_api: p.backend_api.clone(),
+        soc: device.soc(),
         chunk,
         groups: graphs,
         groups_crc: crc.finalize(),
@@ -244,22 +241,9 @@ pub fn key_with(
 /// What [`key_with`]'s caller feeds its content to.
 pub type Feed<'a> = dyn FnMut(&[u8]) + 'a;
 
-/// The HTP provider's name and its core and backend API versions.
-fn provider_of(lib: &qnn_sys::Library) -> Result<(String, String, String), NpuError> {
-    let p = lib
-        .provider(qnn_sys::BACKEND_ID_HTP)
-        .ok_or_else(|| NpuError::Library("the library has no HTP provider of core API 2.27 or newer".into()))?;
-    let info = lib
-        .providers()
-        .into_iter()
-        .find(|i| i.backend_id == p.head.backend_id)
-        .ok_or_else(|| NpuError::Library("no provider record".into()))?;
-    Ok((info.name, info.api.core.to_string(), info.api.backend.to_string()))
-}
-
 /// The graphs of a context from [`load_or_build`], by the ids it returned.
 pub fn graphs<'c>(
-    context: &'c Context<'_>,
+    context: &'c NpuContext<'_>,
     groups: &[LinearGroup],
     chunk: usize,
     ids: &[(u32, Vec<u32>)],
@@ -268,7 +252,7 @@ pub fn graphs<'c>(
         .iter()
         .zip(ids)
         .map(|(g, (input, outputs))| {
-            retrieve_linear_group(context, g, chunk, *input, outputs).map_err(|e| match e {
+            retrieve_linear_group(&context.0, g, chunk, *input, outputs).map_err(|e| match e {
                 NpuError::Qnn(q) => {
                     NpuError::Shape { graph: graph_name(g, chunk), detail: format!("not retrieved: {q}") }
                 }

@@ -10,6 +10,7 @@
 //! QNN's library accepts a `FullyConnected` whose weight does not match its input's width
 //! (seen with Qualcomm's x86-64 HTP library), so every shape is checked here before QNN sees it.
 
+use super::device::NpuContext;
 use super::quant::{ActQuant, QuantWeights, WeightScales};
 use crate::error::NpuError;
 use qnn_sys::api::{Context, Graph, Quantization, TensorSpec};
@@ -125,7 +126,7 @@ pub fn graph_name(group: &LinearGroup, chunk: usize) -> String {
 
 /// Builds and finalizes `group`'s graph for chunks of `chunk` rows in `context`.
 pub fn build_linear_group<'c>(
-    context: &'c Context<'_>,
+    context: &'c NpuContext<'_>,
     group: &LinearGroup,
     chunk: usize,
 ) -> Result<Graph<'c>, NpuError> {
@@ -135,7 +136,7 @@ pub fn build_linear_group<'c>(
     }
     let k = group.k() as u32;
     let name = graph_name(group, chunk);
-    let mut g = context.graph(&name)?;
+    let mut g = context.0.graph(&name)?;
     let (x_spec, y_specs) = io_specs(group, chunk);
     let x = g.input(&x_spec)?;
     for (p, y_spec) in group.projections.iter().zip(&y_specs) {
@@ -192,7 +193,7 @@ pub fn io_specs(group: &LinearGroup, chunk: usize) -> (TensorSpec, Vec<TensorSpe
 
 /// `group`'s graph at `chunk` rows in a context loaded from a binary, by the tensor ids QNN gave
 /// its input and outputs when it was built (`input_id`, `output_ids` in projection order).
-pub fn retrieve_linear_group<'c>(
+pub(crate) fn retrieve_linear_group<'c>(
     context: &'c Context<'_>,
     group: &LinearGroup,
     chunk: usize,

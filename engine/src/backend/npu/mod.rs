@@ -1,15 +1,26 @@
-//! The NPU path (issue 28): prompt chunks' linear layers as quantized QNN graphs, run through
-//! `qnn-sys` on Qualcomm's HTP library (on a phone; on a host, its x86-64 build) or on our
-//! emulator provider.
+//! The NPU (issue 28): prompt chunks' linear layers as quantized QNN graphs, and HeteroLLM's
+//! fp16 matmul pieces, run through `qnn-sys` on Qualcomm's HTP library (on a phone; on a host,
+//! its x86-64 build) or on our emulator provider. This module is the engine's only importer
+//! of `qnn-sys` (`tools/confined_imports.py` checks it).
 //!
+//! - [`device`]: [`QnnDevice`], the library and its HTP backend for one chip, opened one way
+//!   for the daemon and llmctl; [`NpuContext`], a context of it.
 //! - [`quant`]: the W8A8 arithmetic and its reference.
 //! - [`graph`]: a layer's linear groups as QNN graphs, with every shape checked first.
-//! - [`crate::prefill`] (outside `backend`: it reads the model): a model's groups calibrated,
-//!   quantized and built, run in place of the CPU's matmuls during prefill.
-//! - [`cache`]: finalized contexts kept on disk as QNN context binaries, keyed by model,
-//!   quantization, chunk size, chip and library.
+//! - [`linears`]: a model's groups as finalized graphs, run in place of the CPU's matmuls
+//!   during prefill, with shadow outlier execution beside them. Calibrating and quantizing a
+//!   model is [`crate::prefill`] (outside `backend`: it reads the model).
+//! - [`f16`]: HeteroLLM's fp16 `FullyConnected` graphs over row ranges of a matrix.
+//! - [`shadow`]: llm.npu's outliers, extracted and multiplied on the CPU.
+//! - [`cache`]: finalized contexts of both graph families kept on disk as QNN context
+//!   binaries, keyed by what they hold, chunk size, chip and library.
 
 pub mod cache;
+pub mod device;
+pub mod f16;
 pub mod graph;
+pub mod linears;
 pub mod quant;
 pub mod shadow;
+
+pub use device::{NpuContext, QnnDevice};
