@@ -48,6 +48,11 @@ pub enum SubgraphKind {
     Ffn,
     /// The final RMSNorm and the output head (logits of the chosen rows).
     Head,
+    /// One projection over the rows its weight was loaded with (`y = x · Wᵀ`): the piece of a
+    /// matmul that a partitioned plan (HeteroLLM's row and token cuts) places on a device. It
+    /// reads `n_tokens` rows of the weight's `cols` values from [`crate::Bindings::x`] and
+    /// writes `n_tokens` rows of the loaded rows' count to [`crate::Bindings::y`].
+    Linear(WeightRole),
 }
 
 /// One subgraph of a pass: a kind, and the layer for [`SubgraphKind::Attention`] and
@@ -59,7 +64,7 @@ pub struct Subgraph {
 }
 
 /// The weights a subgraph reads, by role.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum WeightRole {
     TokenEmbd,
     AttnNorm,
@@ -131,6 +136,10 @@ impl Subgraph {
     pub fn ffn(layer: usize) -> Self {
         Self { kind: SubgraphKind::Ffn, layer }
     }
+    /// One projection of layer `layer` (the weight of `role`).
+    pub fn linear(layer: usize, role: WeightRole) -> Self {
+        Self { kind: SubgraphKind::Linear(role), layer }
+    }
 
     /// A pass in order: the embedding, each layer's attention then FFN, the head.
     pub fn pass(n_layers: usize) -> Vec<Self> {
@@ -152,6 +161,7 @@ impl Subgraph {
             SubgraphKind::Attention => &[RmsNorm, MatMul, Rope, Attention],
             SubgraphKind::Ffn => &[RmsNorm, MatMul, SwiGlu],
             SubgraphKind::Head => &[RmsNorm, MatMul],
+            SubgraphKind::Linear(_) => &[MatMul],
         }
     }
 
@@ -172,6 +182,7 @@ impl Subgraph {
             }
             SubgraphKind::Ffn => vec![FfnNorm, Gate, Up, Down],
             SubgraphKind::Head => vec![OutputNorm, Output],
+            SubgraphKind::Linear(role) => vec![role],
         }
     }
 

@@ -212,6 +212,8 @@ pub struct Bindings {
     /// The head: which rows of `x` get logits, and where they go (`rows × vocab` f32).
     pub logit_rows: Arc<[u32]>,
     pub logits: Option<Buffer>,
+    /// A [`SubgraphKind::Linear`]'s output: `n_tokens` rows of its weight's loaded rows, f32.
+    pub y: Option<Buffer>,
 }
 
 /// An estimate of one subgraph's time on a device, from a cost model (seconds).

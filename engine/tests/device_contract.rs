@@ -129,6 +129,11 @@ fn run(mem: &mut Mem, planner: &Planner, p: &Prepared, b: &Bindings, id: DeviceI
         }
     }
     let mut logits = vec![0f32; if b.logits.is_some() { b.logit_rows.len() * p.shape.vocab } else { 0 }];
+    let y_id = b.y.as_ref().map(|y| y.get::<u64>(id).copied().ok_or("y of another device")).transpose()?;
+    let mut y = match y_id {
+        Some(i) => vec![0f32; bufs.get(&i).ok_or("y was freed")?.len() / 4],
+        None => Vec::new(),
+    };
     let r = {
         let mut refs: Vec<&mut KvCache> = caches.iter_mut().map(|(_, c)| c).collect();
         let io = HostIo {
@@ -139,6 +144,7 @@ fn run(mem: &mut Mem, planner: &Planner, p: &Prepared, b: &Bindings, id: DeviceI
             kv: &mut refs,
             logit_rows: &b.logit_rows,
             logits: &mut logits,
+            y: &mut y,
         };
         run_subgraph(planner, &p.shape, p.sg, &ws, io)
     };
@@ -150,6 +156,9 @@ fn run(mem: &mut Mem, planner: &Planner, p: &Prepared, b: &Bindings, id: DeviceI
     if let Some(l) = &b.logits {
         let lid = *l.get::<u64>(id).ok_or("logits of another device")?;
         bufs.insert(lid, logits.iter().flat_map(|v| v.to_le_bytes()).collect());
+    }
+    if let Some(i) = y_id {
+        bufs.insert(i, y.iter().flat_map(|v| v.to_le_bytes()).collect());
     }
     Ok(())
 }
@@ -289,6 +298,7 @@ fn subgraphs_on_a_device_with_its_own_memory_give_the_cpu_alone_logits() {
         SubgraphKind::Embed | SubgraphKind::Head => true,
         SubgraphKind::Attention => sg.layer == 1 || sg.layer == 4,
         SubgraphKind::Ffn => sg.layer == 1 || sg.layer == 7,
+        SubgraphKind::Linear(_) => false,
     };
     let pick = move |sg: Subgraph| usize::from(on_device(sg));
     let names = vec!["cpu".to_string(), "discrete-test".to_string()];

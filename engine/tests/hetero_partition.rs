@@ -11,7 +11,7 @@
 
 mod common;
 
-use llmd_device::GgmlType;
+use llmd_device::{BlockShape, GgmlType, RopeStyle, WeightRole};
 use llmd_engine::backend::cpu::CpuBackend;
 use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions};
 use llmd_engine::backend::weight::WeightMatrix;
@@ -127,12 +127,33 @@ fn every_cut_equals_the_whole_on_the_cpu() {
     assert!(checked > 100);
 }
 
+/// The shape a lone projection is prepared with (a linear subgraph reads only its weight's).
+fn linear_shape() -> BlockShape {
+    BlockShape {
+        n_layers: 1,
+        d_model: 64,
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 64,
+        ffn_dim: 64,
+        vocab: 1,
+        context_length: 1,
+        norm_eps: 1e-6,
+        rope_dims: 64,
+        rope_theta: 1e4,
+        rope_freq_scale: 1.0,
+        rope_style: RopeStyle::Neox,
+        qkv_bias: false,
+        rope_freqs: false,
+    }
+}
+
 #[test]
 fn every_cut_equals_the_whole_on_opencl() {
     let Some(g) = gpu() else { return };
     let mut checked = 0;
     for c in cases() {
-        let r = GpuRunner::new(g, &c.w);
+        let r = GpuRunner::new(g, &c.w, WeightRole::Up, linear_shape());
         let whole = run(&Cut::gpu_only(), &c, &r, &r);
         for cut in cuts(&c) {
             assert_eq!(bits(&run(&cut, &c, &r, &r)), bits(&whole), "{:?} m {} n {}: {cut:?}", c.w.ty, c.m, c.n);
@@ -186,7 +207,7 @@ fn every_cut_equals_the_whole_on_the_emulated_npu_and_across_npu_and_gpu() {
         }
         // Across devices: the NPU's pieces on the emulator, the GPU's on OpenCL.
         if let Some(g) = gpu() {
-            let gr = GpuRunner::new(g, &c.w);
+            let gr = GpuRunner::new(g, &c.w, WeightRole::Up, linear_shape());
             for cut in &cuts {
                 let y = run(cut, &c, &npu, &gr);
                 for t in 0..c.m {

@@ -55,6 +55,8 @@ pub struct HostIo<'a, 'k> {
     /// The head: `logit_rows` of `x` get logits, `vocab` each, into `logits`.
     pub logit_rows: &'a [u32],
     pub logits: &'a mut [f32],
+    /// A linear subgraph's output (`n_tokens` rows of its weight's rows); empty otherwise.
+    pub y: &'a mut [f32],
 }
 
 /// Checks a pass's bindings: the sequences' spans back to back from row 0 and covering every
@@ -92,6 +94,25 @@ pub fn run_subgraph(
     weights: &[&HostCopy],
     io: HostIo<'_, '_>,
 ) -> Result<(), String> {
+    if let SubgraphKind::Linear(role) = sg.kind {
+        // One projection: `x` holds `n_tokens` rows of the weight's columns, not the residual.
+        let Some(HostCopy::Matrix(w)) = weights.first() else {
+            return Err(format!("{sg:?}: its {role:?} weight is not a matrix"));
+        };
+        let n = io.positions.len();
+        if io.x.len() < n * w.cols || io.y.len() < n * w.rows {
+            return Err(format!(
+                "{sg:?}: {} inputs and {} outputs for {n} rows of a {}×{} weight",
+                io.x.len(),
+                io.y.len(),
+                w.rows,
+                w.cols
+            ));
+        }
+        let op = crate::backend::OpDesc { kind: crate::backend::OpKind::MatMul, weight_type: Some(w.ty), n_tokens: n };
+        let (x, y) = (&io.x[..n * w.cols], &mut io.y[..n * w.rows]);
+        return planner.place(&op).and_then(|b| b.matmul(w, x, n, y)).map_err(|e| e.to_string());
+    }
     let pass = Pass { c: shape, planner, linears: None };
     check_bindings(io.tokens, io.positions, io.seqs)?;
     let spans: Vec<_> = io.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
@@ -177,6 +198,7 @@ pub fn run_subgraph(
                 io.logits.copy_from_slice(&out);
                 Ok(())
             }
+            SubgraphKind::Linear(_) => Err("a linear subgraph past its own path".into()),
         }
     })();
     std::mem::swap(&mut st.x, io.x);

@@ -3,13 +3,15 @@
 //! and the NPU's fp16 `FullyConnected` graphs (HeteroLLM's placement: float compute, no
 //! activation quantization), which `crate::backend::npu::f16` builds and runs.
 
-use super::partition::{Piece, PieceRunner};
+use super::partition::{Piece, PieceRunner, Started};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::gpu::{check, GpuDevice};
+use crate::backend::gpu::GpuDevice;
 pub use crate::backend::npu::f16::{f16_graph_name, NpuF16Runner};
 use crate::backend::weight::WeightMatrix;
 use crate::backend::Backend;
-use llmd_device::{Device, HostWeight, Weight, WeightRole};
+use llmd_device::{
+    Bindings, BlockShape, Buffer, BufferUsage, Device, Event, Executable, HostWeight, Subgraph, Weight, WeightRole,
+};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Mutex;
@@ -17,13 +19,6 @@ use std::sync::Mutex;
 fn piece_x<'x>(piece: &Piece, x: &'x [f32], k: usize) -> Result<&'x [f32], String> {
     x.get(piece.tokens.start * k..piece.tokens.end * k)
         .ok_or_else(|| format!("tokens {:?} past the input", piece.tokens))
-}
-
-fn place(tmp: &[f32], out: &mut [&mut [f32]]) {
-    let w = out.first().map_or(0, |o| o.len());
-    for (o, t) in out.iter_mut().zip(tmp.chunks_exact(w.max(1))) {
-        o.copy_from_slice(t);
-    }
 }
 
 /// A row range of `w` as a matrix of its own (the file's rows: each row is whole blocks).
@@ -75,41 +70,163 @@ impl PieceRunner for CpuRunner<'_> {
     }
 }
 
-/// The OpenCL GPU over row ranges of one matrix, each loaded once.
+/// The OpenCL GPU over row ranges of one matrix through the device contract: each row range
+/// loaded once ([`Device::load_weight`]), each piece a [`Subgraph::linear`] prepared once per
+/// (tokens, rows) with its input and output buffers (kept and reused: no buffer is made per
+/// call), submitted to the GPU's queue ([`PieceRunner::start`]) and read back when the caller
+/// has run the NPU's pieces.
 pub struct GpuRunner<'a> {
     pub gpu: &'a GpuDevice,
     pub w: &'a WeightMatrix,
+    role: WeightRole,
+    shape: BlockShape,
     loaded: Mutex<HashMap<(usize, usize), Weight>>,
+    /// Idle slots per (tokens, first row, end row): taken by a started piece, given back when
+    /// it finishes (a pass may run two pieces of one shape at once).
+    slots: Mutex<HashMap<(usize, usize, usize), Vec<Slot>>>,
+}
+
+/// One piece shape's executable and buffers on the GPU.
+struct Slot {
+    key: (usize, usize, usize),
+    exe: Executable,
+    bind: Bindings,
+    x: Buffer,
+    y: Buffer,
 }
 
 impl<'a> GpuRunner<'a> {
-    pub fn new(gpu: &'a GpuDevice, w: &'a WeightMatrix) -> Self {
-        Self { gpu, w, loaded: Mutex::new(HashMap::new()) }
+    /// `w` (the weight of `role` in a model of `shape`) on `gpu`.
+    pub fn new(gpu: &'a GpuDevice, w: &'a WeightMatrix, role: WeightRole, shape: BlockShape) -> Self {
+        Self { gpu, w, role, shape, loaded: Mutex::new(HashMap::new()), slots: Mutex::new(HashMap::new()) }
+    }
+
+    fn weight(&self, rows: &Range<usize>) -> Result<Weight, String> {
+        let mut loaded = self.loaded.lock().map_err(|_| "poisoned")?;
+        if let Some(w) = loaded.get(&(rows.start, rows.end)) {
+            return Ok(w.clone());
+        }
+        let data = self.w.source_bytes().ok_or_else(|| format!("{}: rows not in memory", self.w.name))?;
+        let hw = HostWeight { role: self.role, ty: self.w.ty, rows: self.w.rows, cols: self.w.cols, data, host: None };
+        let w = self.gpu.load_weight(&hw, rows.clone()).map_err(|e| e.to_string())?;
+        loaded.insert((rows.start, rows.end), w.clone());
+        Ok(w)
+    }
+
+    /// An idle slot for `m` tokens over `rows`, made on first use.
+    fn slot(&self, m: usize, rows: &Range<usize>) -> Result<Slot, String> {
+        let key = (m, rows.start, rows.end);
+        if let Some(s) = self.slots.lock().map_err(|_| "poisoned")?.get_mut(&key).and_then(Vec::pop) {
+            return Ok(s);
+        }
+        let e = |e: llmd_device::DeviceError| e.to_string();
+        let weight = self.weight(rows)?;
+        // A projection's layer does not matter to the GPU: its weight is bound here.
+        let exe = self.gpu.prepare(Subgraph::linear(0, self.role), &self.shape, m, &[weight]).map_err(e)?;
+        let x = self.gpu.alloc(BufferUsage::Activations, m * self.w.cols * 4).map_err(e)?;
+        let y = self.gpu.alloc(BufferUsage::Activations, m * rows.len() * 4).map_err(e)?;
+        let zeros: std::sync::Arc<[u32]> = vec![0u32; m].into();
+        let bind = Bindings {
+            x: x.clone(),
+            tokens: zeros.clone(),
+            positions: zeros,
+            seqs: std::sync::Arc::new([]),
+            logit_rows: std::sync::Arc::new([]),
+            logits: None,
+            y: Some(y.clone()),
+        };
+        Ok(Slot { key, exe, bind, x, y })
+    }
+
+    fn give_back(&self, slots: Vec<Slot>) {
+        if let Ok(mut idle) = self.slots.lock() {
+            for s in slots {
+                idle.entry(s.key).or_default().push(s);
+            }
+        }
+    }
+}
+
+/// GPU pieces in flight: each one's slot and the event its submission signals.
+struct GpuStarted<'r, 'a> {
+    runner: &'r GpuRunner<'a>,
+    work: Vec<(Slot, Event)>,
+}
+
+impl Started for GpuStarted<'_, '_> {
+    fn done(&self) -> bool {
+        self.work.iter().all(|(_, ev)| ev.state().is_some())
+    }
+
+    fn finish(mut self: Box<Self>, outs: &mut [&mut Vec<&mut [f32]>]) -> Result<(), String> {
+        let work = std::mem::take(&mut self.work);
+        let mut r = Ok(());
+        if work.len() != outs.len() {
+            r = Err(format!("{} GPU pieces, {} outputs", work.len(), outs.len()));
+        }
+        let mut raw = Vec::new();
+        for ((slot, ev), out) in work.iter().zip(outs.iter_mut()) {
+            if r.is_err() {
+                break;
+            }
+            let w = slot.key.2 - slot.key.1;
+            raw.resize(out.len() * w * 4, 0u8);
+            r = self.runner.gpu.read(&slot.y, 0, &mut raw, std::slice::from_ref(ev)).map_err(|e| e.to_string());
+            for (o, row) in out.iter_mut().zip(raw.chunks_exact(w * 4)) {
+                for (v, c) in o.iter_mut().zip(row.chunks_exact(4)) {
+                    *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+        }
+        // A slot goes back once its work is done (an error leaves the queue's later work to
+        // finish first: wait for it).
+        for (_, ev) in &work {
+            let _ = ev.wait();
+        }
+        self.runner.give_back(work.into_iter().map(|(s, _)| s).collect());
+        r
+    }
+}
+
+impl Drop for GpuStarted<'_, '_> {
+    fn drop(&mut self) {
+        // Not finished (the caller failed first): the slots' buffers are still the GPU's
+        // until their work is done.
+        let work = std::mem::take(&mut self.work);
+        for (_, ev) in &work {
+            let _ = ev.wait();
+        }
+        self.runner.give_back(work.into_iter().map(|(s, _)| s).collect());
     }
 }
 
 impl PieceRunner for GpuRunner<'_> {
     fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
-        let xs = piece_x(piece, x, self.w.cols)?;
-        let key = (piece.rows.start, piece.rows.end);
-        let mut loaded = self.loaded.lock().map_err(|_| "poisoned")?;
-        if let std::collections::hash_map::Entry::Vacant(e) = loaded.entry(key) {
-            let data = self.w.source_bytes().ok_or_else(|| format!("{}: rows not in memory", self.w.name))?;
-            let hw = HostWeight {
-                role: WeightRole::Up,
-                ty: self.w.ty,
-                rows: self.w.rows,
-                cols: self.w.cols,
-                data,
-                host: None,
-            };
-            e.insert(self.gpu.load_weight(&hw, piece.rows.clone()).map_err(|e| e.to_string())?);
+        let Some(started) = self.start(&[piece], x)? else { return Err("the GPU did not start".into()) };
+        let mut views: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut **o).collect();
+        started.finish(&mut [&mut views])
+    }
+
+    fn start(&self, pieces: &[&Piece], x: &[f32]) -> Result<Option<Box<dyn Started + '_>>, String> {
+        let mut started = Box::new(GpuStarted { runner: self, work: Vec::with_capacity(pieces.len()) });
+        for piece in pieces {
+            let xs = piece_x(piece, x, self.w.cols)?;
+            let slot = self.slot(piece.tokens.len(), &piece.rows)?;
+            let e = |e: llmd_device::DeviceError| e.to_string();
+            let r = self
+                .gpu
+                .write(&slot.x, 0, &crate::backend::f32_bytes(xs), &[])
+                .map_err(e)
+                .and_then(|_| self.gpu.submit(&slot.exe, &slot.bind, &[]).map_err(e));
+            match r {
+                Ok(ev) => started.work.push((slot, ev)),
+                Err(err) => {
+                    self.give_back(vec![slot]);
+                    return Err(err);
+                }
+            }
         }
-        let wt = loaded.get(&key).ok_or("weight")?;
-        let mut tmp = vec![0f32; piece.tokens.len() * piece.rows.len()];
-        check::matmul_loaded(self.gpu, wt, xs, piece.tokens.len(), &mut tmp).map_err(|e| e.to_string())?;
-        place(&tmp, out);
-        Ok(())
+        Ok(Some(started))
     }
 }
 

@@ -164,6 +164,20 @@ fn weight(model: &Transformer, (li, si, pi): (usize, usize, usize)) -> Option<&W
     sites(l).get(si)?.get(pi).copied()
 }
 
+/// The role of the weight at (site, projection) of [`sites`].
+fn role((_, si, pi): (usize, usize, usize)) -> llmd_device::WeightRole {
+    use llmd_device::WeightRole::*;
+    match (si, pi) {
+        (0, 0) => Wq,
+        (0, 1) => Wk,
+        (0, _) => Wv,
+        (1, _) => Wo,
+        (2, 0) => Gate,
+        (2, _) => Up,
+        _ => Down,
+    }
+}
+
 fn projection_name((li, si, pi): (usize, usize, usize)) -> String {
     format!("l{li}_s{si}_p{pi}")
 }
@@ -211,7 +225,8 @@ impl<'a> HeteroLinears<'a> {
             at += n;
             let npu = NpuF16Runner::retrieve(context, &projection_name(p.at), w.cols, p.shapes.iter().cloned(), mine)?;
             let (li, si, _) = p.at;
-            layers[li][si].push(Proj { w, npu, gpu: GpuRunner::new(gpu, w), cuts: p.cuts.clone() });
+            let gpu = GpuRunner::new(gpu, w, role(p.at), model.shape);
+            layers[li][si].push(Proj { w, npu, gpu, cuts: p.cuts.clone() });
         }
         if at != ids.len() {
             return Err(NpuError::Shape {

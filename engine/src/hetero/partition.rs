@@ -237,6 +237,22 @@ pub trait PieceRunner: Sync {
     /// Rows `piece.rows` of `Y` for tokens `piece.tokens`: `x` is all `m` tokens' activations
     /// (`m × k`), `out[i]` the output of token `piece.tokens.start + i`, `piece.rows.len()` long.
     fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String>;
+
+    /// Submits `pieces` to the runner's device and returns at once (the device works while
+    /// the caller runs the other processor's pieces); [`Started::finish`] collects the
+    /// outputs. None: the runner computes on the caller's thread, in [`Self::run`].
+    fn start(&self, _pieces: &[&Piece], _x: &[f32]) -> Result<Option<Box<dyn Started + '_>>, String> {
+        Ok(None)
+    }
+}
+
+/// Pieces a device is computing ([`PieceRunner::start`]).
+pub trait Started {
+    /// Whether the device has finished them (polled by the fast synchronisation).
+    fn done(&self) -> bool;
+    /// Waits for them and writes each piece's output into its views (`outs[i]`: piece `i`'s,
+    /// in the order they were started).
+    fn finish(self: Box<Self>, outs: &mut [&mut Vec<&mut [f32]>]) -> Result<(), String>;
 }
 
 /// The output buffer (`m` rows of `n`) split into each piece's views: per piece, one slice per
@@ -280,8 +296,9 @@ pub fn views<'a>(out: &'a mut [f32], n: usize, pieces: &[Piece]) -> Result<Vec<V
     Ok(per)
 }
 
-/// Runs `cut` of the `m`×`n` matmul of `x` (`m × k`) into `out` (`m × n`): the NPU's pieces on
-/// one thread (in order), the GPU's on another, each writing its rectangles in place.
+/// Runs `cut` of the `m`×`n` matmul of `x` (`m × k`) into `out` (`m × n`): the GPU's pieces
+/// submitted to its queue, the NPU's run on the caller's thread meanwhile (in order), each
+/// writing its rectangles in place.
 pub fn execute(
     cut: &Cut,
     x: &[f32],
@@ -309,10 +326,9 @@ pub fn execute_pieces(
 }
 
 /// [`execute_pieces`] where the caller, its NPU pieces done, waits for the GPU's by HeteroLLM's
-/// fast synchronisation (`sync`: the waiter and predictions, and the operator's key): the GPU's
-/// thread sets a flag and records its completion time when its last piece is written; the
-/// caller sleeps for the operator's predicted remainder and polls the flag. Pieces with more
-/// tokens than their graph are refused.
+/// fast synchronisation (`sync`: the waiter and predictions, and the operator's key): the
+/// caller sleeps for the operator's predicted remainder and polls the GPU's completion. Pieces
+/// with more tokens than their graph are refused.
 #[allow(clippy::too_many_arguments)]
 pub fn execute_synced(
     pieces: &[Piece],
@@ -350,37 +366,31 @@ pub fn execute_synced(
         run(npu, npu_work)?;
         return run(gpu, gpu_work);
     }
-    // The caller runs the NPU's pieces (so QNN is called from the caller's thread only); a
-    // scoped thread the GPU's, and sets the flag the caller then waits on — set whatever
-    // happens to the pieces (a guard), so a failure or a panic there never leaves the caller
-    // polling.
-    struct SetOnDrop<'f>(&'f super::sync::Flag, &'f std::sync::Mutex<Option<std::time::Instant>>);
-    impl Drop for SetOnDrop<'_> {
-        fn drop(&mut self) {
-            if let Ok(mut d) = self.1.lock() {
-                *d = Some(std::time::Instant::now());
-            }
-            self.0.set(1);
+    // The GPU's pieces go to its queue first; the caller then runs the NPU's (so QNN is called
+    // from the caller's thread only) while the GPU computes, and waits for the GPU's by
+    // polling its completion — after the operator's predicted remainder asleep, with `sync`.
+    // No thread is made: the overlap is the device's queue.
+    let submitted = std::time::Instant::now();
+    let gpu_pieces: Vec<&Piece> = gpu_work.iter().map(|(p, _)| *p).collect();
+    let Some(started) = gpu.start(&gpu_pieces, x)? else {
+        // A runner on the host (the tests' references): one after the other.
+        run(npu, npu_work)?;
+        return run(gpu, gpu_work);
+    };
+    let n = run(npu, npu_work);
+    if let Some((fs, key)) = sync {
+        let done = || started.done();
+        // Only a wait that found the GPU still busy sees its completion (≈ when the poll
+        // succeeds); one that found it done knows only an upper bound, and learns nothing.
+        let busy = !done();
+        fs.wait(key, &super::sync::Polled(&done), 1, submitted);
+        if busy {
+            fs.observe(key, submitted.elapsed());
         }
     }
-    let flag = super::sync::Flag::new();
-    let submitted = std::time::Instant::now();
-    let done_at = std::sync::Mutex::new(None);
-    std::thread::scope(|s| {
-        let h = s.spawn(|| {
-            let _set = SetOnDrop(&flag, &done_at);
-            run(gpu, gpu_work)
-        });
-        let n = run(npu, npu_work);
-        if let Some((fs, key)) = sync {
-            fs.wait(key, &flag, 1, submitted);
-            if let Some(t) = done_at.lock().ok().and_then(|d| *d) {
-                fs.observe(key, t.saturating_duration_since(submitted));
-            }
-        }
-        let g = h.join().unwrap_or_else(|_| Err("the GPU's thread panicked".into()));
-        n.and(g)
-    })
+    let mut outs: Vec<&mut Vec<&mut [f32]>> = gpu_work.into_iter().map(|(_, v)| v).collect();
+    let g = started.finish(&mut outs);
+    n.and(g)
 }
 
 /// A reference runner: `Y = X·Wᵀ` over f32 weights (`n × k`), each element summed in f64 in

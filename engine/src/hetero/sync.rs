@@ -47,6 +47,27 @@ impl Flag {
     }
 }
 
+/// What a waiter polls: a [`Flag`] a producer sets, or a device's completion (an event's state).
+pub trait Signal {
+    /// Whether submission `seq` (or a later one) is complete.
+    fn done(&self, seq: u64) -> bool;
+}
+
+impl Signal for Flag {
+    fn done(&self, seq: u64) -> bool {
+        Flag::done(self, seq)
+    }
+}
+
+/// A completion polled through a closure (a device's event: `seq` is not used).
+pub struct Polled<'a>(pub &'a dyn Fn() -> bool);
+
+impl Signal for Polled<'_> {
+    fn done(&self, _seq: u64) -> bool {
+        (self.0)()
+    }
+}
+
 /// What one wait cost.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct WaitStats {
@@ -107,7 +128,7 @@ impl Waiter {
 
     /// Waits for `flag` to reach `seq` for a submission made at `submitted`: sleeps until
     /// `predicted − WAKE_MARGIN − oversleep` after it (if that is still ahead), then polls.
-    pub fn wait(&mut self, flag: &Flag, seq: u64, submitted: Instant, predicted: Option<Duration>) -> WaitStats {
+    pub fn wait(&mut self, flag: &dyn Signal, seq: u64, submitted: Instant, predicted: Option<Duration>) -> WaitStats {
         let mut st = WaitStats::default();
         if let Some(p) = predicted {
             let wake = submitted + p.saturating_sub(WAKE_MARGIN + self.oversleep());
@@ -126,7 +147,7 @@ impl Waiter {
 }
 
 /// One wait by a fresh [`Waiter`] (no learned oversleep).
-pub fn wait_predicted(flag: &Flag, seq: u64, submitted: Instant, predicted: Option<Duration>) -> WaitStats {
+pub fn wait_predicted(flag: &dyn Signal, seq: u64, submitted: Instant, predicted: Option<Duration>) -> WaitStats {
     Waiter::new().wait(flag, seq, submitted, predicted)
 }
 
@@ -157,7 +178,7 @@ pub fn wait_sleeping(
     st
 }
 
-fn poll(flag: &Flag, seq: u64, st: &mut WaitStats) {
+fn poll(flag: &dyn Signal, seq: u64, st: &mut WaitStats) {
     let t0 = Instant::now();
     let mut spins = 0u32;
     loop {
@@ -196,7 +217,7 @@ impl FastSync {
     }
 
     /// Waits for `flag` to reach `seq` for operator `key` submitted at `submitted`.
-    pub fn wait(&self, key: &str, flag: &Flag, seq: u64, submitted: Instant) {
+    pub fn wait(&self, key: &str, flag: &dyn Signal, seq: u64, submitted: Instant) {
         let predicted = self.predictor.lock().ok().and_then(|p| p.predict(key));
         let st = match self.waiter.lock() {
             Ok(mut w) => w.wait(flag, seq, submitted, predicted),
@@ -319,7 +340,7 @@ mod tests {
             }
         });
         for seq in 1..=5_000u64 {
-            let _ = wait_predicted(&flag, seq, Instant::now(), None);
+            let _ = wait_predicted(&*flag, seq, Instant::now(), None);
             for v in data.iter() {
                 assert_eq!(v.load(Ordering::Relaxed), seq);
             }
@@ -357,12 +378,12 @@ mod tests {
             f2.set(1);
         });
         let mut w = Waiter::new();
-        w.wait(&flag, 1, t0, Some(Duration::from_micros(800)));
+        w.wait(&*flag, 1, t0, Some(Duration::from_micros(800)));
         assert!(flag.done(1));
         h.join().unwrap();
         let fs = FastSync::new();
         fs.observe("k", Duration::from_micros(300));
-        fs.wait("k", &flag, 1, Instant::now());
+        fs.wait("k", &*flag, 1, Instant::now());
         assert_eq!(fs.waits.load(Ordering::Relaxed), 1);
     }
 

@@ -51,6 +51,14 @@ impl Transformer {
             SubgraphKind::Ffn => w.layers.get(sg.layer).map_or_else(Vec::new, |l| {
                 vec![(WeightRole::Gate, &l.w_gate), (WeightRole::Up, &l.w_up), (WeightRole::Down, &l.w_down)]
             }),
+            SubgraphKind::Linear(role) => w.layers.get(sg.layer).and_then(|l| l.matrix(role)).map_or_else(
+                || match role {
+                    WeightRole::Output => vec![(role, &w.output)],
+                    WeightRole::TokenEmbd => vec![(role, &w.token_embd)],
+                    _ => Vec::new(),
+                },
+                |m| vec![(role, m)],
+            ),
         }
     }
 
@@ -79,6 +87,7 @@ impl Transformer {
                     v.push((WeightRole::FfnNorm, &l.ffn_norm));
                 }
             }
+            SubgraphKind::Linear(_) => {}
         }
         v
     }
@@ -218,6 +227,11 @@ impl Transformer {
                         p.ffn(&mut st, sg.layer, f, None)?
                     }
                     SubgraphKind::Head => logits = Some(p.head(&st, &w.output_norm, &w.output, which)?),
+                    // A pass is made of whole blocks (`Subgraph::pass`); projections are the
+                    // pieces of a split.
+                    SubgraphKind::Linear(_) => {
+                        return Err(BackendError::Device(format!("{sg:?} in a pass of whole blocks")))
+                    }
                 }
                 continue;
             }
@@ -280,6 +294,7 @@ impl Transformer {
                 seqs: seqs.into(),
                 logit_rows: rows.iter().map(|&r| r as u32).collect(),
                 logits: logit_buf.clone(),
+                y: None,
             };
             let ev = dev.submit(&exe, &bind, &after).map_err(dev_err)?;
             if let Some(lb) = logit_buf {

@@ -26,6 +26,21 @@ pub struct LayerWeights {
 }
 
 impl LayerWeights {
+    /// The matrix of `role`, if the layer has one of it.
+    pub fn matrix(&self, role: llmd_device::WeightRole) -> Option<&WeightMatrix> {
+        use llmd_device::WeightRole::*;
+        Some(match role {
+            Wq => &self.wq,
+            Wk => &self.wk,
+            Wv => &self.wv,
+            Wo => &self.wo,
+            Gate => &self.w_gate,
+            Up => &self.w_up,
+            Down => &self.w_down,
+            _ => return None,
+        })
+    }
+
     /// The layer's weights as its two subgraphs take them.
     pub fn blocks<'a>(&'a self, rope_freqs: Option<&'a [f32]>) -> (AttnWeights<'a>, FfnWeights<'a>) {
         (

@@ -60,6 +60,17 @@ pub fn work(sg: Subgraph, s: &BlockShape, n_tokens: usize, context: usize) -> Wo
         SubgraphKind::Attention => d * (qd + 2.0 * kvd) + qd * d,
         SubgraphKind::Ffn => 3.0 * d * f,
         SubgraphKind::Head => d * v,
+        // A whole projection of its role (a split's pieces are priced by the splitter).
+        SubgraphKind::Linear(role) => {
+            use llmd_device::WeightRole::*;
+            match role {
+                Wq | Wo => d * qd,
+                Wk | Wv => d * kvd,
+                Gate | Up | Down => d * f,
+                Output | TokenEmbd => d * v,
+                _ => d,
+            }
+        }
     };
     let attn = if sg.kind == SubgraphKind::Attention { 2.0 * n * context as f64 * qd } else { 0.0 };
     let macs = if sg.kind == SubgraphKind::Embed { 0.0 } else { n * weights + attn };

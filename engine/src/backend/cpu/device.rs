@@ -130,8 +130,10 @@ impl Device for CpuDevice {
         if weights.len() != roles.len() || weights.iter().zip(&roles).any(|(w, r)| w.role != *r) {
             return Err(self.err(format!("{sg:?} takes the weights {roles:?}")));
         }
-        // A subgraph runs on whole weights; a row range is for a split matmul's own executable.
-        if let Some(w) = weights.iter().find(|w| w.rows.start != 0) {
+        // A block runs on whole weights; a row range is a linear subgraph's (a split matmul's
+        // piece).
+        let whole = !matches!(sg.kind, llmd_device::SubgraphKind::Linear(_));
+        if let Some(w) = weights.iter().find(|w| whole && w.rows.start != 0) {
             return Err(self.err(format!("{sg:?}: {:?} holds rows {:?}, not all of them", w.role, w.rows)));
         }
         let copies = weights
@@ -179,6 +181,13 @@ impl Device for CpuDevice {
         }
         let mut logits = vec![0f32; if bind.logits.is_some() { bind.logit_rows.len() * p.shape.vocab } else { 0 }];
         let weights: Vec<&HostCopy> = p.weights.iter().map(|w| &**w).collect();
+        let mut y = match &bind.y {
+            Some(b) => match &*lock(self.cell(b)?) {
+                Mem::Bytes(b) => vec![0f32; b.len() / 4],
+                Mem::Kv(_) => return Err(self.err("y is a KV buffer")),
+            },
+            None => Vec::new(),
+        };
         let io = HostIo {
             tokens: &bind.tokens,
             positions: &bind.positions,
@@ -187,8 +196,16 @@ impl Device for CpuDevice {
             kv: &mut caches,
             logit_rows: &bind.logit_rows,
             logits: &mut logits,
+            y: &mut y,
         };
         run_subgraph(&self.planner, &p.shape, exe.subgraph, &weights, io).map_err(fail)?;
+        if let Some(b) = &bind.y {
+            if let Mem::Bytes(dst) = &mut *lock(self.cell(b)?) {
+                for (d, v) in dst.chunks_exact_mut(4).zip(&y) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
         drop(caches);
         drop(guards);
         if let Mem::Bytes(b) = &mut *lock(x_cell) {

@@ -102,31 +102,6 @@ pub fn matmul_of_rows(
     down(g, &y, n * out)
 }
 
-/// `y = W·x` for `n` rows of `x` by a weight already loaded on `g` (e.g. a row range of a
-/// matrix, HeteroLLM's GPU share), written into `out` (`n × rows`): the input uploaded, one
-/// kernel, the result read back into `out`.
-pub fn matmul_loaded(g: &GpuDevice, w: &Weight, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), DeviceError> {
-    let gw = inner(g, w)?;
-    if x.len() != n * gw.cols || out.len() != n * gw.rows {
-        return Err(g.err(format!(
-            "matmul {}×{}: {} inputs, {} outputs for {n} rows",
-            gw.rows,
-            gw.cols,
-            x.len(),
-            out.len()
-        )));
-    }
-    let xm = up(g, x)?;
-    let y = g.ctx.buffer(Access::ReadWrite, n * gw.rows * 4).map_err(g.exec())?;
-    g.matmul(gw, &xm, &y, n, false, None)?;
-    let mut b = vec![0u8; n * gw.rows * 4];
-    g.ctx.read(&y, 0, &mut b).map_err(g.exec())?;
-    for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
-        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-    }
-    Ok(())
-}
-
 /// Rows `tokens` of `w`, dequantized.
 pub fn get_rows(g: &GpuDevice, w: &HostWeight<'_>, tokens: &[u32]) -> Result<Vec<f32>, DeviceError> {
     let wt = g.load_weight(w, 0..w.rows)?;

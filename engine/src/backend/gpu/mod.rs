@@ -790,6 +790,20 @@ impl GpuDevice {
         };
         let w = |role: WeightRole| opt(role).ok_or_else(|| self.err(format!("{:?} has no {role:?} weight", p.sg)));
         let x = self.buf(&b.x)?;
+        if let SubgraphKind::Linear(role) = p.sg.kind {
+            let wt = w(role)?;
+            let y = self.buf(b.y.as_ref().ok_or_else(|| self.err("a linear subgraph bound without y"))?)?;
+            if x.len() < n * wt.cols * 4 || y.len() < n * wt.rows * 4 {
+                return Err(self.err(format!(
+                    "a {}×{} linear of {n} rows bound to x of {} bytes and y of {}",
+                    wt.rows,
+                    wt.cols,
+                    x.len(),
+                    y.len()
+                )));
+            }
+            return self.matmul(wt, x, y, n, false, None);
+        }
         if x.len() < n * s.d_model * 4 {
             return Err(self.err(format!("x holds {} bytes, {n} rows need {}", x.len(), n * s.d_model * 4)));
         }
@@ -876,6 +890,7 @@ impl GpuDevice {
                 self.rms_norm(x, h, norm, rows, s.norm_eps, Some(&map))?;
                 self.matmul(out, h, logits, rows, false, None)
             }
+            SubgraphKind::Linear(_) => Err(self.err("a linear subgraph past its own path")),
         }
     }
 

@@ -1,0 +1,221 @@
+//! One test body for every device of the contract: a projection's rows (`Subgraph::linear`,
+//! the piece of a matmul a partitioned plan places on a device) submitted through `Device`
+//! (`load_weight` of a row range, `prepare`, `alloc`, `write`, `submit`, `read`) on the CPU
+//! device and on every OpenCL device and kernel variant here (PoCL; Intel's CPU runtime for the
+//! subgroup and fp16 variants), each against its reference within its named tolerance:
+//! - `CpuDevice`: the engine's own host matmul over the same rows, bit for bit (the same
+//!   kernels on the same bytes);
+//! - an OpenCL device: the f64 sum of the dequantized weights times `x`, relative to Σ|w·x|,
+//!   within `check::MATMUL_REL_TOL` (`FP16_MATMUL_REL_TOL` for the fp16 kernels) — the
+//!   tolerances the GPU's self-check documents.
+//!
+//! The weights are the default model's own (its types and widths), at whole and partial row
+//! ranges and token counts of a decode step, a short and a standard prefill block.
+//! `scripts/test.sh` sets LLMD_REQUIRE_OPENCL / _SUBGROUPS / _FP16: a runtime missing there
+//! fails this test.
+
+mod common;
+
+use llmd_device::{Bindings, BlockShape, BufferUsage, Device, HostWeight, Subgraph, WeightRole};
+use llmd_engine::backend::cpu::device::CpuDevice;
+use llmd_engine::backend::cpu::CpuBackend;
+use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions, MatmulVariant};
+use llmd_engine::backend::weight::WeightMatrix;
+use llmd_engine::backend::Backend;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// What a device's output is held to.
+#[derive(Clone, Copy, Debug)]
+enum Expect {
+    /// Bit for bit the host's own matmul.
+    HostBits,
+    /// Relative to Σ|w·x| against the f64 definition.
+    Within(f64),
+}
+
+fn env_on(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
+}
+
+/// Every device to run the body on: the CPU device, and each OpenCL device and variant.
+fn devices() -> Vec<(String, Arc<dyn Device>, Expect)> {
+    let mut out: Vec<(String, Arc<dyn Device>, Expect)> =
+        vec![("cpu-device".into(), Arc::new(CpuDevice::new(2)), Expect::HostBits)];
+    let mut libraries = vec![None];
+    if let Some(l) = std::env::var_os("LLMD_INTEL_OPENCL_LIB") {
+        libraries.push(Some(std::path::PathBuf::from(l)));
+    }
+    let (mut opened, mut subgroups, mut halves) = (0, 0, 0);
+    // Built programs kept between runs (each is checked against its driver before use).
+    let cache = common::repo_root().join("target/test-cache/opencl");
+    for library in libraries {
+        let devices = match llmd_engine::backend::gpu::list_devices(library.as_deref()) {
+            Ok((_, d)) => d,
+            Err(e) if !env_on("LLMD_REQUIRE_OPENCL") => {
+                eprintln!("no OpenCL devices of {library:?}: {e}");
+                continue;
+            }
+            Err(e) => panic!("LLMD_REQUIRE_OPENCL=1 and {library:?} lists no devices: {e}"),
+        };
+        for (index, info) in devices.iter().enumerate() {
+            // The variant a device of its kind runs by default, and the subgroup and fp16
+            // kernels where it has them (every variant's arithmetic is `gpu_opencl`'s
+            // self-check; this is the contract's path).
+            let plain = if info.kind == "CPU" { MatmulVariant::RowPerItem } else { MatmulVariant::GroupPerRow };
+            let mut variants = vec![(plain, false)];
+            if llmd_engine::backend::gpu::subgroup_lanes(info).is_some() {
+                variants.push((MatmulVariant::Subgroup, false));
+            }
+            if info.has("cl_khr_fp16") {
+                variants.push((plain, true));
+            }
+            for (matmul, fp16) in variants {
+                let opts = GpuOptions {
+                    library: library.clone(),
+                    device: Some(index),
+                    matmul,
+                    fp16: Some(fp16),
+                    cache_dir: Some(cache.clone()),
+                    ..Default::default()
+                };
+                let g = match GpuDevice::open(&opts) {
+                    Ok(g) => g,
+                    Err(e) => panic!("{} ({matmul:?}, fp16 {fp16}) did not open: {e}", info.name),
+                };
+                assert_eq!((g.matmul_variant(), g.fp16()), (matmul, fp16), "{}", info.name);
+                opened += 1;
+                subgroups += usize::from(matmul == MatmulVariant::Subgroup);
+                halves += usize::from(fp16);
+                let tol = if fp16 { check::FP16_MATMUL_REL_TOL } else { check::MATMUL_REL_TOL };
+                let name =
+                    format!("{} / {} ({matmul:?}{})", info.platform, info.name, if fp16 { ", fp16" } else { "" });
+                out.push((name, Arc::new(g), Expect::Within(tol)));
+            }
+        }
+    }
+    if env_on("LLMD_REQUIRE_OPENCL") {
+        assert!(opened > 0, "LLMD_REQUIRE_OPENCL=1 and no OpenCL device opened");
+    }
+    if env_on("LLMD_REQUIRE_SUBGROUPS") {
+        assert!(subgroups > 0, "LLMD_REQUIRE_SUBGROUPS=1 and no device runs the subgroup variant");
+    }
+    if env_on("LLMD_REQUIRE_FP16") {
+        assert!(halves > 0, "LLMD_REQUIRE_FP16=1 and no device runs the fp16 variant");
+    }
+    out
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Rows `rows` of `w` times `m` rows of `x` on `dev`, through the contract.
+fn linear_on(
+    dev: &dyn Device,
+    shape: &BlockShape,
+    role: WeightRole,
+    w: &WeightMatrix,
+    rows: Range<usize>,
+    x: &[f32],
+    m: usize,
+) -> Vec<f32> {
+    let data = w.source_bytes().expect("the model's rows are mapped");
+    let hw = HostWeight { role, ty: w.ty, rows: w.rows, cols: w.cols, data, host: None };
+    let weight = dev.load_weight(&hw, rows.clone()).expect("load_weight");
+    let exe = dev.prepare(Subgraph::linear(0, role), shape, m, &[weight]).expect("prepare");
+    let xb = dev.alloc(BufferUsage::Activations, m * w.cols * 4).expect("alloc x");
+    let yb = dev.alloc(BufferUsage::Activations, m * rows.len() * 4).expect("alloc y");
+    let wrote = dev.write(&xb, 0, &f32_bytes(x), &[]).expect("write");
+    let zeros: Arc<[u32]> = vec![0u32; m].into();
+    let bind = Bindings {
+        x: xb,
+        tokens: zeros.clone(),
+        positions: zeros,
+        seqs: Arc::new([]),
+        logit_rows: Arc::new([]),
+        logits: None,
+        y: Some(yb.clone()),
+    };
+    let ev = dev.submit(&exe, &bind, &[wrote]).expect("submit");
+    let mut raw = vec![0u8; m * rows.len() * 4];
+    dev.read(&yb, 0, &mut raw, &[ev]).expect("read");
+    raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// The host's own matmul over rows `rows` of `w` (a matrix of those rows, as a device that
+/// keeps the host's layout loads it).
+fn host_matmul(cpu: &CpuBackend, w: &WeightMatrix, rows: &Range<usize>, x: &[f32], m: usize) -> Vec<f32> {
+    let rb = w.row_bytes();
+    let data = w.source_bytes().expect("mapped")[rows.start * rb..rows.end * rb].to_vec();
+    let part = WeightMatrix::from_host_bytes("rows", w.ty, rows.len(), w.cols, data).expect("a matrix");
+    let mut y = vec![0f32; m * rows.len()];
+    cpu.matmul(&part, x, m, &mut y).expect("host matmul");
+    y
+}
+
+/// The worst error relative to Σ|w·x| against the f64 definition.
+fn worst_against_definition(w: &WeightMatrix, rows: &Range<usize>, x: &[f32], m: usize, y: &[f32]) -> f64 {
+    let mut row = vec![0f32; w.cols];
+    let mut worst = 0f64;
+    let mut buf = Vec::new();
+    for (j, r) in rows.clone().enumerate() {
+        w.read_row(r, &mut buf).expect("row");
+        llmd_engine::quant::dequantize_row(w.ty, &buf, &mut row).expect("dequantized");
+        for t in 0..m {
+            let (mut sum, mut mag) = (0f64, 0f64);
+            for (a, b) in row.iter().zip(&x[t * w.cols..(t + 1) * w.cols]) {
+                let p = *a as f64 * *b as f64;
+                sum += p;
+                mag += p.abs();
+            }
+            let got = y[t * rows.len() + j] as f64;
+            worst = worst.max((got - sum).abs() / mag.max(1e-30));
+        }
+    }
+    worst
+}
+
+#[test]
+fn a_projections_rows_run_through_the_contract_on_every_device_within_its_tolerance() {
+    let m = common::default_model();
+    let t = &m.transformer;
+    let cpu = CpuBackend::new(2);
+    let l = &t.weights.layers[0];
+    let weights: [(WeightRole, &WeightMatrix); 3] =
+        [(WeightRole::Wq, &l.wq), (WeightRole::Wk, &l.wk), (WeightRole::Down, &l.w_down)];
+    let mut rng = check::Rng(0x11ea_4000);
+    let mut runs = 0;
+    for (name, dev, expect) in devices() {
+        let mut worst = 0f64;
+        for (role, w) in weights {
+            let n = w.rows;
+            for rows in [0..n, 0..n / 2, n / 3..n] {
+                for tokens in [1, 5, 32] {
+                    let x = rng.vec(tokens * w.cols);
+                    let y = linear_on(&*dev, &t.shape, role, w, rows.clone(), &x, tokens);
+                    let at = format!("{name}: {role:?} ({}) rows {rows:?}, {tokens} tokens", w.ty);
+                    match expect {
+                        Expect::HostBits => {
+                            let want = host_matmul(&cpu, w, &rows, &x, tokens);
+                            let (a, b): (Vec<u32>, Vec<u32>) =
+                                (y.iter().map(|v| v.to_bits()).collect(), want.iter().map(|v| v.to_bits()).collect());
+                            assert!(a == b, "{at}: not the host's bits");
+                        }
+                        Expect::Within(tol) => {
+                            let e = worst_against_definition(w, &rows, &x, tokens, &y);
+                            assert!(e <= tol, "{at}: off by {e:.2e}, past {tol:.0e}");
+                            worst = worst.max(e);
+                        }
+                    }
+                    runs += 1;
+                }
+            }
+        }
+        match expect {
+            Expect::HostBits => eprintln!("{name:<70} bit-equal to the host"),
+            Expect::Within(tol) => eprintln!("{name:<70} worst {worst:.2e} (tolerance {tol:.0e})"),
+        }
+    }
+    assert!(runs >= 27, "{runs} runs");
+}
