@@ -12,10 +12,13 @@
 //! `QnnDevice` is `Send`, not `Sync`; its owner (the daemon's NPU thread) makes contexts and
 //! graphs, and graphs may then run from other threads (each is `Send`).
 //!
-//! **Not yet:** `QnnDevice` does not implement the device contract (`llmd_device::Device`):
-//! the contract's subgraphs are whole attention and FFN blocks, and the NPU takes only their
-//! linear groups. That waits for the finer subgraphs ARCHITECTURE.md lists under "Not built
-//! yet".
+//! **Not yet:** `QnnDevice` does not implement the device contract (`llmd_device::Device`),
+//! though the contract now has the subgraph the NPU takes (`SubgraphKind::Linear`, one
+//! projection's rows): a contract executable is a `'static` handle shared between threads,
+//! and `qnn-sys` ties a context to its backend and a graph to its context by lifetimes (a
+//! backend is not `Sync`). The device needs `qnn-sys` handles that own what they use (a graph
+//! keeping its context alive, as an OpenCL kernel keeps its program) — see ARCHITECTURE.md,
+//! "Not built yet".
 
 use crate::error::{NpuError, QnnFailure};
 use std::path::{Path, PathBuf};
