@@ -170,4 +170,7 @@ fn a_prompt_length_without_a_plan_is_composed_from_the_planned_sizes() {
     for (i, (&a, &b)) in cpu.iter().zip(&tf).enumerate() {
         assert!(a == b || cpu_m[i] < NEAR_TIE, "step {i}: CPU {a}, hetero {b}, CPU margin {}", cpu_m[i]);
     }
+    // The GPU keeps buffers for the planned sizes only, not for the count the prompt left over.
+    let kept = l.gpu_kept_counts();
+    assert!(!kept.is_empty() && kept.iter().all(|c| [32, 1].contains(c)), "kept {kept:?}");
 }

@@ -84,6 +84,11 @@ pub struct GpuRunner<'a> {
     /// Idle slots per (tokens, first row, end row): taken by a started piece, given back when
     /// it finishes (a pass may run two pieces of one shape at once).
     slots: Mutex<HashMap<(usize, usize, usize), Vec<Slot>>>,
+    /// The token counts whose slots are kept (a plan's sizes); None: every count's. A piece of
+    /// another count (the tokens a composed pass leaves over, any number below the smallest
+    /// size) gets buffers for its run only, so a long-lived plan does not keep one set per
+    /// prompt length it ever met.
+    keep: Option<Vec<usize>>,
 }
 
 /// One piece shape's executable and buffers on the GPU.
@@ -98,7 +103,22 @@ struct Slot {
 impl<'a> GpuRunner<'a> {
     /// `w` (the weight of `role` in a model of `shape`) on `gpu`.
     pub fn new(gpu: &'a GpuDevice, w: &'a WeightMatrix, role: WeightRole, shape: BlockShape) -> Self {
-        Self { gpu, w, role, shape, loaded: Mutex::new(HashMap::new()), slots: Mutex::new(HashMap::new()) }
+        Self { gpu, w, role, shape, loaded: Mutex::new(HashMap::new()), slots: Mutex::new(HashMap::new()), keep: None }
+    }
+
+    /// The token counts of the slots it keeps idle now.
+    pub fn kept_counts(&self) -> Vec<usize> {
+        let idle = self.slots.lock().map(|s| s.keys().map(|k| k.0).collect::<Vec<_>>()).unwrap_or_default();
+        let mut v = idle;
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Keeps the slots of these token counts only (see [`GpuRunner`]'s `keep`).
+    pub fn keeping(mut self, counts: impl IntoIterator<Item = usize>) -> Self {
+        self.keep = Some(counts.into_iter().collect());
+        self
     }
 
     fn weight(&self, rows: &Range<usize>) -> Result<Weight, String> {
@@ -141,7 +161,9 @@ impl<'a> GpuRunner<'a> {
     fn give_back(&self, slots: Vec<Slot>) {
         if let Ok(mut idle) = self.slots.lock() {
             for s in slots {
-                idle.entry(s.key).or_default().push(s);
+                if self.keep.as_ref().is_none_or(|k| k.contains(&s.key.0)) {
+                    idle.entry(s.key).or_default().push(s);
+                }
             }
         }
     }

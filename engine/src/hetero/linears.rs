@@ -225,7 +225,7 @@ impl<'a> HeteroLinears<'a> {
             at += n;
             let npu = NpuF16Runner::retrieve(context, &projection_name(p.at), w.cols, p.shapes.iter().cloned(), mine)?;
             let (li, si, _) = p.at;
-            let gpu = GpuRunner::new(gpu, w, role(p.at), model.shape);
+            let gpu = GpuRunner::new(gpu, w, role(p.at), model.shape).keeping(p.cuts.keys().copied());
             layers[li][si].push(Proj { w, npu, gpu, cuts: p.cuts.clone() });
         }
         if at != ids.len() {
@@ -235,6 +235,21 @@ impl<'a> HeteroLinears<'a> {
             });
         }
         Ok(Self { layers, stats: HeteroStats::default(), sync: super::sync::FastSync::new() })
+    }
+
+    /// The token counts whose GPU buffers the projections keep between passes (the planned
+    /// sizes; a composed pass's leftover count is not kept).
+    pub fn gpu_kept_counts(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self
+            .layers
+            .iter()
+            .flat_map(|l| l.iter())
+            .flat_map(|s| s.iter())
+            .flat_map(|p| p.gpu.kept_counts())
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 
     /// NPU graphs built in all.
