@@ -25,12 +25,13 @@
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::cpu::sgemm::{sgemm, BLayout};
 use crate::backend::npu::graph::LinearGroup;
+use crate::backend::npu::linears::dequantize;
 use crate::backend::npu::quant::{ActQuant, QuantWeights};
 use crate::backend::npu::shadow::extract;
 use crate::backend::npu::shadow::ShadowWeights;
 use crate::error::{BackendError, NpuError};
 use crate::model::Transformer;
-use crate::prefill::{dequantize, projections, quantized_groups, Calibration, WeightQuant, SITES};
+use crate::prefill::{projections, quantized_groups, Calibration, WeightQuant, SITES};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What pruned sites do with their outliers.

@@ -95,8 +95,8 @@ pub struct GpuRunner<'a> {
 struct Slot {
     key: (usize, usize, usize),
     exe: Executable,
+    /// Its input (`x`) and output (`y`) buffers, bound once.
     bind: Bindings,
-    x: Buffer,
     y: Buffer,
 }
 
@@ -147,7 +147,7 @@ impl<'a> GpuRunner<'a> {
         let y = self.gpu.alloc(BufferUsage::Activations, m * rows.len() * 4).map_err(e)?;
         let zeros: std::sync::Arc<[u32]> = vec![0u32; m].into();
         let bind = Bindings {
-            x: x.clone(),
+            x,
             tokens: zeros.clone(),
             positions: zeros,
             seqs: std::sync::Arc::new([]),
@@ -155,7 +155,7 @@ impl<'a> GpuRunner<'a> {
             logits: None,
             y: Some(y.clone()),
         };
-        Ok(Slot { key, exe, bind, x, y })
+        Ok(Slot { key, exe, bind, y })
     }
 
     fn give_back(&self, slots: Vec<Slot>) {
@@ -237,7 +237,7 @@ impl PieceRunner for GpuRunner<'_> {
             let e = |e: llmd_device::DeviceError| e.to_string();
             let r = self
                 .gpu
-                .write(&slot.x, 0, &crate::backend::f32_bytes(xs), &[])
+                .write(&slot.bind.x, 0, &crate::backend::f32_bytes(xs), &[])
                 .map_err(e)
                 .and_then(|_| self.gpu.submit(&slot.exe, &slot.bind, &[]).map_err(e));
             match r {

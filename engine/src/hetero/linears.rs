@@ -26,6 +26,7 @@ use crate::backend::npu::NpuContext;
 use crate::backend::weight::WeightMatrix;
 use crate::error::{BackendError, NpuError};
 use crate::model::Transformer;
+use llmd_device::WeightRole;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -154,28 +155,22 @@ impl HeteroPlan {
     }
 }
 
-/// A layer's projections by site: QKV, O, gate/up, down.
+/// A layer's projections by site (QKV, O, gate/up, down), by role.
+const SITE_ROLES: [&[WeightRole]; 4] = [
+    &[WeightRole::Wq, WeightRole::Wk, WeightRole::Wv],
+    &[WeightRole::Wo],
+    &[WeightRole::Gate, WeightRole::Up],
+    &[WeightRole::Down],
+];
+
+/// A layer's projections by site.
 fn sites(l: &crate::model::weights::LayerWeights) -> [Vec<&WeightMatrix>; 4] {
-    [vec![&l.wq, &l.wk, &l.wv], vec![&l.wo], vec![&l.w_gate, &l.w_up], vec![&l.w_down]]
+    SITE_ROLES.map(|roles| roles.iter().filter_map(|&r| l.matrix(r)).collect())
 }
 
 fn weight(model: &Transformer, (li, si, pi): (usize, usize, usize)) -> Option<&WeightMatrix> {
     let l = model.weights.layers.get(li)?;
     sites(l).get(si)?.get(pi).copied()
-}
-
-/// The role of the weight at (site, projection) of [`sites`].
-fn role((_, si, pi): (usize, usize, usize)) -> llmd_device::WeightRole {
-    use llmd_device::WeightRole::*;
-    match (si, pi) {
-        (0, 0) => Wq,
-        (0, 1) => Wk,
-        (0, _) => Wv,
-        (1, _) => Wo,
-        (2, 0) => Gate,
-        (2, _) => Up,
-        _ => Down,
-    }
 }
 
 fn projection_name((li, si, pi): (usize, usize, usize)) -> String {
@@ -225,7 +220,8 @@ impl<'a> HeteroLinears<'a> {
             at += n;
             let npu = NpuF16Runner::retrieve(context, &projection_name(p.at), w.cols, p.shapes.iter().cloned(), mine)?;
             let (li, si, _) = p.at;
-            let gpu = GpuRunner::new(gpu, w, role(p.at), model.shape).keeping(p.cuts.keys().copied());
+            let role = SITE_ROLES[si][p.at.2];
+            let gpu = GpuRunner::new(gpu, w, role, model.shape).keeping(p.cuts.keys().copied());
             layers[li][si].push(Proj { w, npu, gpu, cuts: p.cuts.clone() });
         }
         if at != ids.len() {

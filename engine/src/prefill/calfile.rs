@@ -32,7 +32,7 @@ pub fn key(t: &Transformer, tokens: &[u32]) -> u64 {
             Some(b) => eat(&b[..b.len().min(64 << 10)]),
             None => {
                 let mut row = vec![0f32; w.cols];
-                if crate::prefill::dequantize_row(w, 0, &mut row).is_ok() {
+                if crate::backend::npu::linears::dequantize_row(w, 0, &mut row).is_ok() {
                     row.iter().for_each(|v| eat(&v.to_le_bytes()));
                 }
             }

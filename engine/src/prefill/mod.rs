@@ -23,7 +23,7 @@ pub mod calfile;
 use crate::backend::blocks::CaptureSite;
 use crate::backend::npu::device::{NpuContext, QnnDevice};
 use crate::backend::npu::graph::{LinearGroup, Projection};
-pub(crate) use crate::backend::npu::linears::{dequantize, dequantize_row};
+use crate::backend::npu::linears::dequantize;
 pub use crate::backend::npu::linears::{NpuLinears, ShadowSite, ShadowStats};
 use crate::backend::npu::quant::{ActQuant, QuantWeights};
 use crate::backend::npu::shadow::{hot_channels, ColdRows, ShadowWeights};

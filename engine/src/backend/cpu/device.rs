@@ -208,7 +208,9 @@ impl Device for CpuDevice {
         }
         drop(caches);
         drop(guards);
-        if let Mem::Bytes(b) = &mut *lock(x_cell) {
+        // A linear subgraph only reads `x`: nothing to write back.
+        let reads_only = matches!(exe.subgraph.kind, llmd_device::SubgraphKind::Linear(_));
+        if let (false, Mem::Bytes(b)) = (reads_only, &mut *lock(x_cell)) {
             let src: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
             if b.len() == src.len() {
                 b.copy_from_slice(&src);

@@ -196,7 +196,7 @@ pub fn load_or_build_with<'d>(
     };
     let context = device.context()?;
     let ids = build(&context)?;
-    let binary = context.binary()?;
+    let binary = context.0.binary()?;
     // A cache that cannot be written (a read-only or full disk) costs the next start a
     // finalize, not this one its graphs.
     let reason = match write(&path, &Header { key: key.clone(), ids: ids.clone() }, &binary) {

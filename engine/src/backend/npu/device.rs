@@ -152,10 +152,3 @@ impl QnnDevice {
         self.opened.borrow_owner()
     }
 }
-
-impl NpuContext<'_> {
-    /// The context's binary: what the graph cache stores.
-    pub fn binary(&self) -> Result<Vec<u8>, NpuError> {
-        Ok(self.0.binary()?)
-    }
-}

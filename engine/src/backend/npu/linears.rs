@@ -126,14 +126,18 @@ impl<'c> NpuLinears<'c> {
             };
             layers.push(built);
         }
-        Ok(Self {
+        Ok(Self::of_layers(device, layers, chunk))
+    }
+
+    fn of_layers(device: &'c QnnDevice, layers: Vec<[Built<'c>; 4]>, chunk: usize) -> Self {
+        Self {
             chunk,
             layers,
             lib: device.library(),
             executions: AtomicU64::new(0),
             modelled_ns: AtomicU64::new(0),
             shadow: ShadowCounters::default(),
-        })
+        }
     }
 
     /// Wraps graphs already in a context (`cache::graphs`), one per group in layer-major order.
@@ -165,14 +169,7 @@ impl<'c> NpuLinears<'c> {
         // graphs ready: 250 MB with this, 361–369 MB without, 140 MB on the CPU alone; the
         // emulator holds the 106 MB of int8 weights).
         llmd_alloc_sys::release_free_memory();
-        Ok(Self {
-            chunk,
-            layers,
-            lib: device.library(),
-            executions: AtomicU64::new(0),
-            modelled_ns: AtomicU64::new(0),
-            shadow: ShadowCounters::default(),
-        })
+        Ok(Self::of_layers(device, layers, chunk))
     }
 
     /// The graphs of `context` (from [`crate::prefill::prepare`]) for `groups` (flat, layer-major, as `prepare`
