@@ -23,7 +23,7 @@
 use llmd_engine::backend::blocks::Linears;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
 use llmd_engine::backend::npu::cache::CacheOutcome;
-use llmd_engine::backend::npu::{NpuContext, QnnDevice};
+use llmd_engine::backend::npu::QnnDevice;
 use llmd_engine::hetero::linears::{even_cut, solver_cut, HeteroLinears, HeteroPlan};
 use llmd_engine::hetero::solver::Op;
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
@@ -37,21 +37,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// Jobs whose spans `dump` lists.
 pub const RECENT_JOBS: usize = 64;
 
-type LinearsOf<'c> = NpuLinears<'c>;
-
-self_cell::self_cell!(
-    /// A model's finalized QNN context and the graphs in it.
-    struct Graphs<'b> {
-        owner: NpuContext<'b>,
-        #[not_covariant]
-        dependent: LinearsOf,
-    }
-);
-
-/// What a model's hetero graphs borrow: the QNN context they are built in, the model whose
-/// weights they hold, the GPU that takes the other rows.
-struct HeteroOwner<'b> {
-    context: NpuContext<'b>,
+/// What a model's hetero graphs borrow: the model whose weights they hold, the GPU that takes
+/// the other rows (their NPU graphs own their QNN context).
+struct HeteroOwner {
     model: Arc<Model>,
     gpu: Arc<GpuDevice>,
 }
@@ -60,17 +48,17 @@ type HeteroOf<'a> = HeteroLinears<'a>;
 
 self_cell::self_cell!(
     /// A model's HeteroLLM plan: fp16 graphs in a context of their own, GPU row ranges.
-    struct HeteroGraphs<'b> {
-        owner: HeteroOwner<'b>,
+    struct HeteroGraphs {
+        owner: HeteroOwner,
         #[not_covariant]
         dependent: HeteroOf,
     }
 );
 
 /// A model's prepared NPU work: llm.npu's INT8 graphs or HeteroLLM's plan.
-enum Prepared<'b> {
-    Int8(Graphs<'b>),
-    Hetero(HeteroGraphs<'b>),
+enum Prepared {
+    Int8(NpuLinears),
+    Hetero(HeteroGraphs),
 }
 
 /// The `[hetero]` settings the thread needs (`backend = "hetero"`).
@@ -544,16 +532,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// A model's graphs on the NPU thread.
-struct Resident<'b> {
+struct Resident {
     key: usize,
     model: Weak<Model>,
-    graphs: Prepared<'b>,
+    graphs: Prepared,
 }
 
-impl Prepared<'_> {
+impl Prepared {
     fn count(&self) -> usize {
         match self {
-            Prepared::Int8(g) => g.with_dependent(|_, l| l.graph_names().len()),
+            Prepared::Int8(l) => l.graph_names().len(),
             Prepared::Hetero(g) => g.with_dependent(|_, l| l.npu_graphs()),
         }
     }
@@ -600,7 +588,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
     };
     tracing::info!(provider = %provider, library = %path.display(), hetero = gpu.is_some(), "NPU serving");
     lock(status).state = State::Serving { provider, library: path.clone(), build_id };
-    let mut resident: Vec<Resident<'_>> = Vec::new();
+    let mut resident: Vec<Resident> = Vec::new();
     loop {
         let msg = match rx.recv_timeout(Duration::from_secs(1)) {
             Ok(m) => Some(m),
@@ -649,7 +637,8 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 let r = resident.iter().find(|r| r.key == key && r.model.strong_count() > 0);
                 // A job that panics loses only itself (its own guard reports it).
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match r.map(|r| (r, &r.graphs)) {
-                    Some((r, Prepared::Int8(graphs))) => graphs.with_dependent(|_, l| {
+                    Some((r, Prepared::Int8(l))) => {
+                        let l: &NpuLinears = l;
                         let before = l.stats().1;
                         job(Ok(l as &dyn Linears));
                         // The job's span is the last one recorded: give it its modelled time.
@@ -661,7 +650,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                             span.modelled_ns = modelled;
                         }
                         s.shadow = Some((name, l.shadow_stats()));
-                    }),
+                    }
                     Some((r, Prepared::Hetero(graphs))) => graphs.with_dependent(|_, l| {
                         job(Ok(l as &dyn Linears));
                         let name = r.model.upgrade().map(|m| m.name.clone()).unwrap_or_default();
@@ -692,13 +681,13 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
 /// token, the NPU's fp16 graphs in a context of their own — loaded from the NPU's graph cache
 /// (`cache_dir`, the same cache as the INT8 graphs', keyed by the library, chip, plan and
 /// weights) when a sound one is there, else built, finalized and stored.
-fn prepare_hetero<'b>(
-    device: &'b QnnDevice,
+fn prepare_hetero(
+    device: &QnnDevice,
     settings: &Settings,
     h: &HeteroSettings,
     gpu: &Arc<GpuDevice>,
     model: &Arc<Model>,
-) -> Result<(Prepared<'b>, String), String> {
+) -> Result<(Prepared, String), String> {
     let mut counts = h.sizes.clone();
     counts.push(1);
     let plan = |op: &Op| match h.plan {
@@ -731,9 +720,9 @@ fn prepare_hetero<'b>(
             (c, ids, None)
         }
     };
-    let owner = HeteroOwner { context, model: model.clone(), gpu: gpu.clone() };
+    let owner = HeteroOwner { model: model.clone(), gpu: gpu.clone() };
     let graphs = HeteroGraphs::try_new(owner, |o| {
-        HeteroLinears::from_context(&o.model.transformer, &o.context, &o.gpu, &planned, &ids)
+        HeteroLinears::from_context(&o.model.transformer, &context, &o.gpu, &planned, &ids)
     })
     .map_err(|e| e.to_string())?;
     let mut how =
@@ -758,7 +747,7 @@ fn prepare_hetero<'b>(
 }
 
 /// Calibrates `model`, requantizes it, and loads its graphs from the cache or builds them.
-fn prepare<'b>(device: &'b QnnDevice, s: &Settings, model: &Model) -> Result<(Graphs<'b>, String), String> {
+fn prepare(device: &QnnDevice, s: &Settings, model: &Model) -> Result<(NpuLinears, String), String> {
     let text = match &s.calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("calibration text {}: {e}", f.display()))?,
         None => CALIBRATION_TEXT.to_owned(),
@@ -777,11 +766,7 @@ fn prepare<'b>(device: &'b QnnDevice, s: &Settings, model: &Model) -> Result<(Gr
         ),
         CacheOutcome::Built { reason } => format!("built and finalized ({reason})"),
     };
-    let graphs = Graphs::try_new(context, |c| {
-        let mut n = NpuLinears::from_context(device, c, groups, &ids, s.chunk)?;
-        n.set_shadow(shadow)?;
-        Ok::<_, llmd_engine::error::NpuError>(n)
-    })
-    .map_err(|e| e.to_string())?;
+    let mut graphs = NpuLinears::from_context(&context, groups, &ids, s.chunk).map_err(|e| e.to_string())?;
+    graphs.set_shadow(shadow).map_err(|e| e.to_string())?;
     Ok((graphs, how))
 }

@@ -1154,7 +1154,7 @@ fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
     let cal = m.tokenizer.encode(CALIBRATION_TEXT, false, false).expect("calibration tokens");
     let q = prefill::NpuQuant::default();
     let p = prefill::prepare(&device, &m.transformer, &cal, NPU_CHUNK, &q, None).expect("graphs");
-    let mut npu = NpuLinears::from_context(&device, &p.context, p.groups, &p.ids, NPU_CHUNK).expect("linears");
+    let mut npu = NpuLinears::from_context(&p.context, p.groups, &p.ids, NPU_CHUNK).expect("linears");
     npu.set_shadow(p.shadow).expect("shadow sites");
     greedy_ids(&m, prompt, max_tokens, Some((&npu, NPU_CHUNK)))
 }

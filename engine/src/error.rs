@@ -164,6 +164,9 @@ pub enum NpuError {
     /// The HTP backend or its device did not start.
     #[error("NPU library {path}: the HTP backend did not start: {reason}")]
     BackendStart { path: std::path::PathBuf, reason: String },
+    /// A thread panicked while it held the NPU backend's lock; the device is unusable.
+    #[error("NPU backend: a thread failed while using it; reload the NPU")]
+    Poisoned,
     #[error(transparent)]
     Qnn(QnnFailure),
 }

@@ -1,13 +1,16 @@
 //! One test body for every device of the contract: a projection's rows (`Subgraph::linear`,
 //! the piece of a matmul a partitioned plan places on a device) submitted through `Device`
 //! (`load_weight` of a row range, `prepare`, `alloc`, `write`, `submit`, `read`) on the CPU
-//! device and on every OpenCL device and kernel variant here (PoCL; Intel's CPU runtime for the
-//! subgroup and fp16 variants), each against its reference within its named tolerance:
+//! device, on every OpenCL device and kernel variant here (PoCL; Intel's CPU runtime for the
+//! subgroup and fp16 variants) and on the NPU (`QnnDevice`: llmd's emulator provider and
+//! Qualcomm's x86-64 HTP library), each against its reference within its named tolerance:
 //! - `CpuDevice`: the engine's own host matmul over the same rows, bit for bit (the same
 //!   kernels on the same bytes);
 //! - an OpenCL device: the f64 sum of the dequantized weights times `x`, relative to Σ|w·x|,
 //!   within `check::MATMUL_REL_TOL` (`FP16_MATMUL_REL_TOL` for the fp16 kernels) — the
-//!   tolerances the GPU's self-check documents.
+//!   tolerances the GPU's self-check documents;
+//! - a QNN device: the same definition within `contract::F16_LINEAR_REL_TOL` (fp16 operands
+//!   and output, as the GPU's fp16 kernels).
 //!
 //! The weights are the default model's own (its types and widths), at whole and partial row
 //! ranges and token counts of a decode step, a short and a standard prefill block.
@@ -20,10 +23,17 @@ use llmd_device::{Bindings, BlockShape, BufferUsage, Device, HostWeight, Subgrap
 use llmd_engine::backend::cpu::device::CpuDevice;
 use llmd_engine::backend::cpu::CpuBackend;
 use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions, MatmulVariant};
+use llmd_engine::backend::npu::contract::F16_LINEAR_REL_TOL;
+use llmd_engine::backend::npu::QnnDevice;
 use llmd_engine::backend::weight::WeightMatrix;
 use llmd_engine::backend::Backend;
 use std::ops::Range;
 use std::sync::Arc;
+
+/// QNN's SoC model of the Snapdragon 8 Gen 3 (the chip the NPU's graphs are built for).
+const SM8650: u32 = 57;
+/// The token counts the body runs: a decode step, a short and a standard prefill block.
+const TOKEN_COUNTS: [usize; 3] = [1, 5, 32];
 
 /// What a device's output is held to.
 #[derive(Clone, Copy, Debug)]
@@ -93,6 +103,14 @@ fn devices() -> Vec<(String, Arc<dyn Device>, Expect)> {
                 out.push((name, Arc::new(g), Expect::Within(tol)));
             }
         }
+    }
+    // The NPU: the emulator provider and Qualcomm's library, each with graphs for the token
+    // counts the body runs (an NPU graph is static).
+    for (what, path) in [("emulator", common::emulator_library()), ("Qualcomm's HTP", common::htp_library())] {
+        let dev = QnnDevice::open(&path, SM8650)
+            .unwrap_or_else(|e| panic!("the {what} library did not open: {e}"))
+            .with_token_counts(&TOKEN_COUNTS);
+        out.push((format!("{} [{what}]", dev.desc().name), Arc::new(dev), Expect::Within(F16_LINEAR_REL_TOL)));
     }
     if env_on("LLMD_REQUIRE_OPENCL") {
         assert!(opened > 0, "LLMD_REQUIRE_OPENCL=1 and no OpenCL device opened");
@@ -191,7 +209,7 @@ fn a_projections_rows_run_through_the_contract_on_every_device_within_its_tolera
         for (role, w) in weights {
             let n = w.rows;
             for rows in [0..n, 0..n / 2, n / 3..n] {
-                for tokens in [1, 5, 32] {
+                for tokens in TOKEN_COUNTS {
                     let x = rng.vec(tokens * w.cols);
                     let y = linear_on(&*dev, &t.shape, role, w, rows.clone(), &x, tokens);
                     let at = format!("{name}: {role:?} ({}) rows {rows:?}, {tokens} tokens", w.ty);
@@ -217,5 +235,5 @@ fn a_projections_rows_run_through_the_contract_on_every_device_within_its_tolera
             Expect::Within(tol) => eprintln!("{name:<70} worst {worst:.2e} (tolerance {tol:.0e})"),
         }
     }
-    assert!(runs >= 27, "{runs} runs");
+    assert!(runs >= 27 * 3, "{runs} runs: the CPU, an OpenCL device and the NPU at least");
 }

@@ -178,7 +178,7 @@ fn npu_shapes(c: &Case, cuts: &[Cut]) -> Vec<(usize, std::ops::Range<usize>)> {
 }
 
 /// The NPU standing in for the GPU: a piece run in a graph of exactly its token count.
-struct Exact<'a>(&'a NpuF16Runner<'a>);
+struct Exact<'a>(&'a NpuF16Runner);
 
 impl PieceRunner for Exact<'_> {
     fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {

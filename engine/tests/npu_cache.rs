@@ -34,7 +34,7 @@ fn scratch(name: &str) -> PathBuf {
 
 /// One chunk of every group on the context's graphs, as output codes.
 fn outputs(
-    context: &llmd_engine::backend::npu::NpuContext<'_>,
+    context: &llmd_engine::backend::npu::NpuContext,
     groups: &[LinearGroup],
     ids: &[(u32, Vec<u32>)],
 ) -> Vec<Vec<u16>> {

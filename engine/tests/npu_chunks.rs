@@ -24,17 +24,16 @@ const LOGIT_REL_TOL: f32 = 0.0;
 const KV_REL_TOL: f32 = 0.0;
 
 /// The groups' graphs at `rows` rows in `ctx`, with shadow execution where `sites` says.
-fn build<'c>(
-    device: &'c llmd_engine::backend::npu::QnnDevice,
-    ctx: &'c llmd_engine::backend::npu::NpuContext<'_>,
+fn build(
+    ctx: &llmd_engine::backend::npu::NpuContext,
     rows: usize,
     groups: Vec<[llmd_engine::backend::npu::graph::LinearGroup; 4]>,
     flat: &[llmd_engine::backend::npu::graph::LinearGroup],
     cal: &llmd_engine::prefill::Calibration,
     sites: &[[bool; 4]],
-) -> NpuLinears<'c> {
+) -> NpuLinears {
     let m = common::default_model();
-    let mut n = NpuLinears::build(device, ctx, groups, rows).expect("graphs");
+    let mut n = NpuLinears::build(ctx, groups, rows).expect("graphs");
     let sh = shadow_sites(&m.transformer, flat, cal, sites, &ShadowConfig::default(), None).expect("shadow");
     n.set_shadow(sh).expect("set");
     n
@@ -58,7 +57,7 @@ fn chunked_prefill_equals_one_pass_for_random_lengths_and_chunk_sizes() {
     let device =
         llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
     let ctx_whole = device.context().expect("context");
-    let whole = build(&device, &ctx_whole, WHOLE, groups.clone(), &flat, &cal, &sites);
+    let whole = build(&ctx_whole, WHOLE, groups.clone(), &flat, &cal, &sites);
     // A prompt of ordinary text, cut at random lengths (seeded).
     let text = m
         .tokenizer
@@ -81,7 +80,7 @@ fn chunked_prefill_equals_one_pass_for_random_lengths_and_chunk_sizes() {
     let mut worst = (0f32, 0f32);
     for chunk in [16usize, 32, 64] {
         let ctx = device.context().expect("context");
-        let chunked = build(&device, &ctx, chunk, groups.clone(), &flat, &cal, &sites);
+        let chunked = build(&ctx, chunk, groups.clone(), &flat, &cal, &sites);
         for _ in 0..2 {
             let p = 1 + next(text.len().min(WHOLE));
             let prompt = &text[..p];

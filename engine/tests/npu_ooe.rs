@@ -31,7 +31,7 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
     let device =
         llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
     let ctx = device.context().expect("context");
-    let mut npu = NpuLinears::build(&device, &ctx, groups, CHUNK).expect("graphs");
+    let mut npu = NpuLinears::build(&ctx, groups, CHUNK).expect("graphs");
     npu.set_shadow(shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("shadow"))
         .expect("set");
     // Four chunks, the last one short; after a turn already in the cache.

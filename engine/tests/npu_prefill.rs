@@ -109,7 +109,7 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
         let device = llmd_engine::backend::npu::QnnDevice::open(&path, SM8650).expect("the QNN library opens");
         let context = device.context().expect("context");
         let t = std::time::Instant::now();
-        let mut npu = NpuLinears::build(&device, &context, groups.clone(), CHUNK).expect("graphs build");
+        let mut npu = NpuLinears::build(&context, groups.clone(), CHUNK).expect("graphs build");
         let shadow = shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("shadow");
         npu.set_shadow(shadow).expect("shadow sites");
         let built = t.elapsed().as_secs_f64();

@@ -201,3 +201,41 @@ fn opening_a_qnn_library_names_the_step_that_failed() {
         assert!(listed.contains(d.provider()), "{listed:?}");
     }
 }
+
+#[test]
+fn the_npu_device_refuses_what_it_cannot_run_with_a_typed_error() {
+    use llmd_device::{BufferUsage, Device, DeviceError, GgmlType, HostWeight, Subgraph, WeightRole};
+    let m = common::default_model();
+    let shape = m.transformer.shape;
+    let npu = QnnDevice::open(&common::emulator_library(), SM8650).expect("opens").with_token_counts(&[1, 32]);
+    assert!(npu.desc().static_shapes.allows(32) && !npu.desc().static_shapes.allows(33));
+    let cpu = llmd_engine::backend::cpu::device::CpuDevice::new(1);
+    let wq = &m.transformer.weights.layers[0].wq;
+    let data = wq.source_bytes().expect("mapped");
+    let hw = HostWeight { role: WeightRole::Wq, ty: wq.ty, rows: wq.rows, cols: wq.cols, data, host: None };
+    let w = npu.load_weight(&hw, 0..64).expect("loads a row range");
+    let unsupported = |e: DeviceError| matches!(e, DeviceError::Unsupported { .. });
+    let invalid = |e: DeviceError| matches!(e, DeviceError::Invalid { .. });
+    // Not a graph kind it takes, not a static token count, the wrong weight, no KV caches.
+    assert!(unsupported(npu.prepare(Subgraph::ffn(0), &shape, 32, std::slice::from_ref(&w)).expect_err("refused")));
+    assert!(unsupported(
+        npu.prepare(Subgraph::linear(0, WeightRole::Wq), &shape, 33, std::slice::from_ref(&w)).expect_err("refused")
+    ));
+    assert!(invalid(
+        npu.prepare(Subgraph::linear(0, WeightRole::Wk), &shape, 32, std::slice::from_ref(&w)).expect_err("refused")
+    ));
+    assert!(invalid(npu.prepare(Subgraph::linear(0, WeightRole::Wq), &shape, 32, &[]).expect_err("refused")));
+    assert!(unsupported(npu.alloc(BufferUsage::Kv, 64).expect_err("refused")));
+    // A weight's bytes that do not hold its shape, a handle of another device, a range past a
+    // buffer's end.
+    let short = HostWeight { data: &data[..10], ..hw };
+    assert!(invalid(npu.load_weight(&short, 0..1).expect_err("refused")));
+    let wrong_type = HostWeight { ty: GgmlType::F32, ..hw };
+    assert!(invalid(npu.load_weight(&wrong_type, 0..1).expect_err("refused")));
+    let theirs = cpu.alloc(BufferUsage::Activations, 16).expect("alloc");
+    assert!(invalid(npu.write(&theirs, 0, &[0; 4], &[]).expect_err("refused")));
+    let mine = npu.alloc(BufferUsage::Activations, 16).expect("alloc");
+    assert!(invalid(npu.write(&mine, 14, &[0; 4], &[]).expect_err("refused")));
+    let cpu_w = cpu.load_weight(&hw, 0..64).expect("cpu loads");
+    assert!(invalid(npu.prepare(Subgraph::linear(0, WeightRole::Wq), &shape, 32, &[cpu_w]).expect_err("refused")));
+}

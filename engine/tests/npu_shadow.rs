@@ -66,8 +66,8 @@ fn shadow_with_an_infinite_threshold_is_plain_w8a8_bit_for_bit() {
     let device =
         llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
     let (c1, c2) = (device.context().expect("context"), device.context().expect("context"));
-    let plain = NpuLinears::build(&device, &c1, groups.clone(), CHUNK).expect("graphs");
-    let mut shadow = NpuLinears::build(&device, &c2, groups, CHUNK).expect("graphs");
+    let plain = NpuLinears::build(&c1, groups.clone(), CHUNK).expect("graphs");
+    let mut shadow = NpuLinears::build(&c2, groups, CHUNK).expect("graphs");
     let config = ShadowConfig { recompute_saturated: false, ..Default::default() };
     shadow.set_shadow(shadow_sites(&m.transformer, &flat, &cal, &all, &config, None).expect("sites")).expect("set");
     let mut seed = 1;
@@ -99,8 +99,8 @@ fn shadow_adds_the_float_product_of_the_extracted_outliers() {
     let device =
         llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
     let (c1, c2) = (device.context().expect("context"), device.context().expect("context"));
-    let plain = NpuLinears::build(&device, &c1, groups.clone(), CHUNK).expect("graphs");
-    let mut shadow = NpuLinears::build(&device, &c2, groups, CHUNK).expect("graphs");
+    let plain = NpuLinears::build(&c1, groups.clone(), CHUNK).expect("graphs");
+    let mut shadow = NpuLinears::build(&c2, groups, CHUNK).expect("graphs");
     let config = ShadowConfig { recompute_saturated: false, ..Default::default() };
     shadow.set_shadow(shadow_sites(&m.transformer, &flat, &cal, &all, &config, None).expect("sites")).expect("set");
     let mut seed = 2;
@@ -165,7 +165,7 @@ fn an_output_the_npu_saturated_is_recomputed_in_float() {
     let device =
         llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
     let context = device.context().expect("context");
-    let mut shadow = NpuLinears::build(&device, &context, groups, CHUNK).expect("graphs");
+    let mut shadow = NpuLinears::build(&context, groups, CHUNK).expect("graphs");
     shadow
         .set_shadow(shadow_sites(&m.transformer, &flat, &cal, &all, &ShadowConfig::default(), None).expect("sites"))
         .expect("set");

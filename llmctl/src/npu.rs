@@ -7,7 +7,7 @@ use llmd_engine::backend::npu::graph::{build_linear_group, run_linear_group, Lin
 use llmd_engine::backend::npu::quant::{ActQuant, QuantWeights};
 use llmd_engine::backend::npu::QnnDevice;
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Where the work runs besides the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -102,15 +102,11 @@ pub fn cache_dir(args: &NpuArgs) -> Option<PathBuf> {
 
 /// The library at `path` opened for chip `soc`: llmctl is a one-shot process, so the device
 /// and the context its graphs live in stay until it exits.
-fn open(path: &Path, soc: u32) -> Result<&'static QnnDevice, String> {
-    Ok(Box::leak(Box::new(QnnDevice::open(path, soc).map_err(|e| e.to_string())?)))
-}
-
 /// The NPU prefill for `model`: the library opened, the model calibrated and quantized, its
 /// graphs loaded from the cache or built. Prints what it did on standard error.
-pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears<'static>, usize), String> {
+pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears, usize), String> {
     let path = library_path(args)?;
-    let device = open(&path, args.soc)?;
+    let device = &QnnDevice::open(&path, args.soc).map_err(|e| e.to_string())?;
     let text = match &args.calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
         None => CALIBRATION_TEXT.to_owned(),
@@ -125,8 +121,7 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
     let prefill::PreparedNpu { context, groups, ids, shadow, report: p } =
         prefill::prepare(device, &model.transformer, &tokens, chunk, &q, dir.as_deref())
             .map_err(|e| format!("preparing the NPU graphs: {e}"))?;
-    let context: &'static _ = Box::leak(Box::new(context));
-    let mut npu = NpuLinears::from_context(device, context, groups, &ids, chunk).map_err(|e| e.to_string())?;
+    let mut npu = NpuLinears::from_context(&context, groups, &ids, chunk).map_err(|e| e.to_string())?;
     npu.set_shadow(shadow).map_err(|e| e.to_string())?;
     let provider = &device.provider().name;
     let how = match &p.cache {
@@ -154,7 +149,7 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
 }
 
 /// One line on shadow execution's work so far (for the end of a run).
-pub fn shadow_summary(npu: &NpuLinears<'_>) -> String {
+pub fn shadow_summary(npu: &NpuLinears) -> String {
     let s = npu.shadow_stats();
     format!(
         "shadow execution: {} of {} sites; {} of {} chunk runs found outliers ({} values, {} channel rows); {} saturated outputs recomputed; weight rows: {} hot (in memory), {} cold read ({:.1} KB); {:.1} MB of {:.1} MB held in memory",

@@ -265,7 +265,7 @@ pub fn f16_rows(w: &WeightMatrix, rows: Range<usize>) -> Result<Vec<u16>, String
     Ok(out)
 }
 
-impl PieceRunner for NpuF16Runner<'_> {
+impl PieceRunner for NpuF16Runner {
     fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
         let m = piece.graph.unwrap_or(piece.tokens.len());
         let xs = piece_x(piece, x, self.k)?;

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// One projection: its weight, its processors, and its cut per token count.
 struct Proj<'a> {
     w: &'a WeightMatrix,
-    npu: NpuF16Runner<'a>,
+    npu: NpuF16Runner,
     gpu: GpuRunner<'a>,
     cuts: HashMap<usize, Cut>,
 }
@@ -138,7 +138,7 @@ impl HeteroPlan {
 
     /// Builds and finalizes every NPU graph of the plan in `context`, returning their tensor
     /// ids in the order [`HeteroLinears::from_context`] retrieves them.
-    pub fn build_graphs(&self, model: &Transformer, context: &NpuContext<'_>) -> Result<GraphIds, NpuError> {
+    pub fn build_graphs(&self, model: &Transformer, context: &NpuContext) -> Result<GraphIds, NpuError> {
         let mut ids = Vec::new();
         for p in self.projs.iter().filter(|p| !p.shapes.is_empty()) {
             let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
@@ -189,7 +189,7 @@ impl<'a> HeteroLinears<'a> {
     /// row ranges lazily on `gpu`.
     pub fn build(
         model: &'a Transformer,
-        context: &'a NpuContext<'_>,
+        context: &NpuContext,
         gpu: &'a GpuDevice,
         token_counts: &[usize],
         plan: &dyn Fn(&Op) -> Cut,
@@ -203,7 +203,7 @@ impl<'a> HeteroLinears<'a> {
     /// ([`HeteroPlan::build_graphs`]) or loaded from the graph cache — by their tensor ids.
     pub fn from_context(
         model: &'a Transformer,
-        context: &'a NpuContext<'_>,
+        context: &NpuContext,
         gpu: &'a GpuDevice,
         plan: &HeteroPlan,
         ids: &[(u32, Vec<u32>)],

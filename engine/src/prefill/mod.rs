@@ -597,8 +597,8 @@ impl Default for NpuQuant {
 /// A prepared NPU path: the context holding its graphs, the groups (with their int8 weights,
 /// until [`NpuLinears::from_context`] takes them), the graphs' tensor ids, the shadow sites for
 /// [`NpuLinears::set_shadow`], and what preparing did.
-pub struct PreparedNpu<'d> {
-    pub context: NpuContext<'d>,
+pub struct PreparedNpu {
+    pub context: NpuContext,
     pub groups: Vec<LinearGroup>,
     pub ids: crate::backend::npu::cache::GraphIds,
     pub shadow: Vec<Option<ShadowSite>>,
@@ -610,14 +610,14 @@ pub struct PreparedNpu<'d> {
 /// file when a sound one is there, else built, finalized and stored there (no cache without a
 /// directory), and its shadow sites' weights (cold rows in a file beside the cache file).
 #[allow(clippy::too_many_arguments)]
-pub fn prepare<'d>(
-    device: &'d QnnDevice,
+pub fn prepare(
+    device: &QnnDevice,
     t: &Transformer,
     calibration: &[u32],
     chunk: usize,
     q: &NpuQuant,
     cache_dir: Option<&std::path::Path>,
-) -> Result<PreparedNpu<'d>, EngineError> {
+) -> Result<PreparedNpu, EngineError> {
     let t0 = std::time::Instant::now();
     let (cal, calibration_cached) =
         calfile::load_or_calibrate(cache_dir, t, calibration, || calibrate(t, calibration))?;

@@ -74,7 +74,7 @@ fn figures_json(f: &Figures) -> serde_json::Map<String, Value> {
 fn ours_prefill(
     model: &Model,
     tokens: &[u32],
-    npu: Option<&(llmd_engine::prefill::NpuLinears<'static>, usize)>,
+    npu: Option<&(llmd_engine::prefill::NpuLinears, usize)>,
 ) -> Result<(f64, f64), String> {
     let mut kv = model.transformer.new_kv();
     let modelled_before = npu.map_or(0, |(l, _)| l.stats().1);

@@ -17,6 +17,10 @@
 //! | 4%  | reconnect: the connection and both sessions are dropped and opened again |
 //! | 8%  | a client killed mid-stream: a child `llmctl run` is SIGKILLed after its first tokens |
 //!
+//! Before their sequences, the clients' first steps take every action once between them (a
+//! tour: client `i`'s step `j` is action `i + j · clients` of the table, while that is one), so a
+//! soak as short as CI's — a few steps per client on a busy machine — still exercises each.
+//!
 //! A request whose `generate` call was accepted must end with exactly one terminal callback
 //! (`onCompleted` or `onError`): none within [`REQUEST_TIMEOUT`] is *lost*, a second one (found by
 //! draining every request's callback channel at the end) is *duplicated*. A refused call is an
@@ -85,6 +89,25 @@ impl Action {
             Action::Reconnect => "reconnect",
             Action::Kill => "kill",
         }
+    }
+
+    /// Every action, in the table's order (the clients' tour).
+    const ALL: [Action; 8] = [
+        Action::Short,
+        Action::Chat,
+        Action::Long,
+        Action::Cancel,
+        Action::Invalid,
+        Action::Churn,
+        Action::Reconnect,
+        Action::Kill,
+    ];
+
+    /// Client `i`'s step `k` (from 1) of `clients`: its part of the tour, then its sequence's
+    /// roll (`roll` is drawn either way, so the sequence is the same whatever the tour).
+    fn step(i: u64, k: u64, clients: u64, roll: u64) -> Self {
+        let tour = i + (k - 1) * clients.max(1);
+        usize::try_from(tour).ok().and_then(|t| Self::ALL.get(t).copied()).unwrap_or_else(|| Self::pick(roll))
     }
 
     /// The share table of the module doc, on a roll in 0..100.
@@ -404,7 +427,13 @@ struct ClientReport {
     failures: Vec<String>,
 }
 
-fn client_loop(target: &Target, i: u64, start: Instant, stop_at: Instant, answered: &AtomicUsize) -> ClientReport {
+fn client_loop(
+    target: &Target,
+    (i, clients): (u64, u64),
+    start: Instant,
+    stop_at: Instant,
+    answered: &AtomicUsize,
+) -> ClientReport {
     let mut rep = ClientReport::default();
     let mut rng = Rng(0x11D_50A4 ^ (i + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
     let mut c = match SoakClient::new(target) {
@@ -417,7 +446,7 @@ fn client_loop(target: &Target, i: u64, start: Instant, stop_at: Instant, answer
     let mut k = 0u64;
     while Instant::now() < stop_at {
         k += 1;
-        let action = Action::pick(rng.below(100));
+        let action = Action::step(i, k, clients, rng.below(100));
         *rep.counts.entry(action).or_default() += 1;
         let step = match action {
             Action::Short | Action::Long | Action::Invalid | Action::Cancel => {
@@ -547,7 +576,8 @@ pub fn run(
         let hs: Vec<_> = (0..load.clients)
             .map(|i| {
                 let (target, answered) = (&target, &answered);
-                s.spawn(move || client_loop(target, i, start, stop_at, answered))
+                let clients = load.clients;
+                s.spawn(move || client_loop(target, (i, clients), start, stop_at, answered))
             })
             .collect();
         let reps = hs
@@ -772,5 +802,24 @@ pub fn run(
         Ok(())
     } else {
         Err("the soak failed a check (see above)".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Action;
+
+    #[test]
+    fn the_clients_first_steps_take_every_action_once_whatever_their_number() {
+        for clients in 1..=10u64 {
+            let steps = 8u64.div_ceil(clients);
+            let mut seen: Vec<Action> =
+                (0..clients).flat_map(|i| (1..=steps).map(move |k| Action::step(i, k, clients, 0))).collect();
+            seen.sort();
+            seen.dedup();
+            assert_eq!(seen, Action::ALL, "{clients} clients");
+            // After the tour, the roll decides (0 is a short prompt).
+            assert_eq!(Action::step(0, steps + 1, clients, 95), Action::Kill);
+        }
     }
 }

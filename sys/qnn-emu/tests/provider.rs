@@ -15,23 +15,18 @@ fn emulator_library() -> PathBuf {
 
 #[test]
 fn the_emulator_is_one_htp_provider_of_core_api_2_27() {
-    let lib = qnn_sys::Library::open(&emulator_library()).expect("loads");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&emulator_library()).expect("loads"));
     let p = lib.providers();
     assert_eq!(p.len(), 1, "{p:?}");
     assert_eq!(p[0].backend_id, qnn_sys::BACKEND_ID_HTP);
     assert_eq!(p[0].name, "LLMD_HTP_EMULATOR");
     assert_eq!(p[0].api.core, qnn_sys::MIN_CORE_API);
-    let backend = Backend::htp(&lib, SM8650).expect("backend");
+    let backend = Backend::htp(lib.clone(), SM8650).expect("backend");
     assert!(backend.build_id().expect("build id").starts_with("llmd-qnn-emu "));
 }
 
 /// A W8A8 FullyConnected: `m × k` uint8 input, `n × k` int8 weights, int32 bias.
-fn fc<'b>(
-    backend: &'b Backend<'_>,
-    m: u32,
-    k: u32,
-    n: u32,
-) -> (qnn_sys::api::Context<'b>, Vec<u8>, qnn_sys::api::GraphIo) {
+fn fc(backend: &Backend, m: u32, k: u32, n: u32) -> (qnn_sys::api::Context, Vec<u8>, qnn_sys::api::GraphIo) {
     let context = backend.context().expect("context");
     let w: Vec<u8> = (0..n * k).map(|i| ((i * 29 % 255) as i32 - 127) as i8 as u8).collect();
     let b: Vec<u8> = (0..n as i32).flat_map(|i| (i * 100 - 300).to_le_bytes()).collect();
@@ -51,8 +46,8 @@ fn fc<'b>(
 
 #[test]
 fn a_context_binary_reloads_to_the_same_results_and_a_damaged_one_is_refused() {
-    let lib = qnn_sys::Library::open(&emulator_library()).expect("loads");
-    let backend = Backend::htp(&lib, SM8650).expect("backend");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&emulator_library()).expect("loads"));
+    let backend = Backend::htp(lib.clone(), SM8650).expect("backend");
     let (m, k, n) = (8u32, 64u32, 16u32);
     let (context, xs, io) = fc(&backend, m, k, n);
     let (io, y_reloaded) = {
@@ -91,18 +86,42 @@ fn a_context_binary_reloads_to_the_same_results_and_a_damaged_one_is_refused() {
 }
 
 #[test]
+fn a_graph_keeps_its_context_and_backend_alive_and_runs_on_another_thread() {
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&emulator_library()).expect("loads"));
+    let (m, k, n) = (4u32, 32u32, 8u32);
+    let (mut g, xs, want) = {
+        let backend = Backend::htp(lib.clone(), SM8650).expect("backend");
+        let (context, xs, io) = fc(&backend, m, k, n);
+        let mut g = context.retrieve("fc", &io).expect("retrieved");
+        let mut want = vec![0u8; (m * n) as usize];
+        g.execute(&[&xs], &mut [&mut want]).expect("runs");
+        (g, xs, want)
+        // The backend and the context are dropped here: the graph holds them.
+    };
+    drop(lib);
+    let got = std::thread::spawn(move || {
+        let mut y = vec![0u8; (m * n) as usize];
+        g.execute(&[&xs], &mut [&mut y]).expect("runs after its context's and backend's handles are gone");
+        y
+    })
+    .join()
+    .expect("the thread ran");
+    assert_eq!(got, want);
+}
+
+#[test]
 fn each_execution_is_charged_its_modelled_duration() {
-    let lib = qnn_sys::Library::open(&emulator_library()).expect("loads");
-    let backend = Backend::htp(&lib, SM8650).expect("backend");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&emulator_library()).expect("loads"));
+    let backend = Backend::htp(lib.clone(), SM8650).expect("backend");
     let (m, k, n) = (32u32, 256u32, 512u32);
     let (context, xs, io) = fc(&backend, m, k, n);
     let mut g = context.retrieve("fc", &io).expect("retrieved");
-    assert_eq!(lib.modelled_ns(&g), Some((0, 0)), "nothing run yet");
+    assert_eq!(g.modelled_ns(), Some((0, 0)), "nothing run yet");
     let mut y = vec![0u8; (m * n) as usize];
     g.execute(&[&xs], &mut [&mut y]).expect("runs");
     g.execute(&[&xs], &mut [&mut y]).expect("runs");
     let want = llmd_qnn_emu::emu::cost::launch_ns(SM8650) + llmd_qnn_emu::emu::cost::fc_ns(SM8650, 32, 256, 512);
-    assert_eq!(lib.modelled_ns(&g), Some((want, 2 * want)));
+    assert_eq!(g.modelled_ns(), Some((want, 2 * want)));
 }
 
 #[test]

@@ -1,8 +1,14 @@
 //! A safe interface over a QNN provider's function table: a backend (with its device), its
-//! contexts, graphs built in a context and run. Lifetimes tie each object to what it was made
-//! from (a graph cannot outlive its context, nor a context its backend, nor any of them the
-//! library), `Drop` frees each handle once in the right order, and every failed call is a
-//! [`QnnError`] naming the call, the QNN error code and the library's message.
+//! contexts, graphs built in a context and run. Each object owns (`Arc`) what it was made from
+//! — a graph keeps its context alive, a context its backend, a backend the library — as an
+//! OpenCL kernel keeps its program, so a graph can be handed to another thread or kept in a
+//! long-lived, shared handle; the last owner's `Drop` frees each handle once, in the right
+//! order (graphs, then their context, then the backend). Every failed call is a [`QnnError`]
+//! naming the call, the QNN error code and the library's message.
+//!
+//! **Threads:** QNN handles may be used from any thread, but llmd never makes two calls on one
+//! object at once: [`Backend`], [`Context`] and [`Graph`] are `Send` and not `Sync`
+//! (`execute` takes `&mut self`); a caller that shares one puts it behind a lock.
 //!
 //! Tensors are described by [`TensorSpec`] (name, shape, type, quantization); the builder
 //! keeps the names and shapes the QNN structs point to for as long as the graph lives.
@@ -11,6 +17,7 @@ use crate::types::*;
 use crate::{error_code, ErrorHandle, FunctionTable, Handle, Library, BACKEND_ID_HTP, QNN_SUCCESS};
 use std::ffi::{c_char, CStr, CString};
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 /// A QNN call that failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,48 +163,102 @@ fn describe(spec: &TensorSpec, kind: u32) -> Result<Described> {
     Ok(Described { spec: spec.clone(), tensor, _name: name, _dims: dims, _scale_offsets: scale_offsets })
 }
 
-/// A QNN backend and its device, for one chip (`soc`: QNN's `Qnn_SocModel_t`, e.g. SM8650 = 57).
-pub struct Backend<'l> {
-    t: &'l FunctionTable,
+/// Not `Sync`: a marker for the objects whose calls must not run concurrently.
+type NotSync = PhantomData<std::cell::Cell<()>>;
+
+/// A backend's handles, freed when the last [`Backend`], [`Context`] or [`Graph`] made from it
+/// is dropped. It makes no call through a shared reference but the frees of its `Drop`.
+struct BackendShared {
+    /// The provider's function table, in `lib`'s memory.
+    t: *const FunctionTable,
     backend: Handle,
     device: Handle,
+    // Last: the table above points into it.
+    lib: Arc<Library>,
 }
 
-// SAFETY: QNN handles may be used from any thread; `Backend` is not `Sync`, so calls on one
-// backend are never concurrent from safe code.
-unsafe impl Send for Backend<'_> {}
+// SAFETY: QNN handles may be used from any thread; nothing here is called through `&self` but
+// the table lookup (read-only memory of the loaded library) and `Drop` runs once.
+unsafe impl Send for BackendShared {}
+// SAFETY: as above.
+unsafe impl Sync for BackendShared {}
 
-impl<'l> Backend<'l> {
+impl BackendShared {
+    fn t(&self) -> &FunctionTable {
+        // SAFETY: `t` points into the provider records of `lib`, which this struct keeps loaded
+        // (and `Library` opens with RTLD_NODELETE).
+        unsafe { &*self.t }
+    }
+}
+
+impl Drop for BackendShared {
+    fn drop(&mut self) {
+        let t = self.t();
+        // SAFETY: the handles were made by this backend, every context and graph made from it
+        // is gone (each holds this struct), and each is freed once.
+        unsafe {
+            if !self.device.is_null() {
+                if let Some(f) = t.device_free {
+                    f(self.device);
+                }
+            }
+            if !self.backend.is_null() {
+                if let Some(f) = t.backend_free {
+                    f(self.backend);
+                }
+            }
+        }
+    }
+}
+
+/// A QNN backend and its device, for one chip (`soc`: QNN's `Qnn_SocModel_t`, e.g. SM8650 = 57).
+pub struct Backend {
+    shared: Arc<BackendShared>,
+    _not_sync: NotSync,
+}
+
+impl Backend {
     /// The HTP provider of `lib`, a backend and a device for `soc`.
-    pub fn htp(lib: &'l Library, soc: u32) -> Result<Self> {
+    pub fn htp(lib: Arc<Library>, soc: u32) -> Result<Self> {
         let iface = lib
             .provider(BACKEND_ID_HTP)
             .ok_or_else(|| refused("QnnInterface_getProviders", "no HTP provider with core API 2.27 or newer"))?;
-        let t = &iface.table;
+        let t: *const FunctionTable = &iface.table;
+        let mut shared =
+            BackendShared { t, backend: std::ptr::null_mut(), device: std::ptr::null_mut(), lib: Arc::clone(&lib) };
         let mut backend: Handle = std::ptr::null_mut();
         // SAFETY: a NULL logger and NULL config are allowed; `backend` is valid for a write.
-        check(t, "backendCreate", unsafe {
-            entry(t.backend_create, "backendCreate")?(std::ptr::null_mut(), std::ptr::null(), &mut backend)
+        check(shared.t(), "backendCreate", unsafe {
+            entry(shared.t().backend_create, "backendCreate")?(std::ptr::null_mut(), std::ptr::null(), &mut backend)
         })?;
-        let mut b = Self { t, backend, device: std::ptr::null_mut() };
+        shared.backend = backend;
         let soc_cfg = HtpDeviceCustomConfig::soc(soc);
         let cfg = Config { option: CONFIG_OPTION_CUSTOM, value: &soc_cfg as *const HtpDeviceCustomConfig as *mut _ };
         let cfgs = [&cfg as *const Config, std::ptr::null()];
         let mut device: Handle = std::ptr::null_mut();
         // SAFETY: a NULL-terminated array of one config whose value outlives the call.
-        check(t, "deviceCreate", unsafe {
-            entry(t.device_create, "deviceCreate")?(std::ptr::null_mut(), cfgs.as_ptr(), &mut device)
+        check(shared.t(), "deviceCreate", unsafe {
+            entry(shared.t().device_create, "deviceCreate")?(std::ptr::null_mut(), cfgs.as_ptr(), &mut device)
         })?;
-        b.device = device;
-        Ok(b)
+        shared.device = device;
+        Ok(Self { shared: Arc::new(shared), _not_sync: PhantomData })
+    }
+
+    fn t(&self) -> &FunctionTable {
+        self.shared.t()
+    }
+
+    /// The library this backend was made from.
+    pub fn library(&self) -> &Arc<Library> {
+        &self.shared.lib
     }
 
     /// The library's build id (`backendGetBuildId`).
     pub fn build_id(&self) -> Result<String> {
         let mut id: *const c_char = std::ptr::null();
         // SAFETY: `id` is valid for a write; the library points it at a string it keeps.
-        check(self.t, "backendGetBuildId", unsafe {
-            entry(self.t.backend_get_build_id, "backendGetBuildId")?(&mut id)
+        check(self.t(), "backendGetBuildId", unsafe {
+            entry(self.t().backend_get_build_id, "backendGetBuildId")?(&mut id)
         })?;
         Ok(if id.is_null() {
             String::new()
@@ -208,24 +269,29 @@ impl<'l> Backend<'l> {
     }
 
     /// A new, empty context.
-    pub fn context(&self) -> Result<Context<'_>> {
+    pub fn context(&self) -> Result<Context> {
         let mut handle: Handle = std::ptr::null_mut();
         // SAFETY: live backend and device handles; NULL config; `handle` valid for a write.
-        check(self.t, "contextCreate", unsafe {
-            entry(self.t.context_create, "contextCreate")?(self.backend, self.device, std::ptr::null(), &mut handle)
+        check(self.t(), "contextCreate", unsafe {
+            entry(self.t().context_create, "contextCreate")?(
+                self.shared.backend,
+                self.shared.device,
+                std::ptr::null(),
+                &mut handle,
+            )
         })?;
-        Ok(Context { t: self.t, handle, _backend: PhantomData })
+        Ok(Context::owning(&self.shared, handle))
     }
 
     /// A context made from a binary that [`Context::binary`] wrote.
-    pub fn context_from_binary(&self, binary: &[u8]) -> Result<Context<'_>> {
+    pub fn context_from_binary(&self, binary: &[u8]) -> Result<Context> {
         let mut handle: Handle = std::ptr::null_mut();
         // SAFETY: `binary` is readable for its length during the call (QNN copies what it
         // keeps); live handles; `handle` valid for a write.
-        check(self.t, "contextCreateFromBinary", unsafe {
-            entry(self.t.context_create_from_binary, "contextCreateFromBinary")?(
-                self.backend,
-                self.device,
+        check(self.t(), "contextCreateFromBinary", unsafe {
+            entry(self.t().context_create_from_binary, "contextCreateFromBinary")?(
+                self.shared.backend,
+                self.shared.device,
                 std::ptr::null(),
                 binary.as_ptr().cast(),
                 binary.len() as u64,
@@ -233,50 +299,73 @@ impl<'l> Backend<'l> {
                 std::ptr::null_mut(),
             )
         })?;
-        Ok(Context { t: self.t, handle, _backend: PhantomData })
+        Ok(Context::owning(&self.shared, handle))
     }
 }
 
-impl Drop for Backend<'_> {
+/// A context's handle, freed when the last [`Context`] or [`Graph`] of it is dropped.
+struct ContextShared {
+    handle: Handle,
+    // Last: freed after the context.
+    backend: Arc<BackendShared>,
+}
+
+// SAFETY: as `BackendShared`: only `Drop` calls QNN, once.
+unsafe impl Send for ContextShared {}
+// SAFETY: as above.
+unsafe impl Sync for ContextShared {}
+
+impl ContextShared {
+    fn t(&self) -> &FunctionTable {
+        self.backend.t()
+    }
+}
+
+impl Drop for ContextShared {
     fn drop(&mut self) {
-        // SAFETY: the handles were made by this backend, every context borrowing it is gone
-        // (lifetimes), and each is freed once.
-        unsafe {
-            if !self.device.is_null() {
-                if let Some(f) = self.t.device_free {
-                    f(self.device);
-                }
-            }
-            if let Some(f) = self.t.backend_free {
-                f(self.backend);
-            }
+        if let Some(f) = self.t().context_free {
+            // SAFETY: made by this context's backend (kept alive by `backend`), freed once;
+            // every graph of it holds this struct, so none is alive.
+            unsafe { f(self.handle, std::ptr::null_mut()) };
         }
     }
 }
 
 /// A QNN context: the graphs built or loaded in it, and what its binary holds.
-pub struct Context<'b> {
-    t: &'b FunctionTable,
-    handle: Handle,
-    _backend: PhantomData<&'b ()>,
+pub struct Context {
+    shared: Arc<ContextShared>,
+    _not_sync: NotSync,
 }
 
-impl<'b> Context<'b> {
+impl Context {
+    fn owning(backend: &Arc<BackendShared>, handle: Handle) -> Self {
+        Self { shared: Arc::new(ContextShared { handle, backend: Arc::clone(backend) }), _not_sync: PhantomData }
+    }
+
+    fn t(&self) -> &FunctionTable {
+        self.shared.t()
+    }
+
     /// Starts a graph called `name`.
-    pub fn graph(&self, name: &str) -> Result<GraphBuilder<'_>> {
+    pub fn graph(&self, name: &str) -> Result<GraphBuilder> {
         let cname = CString::new(name).map_err(|_| refused("graphCreate", "a graph name holds a NUL"))?;
         let mut handle: Handle = std::ptr::null_mut();
         // SAFETY: live context; NUL-terminated name; NULL config; `handle` valid for a write.
-        check(self.t, "graphCreate", unsafe {
-            entry(self.t.graph_create, "graphCreate")?(self.handle, cname.as_ptr(), std::ptr::null(), &mut handle)
+        check(self.t(), "graphCreate", unsafe {
+            entry(self.t().graph_create, "graphCreate")?(
+                self.shared.handle,
+                cname.as_ptr(),
+                std::ptr::null(),
+                &mut handle,
+            )
         })?;
         Ok(GraphBuilder {
-            t: self.t,
+            context: Arc::clone(&self.shared),
             handle,
             tensors: Vec::new(),
             inputs: Vec::new(),
             outputs: Vec::new(),
-            _context: PhantomData,
+            _not_sync: PhantomData,
         })
     }
 
@@ -284,15 +373,15 @@ impl<'b> Context<'b> {
     pub fn binary(&self) -> Result<Vec<u8>> {
         let mut size = 0u64;
         // SAFETY: live context; `size` valid for a write.
-        check(self.t, "contextGetBinarySize", unsafe {
-            entry(self.t.context_get_binary_size, "contextGetBinarySize")?(self.handle, &mut size)
+        check(self.t(), "contextGetBinarySize", unsafe {
+            entry(self.t().context_get_binary_size, "contextGetBinarySize")?(self.shared.handle, &mut size)
         })?;
         let mut buf = vec![0u8; usize::try_from(size).map_err(|_| refused("contextGetBinarySize", "too large"))?];
         let mut written = 0u64;
         // SAFETY: `buf` is writable for `size` bytes; `written` valid for a write.
-        check(self.t, "contextGetBinary", unsafe {
-            entry(self.t.context_get_binary, "contextGetBinary")?(
-                self.handle,
+        check(self.t(), "contextGetBinary", unsafe {
+            entry(self.t().context_get_binary, "contextGetBinary")?(
+                self.shared.handle,
                 buf.as_mut_ptr().cast(),
                 size,
                 &mut written,
@@ -304,12 +393,12 @@ impl<'b> Context<'b> {
 
     /// A finalized graph of this context (made here or loaded with its binary), with the
     /// inputs and outputs `io` describes (as [`Graph::io`] gave them when it was built).
-    pub fn retrieve(&self, name: &str, io: &GraphIo) -> Result<Graph<'_>> {
+    pub fn retrieve(&self, name: &str, io: &GraphIo) -> Result<Graph> {
         let cname = CString::new(name).map_err(|_| refused("graphRetrieve", "a graph name holds a NUL"))?;
         let mut handle: Handle = std::ptr::null_mut();
         // SAFETY: live context; NUL-terminated name; `handle` valid for a write.
-        check(self.t, "graphRetrieve", unsafe {
-            entry(self.t.graph_retrieve, "graphRetrieve")?(self.handle, cname.as_ptr(), &mut handle)
+        check(self.t(), "graphRetrieve", unsafe {
+            entry(self.t().graph_retrieve, "graphRetrieve")?(self.shared.handle, cname.as_ptr(), &mut handle)
         })?;
         let with_ids = |v: &[(TensorSpec, u32)], kind: u32| -> Result<Vec<Described>> {
             v.iter()
@@ -321,22 +410,12 @@ impl<'b> Context<'b> {
                 .collect()
         };
         Ok(Graph {
-            t: self.t,
+            context: Arc::clone(&self.shared),
             handle,
             inputs: with_ids(&io.inputs, tensor_type::APP_WRITE)?,
             outputs: with_ids(&io.outputs, tensor_type::APP_READ)?,
-            _context: PhantomData,
+            _not_sync: PhantomData,
         })
-    }
-}
-
-impl Drop for Context<'_> {
-    fn drop(&mut self) {
-        if let Some(f) = self.t.context_free {
-            // SAFETY: made by this context's backend, freed once; its graphs borrow it, so
-            // none is alive (lifetimes).
-            unsafe { f(self.handle, std::ptr::null_mut()) };
-        }
     }
 }
 
@@ -353,16 +432,20 @@ pub enum ParamSpec<'a> {
 }
 
 /// A graph being built: tensors, then nodes in order, then [`Self::finalize`].
-pub struct GraphBuilder<'c> {
-    t: &'c FunctionTable,
+pub struct GraphBuilder {
+    context: Arc<ContextShared>,
     handle: Handle,
     tensors: Vec<Described>,
     inputs: Vec<usize>,
     outputs: Vec<usize>,
-    _context: PhantomData<&'c ()>,
+    _not_sync: NotSync,
 }
 
-impl<'c> GraphBuilder<'c> {
+impl GraphBuilder {
+    fn t(&self) -> &FunctionTable {
+        self.context.t()
+    }
+
     fn create(&mut self, spec: &TensorSpec, kind: u32, data: Option<&[u8]>) -> Result<TensorRef> {
         if self.tensors.iter().any(|d| d.spec.name == spec.name) {
             return Err(refused("tensorCreateGraphTensor", format!("a second tensor named {}", spec.name)));
@@ -382,8 +465,8 @@ impl<'c> GraphBuilder<'c> {
         }
         // SAFETY: live graph; `d.tensor` points to its name, shape and (for static data) bytes,
         // all alive during the call; QNN writes the tensor's id into it.
-        check(self.t, "tensorCreateGraphTensor", unsafe {
-            entry(self.t.tensor_create_graph_tensor, "tensorCreateGraphTensor")?(self.handle, &mut d.tensor)
+        check(self.t(), "tensorCreateGraphTensor", unsafe {
+            entry(self.t().tensor_create_graph_tensor, "tensorCreateGraphTensor")?(self.handle, &mut d.tensor)
         })?;
         d.tensor.v.v1.memory.client_buf = ClientBuffer { data: std::ptr::null_mut(), data_size: 0 };
         self.tensors.push(d);
@@ -477,23 +560,23 @@ impl<'c> GraphBuilder<'c> {
         };
         // SAFETY: live graph; the op's strings, tensors and parameters are alive for the call
         // (QNN copies what it keeps); the tensors were created in this graph.
-        check(self.t, "graphAddNode", unsafe { entry(self.t.graph_add_node, "graphAddNode")?(self.handle, op) })
+        check(self.t(), "graphAddNode", unsafe { entry(self.t().graph_add_node, "graphAddNode")?(self.handle, op) })
     }
 
     /// Finalizes the graph (QNN prepares it for the chip): it can run from now on.
-    pub fn finalize(self) -> Result<Graph<'c>> {
+    pub fn finalize(self) -> Result<Graph> {
         // SAFETY: live graph; NULL profile and signal are allowed.
-        check(self.t, "graphFinalize", unsafe {
-            entry(self.t.graph_finalize, "graphFinalize")?(self.handle, std::ptr::null_mut(), std::ptr::null_mut())
+        check(self.t(), "graphFinalize", unsafe {
+            entry(self.t().graph_finalize, "graphFinalize")?(self.handle, std::ptr::null_mut(), std::ptr::null_mut())
         })?;
-        let GraphBuilder { t, handle, mut tensors, inputs, outputs, .. } = self;
+        let GraphBuilder { context, handle, mut tensors, inputs, outputs, .. } = self;
         // Keep the inputs' and outputs' descriptions; the rest are QNN's now.
         let mut take = |idx: &[usize]| -> Vec<Described> {
             idx.iter().map(|&i| std::mem::replace(&mut tensors[i], placeholder())).collect()
         };
         let inputs = take(&inputs);
         let outputs = take(&outputs);
-        Ok(Graph { t, handle, inputs, outputs, _context: PhantomData })
+        Ok(Graph { context, handle, inputs, outputs, _not_sync: PhantomData })
     }
 }
 
@@ -531,22 +614,35 @@ pub struct GraphIo {
 }
 
 /// A finalized graph.
-pub struct Graph<'c> {
-    t: &'c FunctionTable,
+/// A finalized graph (it keeps its context, and so its backend, alive).
+pub struct Graph {
+    context: Arc<ContextShared>,
     handle: Handle,
     inputs: Vec<Described>,
     outputs: Vec<Described>,
-    _context: PhantomData<&'c ()>,
+    _not_sync: NotSync,
 }
 
 // SAFETY: QNN handles may be used from any thread; `Graph` is not `Sync` and `execute` takes
-// `&mut self`, so one graph never runs two executions at once from safe code.
-unsafe impl Send for Graph<'_> {}
+// `&mut self`, so one graph never runs two executions at once from safe code. The tensor
+// descriptions' pointers point into boxes the graph owns.
+unsafe impl Send for Graph {}
 
-impl Graph<'_> {
-    /// The graph's handle, for calls outside the function table (`Library::modelled_ns`).
-    pub(crate) fn raw(&self) -> Handle {
-        self.handle
+impl Graph {
+    fn t(&self) -> &FunctionTable {
+        self.context.t()
+    }
+
+    /// The modelled duration of this graph's last execution and of all of them, in
+    /// nanoseconds — what a phone's NPU would take, from measured figures — if its library is
+    /// llmd's emulator provider (`None` for Qualcomm's library, which runs for real).
+    pub fn modelled_ns(&self) -> Option<(u64, u64)> {
+        let f = self.context.backend.lib.modelled?;
+        let (mut last, mut total) = (0u64, 0u64);
+        // SAFETY: a live graph of a provider of this library; both out-pointers are valid for
+        // writes.
+        let code = unsafe { f(self.handle, &mut last, &mut total) };
+        (code == QNN_SUCCESS).then_some((last, total))
     }
 
     /// Its inputs and outputs, with QNN's ids.
@@ -603,8 +699,8 @@ impl Graph<'_> {
         }
         // SAFETY: live, finalized graph; every tensor points to a buffer of exactly its size,
         // alive and (outputs) exclusively borrowed for the call, which is synchronous.
-        check(self.t, "graphExecute", unsafe {
-            entry(self.t.graph_execute, "graphExecute")?(
+        check(self.t(), "graphExecute", unsafe {
+            entry(self.t().graph_execute, "graphExecute")?(
                 self.handle,
                 ins.as_ptr(),
                 ins.len() as u32,
@@ -614,19 +710,5 @@ impl Graph<'_> {
                 std::ptr::null_mut(),
             )
         })
-    }
-}
-
-impl crate::Library {
-    /// The modelled duration of `graph`'s last execution and of all of them, in nanoseconds —
-    /// what a phone's NPU would take, from measured figures — if the library is llmd's emulator
-    /// provider (`None` for Qualcomm's library, which runs for real).
-    pub fn modelled_ns(&self, graph: &Graph<'_>) -> Option<(u64, u64)> {
-        let f = self.modelled?;
-        let (mut last, mut total) = (0u64, 0u64);
-        // SAFETY: `graph` is a live graph of a provider of this library; both out-pointers are
-        // valid for writes.
-        let code = unsafe { f(graph.raw(), &mut last, &mut total) };
-        (code == QNN_SUCCESS).then_some((last, total))
     }
 }

@@ -25,7 +25,7 @@ fn find_htp_library() -> PathBuf {
 
 #[test]
 fn the_htp_library_offers_one_htp_provider_with_api_2() {
-    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads"));
     let p = lib.providers();
     eprintln!("{p:?}");
     assert_eq!(p.len(), 1, "{p:?}");
@@ -60,8 +60,8 @@ fn f32_of_bytes(b: &[u8]) -> Vec<f32> {
 fn a_fully_connected_layer_runs_and_reloads_from_its_context_binary() {
     /// fp16 rounding of inputs, weights and result: ~1e-3 relative, with K = 8.
     const FP16_TOLERANCE: f32 = 4e-3;
-    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
-    let backend = Backend::htp(&lib, SM8650).expect("backend and device");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads"));
+    let backend = Backend::htp(lib.clone(), SM8650).expect("backend and device");
     eprintln!("build {}", backend.build_id().expect("build id"));
     let (m, k, n) = (2usize, 8usize, 4usize);
     let w: Vec<f32> = (0..n * k).map(|i| ((i * 7 % 11) as f32 - 5.0) / 8.0).collect();
@@ -112,8 +112,8 @@ fn a_fully_connected_layer_runs_and_reloads_from_its_context_binary() {
 /// is the engine's.)
 #[test]
 fn an_op_qnn_does_not_have_is_a_typed_error() {
-    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
-    let backend = Backend::htp(&lib, SM8650).expect("backend and device");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads"));
+    let backend = Backend::htp(lib.clone(), SM8650).expect("backend and device");
     let context = backend.context().expect("context");
     let f = |name: &str, dims: &[u32]| TensorSpec::new(name, dims, dt::FLOAT_32, Quantization::None);
     let mut g = context.graph("bad").expect("graph");
@@ -140,7 +140,7 @@ fn a_w8a8_fully_connected_layer_is_within_one_lsb_of_ideal_rounding() {
     const MAX_LSB: i32 = 1;
     /// Most outputs that may differ at all (the probe: 7-9%).
     const MAX_DIFFERING_SHARE: f64 = 0.25;
-    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads"));
     let (m, k, n) = (8usize, 128usize, 64usize);
     // Deterministic data spread over the whole ranges.
     let xq: Vec<u8> = (0..m * k).map(|i| ((i * 37 + 11) % 256) as u8).collect();
@@ -158,7 +158,7 @@ fn a_w8a8_fully_connected_layer_is_within_one_lsb_of_ideal_rounding() {
             ((real / f64::from(sy)).round() as i32 + zy).clamp(0, 255)
         })
         .collect();
-    let backend = Backend::htp(&lib, SM8650).expect("backend and device");
+    let backend = Backend::htp(lib.clone(), SM8650).expect("backend and device");
     let context = backend.context().expect("context");
     let mut g = context.graph("w8a8").expect("graph");
     // QNN's offset is the negated zero point: real = (q + offset) * scale.
@@ -194,7 +194,7 @@ fn a_w8a8_fully_connected_layer_is_within_one_lsb_of_ideal_rounding() {
 /// later library get it right, this test fails and the workaround can go.
 #[test]
 fn a_16_bit_output_with_zero_point_32768_comes_out_wrong_on_the_htp() {
-    let lib = qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads");
+    let lib = std::sync::Arc::new(qnn_sys::Library::open(&htp_library()).expect("libQnnHtp.so loads"));
     let (m, k, n) = (32usize, 576usize, 64usize);
     let xq: Vec<u8> = (0..m * k).map(|i| ((i * 37 + 11) % 256) as u8).collect();
     let wq: Vec<i8> = (0..n * k).map(|i| (((i * 53 + 7) % 255) as i32 - 127) as i8).collect();
@@ -219,7 +219,7 @@ fn a_16_bit_output_with_zero_point_32768_comes_out_wrong_on_the_htp() {
                 ((real / f64::from(sy)).round() as i32 + zy).clamp(0, 65535)
             })
             .collect();
-        let backend = Backend::htp(&lib, SM8650).expect("backend");
+        let backend = Backend::htp(lib.clone(), SM8650).expect("backend");
         let context = backend.context().expect("context");
         let mut g = context.graph("w8a16").expect("graph");
         let q = |scale: f32, offset: i32| Quantization::PerTensor { scale, offset };

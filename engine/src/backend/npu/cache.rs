@@ -151,19 +151,19 @@ fn write(path: &Path, header: &Header, binary: &[u8]) -> Result<(), NpuError> {
 
 /// A context holding `groups`' graphs at `chunk` rows: loaded from `dir`'s cache file for `key`
 /// when there is a sound one, else built, finalized and stored there.
-pub fn load_or_build<'d>(
-    device: &'d QnnDevice,
+pub fn load_or_build(
+    device: &QnnDevice,
     dir: &Path,
     key: &CacheKey,
     groups: &[LinearGroup],
     chunk: usize,
-) -> Result<(NpuContext<'d>, GraphIds, CacheOutcome), NpuError> {
+) -> Result<(NpuContext, GraphIds, CacheOutcome), NpuError> {
     load_or_build_with(device, dir, key, groups.len(), |context| build_groups(context, groups, chunk))
 }
 
 /// Builds and finalizes `groups`' graphs at `chunk` rows in `context`, returning each one's
 /// tensor ids (what [`graphs`] retrieves them by).
-pub fn build_groups(context: &NpuContext<'_>, groups: &[LinearGroup], chunk: usize) -> Result<GraphIds, NpuError> {
+pub fn build_groups(context: &NpuContext, groups: &[LinearGroup], chunk: usize) -> Result<GraphIds, NpuError> {
     let mut ids = Vec::with_capacity(groups.len());
     for g in groups {
         let io = build_linear_group(context, g, chunk)?.io();
@@ -177,18 +177,17 @@ pub fn build_groups(context: &NpuContext<'_>, groups: &[LinearGroup], chunk: usi
 /// one, else made by `build` (which builds and finalizes every graph in the context and returns
 /// each one's tensor ids, in the order the caller retrieves them) and stored there. Both graph
 /// families of the NPU (the W8A8 linear groups, HeteroLLM's fp16 matmuls) go through it.
-pub fn load_or_build_with<'d>(
-    device: &'d QnnDevice,
+pub fn load_or_build_with(
+    device: &QnnDevice,
     dir: &Path,
     key: &CacheKey,
     graphs: usize,
-    build: impl FnOnce(&NpuContext<'d>) -> Result<GraphIds, NpuError>,
-) -> Result<(NpuContext<'d>, GraphIds, CacheOutcome), NpuError> {
+    build: impl FnOnce(&NpuContext) -> Result<GraphIds, NpuError>,
+) -> Result<(NpuContext, GraphIds, CacheOutcome), NpuError> {
     let path = path_for(dir, key)?;
     let reason = match read(&path, key) {
-        Ok((header, bytes, at)) if header.ids.len() == graphs => match device.backend().context_from_binary(&bytes[at])
-        {
-            Ok(context) => return Ok((NpuContext(context), header.ids, CacheOutcome::Loaded)),
+        Ok((header, bytes, at)) if header.ids.len() == graphs => match device.context_from_binary(&bytes[at]) {
+            Ok(context) => return Ok((context, header.ids, CacheOutcome::Loaded)),
             Err(e) => format!("the library refused the cached binary: {e}"),
         },
         Ok(_) => "the cache file lists another number of graphs".into(),
@@ -242,12 +241,12 @@ pub fn key_with(
 pub type Feed<'a> = dyn FnMut(&[u8]) + 'a;
 
 /// The graphs of a context from [`load_or_build`], by the ids it returned.
-pub fn graphs<'c>(
-    context: &'c NpuContext<'_>,
+pub fn graphs(
+    context: &NpuContext,
     groups: &[LinearGroup],
     chunk: usize,
     ids: &[(u32, Vec<u32>)],
-) -> Result<Vec<Graph<'c>>, NpuError> {
+) -> Result<Vec<Graph>, NpuError> {
     groups
         .iter()
         .zip(ids)

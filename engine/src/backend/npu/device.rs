@@ -8,31 +8,16 @@
 //! found); start a backend and a device for the chip; read the build id. Each step's failure is
 //! its own error, so `dump` and `llmctl npu-info` say which step failed.
 //!
-//! **Threads:** QNN handles may be used from any thread, but a backend is not shared: a
-//! `QnnDevice` is `Send`, not `Sync`; its owner (the daemon's NPU thread) makes contexts and
-//! graphs, and graphs may then run from other threads (each is `Send`).
+//! **Threads:** a `QnnDevice` is `Send` and `Sync`: its backend is behind a lock (QNN calls on
+//! one backend never run at once), and what it makes — contexts and their graphs — owns what
+//! it needs, so a graph may run on any thread and outlive the call that built it.
 //!
-//! **Not yet:** `QnnDevice` does not implement the device contract (`llmd_device::Device`),
-//! though the contract now has the subgraph the NPU takes (`SubgraphKind::Linear`, one
-//! projection's rows): a contract executable is a `'static` handle shared between threads,
-//! and `qnn-sys` ties a context to its backend and a graph to its context by lifetimes (a
-//! backend is not `Sync`). The device needs `qnn-sys` handles that own what they use (a graph
-//! keeping its context alive, as an OpenCL kernel keeps its program) — see ARCHITECTURE.md,
-//! "Not built yet".
+//! **The contract:** `QnnDevice` implements `llmd_device::Device` (`super::contract`): one
+//! projection's rows as an fp16 graph per static token count.
 
 use crate::error::{NpuError, QnnFailure};
 use std::path::{Path, PathBuf};
-
-type BackendOf<'a> = qnn_sys::api::Backend<'a>;
-
-self_cell::self_cell!(
-    /// The library and the backend that borrows it.
-    struct Opened {
-        owner: qnn_sys::Library,
-        #[covariant]
-        dependent: BackendOf,
-    }
-);
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What a QNN library says of one of its providers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +38,12 @@ impl std::fmt::Display for Provider {
 
 /// A QNN library's HTP backend for one chip (see the module).
 pub struct QnnDevice {
-    opened: Opened,
+    backend: Mutex<qnn_sys::api::Backend>,
+    /// The contract's identity and description (`super::contract`).
+    pub(crate) id: llmd_device::DeviceId,
+    pub(crate) desc: llmd_device::DeviceDesc,
+    /// Modelled NPU time of the contract's submissions (the emulator's).
+    pub(crate) modelled: std::sync::atomic::AtomicU64,
     path: PathBuf,
     soc: u32,
     provider: Provider,
@@ -61,7 +51,7 @@ pub struct QnnDevice {
 }
 
 /// A QNN context of a [`QnnDevice`]: the graphs built in it or loaded with it.
-pub struct NpuContext<'d>(pub(crate) qnn_sys::api::Context<'d>);
+pub struct NpuContext(pub(crate) qnn_sys::api::Context);
 
 impl From<qnn_sys::api::QnnError> for NpuError {
     fn from(e: qnn_sys::api::QnnError) -> Self {
@@ -110,10 +100,20 @@ impl QnnDevice {
                 found: providers.iter().map(Provider::to_string).collect(),
             });
         };
-        let opened = Opened::try_new(lib, |lib| qnn_sys::api::Backend::htp(lib, soc))
+        let backend = qnn_sys::api::Backend::htp(Arc::new(lib), soc)
             .map_err(|e| NpuError::BackendStart { path: path.to_owned(), reason: NpuError::from(e).to_string() })?;
-        let build_id = opened.borrow_dependent().build_id()?;
-        Ok(Self { opened, path: path.to_owned(), soc, provider, build_id })
+        let build_id = backend.build_id()?;
+        let desc = describe(&provider.name, soc, &DEFAULT_TOKEN_COUNTS);
+        Ok(Self {
+            backend: Mutex::new(backend),
+            id: llmd_device::DeviceId::fresh(),
+            desc,
+            modelled: std::sync::atomic::AtomicU64::new(0),
+            path: path.to_owned(),
+            soc,
+            provider,
+            build_id,
+        })
     }
 
     /// The library's path.
@@ -137,18 +137,39 @@ impl QnnDevice {
     }
 
     /// A new, empty context.
-    pub fn context(&self) -> Result<NpuContext<'_>, NpuError> {
-        Ok(NpuContext(self.backend().context()?))
+    pub fn context(&self) -> Result<NpuContext, NpuError> {
+        Ok(NpuContext(self.backend()?.context()?))
     }
 
-    pub(crate) fn backend(&self) -> &qnn_sys::api::Backend<'_> {
-        self.opened.borrow_dependent()
+    /// A context loaded from a binary that [`NpuContext`]'s `binary` wrote (the graph cache).
+    pub(crate) fn context_from_binary(&self, binary: &[u8]) -> Result<NpuContext, NpuError> {
+        Ok(NpuContext(self.backend()?.context_from_binary(binary)?))
     }
 
-    /// The library, which may be shared between threads (the backend may not): graphs ask it
-    /// for their modelled durations (`qnn_sys::Library::modelled_ns`: llmd's emulator
-    /// provider models a phone's NPU; Qualcomm's library runs for real and models nothing).
-    pub(crate) fn library(&self) -> &qnn_sys::Library {
-        self.opened.borrow_owner()
+    fn backend(&self) -> Result<MutexGuard<'_, qnn_sys::api::Backend>, NpuError> {
+        self.backend.lock().map_err(|_| NpuError::Poisoned)
+    }
+}
+
+/// The token counts a [`QnnDevice`] builds graphs for unless told otherwise
+/// ([`QnnDevice::with_token_counts`], in `super::contract`): a decode step and the daemon's
+/// default `[hetero] sizes`.
+pub const DEFAULT_TOKEN_COUNTS: [usize; 3] = [1, 32, 256];
+
+/// The description a QNN device gives of itself.
+pub(crate) fn describe(provider: &str, soc: u32, counts: &[usize]) -> llmd_device::DeviceDesc {
+    let mut counts = counts.to_vec();
+    counts.sort_unstable();
+    counts.dedup();
+    llmd_device::DeviceDesc {
+        name: format!("qnn-htp ({provider}, soc {soc})"),
+        processor: llmd_device::Processor::Npu,
+        available: true,
+        ops: vec![llmd_device::OpKind::MatMul],
+        weight_types: llmd_device::GgmlType::ALL.to_vec(),
+        max_tokens: counts.last().copied(),
+        static_shapes: llmd_device::StaticShapes::Only(counts),
+        memory: llmd_device::MemoryDesc { kind: llmd_device::MemoryKind::Unified, capacity: None },
+        threads: 1,
     }
 }

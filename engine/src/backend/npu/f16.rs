@@ -20,14 +20,14 @@ use std::sync::Mutex;
 /// The NPU's fp16 graphs for one matrix: one per (token count, row range), built up front,
 /// each with its input and output buffers (allocated once, reused by every run: the slots a
 /// phone would map into both the NPU and the GPU).
-pub struct NpuF16Runner<'c> {
+pub struct NpuF16Runner {
     pub name: String,
     pub k: usize,
-    graphs: HashMap<(usize, usize, usize), Mutex<NpuGraph<'c>>>,
+    graphs: HashMap<(usize, usize, usize), Mutex<NpuGraph>>,
 }
 
-struct NpuGraph<'c> {
-    graph: Graph<'c>,
+struct NpuGraph {
+    graph: Graph,
     x: Vec<u8>,
     y: Vec<u8>,
 }
@@ -53,14 +53,14 @@ fn f16_io(m: usize, k: usize, rows: &Range<usize>) -> (TensorSpec, TensorSpec) {
 }
 
 /// Builds and finalizes one fp16 graph of `name` at `m` tokens over `rows` of `w16`.
-fn build_f16<'c>(
-    context: &'c NpuContext<'_>,
+pub(crate) fn build_f16(
+    context: &NpuContext,
     name: &str,
     w16: &[u16],
     k: usize,
     m: usize,
     rows: &Range<usize>,
-) -> Result<Graph<'c>, NpuError> {
+) -> Result<Graph, NpuError> {
     let n = w16.len().checked_div(k).unwrap_or(0);
     let gname = f16_graph_name(name, m, rows);
     if rows.end > n || u32::try_from(m).is_err() || u32::try_from(k).is_err() {
@@ -76,11 +76,11 @@ fn build_f16<'c>(
     Ok(g.finalize()?)
 }
 
-impl<'c> NpuF16Runner<'c> {
+impl NpuF16Runner {
     /// Builds and finalizes, in `context`, a graph `y[m, rows] = x[m, k] · w[rows, k]ᵀ` for each
     /// `(m, rows)` in `shapes`, from `w16` (`n × k` f16 values).
     pub fn build(
-        context: &'c NpuContext<'_>,
+        context: &NpuContext,
         name: &str,
         w16: &[u16],
         k: usize,
@@ -99,7 +99,7 @@ impl<'c> NpuF16Runner<'c> {
     /// one's tensor ids (input, outputs) in `shapes`' order without repeats — what a cached
     /// context records to retrieve them by ([`Self::retrieve`]).
     pub fn build_ids(
-        context: &NpuContext<'_>,
+        context: &NpuContext,
         name: &str,
         w16: &[u16],
         k: usize,
@@ -117,7 +117,7 @@ impl<'c> NpuF16Runner<'c> {
     /// The graphs [`Self::build_ids`] built for `shapes`, retrieved from `context` (built in
     /// this process or loaded from a context binary) by their tensor ids `ids`.
     pub fn retrieve(
-        context: &'c NpuContext<'_>,
+        context: &NpuContext,
         name: &str,
         k: usize,
         shapes: impl IntoIterator<Item = (usize, Range<usize>)>,

@@ -125,11 +125,7 @@ pub fn graph_name(group: &LinearGroup, chunk: usize) -> String {
 }
 
 /// Builds and finalizes `group`'s graph for chunks of `chunk` rows in `context`.
-pub fn build_linear_group<'c>(
-    context: &'c NpuContext<'_>,
-    group: &LinearGroup,
-    chunk: usize,
-) -> Result<Graph<'c>, NpuError> {
+pub fn build_linear_group(context: &NpuContext, group: &LinearGroup, chunk: usize) -> Result<Graph, NpuError> {
     group.check()?;
     if chunk == 0 || u32::try_from(chunk).is_err() {
         return Err(NpuError::Shape { graph: group.name.clone(), detail: format!("a chunk of {chunk} rows") });
@@ -193,13 +189,13 @@ pub fn io_specs(group: &LinearGroup, chunk: usize) -> (TensorSpec, Vec<TensorSpe
 
 /// `group`'s graph at `chunk` rows in a context loaded from a binary, by the tensor ids QNN gave
 /// its input and outputs when it was built (`input_id`, `output_ids` in projection order).
-pub(crate) fn retrieve_linear_group<'c>(
-    context: &'c Context<'_>,
+pub(crate) fn retrieve_linear_group(
+    context: &Context,
     group: &LinearGroup,
     chunk: usize,
     input_id: u32,
     output_ids: &[u32],
-) -> Result<Graph<'c>, NpuError> {
+) -> Result<Graph, NpuError> {
     group.check()?;
     let (x, ys) = io_specs(group, chunk);
     if ys.len() != output_ids.len() {
@@ -218,7 +214,7 @@ pub(crate) fn retrieve_linear_group<'c>(
 /// Runs `graph` (built by [`build_linear_group`] for `group` at `chunk` rows) on `x`, returning
 /// each projection's output codes.
 pub fn run_linear_group(
-    graph: &mut Graph<'_>,
+    graph: &mut Graph,
     group: &LinearGroup,
     chunk: usize,
     x: &[u8],

@@ -4,7 +4,7 @@
 //! beside the graph at the sites that have it ([`ShadowSite`]). The groups come from
 //! [`crate::prefill`], which calibrates and quantizes a model.
 
-use super::device::{NpuContext, QnnDevice};
+use super::device::NpuContext;
 use super::graph::{build_linear_group, graph_name, run_linear_group, LinearGroup};
 use super::shadow::{extract, ShadowWeights};
 use crate::backend::blocks::{CaptureSite, Linears};
@@ -42,9 +42,9 @@ fn without_weights(mut g: LinearGroup) -> LinearGroup {
     g
 }
 
-struct Built<'c> {
+struct Built {
     group: LinearGroup,
-    graph: Mutex<qnn_sys::api::Graph<'c>>,
+    graph: Mutex<qnn_sys::api::Graph>,
     shadow: Option<ShadowSite>,
 }
 
@@ -86,10 +86,9 @@ pub struct ShadowStats {
 }
 
 /// A model's linear groups as finalized graphs of one QNN context, for chunks of `chunk` rows.
-pub struct NpuLinears<'c> {
+pub struct NpuLinears {
     chunk: usize,
-    layers: Vec<[Built<'c>; 4]>,
-    lib: &'c qnn_sys::Library,
+    layers: Vec<[Built; 4]>,
     executions: AtomicU64,
     modelled_ns: AtomicU64,
     shadow: ShadowCounters,
@@ -104,15 +103,10 @@ struct ShadowCounters {
     saturated: AtomicU64,
 }
 
-impl<'c> NpuLinears<'c> {
-    /// Builds and finalizes every group's graph at `chunk` rows in `context` (of `device`,
-    /// which is asked for modelled durations: the emulator provider has them).
-    pub fn build(
-        device: &'c QnnDevice,
-        context: &'c NpuContext<'_>,
-        groups: Vec<[LinearGroup; 4]>,
-        chunk: usize,
-    ) -> Result<Self, NpuError> {
+impl NpuLinears {
+    /// Builds and finalizes every group's graph at `chunk` rows in `context` (its graphs give
+    /// their modelled durations when the library is the emulator provider).
+    pub fn build(context: &NpuContext, groups: Vec<[LinearGroup; 4]>, chunk: usize) -> Result<Self, NpuError> {
         let mut layers = Vec::with_capacity(groups.len());
         for layer in groups {
             let mut built = Vec::with_capacity(4);
@@ -120,20 +114,19 @@ impl<'c> NpuLinears<'c> {
                 let graph = build_linear_group(context, &group, chunk)?;
                 built.push(Built { group: without_weights(group), graph: Mutex::new(graph), shadow: None });
             }
-            let built: [Built<'c>; 4] = match built.try_into() {
+            let built: [Built; 4] = match built.try_into() {
                 Ok(b) => b,
                 Err(_) => return Err(NpuError::Quantization("four groups per layer".into())),
             };
             layers.push(built);
         }
-        Ok(Self::of_layers(device, layers, chunk))
+        Ok(Self::of_layers(layers, chunk))
     }
 
-    fn of_layers(device: &'c QnnDevice, layers: Vec<[Built<'c>; 4]>, chunk: usize) -> Self {
+    fn of_layers(layers: Vec<[Built; 4]>, chunk: usize) -> Self {
         Self {
             chunk,
             layers,
-            lib: device.library(),
             executions: AtomicU64::new(0),
             modelled_ns: AtomicU64::new(0),
             shadow: ShadowCounters::default(),
@@ -142,9 +135,8 @@ impl<'c> NpuLinears<'c> {
 
     /// Wraps graphs already in a context (`cache::graphs`), one per group in layer-major order.
     fn from_graphs(
-        device: &'c QnnDevice,
         groups: Vec<[LinearGroup; 4]>,
-        graphs: Vec<qnn_sys::api::Graph<'c>>,
+        graphs: Vec<qnn_sys::api::Graph>,
         chunk: usize,
     ) -> Result<Self, NpuError> {
         if graphs.len() != groups.len() * 4 {
@@ -153,7 +145,7 @@ impl<'c> NpuLinears<'c> {
         let mut graphs = graphs.into_iter();
         let mut layers = Vec::with_capacity(groups.len());
         for layer in groups {
-            let built: Vec<Built<'c>> = layer
+            let built: Vec<Built> = layer
                 .into_iter()
                 .filter_map(|group| {
                     graphs.next().map(|g| Built { group: without_weights(group), graph: Mutex::new(g), shadow: None })
@@ -169,14 +161,13 @@ impl<'c> NpuLinears<'c> {
         // graphs ready: 250 MB with this, 361–369 MB without, 140 MB on the CPU alone; the
         // emulator holds the 106 MB of int8 weights).
         llmd_alloc_sys::release_free_memory();
-        Ok(Self::of_layers(device, layers, chunk))
+        Ok(Self::of_layers(layers, chunk))
     }
 
     /// The graphs of `context` (from [`crate::prefill::prepare`]) for `groups` (flat, layer-major, as `prepare`
     /// returns them), by the tensor ids `ids`.
     pub fn from_context(
-        device: &'c QnnDevice,
-        context: &'c NpuContext<'_>,
+        context: &NpuContext,
         groups: Vec<LinearGroup>,
         ids: &[(u32, Vec<u32>)],
         chunk: usize,
@@ -191,7 +182,7 @@ impl<'c> NpuLinears<'c> {
             }
             layers.push(layer.try_into().map_err(|_| NpuError::Quantization("four groups per layer".into()))?);
         }
-        Self::from_graphs(device, layers, graphs, chunk)
+        Self::from_graphs(layers, graphs, chunk)
     }
 
     /// The chunk size its graphs take.
@@ -260,7 +251,7 @@ impl<'c> NpuLinears<'c> {
     }
 }
 
-impl Linears for NpuLinears<'_> {
+impl Linears for NpuLinears {
     fn group(
         &self,
         li: usize,
@@ -295,7 +286,7 @@ impl Linears for NpuLinears<'_> {
                 let mut graph = b.graph.lock().unwrap_or_else(|e| e.into_inner());
                 let ys =
                     run_linear_group(&mut graph, g, chunk, &xq).map_err(|e| BackendError::Device(e.to_string()))?;
-                if let Some((last, _)) = self.lib.modelled_ns(&graph) {
+                if let Some((last, _)) = graph.modelled_ns() {
                     self.modelled_ns.fetch_add(last, Ordering::Relaxed);
                 }
                 Ok(ys)

@@ -5,6 +5,8 @@
 //!
 //! - [`device`]: [`QnnDevice`], the library and its HTP backend for one chip, opened one way
 //!   for the daemon and llmctl; [`NpuContext`], a context of it.
+//! - [`contract`]: `QnnDevice` as a device of the contract (`llmd_device::Device`): a
+//!   projection's rows (`SubgraphKind::Linear`) as an fp16 graph per static token count.
 //! - [`quant`]: the W8A8 arithmetic and its reference.
 //! - [`graph`]: a layer's linear groups as QNN graphs, with every shape checked first.
 //! - [`linears`]: a model's groups as finalized graphs, run in place of the CPU's matmuls
@@ -16,6 +18,7 @@
 //!   binaries, keyed by what they hold, chunk size, chip and library.
 
 pub mod cache;
+pub mod contract;
 pub mod device;
 pub mod f16;
 pub mod graph;

@@ -1,0 +1,228 @@
+//! [`QnnDevice`] as a device of the contract ([`llmd_device::Device`]): the NPU takes one
+//! projection's rows ([`SubgraphKind::Linear`], the piece of a matmul HeteroLLM places on it)
+//! as an fp16 `FullyConnected` graph — float compute, no activation quantization — built for
+//! one token count of its `DeviceDesc::static_shapes` (an NPU graph is static: llm.npu's and
+//! HeteroLLM's fixed sizes; a smaller piece is padded to a size by the caller).
+//!
+//! - **Memory:** host memory (a phone's NPU shares DRAM with the CPU: `MemoryKind::Unified`);
+//!   `write` and `read` are copies. The NPU keeps no KV cache (attention is not its op here).
+//! - **Weights:** `load_weight` dequantizes the rows it is given from the file's blocks to f16
+//!   once (W4A16 / W8A16: HeteroLLM's float NPU path); `prepare` bakes them into the graph as a
+//!   constant, so the graph holds the only NPU copy.
+//! - **Submission:** `submit` runs the graph on the caller's thread (QNN's `graphExecute` is
+//!   synchronous) and returns a signalled event: `x`'s `n_tokens` rows in f16, `y`'s out as f32.
+//!   Each executable's graph runs one submission at a time (its own lock); two executables run
+//!   side by side.
+//! - **Modelled time:** with llmd's emulator provider every execution is charged what a phone's
+//!   NPU would take ([`QnnDevice::modelled_ns`]); Qualcomm's x86 library runs for real and
+//!   models nothing.
+//!
+//! Not yet through the contract: the W8A8 graphs of llm.npu's prefill (`super::linears`), a
+//! second graph kind, and an `estimate` from the SoC profile (the scheduler prices the NPU with
+//! its `CostModel`).
+
+use super::device::{describe, QnnDevice};
+use super::f16::build_f16;
+use crate::error::NpuError;
+use llmd_device::{
+    Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable,
+    HostWeight, Subgraph, SubgraphKind, Weight,
+};
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The largest error of an fp16 `FullyConnected` against the f64 definition over the
+/// dequantized weights, relative to Σ|w·x|: `x` and `w` are each rounded to f16 (2⁻¹¹ relative
+/// each, so ≤ 2⁻¹⁰ ≈ 9.8e-4 of Σ|w·x| for their product), the output is rounded to f16 (2⁻¹¹ of
+/// |y| ≤ Σ|w·x|), and the accumulation adds what its precision loses — the budget of the GPU's
+/// fp16 kernels (`check::FP16_MATMUL_REL_TOL`), which round the same operands.
+pub const F16_LINEAR_REL_TOL: f64 = 3e-3;
+
+/// A buffer: host bytes.
+type Mem = Mutex<Vec<u8>>;
+
+/// A weight's rows in f16 (little-endian bytes), row-major.
+struct F16Rows {
+    rows: Range<usize>,
+    cols: usize,
+    w16: Vec<u16>,
+}
+
+/// A prepared linear subgraph: its graph and the staging of its f16 input and output.
+struct Prepared {
+    cols: usize,
+    rows: usize,
+    run: Mutex<Staged>,
+}
+
+struct Staged {
+    graph: qnn_sys::api::Graph,
+    x: Vec<u8>,
+    y: Vec<u8>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl QnnDevice {
+    /// The device building graphs for `counts` tokens (each at least 1) instead of
+    /// [`super::device::DEFAULT_TOKEN_COUNTS`].
+    pub fn with_token_counts(mut self, counts: &[usize]) -> Self {
+        let counts: Vec<usize> = counts.iter().copied().filter(|&c| c > 0).collect();
+        self.desc = describe(&self.provider().name, self.soc(), &counts);
+        self
+    }
+
+    /// The modelled NPU time of every submission so far, in nanoseconds (0 with Qualcomm's
+    /// library, which runs for real).
+    pub fn modelled_ns(&self) -> u64 {
+        self.modelled.load(Ordering::Relaxed)
+    }
+
+    fn invalid(&self, detail: impl Into<String>) -> DeviceError {
+        DeviceError::Invalid { device: self.desc.name.clone(), detail: detail.into() }
+    }
+
+    fn unsupported(&self, what: impl Into<String>) -> DeviceError {
+        DeviceError::Unsupported { device: self.desc.name.clone(), what: what.into() }
+    }
+
+    fn failed(&self, e: NpuError) -> DeviceError {
+        DeviceError::Execution { device: self.desc.name.clone(), detail: e.to_string() }
+    }
+
+    fn mem<'a>(&self, b: &'a Buffer) -> Result<&'a Mem, DeviceError> {
+        b.get::<Mem>(self.id).ok_or_else(|| self.invalid("a buffer of another device"))
+    }
+}
+
+impl Device for QnnDevice {
+    fn id(&self) -> DeviceId {
+        self.id
+    }
+
+    fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    fn alloc(&self, usage: BufferUsage, bytes: usize) -> Result<Buffer, DeviceError> {
+        if usage == BufferUsage::Kv {
+            return Err(self.unsupported("a KV cache (attention is not an NPU op here)"));
+        }
+        let mut v: Vec<u8> = Vec::new();
+        v.try_reserve_exact(bytes).map_err(|_| DeviceError::OutOfMemory {
+            device: self.desc.name.clone(),
+            usage,
+            bytes,
+        })?;
+        v.resize(bytes, 0);
+        Ok(Buffer::new(self.id, usage, bytes, Arc::new(Mutex::new(v))))
+    }
+
+    fn write(&self, dst: &Buffer, offset: usize, src: &[u8], after: &[Event]) -> Result<Event, DeviceError> {
+        Event::wait_all(after)?;
+        let mut b = lock(self.mem(dst)?);
+        let end = offset.checked_add(src.len()).filter(|&e| e <= b.len());
+        let end = end.ok_or_else(|| self.invalid("write past the buffer's end"))?;
+        b[offset..end].copy_from_slice(src);
+        Ok(Event::ready(Ok(())))
+    }
+
+    fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
+        Event::wait_all(after)?;
+        let b = lock(self.mem(src)?);
+        let end = offset.checked_add(dst.len()).filter(|&e| e <= b.len());
+        let end = end.ok_or_else(|| self.invalid("read past the buffer's end"))?;
+        dst.copy_from_slice(&b[offset..end]);
+        Ok(())
+    }
+
+    fn load_weight(&self, w: &HostWeight<'_>, rows: Range<usize>) -> Result<Weight, DeviceError> {
+        let bytes = w.rows_bytes(rows.clone()).ok_or_else(|| {
+            self.invalid(format!(
+                "{:?}: {} bytes of {} do not hold rows {rows:?} of {} × {} (the NPU reads the file's rows)",
+                w.role,
+                w.data.len(),
+                w.ty,
+                w.rows,
+                w.cols
+            ))
+        })?;
+        let rb = w.ty.row_bytes(w.cols).unwrap_or(0).max(1);
+        let mut w16 = Vec::new();
+        w16.try_reserve_exact(rows.len() * w.cols).map_err(|_| DeviceError::OutOfMemory {
+            device: self.desc.name.clone(),
+            usage: BufferUsage::Weights,
+            bytes: rows.len() * w.cols * 2,
+        })?;
+        let mut row = vec![0f32; w.cols];
+        for src in bytes.chunks_exact(rb) {
+            crate::quant::dequantize_row(w.ty, src, &mut row)
+                .map_err(|e| self.invalid(format!("{:?}: {e}", w.role)))?;
+            w16.extend(row.iter().map(|&v| half::f16::from_f32(v).to_bits()));
+        }
+        let size = w16.len() * 2;
+        Ok(Weight::new(self.id, w.role, rows.clone(), w.cols, size, Arc::new(F16Rows { rows, cols: w.cols, w16 })))
+    }
+
+    fn prepare(
+        &self,
+        sg: Subgraph,
+        shape: &BlockShape,
+        n_tokens: usize,
+        weights: &[Weight],
+    ) -> Result<Executable, DeviceError> {
+        let SubgraphKind::Linear(role) = sg.kind else {
+            return Err(self.unsupported(format!("{sg:?} (the NPU takes one projection's rows: a Linear subgraph)")));
+        };
+        self.desc.check(sg, &[], n_tokens).map_err(|what| self.unsupported(what))?;
+        let roles = sg.weight_roles(shape);
+        let [w] = weights else {
+            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}")));
+        };
+        if w.role != role {
+            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}, given {:?}", w.role)));
+        }
+        let rows = w.get::<F16Rows>(self.id).ok_or_else(|| self.invalid("a weight of another device"))?;
+        let local = 0..rows.rows.len();
+        let name = format!("l{}_{role:?}_r{}_{}", sg.layer, rows.rows.start, rows.rows.end);
+        let context = self.context().map_err(|e| self.failed(e))?;
+        let graph = build_f16(&context, &name, &rows.w16, rows.cols, n_tokens, &local).map_err(|e| self.failed(e))?;
+        let staged = Staged { graph, x: vec![0u8; n_tokens * rows.cols * 2], y: vec![0u8; n_tokens * local.len() * 2] };
+        let p = Prepared { cols: rows.cols, rows: local.len(), run: Mutex::new(staged) };
+        Ok(Executable::new(self.id, sg, n_tokens, Arc::new(p)))
+    }
+
+    fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
+        let p = exe.get::<Prepared>(self.id).ok_or_else(|| self.invalid("an executable of another device"))?;
+        let y = bind.y.as_ref().ok_or_else(|| self.invalid("a Linear subgraph without an output buffer"))?;
+        Event::wait_all(after)?;
+        let (m, k, n) = (exe.n_tokens, p.cols, p.rows);
+        let mut s = lock(&p.run);
+        let Staged { graph, x: xs, y: ys } = &mut *s;
+        {
+            let x = lock(self.mem(&bind.x)?);
+            let src = x.get(..m * k * 4).ok_or_else(|| {
+                self.invalid(format!("x holds {} bytes, {m} rows of {k} f32 take {}", x.len(), m * k * 4))
+            })?;
+            for (d, c) in xs.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
+                let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                d.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+            }
+        }
+        graph
+            .execute(&[xs], &mut [ys])
+            .map_err(|e| DeviceError::Execution { device: self.desc.name.clone(), detail: e.to_string() })?;
+        if let Some((last, _)) = graph.modelled_ns() {
+            self.modelled.fetch_add(last, Ordering::Relaxed);
+        }
+        let mut out = lock(self.mem(y)?);
+        let dst = out.get_mut(..m * n * 4).ok_or_else(|| self.invalid(format!("y is shorter than {m} rows of {n}")))?;
+        for (d, c) in dst.chunks_exact_mut(4).zip(ys.chunks_exact(2)) {
+            d.copy_from_slice(&half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32().to_le_bytes());
+        }
+        Ok(Event::ready(Ok(())))
+    }
+}
