@@ -574,7 +574,17 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
     };
     let path = &settings.library;
     let device = match QnnDevice::open(path, settings.soc) {
-        Ok(d) => d,
+        // HeteroLLM's graphs through the device contract: static at the plan's token counts,
+        // in the NPU's graph cache.
+        Ok(d) => Arc::new(match &settings.hetero {
+            Some(h) => {
+                // The plan's counts, and the SoC's standard sizes the solver pads pieces to.
+                let mut counts = hetero_counts(h);
+                counts.extend_from_slice(h.soc.sizes().all());
+                d.with_token_counts(&counts).with_cache_dir(settings.cache_dir.clone())
+            }
+            None => d,
+        }),
         Err(e) => return unavailable(e.to_string()),
     };
     let (provider, build_id) = (device.provider().name.clone(), device.build_id().to_owned());
@@ -608,7 +618,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 lock(status).preparing = true;
                 let outcome =
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (&settings.hetero, &gpu) {
-                        (Some(h), Some(g)) => prepare_hetero(&device, &settings, h, g, &m),
+                        (Some(h), Some(g)) => prepare_hetero(&device, h, g, &m),
                         _ => prepare(&device, &settings, &m).map(|(g, how)| (Prepared::Int8(g), how)),
                     }))
                     .unwrap_or_else(|_| Err("preparing the graphs panicked".into()));
@@ -677,52 +687,36 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
     }
 }
 
+/// The token counts HeteroLLM's plan is made for: `[hetero] sizes` and one (decode).
+fn hetero_counts(h: &HeteroSettings) -> Vec<usize> {
+    let mut counts = h.sizes.clone();
+    counts.push(1);
+    counts
+}
+
 /// HeteroLLM's plan for `model`: every projection's cut for each of `[hetero] sizes` and one
-/// token, the NPU's fp16 graphs in a context of their own — loaded from the NPU's graph cache
-/// (`cache_dir`, the same cache as the INT8 graphs', keyed by the library, chip, plan and
-/// weights) when a sound one is there, else built, finalized and stored.
+/// token, the NPU's fp16 graphs prepared together through the device contract — loaded from
+/// the NPU's graph cache (`cache_dir`, the same cache as the INT8 graphs', keyed by the
+/// library, chip, graphs and weights) when a sound one is there, else built, finalized and
+/// stored.
 fn prepare_hetero(
-    device: &QnnDevice,
-    settings: &Settings,
+    device: &Arc<QnnDevice>,
     h: &HeteroSettings,
     gpu: &Arc<GpuDevice>,
     model: &Arc<Model>,
 ) -> Result<(Prepared, String), String> {
-    let mut counts = h.sizes.clone();
-    counts.push(1);
+    let counts = hetero_counts(h);
     let plan = |op: &Op| match h.plan {
         crate::config::HeteroPlan::Solver => solver_cut(&h.soc, h.weight_bits, op),
         crate::config::HeteroPlan::Even => even_cut(op, h.row_align),
     };
-    let t = &model.transformer;
-    let planned = HeteroPlan::new(t, &counts, &plan).map_err(|e| e.to_string())?;
-    let (context, ids, cached) = match &settings.cache_dir {
-        Some(dir) => {
-            let key = llmd_engine::backend::npu::cache::key_with(
-                device,
-                counts.iter().copied().max().unwrap_or(1),
-                planned.npu_graphs(),
-                &mut |f| {
-                    let _ = planned.content(t, f);
-                },
-            )
-            .map_err(|e| e.to_string())?;
-            let (c, ids, outcome) =
-                llmd_engine::backend::npu::cache::load_or_build_with(device, dir, &key, planned.npu_graphs(), |c| {
-                    planned.build_graphs(t, c)
-                })
-                .map_err(|e| e.to_string())?;
-            (c, ids, Some(outcome))
-        }
-        None => {
-            let c = device.context().map_err(|e| e.to_string())?;
-            let ids = planned.build_graphs(t, &c).map_err(|e| e.to_string())?;
-            (c, ids, None)
-        }
-    };
+    let planned = HeteroPlan::new(&model.transformer, &counts, &plan).map_err(|e| e.to_string())?;
     let owner = HeteroOwner { model: model.clone(), gpu: gpu.clone() };
+    let mut cached = None;
     let graphs = HeteroGraphs::try_new(owner, |o| {
-        HeteroLinears::from_context(&o.model.transformer, &context, &o.gpu, &planned, &ids)
+        let (l, outcome) = HeteroLinears::new(&o.model.transformer, device, &o.gpu, &planned)?;
+        cached = outcome;
+        Ok::<_, llmd_engine::error::NpuError>(l)
     })
     .map_err(|e| e.to_string())?;
     let mut how =

@@ -216,6 +216,15 @@ pub struct Bindings {
     pub y: Option<Buffer>,
 }
 
+/// One executable for [`Device::prepare_all`] to prepare.
+#[derive(Clone, Debug)]
+pub struct Preparation {
+    pub subgraph: Subgraph,
+    pub n_tokens: usize,
+    /// Its weights, as [`Device::prepare`] takes them.
+    pub weights: Vec<Weight>,
+}
+
 /// An estimate of one subgraph's time on a device, from a cost model (seconds).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Cost {
@@ -266,6 +275,13 @@ pub trait Device: Send + Sync {
         n_tokens: usize,
         weights: &[Weight],
     ) -> Result<Executable, DeviceError>;
+
+    /// Prepares several executables of a model of `shape` at once, in `items`' order (each as
+    /// [`Self::prepare`] would). A device that compiles graphs builds them together — an NPU in
+    /// one context, which it keeps (and loads again) as one binary; by default, one by one.
+    fn prepare_all(&self, shape: &BlockShape, items: &[Preparation]) -> Result<Vec<Executable>, DeviceError> {
+        items.iter().map(|p| self.prepare(p.subgraph, shape, p.n_tokens, &p.weights)).collect()
+    }
 
     /// The device's own estimate of `subgraph` at `n_tokens` (None: it has no figures). The
     /// engine's placement prices subgraphs with its `CostModel` (figures per device); this is

@@ -65,6 +65,23 @@ fn forced(op: &Op) -> Cut {
     Cut::from_sizes(&sizes, rows)
 }
 
+/// `plan` for `counts` tokens, its NPU graphs prepared on the emulator provider (a device with
+/// graphs for the token counts the plan's NPU pieces run in) through the contract.
+fn hetero<'m>(
+    t: &'m llmd_engine::model::Transformer,
+    gpu: &std::sync::Arc<GpuDevice>,
+    counts: &[usize],
+    plan: &dyn Fn(&Op) -> Cut,
+) -> HeteroLinears<'m> {
+    let planned = llmd_engine::hetero::linears::HeteroPlan::new(t, counts, plan).expect("planned");
+    let npu = std::sync::Arc::new(
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650)
+            .expect("the QNN library opens")
+            .with_token_counts(&planned.npu_token_counts()),
+    );
+    HeteroLinears::new(t, &npu, gpu, &planned).expect("the plan's graphs are prepared").0
+}
+
 #[test]
 fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
     let Ok(gpu) = GpuDevice::open(&GpuOptions::default()) else {
@@ -72,14 +89,12 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
         eprintln!("skipped: no OpenCL device");
         return;
     };
+    let gpu = std::sync::Arc::new(gpu);
     let m = common::default_model();
     let prompt = m
         .tokenizer
         .encode("A prism splits white light into a spectrum because each wavelength bends by a different amount. The three primary colours of light are red, green and blue; mixing them in equal parts gives", false, false)
         .unwrap();
-    let device =
-        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
-    let ctx = device.context().unwrap();
     let counts = [prompt.len(), 1];
     let soc = soc::find(None, "snapdragon_8gen3").unwrap();
     let prof = Predicted { soc: &soc, bits: 4.5 };
@@ -99,7 +114,7 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
     eprintln!("prompt {} tokens; CPU: {cpu:?}", prompt.len());
     let mut runs = Vec::new();
     for (name, plan) in plans {
-        let l = HeteroLinears::build(&m.transformer, &ctx, &gpu, &counts, plan).unwrap();
+        let l = hetero(&m.transformer, &gpu, &counts, plan);
         let (toks, margins) = greedy(m, &prompt, Some(&l), None);
         let s = &l.stats;
         eprintln!(
@@ -153,15 +168,13 @@ fn a_prompt_length_without_a_plan_is_composed_from_the_planned_sizes() {
         assert!(std::env::var("LLMD_REQUIRE_OPENCL").is_err(), "LLMD_REQUIRE_OPENCL=1 and no OpenCL device");
         return;
     };
+    let gpu = std::sync::Arc::new(gpu);
     let m = common::default_model();
     let prompt = m.tokenizer.encode("Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain, where the air is thinner and its pressure lower, it boils at a lower temperature, so that cooking pasta there takes", false, false).unwrap();
     assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32), "{}", prompt.len());
     eprintln!("prompt {} tokens: blocks of 32 and the rest on the GPU", prompt.len());
-    let device =
-        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
-    let ctx = device.context().unwrap();
     let even = |op: &Op| llmd_engine::hetero::linears::even_cut(op, 64);
-    let l = HeteroLinears::build(&m.transformer, &ctx, &gpu, &[32, 1], &even).unwrap();
+    let l = hetero(&m.transformer, &gpu, &[32, 1], &even);
     let (cpu, cpu_m) = greedy(m, &prompt, None, None);
     let (tf, _) = greedy(m, &prompt, Some(&l), Some(&cpu));
     let s = &l.stats;

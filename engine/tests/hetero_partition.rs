@@ -14,12 +14,13 @@ mod common;
 use llmd_device::{BlockShape, GgmlType, RopeStyle, WeightRole};
 use llmd_engine::backend::cpu::CpuBackend;
 use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions};
+use llmd_engine::backend::npu::QnnDevice;
 use llmd_engine::backend::weight::WeightMatrix;
-use llmd_engine::hetero::exec::{f16_rows, CpuRunner, GpuRunner, NpuF16Runner};
+use llmd_engine::hetero::exec::{f16_rows, CpuRunner, DeviceRunner};
 use llmd_engine::hetero::partition::{execute, Cut, Piece, PieceRunner};
 use llmd_engine::hetero::soc;
 use llmd_engine::hetero::solver::{Phase, Predicted, Solver};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// NPU (fp16 inputs, weights and output; f32 sums) against GPU (f32) pieces, relative to
 /// Σ|w·x| per output: x and w each rounded to half (2⁻¹¹ relative each), the f32 sums (≈ 1e-6
@@ -29,12 +30,12 @@ pub const CROSS_DEVICE_REL_TOL: f64 = 1.5e-3;
 
 const SM8650: u32 = 57;
 
-fn gpu() -> Option<&'static GpuDevice> {
-    static G: OnceLock<Option<GpuDevice>> = OnceLock::new();
+fn gpu() -> Option<Arc<GpuDevice>> {
+    static G: OnceLock<Option<Arc<GpuDevice>>> = OnceLock::new();
     G.get_or_init(|| {
         let required = std::env::var("LLMD_REQUIRE_OPENCL").is_ok_and(|v| v == "1");
         match GpuDevice::open(&GpuOptions::default()) {
-            Ok(g) => Some(g),
+            Ok(g) => Some(Arc::new(g)),
             Err(e) if !required => {
                 eprintln!("skipped: no usable OpenCL device ({e})");
                 None
@@ -42,7 +43,14 @@ fn gpu() -> Option<&'static GpuDevice> {
             Err(e) => panic!("LLMD_REQUIRE_OPENCL=1 and the GPU backend cannot start: {e}"),
         }
     })
-    .as_ref()
+    .clone()
+}
+
+/// The NPU (the QNN library at `path`) with graphs for every token count up to `most`: the
+/// tests run pieces in graphs of their exact count.
+fn npu(path: &std::path::Path, most: usize) -> Arc<QnnDevice> {
+    let counts: Vec<usize> = (1..=most).collect();
+    Arc::new(QnnDevice::open(path, SM8650).expect("the QNN library opens").with_token_counts(&counts))
 }
 
 struct Case {
@@ -153,7 +161,7 @@ fn every_cut_equals_the_whole_on_opencl() {
     let Some(g) = gpu() else { return };
     let mut checked = 0;
     for c in cases() {
-        let r = GpuRunner::new(g, &c.w, WeightRole::Up, linear_shape());
+        let r = DeviceRunner::new(g.clone(), &c.w, WeightRole::Up, linear_shape());
         let whole = run(&Cut::gpu_only(), &c, &r, &r);
         for cut in cuts(&c) {
             assert_eq!(bits(&run(&cut, &c, &r, &r)), bits(&whole), "{:?} m {} n {}: {cut:?}", c.w.ty, c.m, c.n);
@@ -163,22 +171,8 @@ fn every_cut_equals_the_whole_on_opencl() {
     eprintln!("{checked} cuts bit-identical on OpenCL");
 }
 
-/// The (tokens, rows) graphs `cuts` need on the NPU — the GPU's pieces too, as graphs of
-/// their exact token count ([`Exact`]) — and the whole operator's.
-fn npu_shapes(c: &Case, cuts: &[Cut]) -> Vec<(usize, std::ops::Range<usize>)> {
-    let mut v = vec![(c.m, 0..c.n)];
-    for cut in cuts {
-        for p in cut.pieces(c.m, c.n).unwrap() {
-            v.push((p.graph.unwrap_or(p.tokens.len()), p.rows));
-        }
-    }
-    v.sort_by_key(|(m, r)| (*m, r.start, r.end));
-    v.dedup();
-    v
-}
-
 /// The NPU standing in for the GPU: a piece run in a graph of exactly its token count.
-struct Exact<'a>(&'a NpuF16Runner);
+struct Exact<'a>(&'a DeviceRunner<'a>);
 
 impl PieceRunner for Exact<'_> {
     fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
@@ -189,15 +183,21 @@ impl PieceRunner for Exact<'_> {
 
 #[test]
 fn every_cut_equals_the_whole_on_the_emulated_npu_and_across_npu_and_gpu() {
-    let device =
-        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
-    let ctx = device.context().unwrap();
+    let cases = cases();
+    // Every count a piece runs in: its tokens', or its padded graph's.
+    let most = cases
+        .iter()
+        .flat_map(|c| cuts(c).into_iter().flat_map(|cut| cut.pieces(c.m, c.n).unwrap()).map(|p| p.graph.unwrap_or(0)))
+        .chain(cases.iter().map(|c| c.m))
+        .max()
+        .unwrap_or(1);
+    let device = npu(&common::emulator_library(), most);
     let mut checked = 0;
     let mut worst = 0f64;
-    for (i, c) in cases().into_iter().enumerate() {
+    for c in cases {
         let cuts = cuts(&c);
-        let w16 = f16_rows(&c.w, 0..c.n).unwrap();
-        let npu = NpuF16Runner::build(&ctx, &format!("w{i}"), &w16, c.k, npu_shapes(&c, &cuts)).unwrap();
+        // Each piece's graph prepared through the contract as it first runs.
+        let npu = DeviceRunner::new(device.clone(), &c.w, WeightRole::Up, linear_shape());
         // The whole operator as one NPU graph of exactly m tokens.
         let whole_cut = Cut::padded(c.m, c.m, c.n);
         let whole = run(&whole_cut, &c, &npu, &npu);
@@ -207,7 +207,7 @@ fn every_cut_equals_the_whole_on_the_emulated_npu_and_across_npu_and_gpu() {
         }
         // Across devices: the NPU's pieces on the emulator, the GPU's on OpenCL.
         if let Some(g) = gpu() {
-            let gr = GpuRunner::new(g, &c.w, WeightRole::Up, linear_shape());
+            let gr = DeviceRunner::new(g, &c.w, WeightRole::Up, linear_shape());
             for cut in &cuts {
                 let y = run(cut, &c, &npu, &gr);
                 for t in 0..c.m {
@@ -235,23 +235,26 @@ pub const HTP_F16_MAX_ULPS: f32 = 16.0;
 
 #[test]
 fn fp16_graphs_on_qualcomms_htp_library_follow_the_emulators_definition() {
-    let device =
-        llmd_engine::backend::npu::QnnDevice::open(&common::htp_library(), SM8650).expect("the QNN library opens");
-    let ctx = device.context().unwrap();
+    let shapes = [(32usize, 576usize, 256usize), (64, 256, 512), (1, 576, 1536), (256, 1536, 576)];
+    let counts: Vec<usize> = shapes.iter().map(|s| s.0).collect();
+    let device: Arc<QnnDevice> = Arc::new(
+        QnnDevice::open(&common::htp_library(), SM8650).expect("the QNN library opens").with_token_counts(&counts),
+    );
     let mut rng = check::Rng(99);
-    for (i, (m, k, n)) in
-        [(32usize, 576usize, 256usize), (64, 256, 512), (1, 576, 1536), (256, 1536, 576)].into_iter().enumerate()
-    {
+    for (m, k, n) in shapes {
         let (bytes, _) = check::random_weight(GgmlType::Q8_0, n, k, &mut rng).unwrap();
         let w = WeightMatrix::from_host_bytes("w", GgmlType::Q8_0, n, k, bytes).unwrap();
         let w16 = f16_rows(&w, 0..n).unwrap();
         let x = rng.vec(m * k);
-        let built = NpuF16Runner::build(&ctx, &format!("h{i}"), &w16, k, [(m, 0..n)]);
-        let npu = match built {
-            Ok(r) => r,
-            Err(e) => panic!("HTP refused an fp16 FullyConnected of {m}×{k} by {k}×{n}: {e}"),
-        };
         let c = Case { m, k, n, w, dense: Vec::new(), x };
+        let npu = DeviceRunner::new(device.clone(), &c.w, WeightRole::Up, linear_shape());
+        let rows = npu.weight(&(0..n)).expect("the rows load");
+        let shape = linear_shape();
+        if let Err(e) =
+            llmd_device::Device::prepare(&*device, llmd_device::Subgraph::linear(0, WeightRole::Up), &shape, m, &[rows])
+        {
+            panic!("HTP refused an fp16 FullyConnected of {m}×{k} by {k}×{n}: {e}");
+        }
         let y = run(&Cut::padded(m, m, n), &c, &npu, &npu);
         let wf: Vec<f32> = w16.iter().map(|&h| half::f16::from_bits(h).to_f32()).collect();
         let (mut worst, mut differ) = (0f32, 0usize);

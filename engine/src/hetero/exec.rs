@@ -1,12 +1,10 @@
 //! The processors behind a partitioned matmul ([`super::partition::PieceRunner`]): the CPU's
-//! own kernels over a row range of a weight, the OpenCL GPU over a row range loaded onto it,
-//! and the NPU's fp16 `FullyConnected` graphs (HeteroLLM's placement: float compute, no
-//! activation quantization), which `crate::backend::npu::f16` builds and runs.
+//! own kernels over a row range of a weight, and any device of the contract over a row range
+//! loaded onto it ([`DeviceRunner`]): the OpenCL GPU, and the NPU (`QnnDevice`'s fp16
+//! `FullyConnected` graphs: HeteroLLM's placement, float compute, no activation quantization).
 
 use super::partition::{Piece, PieceRunner, Started};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::gpu::GpuDevice;
-pub use crate::backend::npu::f16::{f16_graph_name, NpuF16Runner};
 use crate::backend::weight::WeightMatrix;
 use crate::backend::Backend;
 use llmd_device::{
@@ -14,7 +12,7 @@ use llmd_device::{
 };
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 fn piece_x<'x>(piece: &Piece, x: &'x [f32], k: usize) -> Result<&'x [f32], String> {
     x.get(piece.tokens.start * k..piece.tokens.end * k)
@@ -70,13 +68,16 @@ impl PieceRunner for CpuRunner<'_> {
     }
 }
 
-/// The OpenCL GPU over row ranges of one matrix through the device contract: each row range
-/// loaded once ([`Device::load_weight`]), each piece a [`Subgraph::linear`] prepared once per
-/// (tokens, rows) with its input and output buffers (kept and reused: no buffer is made per
-/// call), submitted to the GPU's queue ([`PieceRunner::start`]) and read back when the caller
-/// has run the NPU's pieces.
-pub struct GpuRunner<'a> {
-    pub gpu: &'a GpuDevice,
+/// A device of the contract over row ranges of one matrix: each row range loaded once
+/// ([`Device::load_weight`]), each piece a [`Subgraph::linear`] prepared once per (tokens,
+/// rows) — or handed in prepared ([`Self::with_executables`]: an NPU's graphs, built together)
+/// — with its input and output buffers (kept and reused: no buffer is made per call),
+/// submitted ([`PieceRunner::start`]: the GPU's queue runs it while the caller goes on; the
+/// NPU runs it before `submit` returns) and read back when the caller has run the other
+/// device's pieces. A device with static shapes runs a piece in its graph's token count
+/// (`Piece::graph`), its input padded with zeros.
+pub struct DeviceRunner<'a> {
+    pub dev: Arc<dyn Device>,
     pub w: &'a WeightMatrix,
     role: WeightRole,
     shape: BlockShape,
@@ -89,9 +90,11 @@ pub struct GpuRunner<'a> {
     /// size) gets buffers for its run only, so a long-lived plan does not keep one set per
     /// prompt length it ever met.
     keep: Option<Vec<usize>>,
+    /// Executables per (tokens, first row, end row).
+    exes: Mutex<HashMap<(usize, usize, usize), Executable>>,
 }
 
-/// One piece shape's executable and buffers on the GPU.
+/// One piece shape's executable and buffers on the device.
 struct Slot {
     key: (usize, usize, usize),
     exe: Executable,
@@ -100,10 +103,61 @@ struct Slot {
     y: Buffer,
 }
 
-impl<'a> GpuRunner<'a> {
-    /// `w` (the weight of `role` in a model of `shape`) on `gpu`.
-    pub fn new(gpu: &'a GpuDevice, w: &'a WeightMatrix, role: WeightRole, shape: BlockShape) -> Self {
-        Self { gpu, w, role, shape, loaded: Mutex::new(HashMap::new()), slots: Mutex::new(HashMap::new()), keep: None }
+impl<'a> DeviceRunner<'a> {
+    /// `w` (the weight of `role` in a model of `shape`) on `dev`.
+    pub fn new(dev: Arc<dyn Device>, w: &'a WeightMatrix, role: WeightRole, shape: BlockShape) -> Self {
+        Self {
+            dev,
+            w,
+            role,
+            shape,
+            loaded: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
+            keep: None,
+            exes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The runner with these executables, prepared elsewhere, for (tokens, rows).
+    pub fn with_executables(self, exes: impl IntoIterator<Item = ((usize, Range<usize>), Executable)>) -> Self {
+        if let Ok(mut e) = self.exes.lock() {
+            e.extend(exes.into_iter().map(|((m, r), x)| ((m, r.start, r.end), x)));
+        }
+        self
+    }
+
+    /// Rows `rows` loaded on its device (kept for later pieces until [`Self::forget_weights`]).
+    pub fn weight(&self, rows: &Range<usize>) -> Result<Weight, String> {
+        let mut loaded = self.loaded.lock().map_err(|_| "poisoned")?;
+        if let Some(w) = loaded.get(&(rows.start, rows.end)) {
+            return Ok(w.clone());
+        }
+        let data = self.w.source_bytes().ok_or_else(|| format!("{}: rows not in memory", self.w.name))?;
+        let hw = HostWeight { role: self.role, ty: self.w.ty, rows: self.w.rows, cols: self.w.cols, data, host: None };
+        let w = self.dev.load_weight(&hw, rows.clone()).map_err(|e| e.to_string())?;
+        loaded.insert((rows.start, rows.end), w.clone());
+        Ok(w)
+    }
+
+    /// Drops the loaded weights it keeps (an NPU's graphs hold their own copy).
+    pub fn forget_weights(&self) {
+        if let Ok(mut l) = self.loaded.lock() {
+            l.clear();
+        }
+    }
+
+    /// Executables it holds.
+    pub fn executables(&self) -> usize {
+        self.exes.lock().map(|e| e.len()).unwrap_or(0)
+    }
+
+    /// The token count a piece runs in on its device: its graph's on a device with static
+    /// shapes, its own elsewhere.
+    fn tokens_for(&self, piece: &Piece) -> usize {
+        match self.dev.desc().static_shapes {
+            llmd_device::StaticShapes::Only(_) => piece.graph.unwrap_or(piece.tokens.len()).max(piece.tokens.len()),
+            llmd_device::StaticShapes::Any => piece.tokens.len(),
+        }
     }
 
     /// The token counts of the slots it keeps idle now.
@@ -121,18 +175,6 @@ impl<'a> GpuRunner<'a> {
         self
     }
 
-    fn weight(&self, rows: &Range<usize>) -> Result<Weight, String> {
-        let mut loaded = self.loaded.lock().map_err(|_| "poisoned")?;
-        if let Some(w) = loaded.get(&(rows.start, rows.end)) {
-            return Ok(w.clone());
-        }
-        let data = self.w.source_bytes().ok_or_else(|| format!("{}: rows not in memory", self.w.name))?;
-        let hw = HostWeight { role: self.role, ty: self.w.ty, rows: self.w.rows, cols: self.w.cols, data, host: None };
-        let w = self.gpu.load_weight(&hw, rows.clone()).map_err(|e| e.to_string())?;
-        loaded.insert((rows.start, rows.end), w.clone());
-        Ok(w)
-    }
-
     /// An idle slot for `m` tokens over `rows`, made on first use.
     fn slot(&self, m: usize, rows: &Range<usize>) -> Result<Slot, String> {
         let key = (m, rows.start, rows.end);
@@ -140,11 +182,21 @@ impl<'a> GpuRunner<'a> {
             return Ok(s);
         }
         let e = |e: llmd_device::DeviceError| e.to_string();
-        let weight = self.weight(rows)?;
-        // A projection's layer does not matter to the GPU: its weight is bound here.
-        let exe = self.gpu.prepare(Subgraph::linear(0, self.role), &self.shape, m, &[weight]).map_err(e)?;
-        let x = self.gpu.alloc(BufferUsage::Activations, m * self.w.cols * 4).map_err(e)?;
-        let y = self.gpu.alloc(BufferUsage::Activations, m * rows.len() * 4).map_err(e)?;
+        let known = self.exes.lock().map_err(|_| "poisoned")?.get(&key).cloned();
+        let exe = match known {
+            Some(x) => x,
+            None => {
+                let weight = self.weight(rows)?;
+                // A projection's layer does not matter to a device: its weight is bound here.
+                let exe = self.dev.prepare(Subgraph::linear(0, self.role), &self.shape, m, &[weight]).map_err(e)?;
+                if self.keep.as_ref().is_none_or(|k| k.contains(&m)) {
+                    self.exes.lock().map_err(|_| "poisoned")?.insert(key, exe.clone());
+                }
+                exe
+            }
+        };
+        let x = self.dev.alloc(BufferUsage::Activations, m * self.w.cols * 4).map_err(e)?;
+        let y = self.dev.alloc(BufferUsage::Activations, m * rows.len() * 4).map_err(e)?;
         let zeros: std::sync::Arc<[u32]> = vec![0u32; m].into();
         let bind = Bindings {
             x,
@@ -169,13 +221,13 @@ impl<'a> GpuRunner<'a> {
     }
 }
 
-/// GPU pieces in flight: each one's slot and the event its submission signals.
-struct GpuStarted<'r, 'a> {
-    runner: &'r GpuRunner<'a>,
+/// Pieces in flight on a device: each one's slot and the event its submission signals.
+struct DeviceStarted<'r, 'a> {
+    runner: &'r DeviceRunner<'a>,
     work: Vec<(Slot, Event)>,
 }
 
-impl Started for GpuStarted<'_, '_> {
+impl Started for DeviceStarted<'_, '_> {
     fn done(&self) -> bool {
         self.work.iter().all(|(_, ev)| ev.state().is_some())
     }
@@ -184,7 +236,7 @@ impl Started for GpuStarted<'_, '_> {
         let work = std::mem::take(&mut self.work);
         let mut r = Ok(());
         if work.len() != outs.len() {
-            r = Err(format!("{} GPU pieces, {} outputs", work.len(), outs.len()));
+            r = Err(format!("{} pieces on {}, {} outputs", work.len(), self.runner.dev.desc().name, outs.len()));
         }
         let mut raw = Vec::new();
         for ((slot, ev), out) in work.iter().zip(outs.iter_mut()) {
@@ -193,7 +245,7 @@ impl Started for GpuStarted<'_, '_> {
             }
             let w = slot.key.2 - slot.key.1;
             raw.resize(out.len() * w * 4, 0u8);
-            r = self.runner.gpu.read(&slot.y, 0, &mut raw, std::slice::from_ref(ev)).map_err(|e| e.to_string());
+            r = self.runner.dev.read(&slot.y, 0, &mut raw, std::slice::from_ref(ev)).map_err(|e| e.to_string());
             for (o, row) in out.iter_mut().zip(raw.chunks_exact(w * 4)) {
                 for (v, c) in o.iter_mut().zip(row.chunks_exact(4)) {
                     *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -210,9 +262,9 @@ impl Started for GpuStarted<'_, '_> {
     }
 }
 
-impl Drop for GpuStarted<'_, '_> {
+impl Drop for DeviceStarted<'_, '_> {
     fn drop(&mut self) {
-        // Not finished (the caller failed first): the slots' buffers are still the GPU's
+        // Not finished (the caller failed first): the slots' buffers are still the device's
         // until their work is done.
         let work = std::mem::take(&mut self.work);
         for (_, ev) in &work {
@@ -222,24 +274,30 @@ impl Drop for GpuStarted<'_, '_> {
     }
 }
 
-impl PieceRunner for GpuRunner<'_> {
+impl PieceRunner for DeviceRunner<'_> {
     fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
-        let Some(started) = self.start(&[piece], x)? else { return Err("the GPU did not start".into()) };
+        let Some(started) = self.start(&[piece], x)? else {
+            return Err(format!("{} did not start", self.dev.desc().name));
+        };
         let mut views: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut **o).collect();
         started.finish(&mut [&mut views])
     }
 
     fn start(&self, pieces: &[&Piece], x: &[f32]) -> Result<Option<Box<dyn Started + '_>>, String> {
-        let mut started = Box::new(GpuStarted { runner: self, work: Vec::with_capacity(pieces.len()) });
+        let mut started = Box::new(DeviceStarted { runner: self, work: Vec::with_capacity(pieces.len()) });
         for piece in pieces {
             let xs = piece_x(piece, x, self.w.cols)?;
-            let slot = self.slot(piece.tokens.len(), &piece.rows)?;
+            let m = self.tokens_for(piece);
+            let slot = self.slot(m, &piece.rows)?;
+            let mut bytes = crate::backend::f32_bytes(xs);
+            // A static graph's rows past the piece's tokens: zeros.
+            bytes.resize(m * self.w.cols * 4, 0);
             let e = |e: llmd_device::DeviceError| e.to_string();
             let r = self
-                .gpu
-                .write(&slot.bind.x, 0, &crate::backend::f32_bytes(xs), &[])
+                .dev
+                .write(&slot.bind.x, 0, &bytes, &[])
                 .map_err(e)
-                .and_then(|_| self.gpu.submit(&slot.exe, &slot.bind, &[]).map_err(e));
+                .and_then(|_| self.dev.submit(&slot.exe, &slot.bind, &[]).map_err(e));
             match r {
                 Ok(ev) => started.work.push((slot, ev)),
                 Err(err) => {
@@ -263,12 +321,4 @@ pub fn f16_rows(w: &WeightMatrix, rows: Range<usize>) -> Result<Vec<u16>, String
         out.extend(row.iter().map(|&v| half::f16::from_f32(v).to_bits()));
     }
     Ok(out)
-}
-
-impl PieceRunner for NpuF16Runner {
-    fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
-        let m = piece.graph.unwrap_or(piece.tokens.len());
-        let xs = piece_x(piece, x, self.k)?;
-        self.run_rows(m, &piece.rows, xs, out)
-    }
 }

@@ -14,27 +14,28 @@
 //! on its own — the group shares its input, and the engine hands each projection its own
 //! output buffer, so no merge is needed.
 
-use super::exec::{f16_rows, GpuRunner, NpuF16Runner};
+use super::exec::DeviceRunner;
 use super::partition::{execute_synced, Cut, Piece, Processor, Segment};
 use super::soc::Soc;
 use super::solver::Op;
 use super::solver::{Phase, Predicted, Solver};
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::gpu::GpuDevice;
-use crate::backend::npu::cache::GraphIds;
-use crate::backend::npu::NpuContext;
+use crate::backend::npu::cache::CacheOutcome;
+use crate::backend::npu::QnnDevice;
 use crate::backend::weight::WeightMatrix;
 use crate::error::{BackendError, NpuError};
 use crate::model::Transformer;
-use llmd_device::WeightRole;
+use llmd_device::{Device, Executable, Preparation, Subgraph, WeightRole};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// One projection: its weight, its processors, and its cut per token count.
 struct Proj<'a> {
     w: &'a WeightMatrix,
-    npu: NpuF16Runner,
-    gpu: GpuRunner<'a>,
+    npu: DeviceRunner<'a>,
+    gpu: DeviceRunner<'a>,
     cuts: HashMap<usize, Cut>,
 }
 
@@ -108,50 +109,12 @@ impl HeteroPlan {
         self.projs.iter().map(|p| unique_count(&p.shapes)).sum()
     }
 
-    /// Feeds `f` what the NPU's graphs are made of — each graph's name and shape and its
-    /// matrix's weights (the file's bytes, or its rows read one by one) — for the graph cache's
-    /// key: another model, plan or weight gives another key.
-    pub fn content(&self, model: &Transformer, f: &mut dyn FnMut(&[u8])) -> Result<(), NpuError> {
-        let mut row = Vec::new();
-        for p in self.projs.iter().filter(|p| !p.shapes.is_empty()) {
-            let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
-            f(projection_name(p.at).as_bytes());
-            for (m, rows) in &p.shapes {
-                for v in [*m, rows.start, rows.end, w.cols] {
-                    f(&(v as u64).to_le_bytes());
-                }
-            }
-            f(w.name.as_bytes());
-            match w.source_bytes() {
-                Some(b) => f(b),
-                None => {
-                    for r in 0..w.rows {
-                        w.read_row(r, &mut row)
-                            .map_err(|e| NpuError::Quantization(format!("{}: row {r}: {e}", w.name)))?;
-                        f(&row);
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Builds and finalizes every NPU graph of the plan in `context`, returning their tensor
-    /// ids in the order [`HeteroLinears::from_context`] retrieves them.
-    pub fn build_graphs(&self, model: &Transformer, context: &NpuContext) -> Result<GraphIds, NpuError> {
-        let mut ids = Vec::new();
-        for p in self.projs.iter().filter(|p| !p.shapes.is_empty()) {
-            let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
-            let w16 = f16_rows(w, 0..w.rows).map_err(NpuError::Quantization)?;
-            ids.extend(NpuF16Runner::build_ids(
-                context,
-                &projection_name(p.at),
-                &w16,
-                w.cols,
-                p.shapes.iter().cloned(),
-            )?);
-        }
-        Ok(ids)
+    /// The token counts the plan's NPU graphs take (what the NPU device must build for).
+    pub fn npu_token_counts(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.projs.iter().flat_map(|p| p.shapes.iter().map(|s| s.0)).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 }
 
@@ -173,10 +136,6 @@ fn weight(model: &Transformer, (li, si, pi): (usize, usize, usize)) -> Option<&W
     sites(l).get(si)?.get(pi).copied()
 }
 
-fn projection_name((li, si, pi): (usize, usize, usize)) -> String {
-    format!("l{li}_s{si}_p{pi}")
-}
-
 fn unique_count(shapes: &[(usize, std::ops::Range<usize>)]) -> usize {
     let set: std::collections::HashSet<(usize, usize, usize)> =
         shapes.iter().filter(|(m, r)| *m > 0 && !r.is_empty()).map(|(m, r)| (*m, r.start, r.end)).collect();
@@ -184,53 +143,65 @@ fn unique_count(shapes: &[(usize, std::ops::Range<usize>)]) -> usize {
 }
 
 impl<'a> HeteroLinears<'a> {
-    /// Plans every projection of `model` for each of `token_counts` with `plan` and builds the
-    /// NPU graphs the plans need in `context` (its owning thread: this one) and loads the GPU's
-    /// row ranges lazily on `gpu`.
-    pub fn build(
+    /// `plan`'s projections: the NPU's graphs of every projection prepared on `npu` in one
+    /// call of the contract ([`QnnDevice::prepare_cached`], which says whether they came
+    /// from its cache), the GPU's pieces prepared on `gpu` as they first run.
+    pub fn new(
         model: &'a Transformer,
-        context: &NpuContext,
-        gpu: &'a GpuDevice,
-        token_counts: &[usize],
-        plan: &dyn Fn(&Op) -> Cut,
-    ) -> Result<Self, NpuError> {
-        let plan = HeteroPlan::new(model, token_counts, plan)?;
-        let ids = plan.build_graphs(model, context)?;
-        Self::from_context(model, context, gpu, &plan, &ids)
-    }
-
-    /// `plan`'s projections over the NPU graphs already in `context` — built in this process
-    /// ([`HeteroPlan::build_graphs`]) or loaded from the graph cache — by their tensor ids.
-    pub fn from_context(
-        model: &'a Transformer,
-        context: &NpuContext,
-        gpu: &'a GpuDevice,
+        npu: &Arc<QnnDevice>,
+        gpu: &Arc<GpuDevice>,
         plan: &HeteroPlan,
-        ids: &[(u32, Vec<u32>)],
-    ) -> Result<Self, NpuError> {
-        let mut layers: Vec<[Vec<Proj<'a>>; 4]> = (0..model.weights.layers.len()).map(|_| Default::default()).collect();
-        let mut at = 0usize;
-        for p in &plan.projs {
-            let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
-            let n = unique_count(&p.shapes);
-            let mine = ids.get(at..at + n).ok_or_else(|| NpuError::Shape {
-                graph: projection_name(p.at),
-                detail: format!("{} graph ids for more graphs", ids.len()),
-            })?;
-            at += n;
-            let npu = NpuF16Runner::retrieve(context, &projection_name(p.at), w.cols, p.shapes.iter().cloned(), mine)?;
-            let (li, si, _) = p.at;
-            let role = SITE_ROLES[si][p.at.2];
-            let gpu = GpuRunner::new(gpu, w, role, model.shape).keeping(p.cuts.keys().copied());
-            layers[li][si].push(Proj { w, npu, gpu, cuts: p.cuts.clone() });
-        }
-        if at != ids.len() {
+    ) -> Result<(Self, Option<CacheOutcome>), NpuError> {
+        let missing: Vec<usize> =
+            plan.npu_token_counts().into_iter().filter(|&m| !npu.desc().static_shapes.allows(m)).collect();
+        if !missing.is_empty() {
             return Err(NpuError::Shape {
                 graph: "hetero".into(),
-                detail: format!("{} graph ids for {at} graphs", ids.len()),
+                detail: format!(
+                    "the plan runs NPU graphs of {missing:?} tokens, which {} was not opened for (with_token_counts)",
+                    npu.desc().name
+                ),
             });
         }
-        Ok(Self { layers, stats: HeteroStats::default(), sync: super::sync::FastSync::new() })
+        let npu_dev: Arc<dyn Device> = npu.clone();
+        let gpu_dev: Arc<dyn Device> = gpu.clone();
+        let mut projs = Vec::with_capacity(plan.projs.len());
+        let mut items = Vec::new();
+        let mut owners = Vec::new();
+        for p in &plan.projs {
+            let w = weight(model, p.at).ok_or_else(|| NpuError::Quantization(format!("no weight at {:?}", p.at)))?;
+            let (li, si, pi) = p.at;
+            let role = SITE_ROLES[si][pi];
+            let npu_runner = DeviceRunner::new(npu_dev.clone(), w, role, model.shape);
+            let mut seen = std::collections::HashSet::new();
+            for (m, rows) in p.shapes.iter().filter(|(m, r)| *m > 0 && !r.is_empty()) {
+                if !seen.insert((*m, rows.start, rows.end)) {
+                    continue;
+                }
+                let weight = npu_runner.weight(rows).map_err(NpuError::Quantization)?;
+                items.push(Preparation { subgraph: Subgraph::linear(li, role), n_tokens: *m, weights: vec![weight] });
+                owners.push((projs.len(), (*m, rows.clone())));
+            }
+            let gpu_runner = DeviceRunner::new(gpu_dev.clone(), w, role, model.shape).keeping(p.cuts.keys().copied());
+            projs.push((li, si, Proj { w, npu: npu_runner, gpu: gpu_runner, cuts: p.cuts.clone() }));
+        }
+        let (exes, outcome) = npu
+            .prepare_cached(&model.shape, &items)
+            .map_err(|e| NpuError::Shape { graph: "hetero".into(), detail: e.to_string() })?;
+        drop(items);
+        type Shaped = ((usize, std::ops::Range<usize>), Executable);
+        let mut per_proj: Vec<Vec<Shaped>> = (0..projs.len()).map(|_| Vec::new()).collect();
+        for ((i, shape), exe) in owners.into_iter().zip(exes) {
+            per_proj[i].push((shape, exe));
+        }
+        let mut layers: Vec<[Vec<Proj<'a>>; 4]> = (0..model.weights.layers.len()).map(|_| Default::default()).collect();
+        for ((li, si, mut proj), exes) in projs.into_iter().zip(per_proj) {
+            proj.npu = proj.npu.with_executables(exes);
+            // The graphs hold the NPU's copy of the rows.
+            proj.npu.forget_weights();
+            layers[li][si].push(proj);
+        }
+        Ok((Self { layers, stats: HeteroStats::default(), sync: super::sync::FastSync::new() }, outcome))
     }
 
     /// The token counts whose GPU buffers the projections keep between passes (the planned
@@ -250,7 +221,7 @@ impl<'a> HeteroLinears<'a> {
 
     /// NPU graphs built in all.
     pub fn npu_graphs(&self) -> usize {
-        self.layers.iter().flat_map(|l| l.iter()).flat_map(|s| s.iter()).map(|p| p.npu.graphs()).sum()
+        self.layers.iter().flat_map(|l| l.iter()).flat_map(|s| s.iter()).map(|p| p.npu.executables()).sum()
     }
 
     /// The plan as data: per layer, site and projection, the cut for each planned token count

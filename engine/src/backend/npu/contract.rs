@@ -13,6 +13,11 @@
 //!   synchronous) and returns a signalled event: `x`'s `n_tokens` rows in f16, `y`'s out as f32.
 //!   Each executable's graph runs one submission at a time (its own lock); two executables run
 //!   side by side.
+//! - **Graphs together:** `prepare_all` builds its graphs in one context and, with a cache
+//!   directory ([`QnnDevice::with_cache_dir`]), keeps that context as one binary in the NPU's
+//!   graph cache (`super::cache`, shared with the W8A8 groups), keyed by the library, the chip
+//!   and every graph's name, shape and f16 weights: a second start loads it instead of
+//!   finalizing ([`QnnDevice::prepare_cached`] says which happened).
 //! - **Modelled time:** with llmd's emulator provider every execution is charged what a phone's
 //!   NPU would take ([`QnnDevice::modelled_ns`]); Qualcomm's x86 library runs for real and
 //!   models nothing.
@@ -21,14 +26,16 @@
 //! second graph kind, and an `estimate` from the SoC profile (the scheduler prices the NPU with
 //! its `CostModel`).
 
+use super::cache::{key_with, load_or_build_with, CacheOutcome, GraphIds};
 use super::device::{describe, QnnDevice};
-use super::f16::build_f16;
+use super::f16::{build_f16, f16_io};
 use crate::error::NpuError;
 use llmd_device::{
     Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable,
-    HostWeight, Subgraph, SubgraphKind, Weight,
+    HostWeight, Preparation, Subgraph, SubgraphKind, Weight,
 };
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -95,6 +102,114 @@ impl QnnDevice {
 
     fn mem<'a>(&self, b: &'a Buffer) -> Result<&'a Mem, DeviceError> {
         b.get::<Mem>(self.id).ok_or_else(|| self.invalid("a buffer of another device"))
+    }
+}
+
+/// One graph to build: its name, token count and weight rows.
+struct Planned<'w> {
+    name: String,
+    item: &'w Preparation,
+    rows: &'w F16Rows,
+}
+
+impl QnnDevice {
+    /// The NPU's graph cache for [`Device::prepare_all`]: a directory (made if missing), or
+    /// none (graphs are built at each start).
+    pub fn with_cache_dir(mut self, dir: Option<PathBuf>) -> Self {
+        self.cache_dir = dir;
+        self
+    }
+
+    /// [`Device::prepare_all`], and whether its context came from the cache (None without a
+    /// cache directory).
+    pub fn prepare_cached(
+        &self,
+        shape: &BlockShape,
+        items: &[Preparation],
+    ) -> Result<(Vec<Executable>, Option<CacheOutcome>), DeviceError> {
+        self.prepare_in_one_context(shape, items, self.cache_dir.as_deref())
+    }
+
+    fn plan<'w>(&self, shape: &BlockShape, item: &'w Preparation) -> Result<Planned<'w>, DeviceError> {
+        let sg = item.subgraph;
+        let SubgraphKind::Linear(role) = sg.kind else {
+            return Err(self.unsupported(format!("{sg:?} (the NPU takes one projection's rows: a Linear subgraph)")));
+        };
+        self.desc.check(sg, &[], item.n_tokens).map_err(|what| self.unsupported(what))?;
+        let roles = sg.weight_roles(shape);
+        let [w] = item.weights.as_slice() else {
+            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}")));
+        };
+        if w.role != role {
+            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}, given {:?}", w.role)));
+        }
+        let rows = w.get::<F16Rows>(self.id).ok_or_else(|| self.invalid("a weight of another device"))?;
+        let name = format!("l{}_{role:?}_r{}_{}_m{}", sg.layer, rows.rows.start, rows.rows.end, item.n_tokens);
+        Ok(Planned { name, item, rows })
+    }
+
+    /// Builds `items`' graphs in one context — loaded from `cache`'s file for them when a sound
+    /// one is there, else built, finalized and stored — and retrieves each as an executable.
+    fn prepare_in_one_context(
+        &self,
+        shape: &BlockShape,
+        items: &[Preparation],
+        cache: Option<&std::path::Path>,
+    ) -> Result<(Vec<Executable>, Option<CacheOutcome>), DeviceError> {
+        let planned = items.iter().map(|i| self.plan(shape, i)).collect::<Result<Vec<_>, _>>()?;
+        let mut names: Vec<&str> = planned.iter().map(|p| p.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(self.invalid(format!("graph {} asked for twice", w[0])));
+        }
+        let build = |context: &super::NpuContext| -> Result<GraphIds, NpuError> {
+            planned
+                .iter()
+                .map(|p| {
+                    let local = 0..p.rows.rows.len();
+                    let io = build_f16(context, &p.name, &p.rows.w16, p.rows.cols, p.item.n_tokens, &local)?.io();
+                    Ok((io.inputs.first().map_or(0, |i| i.1), io.outputs.iter().map(|o| o.1).collect()))
+                })
+                .collect()
+        };
+        let (context, ids, outcome) = match cache {
+            Some(dir) => {
+                let most = planned.iter().map(|p| p.item.n_tokens).max().unwrap_or(0);
+                let key = key_with(self, most, planned.len(), &mut |f| {
+                    for p in &planned {
+                        f(p.name.as_bytes());
+                        for v in [p.item.n_tokens, p.rows.rows.start, p.rows.rows.end, p.rows.cols] {
+                            f(&(v as u64).to_le_bytes());
+                        }
+                        for chunk in p.rows.w16.chunks(4096) {
+                            let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
+                            f(&bytes);
+                        }
+                    }
+                })
+                .map_err(|e| self.failed(e))?;
+                let (c, ids, outcome) =
+                    load_or_build_with(self, dir, &key, planned.len(), build).map_err(|e| self.failed(e))?;
+                (c, ids, Some(outcome))
+            }
+            None => {
+                let c = self.context().map_err(|e| self.failed(e))?;
+                let ids = build(&c).map_err(|e| self.failed(e))?;
+                (c, ids, None)
+            }
+        };
+        let mut exes = Vec::with_capacity(planned.len());
+        for (p, (input, outputs)) in planned.iter().zip(&ids) {
+            let (m, k, n) = (p.item.n_tokens, p.rows.cols, p.rows.rows.len());
+            let (xs, ys) = f16_io(m, k, &(0..n));
+            let output = *outputs.first().ok_or_else(|| self.invalid(format!("graph {}: no output id", p.name)))?;
+            let io = qnn_sys::api::GraphIo { inputs: vec![(xs, *input)], outputs: vec![(ys, output)] };
+            let graph = context.0.retrieve(&p.name, &io).map_err(|e| self.failed(e.into()))?;
+            let staged = Staged { graph, x: vec![0u8; m * k * 2], y: vec![0u8; m * n * 2] };
+            let prepared = Prepared { cols: k, rows: n, run: Mutex::new(staged) };
+            exes.push(Executable::new(self.id, p.item.subgraph, m, Arc::new(prepared)));
+        }
+        Ok((exes, outcome))
     }
 }
 
@@ -174,25 +289,13 @@ impl Device for QnnDevice {
         n_tokens: usize,
         weights: &[Weight],
     ) -> Result<Executable, DeviceError> {
-        let SubgraphKind::Linear(role) = sg.kind else {
-            return Err(self.unsupported(format!("{sg:?} (the NPU takes one projection's rows: a Linear subgraph)")));
-        };
-        self.desc.check(sg, &[], n_tokens).map_err(|what| self.unsupported(what))?;
-        let roles = sg.weight_roles(shape);
-        let [w] = weights else {
-            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}")));
-        };
-        if w.role != role {
-            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}, given {:?}", w.role)));
-        }
-        let rows = w.get::<F16Rows>(self.id).ok_or_else(|| self.invalid("a weight of another device"))?;
-        let local = 0..rows.rows.len();
-        let name = format!("l{}_{role:?}_r{}_{}", sg.layer, rows.rows.start, rows.rows.end);
-        let context = self.context().map_err(|e| self.failed(e))?;
-        let graph = build_f16(&context, &name, &rows.w16, rows.cols, n_tokens, &local).map_err(|e| self.failed(e))?;
-        let staged = Staged { graph, x: vec![0u8; n_tokens * rows.cols * 2], y: vec![0u8; n_tokens * local.len() * 2] };
-        let p = Prepared { cols: rows.cols, rows: local.len(), run: Mutex::new(staged) };
-        Ok(Executable::new(self.id, sg, n_tokens, Arc::new(p)))
+        let item = Preparation { subgraph: sg, n_tokens, weights: weights.to_vec() };
+        let (mut exes, _) = self.prepare_in_one_context(shape, std::slice::from_ref(&item), None)?;
+        exes.pop().ok_or_else(|| self.invalid("no executable prepared"))
+    }
+
+    fn prepare_all(&self, shape: &BlockShape, items: &[Preparation]) -> Result<Vec<Executable>, DeviceError> {
+        Ok(self.prepare_cached(shape, items)?.0)
     }
 
     fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {

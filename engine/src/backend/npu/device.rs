@@ -44,6 +44,8 @@ pub struct QnnDevice {
     pub(crate) desc: llmd_device::DeviceDesc,
     /// Modelled NPU time of the contract's submissions (the emulator's).
     pub(crate) modelled: std::sync::atomic::AtomicU64,
+    /// The graph cache of the contract's `prepare_all` (`super::contract`), if any.
+    pub(crate) cache_dir: Option<PathBuf>,
     path: PathBuf,
     soc: u32,
     provider: Provider,
@@ -109,6 +111,7 @@ impl QnnDevice {
             id: llmd_device::DeviceId::fresh(),
             desc,
             modelled: std::sync::atomic::AtomicU64::new(0),
+            cache_dir: None,
             path: path.to_owned(),
             soc,
             provider,
