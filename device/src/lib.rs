@@ -21,6 +21,7 @@ mod dtype;
 mod error;
 mod event;
 mod graph;
+pub mod host;
 
 pub use desc::{BufferUsage, DeviceDesc, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes};
 pub use dtype::GgmlType;

@@ -169,7 +169,7 @@ impl<'a> DeviceRunner<'a> {
         v
     }
 
-    /// Keeps the slots of these token counts only (see [`GpuRunner`]'s `keep`).
+    /// Keeps the slots of these token counts only (see [`DeviceRunner`]'s `keep`).
     pub fn keeping(mut self, counts: impl IntoIterator<Item = usize>) -> Self {
         self.keep = Some(counts.into_iter().collect());
         self

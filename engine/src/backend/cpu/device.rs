@@ -71,16 +71,7 @@ impl Device for CpuDevice {
     fn alloc(&self, usage: BufferUsage, bytes: usize) -> Result<Buffer, DeviceError> {
         let mem = match usage {
             BufferUsage::Kv => Mem::Kv(None),
-            _ => {
-                let mut v = Vec::new();
-                v.try_reserve_exact(bytes).map_err(|_| DeviceError::OutOfMemory {
-                    device: self.desc.name.clone(),
-                    usage,
-                    bytes,
-                })?;
-                v.resize(bytes, 0);
-                Mem::Bytes(v)
-            }
+            _ => Mem::Bytes(llmd_device::host::zeroed(&self.desc.name, usage, bytes)?),
         };
         Ok(Buffer::new(self.id, usage, bytes, Arc::new(Mutex::new(mem))))
     }
@@ -89,9 +80,7 @@ impl Device for CpuDevice {
         Event::wait_all(after)?;
         match &mut *lock(self.cell(dst)?) {
             Mem::Bytes(b) => {
-                let end = offset.checked_add(src.len()).filter(|&e| e <= b.len());
-                let end = end.ok_or_else(|| self.err("write past the buffer's end"))?;
-                b[offset..end].copy_from_slice(src);
+                llmd_device::host::copy_in(&self.desc.name, b, offset, src)?;
                 Ok(Event::ready(Ok(())))
             }
             Mem::Kv(_) => Err(self.err("a KV buffer is written by attention only")),
@@ -101,12 +90,7 @@ impl Device for CpuDevice {
     fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
         Event::wait_all(after)?;
         match &*lock(self.cell(src)?) {
-            Mem::Bytes(b) => {
-                let end = offset.checked_add(dst.len()).filter(|&e| e <= b.len());
-                let end = end.ok_or_else(|| self.err("read past the buffer's end"))?;
-                dst.copy_from_slice(&b[offset..end]);
-                Ok(())
-            }
+            Mem::Bytes(b) => llmd_device::host::copy_out(&self.desc.name, b, offset, dst),
             Mem::Kv(_) => Err(self.err("a KV buffer is read by attention only")),
         }
     }

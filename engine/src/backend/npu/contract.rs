@@ -226,32 +226,19 @@ impl Device for QnnDevice {
         if usage == BufferUsage::Kv {
             return Err(self.unsupported("a KV cache (attention is not an NPU op here)"));
         }
-        let mut v: Vec<u8> = Vec::new();
-        v.try_reserve_exact(bytes).map_err(|_| DeviceError::OutOfMemory {
-            device: self.desc.name.clone(),
-            usage,
-            bytes,
-        })?;
-        v.resize(bytes, 0);
+        let v = llmd_device::host::zeroed(&self.desc.name, usage, bytes)?;
         Ok(Buffer::new(self.id, usage, bytes, Arc::new(Mutex::new(v))))
     }
 
     fn write(&self, dst: &Buffer, offset: usize, src: &[u8], after: &[Event]) -> Result<Event, DeviceError> {
         Event::wait_all(after)?;
-        let mut b = lock(self.mem(dst)?);
-        let end = offset.checked_add(src.len()).filter(|&e| e <= b.len());
-        let end = end.ok_or_else(|| self.invalid("write past the buffer's end"))?;
-        b[offset..end].copy_from_slice(src);
+        llmd_device::host::copy_in(&self.desc.name, &mut lock(self.mem(dst)?), offset, src)?;
         Ok(Event::ready(Ok(())))
     }
 
     fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
         Event::wait_all(after)?;
-        let b = lock(self.mem(src)?);
-        let end = offset.checked_add(dst.len()).filter(|&e| e <= b.len());
-        let end = end.ok_or_else(|| self.invalid("read past the buffer's end"))?;
-        dst.copy_from_slice(&b[offset..end]);
-        Ok(())
+        llmd_device::host::copy_out(&self.desc.name, &lock(self.mem(src)?), offset, dst)
     }
 
     fn load_weight(&self, w: &HostWeight<'_>, rows: Range<usize>) -> Result<Weight, DeviceError> {

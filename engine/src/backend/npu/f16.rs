@@ -32,9 +32,8 @@ pub(crate) fn build_f16(
     rows: &Range<usize>,
 ) -> Result<Graph, NpuError> {
     let n = w16.len().checked_div(k).unwrap_or(0);
-    let gname = name.to_owned();
     if rows.end > n || u32::try_from(m).is_err() || u32::try_from(k).is_err() {
-        return Err(NpuError::Shape { graph: gname, detail: format!("rows {rows:?} of {n}, {m} tokens") });
+        return Err(NpuError::Shape { graph: name.to_owned(), detail: format!("rows {rows:?} of {n}, {m} tokens") });
     }
     let mut g = context.0.graph(name)?;
     let (xs, ys) = f16_io(m, k, rows);
