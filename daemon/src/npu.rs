@@ -20,12 +20,14 @@
 //! chunks depend on each other through its KV cache, and a chunk is the unit at which a
 //! foreground prompt can take the NPU from a background one (llm.npu's chunk, 256 tokens).
 
+use llmd_device::Device as _;
 use llmd_engine::backend::blocks::Linears;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
 use llmd_engine::backend::npu::cache::CacheOutcome;
 use llmd_engine::backend::npu::QnnDevice;
-use llmd_engine::hetero::linears::{even_cut, solver_cut, HeteroLinears, HeteroPlan};
+use llmd_engine::hetero::plan::{even_cut, solver_cut, HeteroPlan};
 use llmd_engine::hetero::solver::Op;
+use llmd_engine::model::Devices;
 use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
 use llmd_engine::Model;
 use std::collections::VecDeque;
@@ -37,28 +39,18 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// Jobs whose spans `dump` lists.
 pub const RECENT_JOBS: usize = 64;
 
-/// What a model's hetero graphs borrow: the model whose weights they hold, the GPU that takes
-/// the other rows (their NPU graphs own their QNN context).
-struct HeteroOwner {
-    model: Arc<Model>,
-    gpu: Arc<GpuDevice>,
+/// A model's HeteroLLM plan on the engine's executor: the NPU (its fp16 graphs prepared) and
+/// the GPU as devices whose parts of each projection the plan (the devices' splitter) gives.
+struct HeteroGraphs {
+    devs: Devices,
+    /// NPU graphs prepared.
+    graphs: usize,
 }
-
-type HeteroOf<'a> = HeteroLinears<'a>;
-
-self_cell::self_cell!(
-    /// A model's HeteroLLM plan: fp16 graphs in a context of their own, GPU row ranges.
-    struct HeteroGraphs {
-        owner: HeteroOwner,
-        #[not_covariant]
-        dependent: HeteroOf,
-    }
-);
 
 /// A model's prepared NPU work: llm.npu's INT8 graphs or HeteroLLM's plan.
 enum Prepared {
     Int8(NpuLinears),
-    Hetero(HeteroGraphs),
+    Hetero(Box<HeteroGraphs>),
 }
 
 /// The `[hetero]` settings the thread needs (`backend = "hetero"`).
@@ -542,7 +534,7 @@ impl Prepared {
     fn count(&self) -> usize {
         match self {
             Prepared::Int8(l) => l.graph_names().len(),
-            Prepared::Hetero(g) => g.with_dependent(|_, l| l.npu_graphs()),
+            Prepared::Hetero(g) => g.graphs,
         }
     }
 }
@@ -661,23 +653,37 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                         }
                         s.shadow = Some((name, l.shadow_stats()));
                     }
-                    Some((r, Prepared::Hetero(graphs))) => graphs.with_dependent(|_, l| {
-                        job(Ok(l as &dyn Linears));
-                        let name = r.model.upgrade().map(|m| m.name.clone()).unwrap_or_default();
-                        let st = &l.stats;
+                    Some((r, Prepared::Hetero(h))) => {
+                        let Some(m) = r.model.upgrade() else {
+                            job(Err("the model was dropped".into()));
+                            return;
+                        };
+                        let before = device.modelled_ns();
+                        match m.transformer.split_linears(&h.devs) {
+                            Ok(l) => job(Ok(&l as &dyn Linears)),
+                            Err(e) => job(Err(e.to_string())),
+                        };
+                        // The NPU's parts' modelled time (the emulator's), as for INT8 jobs.
+                        let modelled = device.modelled_ns().saturating_sub(before);
+                        let (st, sync) = (&h.devs.stats, &h.devs.sync);
                         let c = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-                        lock(status).hetero = Some((
-                            name,
+                        let mut s = lock(status);
+                        s.modelled_ns += modelled;
+                        if let Some(span) = s.recent.back_mut() {
+                            span.modelled_ns = modelled;
+                        }
+                        s.hetero = Some((
+                            m.name.clone(),
                             [
                                 c(&st.matmuls),
                                 c(&st.split_matmuls),
-                                c(&st.npu_pieces),
-                                c(&st.gpu_pieces),
-                                c(&l.sync.waits),
-                                c(&l.sync.polled_ns),
+                                c(&st.npu_parts),
+                                c(&st.gpu_parts),
+                                c(&sync.waits),
+                                c(&sync.polled_ns),
                             ],
                         ));
-                    }),
+                    }
                     None => {
                         job(Err("the model's NPU graphs are not loaded".into()));
                     }
@@ -710,18 +716,28 @@ fn prepare_hetero(
         crate::config::HeteroPlan::Solver => solver_cut(&h.soc, h.weight_bits, op),
         crate::config::HeteroPlan::Even => even_cut(op, h.row_align),
     };
-    let planned = HeteroPlan::new(&model.transformer, &counts, &plan).map_err(|e| e.to_string())?;
-    let owner = HeteroOwner { model: model.clone(), gpu: gpu.clone() };
-    let mut cached = None;
-    let graphs = HeteroGraphs::try_new(owner, |o| {
-        let (l, outcome) = HeteroLinears::new(&o.model.transformer, device, &o.gpu, &planned)?;
-        cached = outcome;
-        Ok::<_, llmd_engine::error::NpuError>(l)
-    })
-    .map_err(|e| e.to_string())?;
+    let planned = HeteroPlan::new(model.transformer.projections(), &counts, &plan).map_err(|e| e.to_string())?;
+    let missing: Vec<usize> =
+        planned.npu_token_counts().into_iter().filter(|&m| !device.desc().static_shapes.allows(m)).collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "the plan runs NPU graphs of {missing:?} tokens, which {} was not opened for",
+            device.desc().name
+        ));
+    }
+    let cuts = planned.to_json();
+    // Every block on the host (the CPU: norms, RoPE, attention, SwiGLU, the head); each
+    // projection's parts on the NPU and the GPU as the plan cuts it.
+    let host = model.transformer.planner().backends().next().map(|d| d.name.clone()).unwrap_or_default();
+    let devs = Devices::new(
+        vec![device.clone() as Arc<dyn llmd_device::Device>, gpu.clone() as Arc<dyn llmd_device::Device>],
+        Arc::new(llmd_engine::sched::Pinned { names: vec![host], pick: |_| 0 }),
+    )
+    .with_splitter(Arc::new(planned));
+    let graphs = model.transformer.prepare_splits(&devs).map_err(|e| e.to_string())?;
     let mut how =
         format!("planned ({:?} on {}, token counts {:?}; GPU {})", h.plan, h.soc.key, counts, gpu.info().name);
-    match cached {
+    match device.last_cache_outcome() {
         Some(CacheOutcome::Loaded) => how.push_str(", fp16 graphs loaded from the cache"),
         Some(CacheOutcome::Built { reason }) => how.push_str(&format!(", fp16 graphs built and finalized ({reason})")),
         None => how.push_str(", fp16 graphs built (no cache directory)"),
@@ -729,15 +745,13 @@ fn prepare_hetero(
     // The plan kept per model, SoC and token count, for `dump`'s readers and OEM tooling.
     if let Some(dir) = &h.plan_dir {
         let file = dir.join(format!("{}.{}.{:?}.json", model.name, h.soc.key, h.plan).to_lowercase());
-        let body = graphs.with_dependent(|_, l| {
-            serde_json::json!({"model": model.name, "soc": h.soc.key, "plan": format!("{:?}", h.plan), "token_counts": counts, "cuts": l.plan_json()})
-        });
+        let body = serde_json::json!({"model": model.name, "soc": h.soc.key, "plan": format!("{:?}", h.plan), "token_counts": counts, "cuts": cuts});
         match write_atomically(&file, body.to_string().as_bytes()) {
             Ok(()) => how.push_str(&format!(", stored in {}", file.display())),
             Err(e) => tracing::warn!("the hetero plan was not stored in {}: {e}", file.display()),
         }
     }
-    Ok((Prepared::Hetero(graphs), how))
+    Ok((Prepared::Hetero(Box::new(HeteroGraphs { devs, graphs })), how))
 }
 
 /// Calibrates `model`, requantizes it, and loads its graphs from the cache or builds them.

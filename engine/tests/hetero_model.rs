@@ -11,10 +11,12 @@ mod common;
 
 use llmd_engine::backend::blocks::Logits;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
-use llmd_engine::hetero::linears::HeteroLinears;
 use llmd_engine::hetero::partition::{Cut, Segment, Sizes};
+use llmd_engine::hetero::plan::{even_cut, HeteroPlan};
 use llmd_engine::hetero::soc;
 use llmd_engine::hetero::solver::{Op, Phase, Predicted, Solver};
+use llmd_engine::model::Devices;
+use llmd_engine::sched::Pinned;
 use std::sync::atomic::Ordering;
 
 /// Greedy steps compared.
@@ -26,17 +28,17 @@ const SM8650: u32 = 57;
 
 use common::argmax_and_margin;
 
-/// Greedy tokens and margins: the prompt, then `DECODED` steps, every pass through `linears`
+/// Greedy tokens and margins: the prompt, then `DECODED` steps, every pass placed on `devs`
 /// (None: the CPU), fed `forced` tokens when given (teacher forcing).
 fn greedy(
     m: &llmd_engine::Model,
     prompt: &[u32],
-    linears: Option<&HeteroLinears>,
+    devs: Option<&Devices>,
     forced: Option<&[u32]>,
 ) -> (Vec<u32>, Vec<f32>) {
     let mut kv = m.transformer.new_kv();
-    let pass = |kv: &mut llmd_engine::backend::kv::KvCache, toks: &[u32]| match linears {
-        Some(l) => m.transformer.forward_with(kv, toks, l, Logits::Last).unwrap(),
+    let pass = |kv: &mut llmd_engine::backend::kv::KvCache, toks: &[u32]| match devs {
+        Some(d) => m.transformer.forward_batch_on(d, &mut [(kv, toks)], Logits::Last).unwrap().pop().unwrap(),
         None => m.transformer.forward(kv, toks, Logits::Last).unwrap(),
     };
     let mut logits = pass(&mut kv, prompt);
@@ -65,21 +67,26 @@ fn forced(op: &Op) -> Cut {
     Cut::from_sizes(&sizes, rows)
 }
 
-/// `plan` for `counts` tokens, its NPU graphs prepared on the emulator provider (a device with
-/// graphs for the token counts the plan's NPU pieces run in) through the contract.
-fn hetero<'m>(
-    t: &'m llmd_engine::model::Transformer,
+/// `plan` for `counts` tokens as the executor's splitter over the emulated NPU (graphs for
+/// the token counts the plan's NPU pieces run in) and `gpu`, every block on the host; the
+/// NPU's graphs prepared through the contract. Returns the devices and the NPU graphs made.
+fn hetero(
+    t: &llmd_engine::model::Transformer,
     gpu: &std::sync::Arc<GpuDevice>,
     counts: &[usize],
     plan: &dyn Fn(&Op) -> Cut,
-) -> HeteroLinears<'m> {
-    let planned = llmd_engine::hetero::linears::HeteroPlan::new(t, counts, plan).expect("planned");
+) -> (Devices, usize) {
+    let planned = HeteroPlan::new(t.projections(), counts, plan).expect("planned");
     let npu = std::sync::Arc::new(
         llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650)
             .expect("the QNN library opens")
             .with_token_counts(&planned.npu_token_counts()),
     );
-    HeteroLinears::new(t, &npu, gpu, &planned).expect("the plan's graphs are prepared").0
+    let host = t.planner().backends().next().unwrap().name.clone();
+    let devs = Devices::new(vec![npu, gpu.clone()], std::sync::Arc::new(Pinned { names: vec![host], pick: |_| 0 }))
+        .with_splitter(std::sync::Arc::new(planned));
+    let graphs = t.prepare_splits(&devs).expect("the plan's graphs are prepared");
+    (devs, graphs)
 }
 
 #[test]
@@ -114,16 +121,15 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
     eprintln!("prompt {} tokens; CPU: {cpu:?}", prompt.len());
     let mut runs = Vec::new();
     for (name, plan) in plans {
-        let l = hetero(&m.transformer, &gpu, &counts, plan);
+        let (l, graphs) = hetero(&m.transformer, &gpu, &counts, plan);
         let (toks, margins) = greedy(m, &prompt, Some(&l), None);
         let s = &l.stats;
         eprintln!(
-            "{name}: {toks:?} ({} NPU graphs; {} matmuls, {} split, {} NPU and {} GPU pieces; {} fast-sync waits, {:.1} ms polling)",
-            l.npu_graphs(),
+            "{name}: {toks:?} ({graphs} NPU graphs; {} matmuls, {} split, {} NPU and {} GPU pieces; {} fast-sync waits, {:.1} ms polling)",
             s.matmuls.load(Ordering::Relaxed),
             s.split_matmuls.load(Ordering::Relaxed),
-            s.npu_pieces.load(Ordering::Relaxed),
-            s.gpu_pieces.load(Ordering::Relaxed),
+            s.npu_parts.load(Ordering::Relaxed),
+            s.gpu_parts.load(Ordering::Relaxed),
             l.sync.waits.load(Ordering::Relaxed),
             l.sync.polled_ns.load(Ordering::Relaxed) as f64 / 1e6
         );
@@ -131,7 +137,7 @@ fn the_default_model_on_a_partitioned_plan_decodes_the_cpus_tokens() {
             // A hybrid in prefill (standard graphs for the first tokens, half the rows), a
             // row cut in decode.
             assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32));
-            assert!(s.split_matmuls.load(Ordering::Relaxed) > 0 && s.npu_pieces.load(Ordering::Relaxed) > 0);
+            assert!(s.split_matmuls.load(Ordering::Relaxed) > 0 && s.npu_parts.load(Ordering::Relaxed) > 0);
             assert_eq!(
                 l.sync.waits.load(Ordering::Relaxed),
                 s.split_matmuls.load(Ordering::Relaxed),
@@ -173,8 +179,8 @@ fn a_prompt_length_without_a_plan_is_composed_from_the_planned_sizes() {
     let prompt = m.tokenizer.encode("Water boils at one hundred degrees Celsius at sea level, but at the top of a high mountain, where the air is thinner and its pressure lower, it boils at a lower temperature, so that cooking pasta there takes", false, false).unwrap();
     assert!(prompt.len() > 32 && !prompt.len().is_multiple_of(32), "{}", prompt.len());
     eprintln!("prompt {} tokens: blocks of 32 and the rest on the GPU", prompt.len());
-    let even = |op: &Op| llmd_engine::hetero::linears::even_cut(op, 64);
-    let l = hetero(&m.transformer, &gpu, &[32, 1], &even);
+    let even = |op: &Op| even_cut(op, 64);
+    let (l, _) = hetero(&m.transformer, &gpu, &[32, 1], &even);
     let (cpu, cpu_m) = greedy(m, &prompt, None, None);
     let (tf, _) = greedy(m, &prompt, Some(&l), Some(&cpu));
     let s = &l.stats;
@@ -184,6 +190,6 @@ fn a_prompt_length_without_a_plan_is_composed_from_the_planned_sizes() {
         assert!(a == b || cpu_m[i] < NEAR_TIE, "step {i}: CPU {a}, hetero {b}, CPU margin {}", cpu_m[i]);
     }
     // The GPU keeps buffers for the planned sizes only, not for the count the prompt left over.
-    let kept = l.gpu_kept_counts();
+    let kept = l.kept_part_counts(2);
     assert!(!kept.is_empty() && kept.iter().all(|c| [32, 1].contains(c)), "kept {kept:?}");
 }

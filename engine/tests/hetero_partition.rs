@@ -1,25 +1,28 @@
-//! HeteroLLM's cuts on real processors: over random shapes and weights, every aligned cut the
-//! solver may choose (row, sequence, multi-sequence, hybrid; NPU rows at multiples of 256,
-//! NPU tokens at multiples of 32 in standard graphs, padded or not) equals the unpartitioned
-//! operator **bit for bit on one device type** — the CPU's kernels, the OpenCL GPU (PoCL or
-//! Intel's runtime), the NPU's fp16 graphs on the emulator provider — and, with the NPU's
-//! pieces on the emulator and the GPU's on OpenCL, stays within [`CROSS_DEVICE_REL_TOL`] of
-//! the f64 product. Also: the fp16 graphs on Qualcomm's x86-64 HTP library against the
-//! emulator's definition.
+//! HeteroLLM's cuts on real processors, run by the engine's executor (`Devices::run_parts`,
+//! what a placed pass runs for every split projection): over random shapes and weights, every
+//! aligned cut the solver may choose (row, sequence, multi-sequence, hybrid; NPU rows at
+//! multiples of 256, NPU tokens at multiples of 32 in standard graphs, padded or not) as a
+//! scheduler `Split` equals the unsplit operator **bit for bit on one device type** — two
+//! `CpuDevice`s, two OpenCL devices (PoCL or Intel's runtime), the NPU's fp16 graphs on the
+//! emulator provider — and, with the NPU's parts on the emulator and the GPU's on OpenCL,
+//! stays within [`CROSS_DEVICE_REL_TOL`] of the f64 product. Also: the fp16 graphs on
+//! Qualcomm's x86-64 HTP library against the emulator's definition.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use llmd_device::{BlockShape, GgmlType, RopeStyle, WeightRole};
-use llmd_engine::backend::cpu::CpuBackend;
+use llmd_device::{BlockShape, Device, GgmlType, RopeStyle, WeightRole};
+use llmd_engine::backend::cpu::device::CpuDevice;
 use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions};
+use llmd_engine::backend::npu::f16::f16_rows;
 use llmd_engine::backend::npu::QnnDevice;
 use llmd_engine::backend::weight::WeightMatrix;
-use llmd_engine::hetero::exec::{f16_rows, CpuRunner, DeviceRunner};
-use llmd_engine::hetero::partition::{execute, Cut, Piece, PieceRunner};
+use llmd_engine::hetero::partition::{Cut, Processor};
 use llmd_engine::hetero::soc;
 use llmd_engine::hetero::solver::{Phase, Predicted, Solver};
+use llmd_engine::model::Devices;
+use llmd_engine::sched::{Part, Pinned, Split};
 use std::sync::{Arc, OnceLock};
 
 /// NPU (fp16 inputs, weights and output; f32 sums) against GPU (f32) pieces, relative to
@@ -105,22 +108,51 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-fn run(cut: &Cut, c: &Case, npu: &dyn PieceRunner, gpu: &dyn PieceRunner) -> Vec<f32> {
+/// Devices 1 and 2 of a placement: the NPU's parts on `npu`, the GPU's on `gpu`.
+fn devices(npu: Arc<dyn Device>, gpu: Arc<dyn Device>) -> Devices {
+    Devices::new(vec![npu, gpu], Arc::new(Pinned { names: vec![], pick: |_| 0 }))
+}
+
+/// `cut` as the scheduler's split: the NPU's pieces on device 1, the GPU's on device 2;
+/// `exact`: each NPU piece in a graph of exactly its tokens (the NPU standing in for the GPU).
+fn split(cut: &Cut, c: &Case, exact: bool) -> Split {
+    Split::Hybrid(
+        cut.pieces(c.m, c.n)
+            .unwrap()
+            .into_iter()
+            .map(|p| Part {
+                dev: if p.dev == Processor::Npu { 1 } else { 2 },
+                graph: if exact { Some(p.tokens.len()) } else { p.graph },
+                tokens: p.tokens,
+                rows: p.rows,
+            })
+            .collect(),
+    )
+}
+
+/// The projection's output for `split`, run by the executor on `devs`.
+fn run(split: &Split, c: &Case, devs: &Devices) -> Vec<f32> {
     let mut y = vec![f32::NAN; c.m * c.n];
-    execute(cut, &c.x, c.m, c.n, &mut y, npu, gpu).unwrap_or_else(|e| panic!("{cut:?}: {e}"));
+    let parts = split.parts(c.m, c.n).unwrap().expect("a split");
+    devs.run_parts(&linear_shape(), (0, WeightRole::Up), &c.w, &c.x, c.m, &mut y, &parts)
+        .unwrap_or_else(|e| panic!("{split:?}: {e}"));
     y
+}
+
+/// The whole operator on device 1.
+fn whole(c: &Case) -> Split {
+    Split::Rows(vec![(1, 0..c.n)])
 }
 
 #[test]
 fn every_cut_equals_the_whole_on_the_cpu() {
-    let cpu = CpuBackend::new(2);
     let mut checked = 0;
     for c in cases() {
-        let r = CpuRunner::new(&cpu, &c.w);
-        let whole = run(&Cut::gpu_only(), &c, &r, &r);
+        let devs = devices(Arc::new(CpuDevice::new(2)), Arc::new(CpuDevice::new(2)));
+        let whole = run(&whole(&c), &c, &devs);
         for cut in cuts(&c) {
             assert_eq!(
-                bits(&run(&cut, &c, &r, &r)),
+                bits(&run(&split(&cut, &c, false), &c, &devs)),
                 bits(&whole),
                 "{:?} m {} k {} n {}: {cut:?}",
                 c.w.ty,
@@ -131,7 +163,7 @@ fn every_cut_equals_the_whole_on_the_cpu() {
             checked += 1;
         }
     }
-    eprintln!("{checked} cuts bit-identical on the CPU");
+    eprintln!("{checked} cuts bit-identical on the CPU device");
     assert!(checked > 100);
 }
 
@@ -161,24 +193,21 @@ fn every_cut_equals_the_whole_on_opencl() {
     let Some(g) = gpu() else { return };
     let mut checked = 0;
     for c in cases() {
-        let r = DeviceRunner::new(g.clone(), &c.w, WeightRole::Up, linear_shape());
-        let whole = run(&Cut::gpu_only(), &c, &r, &r);
+        let devs = devices(g.clone(), g.clone());
+        let whole = run(&whole(&c), &c, &devs);
         for cut in cuts(&c) {
-            assert_eq!(bits(&run(&cut, &c, &r, &r)), bits(&whole), "{:?} m {} n {}: {cut:?}", c.w.ty, c.m, c.n);
+            assert_eq!(
+                bits(&run(&split(&cut, &c, false), &c, &devs)),
+                bits(&whole),
+                "{:?} m {} n {}: {cut:?}",
+                c.w.ty,
+                c.m,
+                c.n
+            );
             checked += 1;
         }
     }
     eprintln!("{checked} cuts bit-identical on OpenCL");
-}
-
-/// The NPU standing in for the GPU: a piece run in a graph of exactly its token count.
-struct Exact<'a>(&'a DeviceRunner<'a>);
-
-impl PieceRunner for Exact<'_> {
-    fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
-        let p = Piece { graph: Some(piece.tokens.len()), ..piece.clone() };
-        self.0.run(&p, x, out)
-    }
 }
 
 #[test]
@@ -196,20 +225,19 @@ fn every_cut_equals_the_whole_on_the_emulated_npu_and_across_npu_and_gpu() {
     let mut worst = 0f64;
     for c in cases {
         let cuts = cuts(&c);
-        // Each piece's graph prepared through the contract as it first runs.
-        let npu = DeviceRunner::new(device.clone(), &c.w, WeightRole::Up, linear_shape());
+        // Each part's graph prepared through the contract as it first runs.
+        let on_npu = devices(device.clone(), device.clone());
         // The whole operator as one NPU graph of exactly m tokens.
-        let whole_cut = Cut::padded(c.m, c.m, c.n);
-        let whole = run(&whole_cut, &c, &npu, &npu);
+        let whole = run(&split(&Cut::padded(c.m, c.m, c.n), &c, false), &c, &on_npu);
         for cut in &cuts {
-            assert_eq!(bits(&run(cut, &c, &npu, &Exact(&npu))), bits(&whole), "{cut:?}");
+            assert_eq!(bits(&run(&split(cut, &c, true), &c, &on_npu)), bits(&whole), "{cut:?}");
             checked += 1;
         }
-        // Across devices: the NPU's pieces on the emulator, the GPU's on OpenCL.
+        // Across devices: the NPU's parts on the emulator, the GPU's on OpenCL.
         if let Some(g) = gpu() {
-            let gr = DeviceRunner::new(g, &c.w, WeightRole::Up, linear_shape());
+            let across = devices(device.clone(), g);
             for cut in &cuts {
-                let y = run(cut, &c, &npu, &gr);
+                let y = run(&split(cut, &c, false), &c, &across);
                 for t in 0..c.m {
                     for o in 0..c.n {
                         let (wr, xr) = (&c.dense[o * c.k..(o + 1) * c.k], &c.x[t * c.k..(t + 1) * c.k]);
@@ -221,6 +249,9 @@ fn every_cut_equals_the_whole_on_the_emulated_npu_and_across_npu_and_gpu() {
                     }
                 }
             }
+            let st = &across.stats;
+            let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(load(&across.sync.waits), load(&st.split_matmuls), "a fast-sync wait per cut matmul");
         }
     }
     eprintln!("{checked} cuts bit-identical on the emulated NPU; NPU+GPU worst {worst:.2e} of Σ|w·x|");
@@ -247,15 +278,8 @@ fn fp16_graphs_on_qualcomms_htp_library_follow_the_emulators_definition() {
         let w16 = f16_rows(&w, 0..n).unwrap();
         let x = rng.vec(m * k);
         let c = Case { m, k, n, w, dense: Vec::new(), x };
-        let npu = DeviceRunner::new(device.clone(), &c.w, WeightRole::Up, linear_shape());
-        let rows = npu.weight(&(0..n)).expect("the rows load");
-        let shape = linear_shape();
-        if let Err(e) =
-            llmd_device::Device::prepare(&*device, llmd_device::Subgraph::linear(0, WeightRole::Up), &shape, m, &[rows])
-        {
-            panic!("HTP refused an fp16 FullyConnected of {m}×{k} by {k}×{n}: {e}");
-        }
-        let y = run(&Cut::padded(m, m, n), &c, &npu, &npu);
+        let on_npu = devices(device.clone(), device.clone());
+        let y = run(&split(&Cut::padded(m, m, n), &c, false), &c, &on_npu);
         let wf: Vec<f32> = w16.iter().map(|&h| half::f16::from_bits(h).to_f32()).collect();
         let (mut worst, mut differ) = (0f32, 0usize);
         for t in 0..m {

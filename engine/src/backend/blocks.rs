@@ -58,6 +58,19 @@ pub enum CaptureSite {
     Down = 3,
 }
 
+impl CaptureSite {
+    /// The projections of the group, in the order the group's outputs come.
+    pub fn roles(self) -> &'static [llmd_device::WeightRole] {
+        use llmd_device::WeightRole::*;
+        match self {
+            CaptureSite::Qkv => &[Wq, Wk, Wv],
+            CaptureSite::O => &[Wo],
+            CaptureSite::GateUp => &[Gate, Up],
+            CaptureSite::Down => &[Down],
+        }
+    }
+}
+
 /// A capture hook: `(layer, site, rows, columns)`.
 pub type Capture<'a> = &'a mut dyn FnMut(usize, CaptureSite, &[f32], usize);
 

@@ -3,16 +3,17 @@
 //! that drives the same solver to tell how a phone should run a model.
 //!
 //! - [`partition`]: the cuts (row, sequence, multi-sequence, hybrid) as rectangles of one
-//!   output buffer, and their execution on two processors without merge copies;
+//!   output buffer;
+//! - [`plan`]: a model's cuts for a set of token counts, the scheduler's `Splitter` (the
+//!   executor, `model/split.rs`, runs them through the device contract);
 //! - [`soc`]: SoC profiles (`engine/data/socs.toml`) and the cost of a matmul on each processor;
 //! - [`solver`]: the paper's objective, per matmul;
 //! - [`sim`]: a whole prefill and decode on a modelled SoC — HeteroLLM's strategies, llm.npu's
 //!   INT8 chunked prefill beside them;
 //! - [`sync`]: the predicted-sleep-then-poll waiter and the fixed buffer pool.
 
-pub mod exec;
-pub mod linears;
 pub mod partition;
+pub mod plan;
 pub mod profiler;
 pub mod sim;
 pub mod soc;

@@ -13,12 +13,12 @@
 //! - and the baselines: **padding** (one segment, the next standard size), **pipe** (segments
 //!   only, the margin padded into the smallest size that holds it), NPU-only and GPU-only.
 //!
-//! [`Cut::pieces`] turns a cut into rectangles of the output that tile it exactly once;
-//! [`execute`] hands each device its rectangles as views into the one output buffer (each
-//! token's row split at the pieces' row bounds: disjoint borrows, no merge copies) and runs the
-//! two devices on two threads (the NPU's on the caller's). Per output element nothing changes — the same weight row and the
-//! same token's activations, in the same order — so a cut equals the whole operator bit for bit
-//! on one device type (tested on the CPU's kernels and on OpenCL).
+//! [`Cut::pieces`] turns a cut into rectangles of the output that tile it exactly once; the
+//! plan (`plan.rs`) hands them to the scheduler as a `Split`, and the executor
+//! (`model/split.rs`) runs each device's rectangles as views into the one output buffer. Per
+//! output element nothing changes — the same weight row and the same token's activations, in
+//! the same order — so a cut equals the whole operator bit for bit on one device type
+//! (`engine/tests/hetero_partition.rs`).
 
 use std::ops::Range;
 
@@ -232,190 +232,6 @@ impl Cut {
     }
 }
 
-/// One processor's share of a partitioned matmul: computes its pieces' rectangles.
-pub trait PieceRunner: Sync {
-    /// Rows `piece.rows` of `Y` for tokens `piece.tokens`: `x` is all `m` tokens' activations
-    /// (`m × k`), `out[i]` the output of token `piece.tokens.start + i`, `piece.rows.len()` long.
-    fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String>;
-
-    /// Submits `pieces` to the runner's device and returns at once (the device works while
-    /// the caller runs the other processor's pieces); [`Started::finish`] collects the
-    /// outputs. None: the runner computes on the caller's thread, in [`Self::run`].
-    fn start(&self, _pieces: &[&Piece], _x: &[f32]) -> Result<Option<Box<dyn Started + '_>>, String> {
-        Ok(None)
-    }
-}
-
-/// Pieces a device is computing ([`PieceRunner::start`]).
-pub trait Started {
-    /// Whether the device has finished them (polled by the fast synchronisation).
-    fn done(&self) -> bool;
-    /// Waits for them and writes each piece's output into its views (`outs[i]`: piece `i`'s,
-    /// in the order they were started).
-    fn finish(self: Box<Self>, outs: &mut [&mut Vec<&mut [f32]>]) -> Result<(), String>;
-}
-
-/// The output buffer (`m` rows of `n`) split into each piece's views: per piece, one slice per
-/// token, its rows. The pieces must tile the output (as [`Cut::pieces`] gives them).
-pub fn views<'a>(out: &'a mut [f32], n: usize, pieces: &[Piece]) -> Result<Vec<Vec<&'a mut [f32]>>, CutError> {
-    let m = out.len().checked_div(n).unwrap_or(0);
-    let bad = |detail: String| CutError::Invalid { m, n, detail };
-    if n == 0 || !out.len().is_multiple_of(n) {
-        return Err(bad(format!("an output of {} values", out.len())));
-    }
-    let mut per: Vec<Vec<&'a mut [f32]>> = pieces.iter().map(|p| Vec::with_capacity(p.tokens.len())).collect();
-    // Per token, the pieces covering it by their first row.
-    let mut by_token: Vec<Vec<usize>> = vec![Vec::new(); m];
-    for (i, p) in pieces.iter().enumerate() {
-        if p.tokens.end > m || p.rows.end > n {
-            return Err(bad(format!("piece {:?}×{:?} outside the output", p.tokens, p.rows)));
-        }
-        for t in p.tokens.clone() {
-            by_token[t].push(i);
-        }
-    }
-    for (t, row) in out.chunks_exact_mut(n).enumerate() {
-        let mut ids = std::mem::take(&mut by_token[t]);
-        ids.sort_by_key(|&i| pieces[i].rows.start);
-        let mut rest = row;
-        let mut at = 0;
-        for i in ids {
-            let r = &pieces[i].rows;
-            if r.start != at {
-                return Err(bad(format!("token {t}: rows {at}..{} not covered once", r.start)));
-            }
-            let (mine, tail) = rest.split_at_mut(r.len());
-            per[i].push(mine);
-            rest = tail;
-            at = r.end;
-        }
-        if at != n {
-            return Err(bad(format!("token {t}: rows {at}..{n} not covered")));
-        }
-    }
-    Ok(per)
-}
-
-/// Runs `cut` of the `m`×`n` matmul of `x` (`m × k`) into `out` (`m × n`): the GPU's pieces
-/// submitted to its queue, the NPU's run on the caller's thread meanwhile (in order), each
-/// writing its rectangles in place.
-pub fn execute(
-    cut: &Cut,
-    x: &[f32],
-    m: usize,
-    n: usize,
-    out: &mut [f32],
-    npu: &dyn PieceRunner,
-    gpu: &dyn PieceRunner,
-) -> Result<(), String> {
-    let pieces = cut.pieces(m, n).map_err(|e| e.to_string())?;
-    execute_pieces(&pieces, x, m, n, out, npu, gpu)
-}
-
-/// [`execute`] over pieces given directly (they must tile the output once).
-pub fn execute_pieces(
-    pieces: &[Piece],
-    x: &[f32],
-    m: usize,
-    n: usize,
-    out: &mut [f32],
-    npu: &dyn PieceRunner,
-    gpu: &dyn PieceRunner,
-) -> Result<(), String> {
-    execute_synced(pieces, x, m, n, out, npu, gpu, None)
-}
-
-/// [`execute_pieces`] where the caller, its NPU pieces done, waits for the GPU's by HeteroLLM's
-/// fast synchronisation (`sync`: the waiter and predictions, and the operator's key): the
-/// caller sleeps for the operator's predicted remainder and polls the GPU's completion. Pieces
-/// with more tokens than their graph are refused.
-#[allow(clippy::too_many_arguments)]
-pub fn execute_synced(
-    pieces: &[Piece],
-    x: &[f32],
-    m: usize,
-    n: usize,
-    out: &mut [f32],
-    npu: &dyn PieceRunner,
-    gpu: &dyn PieceRunner,
-    sync: Option<(&super::sync::FastSync, &str)>,
-) -> Result<(), String> {
-    if out.len() != m * n || (m > 0 && !x.len().is_multiple_of(m)) {
-        return Err(format!("execute: {} inputs, {} outputs for {m}×{n}", x.len(), out.len()));
-    }
-    if let Some(p) = pieces.iter().find(|p| p.graph.is_some_and(|g| p.tokens.len() > g)) {
-        return Err(format!("execute: {} tokens in a graph of {:?}", p.tokens.len(), p.graph));
-    }
-    let mut views = views(out, n, pieces).map_err(|e| e.to_string())?;
-    let mut npu_work = Vec::new();
-    let mut gpu_work = Vec::new();
-    for (p, v) in pieces.iter().zip(views.iter_mut()) {
-        match p.dev {
-            Processor::Npu => npu_work.push((p, v)),
-            Processor::Gpu => gpu_work.push((p, v)),
-            Processor::Cpu => return Err("execute: a cut runs on the NPU and the GPU, not the CPU".into()),
-        }
-    }
-    let run = |runner: &dyn PieceRunner, work: Vec<(&Piece, &mut Vec<&mut [f32]>)>| -> Result<(), String> {
-        for (p, v) in work {
-            runner.run(p, x, v)?;
-        }
-        Ok(())
-    };
-    if npu_work.is_empty() || gpu_work.is_empty() {
-        run(npu, npu_work)?;
-        return run(gpu, gpu_work);
-    }
-    // The GPU's pieces go to its queue first; the caller then runs the NPU's (so QNN is called
-    // from the caller's thread only) while the GPU computes, and waits for the GPU's by
-    // polling its completion — after the operator's predicted remainder asleep, with `sync`.
-    // No thread is made: the overlap is the device's queue.
-    let submitted = std::time::Instant::now();
-    let gpu_pieces: Vec<&Piece> = gpu_work.iter().map(|(p, _)| *p).collect();
-    let Some(started) = gpu.start(&gpu_pieces, x)? else {
-        // A runner on the host (the tests' references): one after the other.
-        run(npu, npu_work)?;
-        return run(gpu, gpu_work);
-    };
-    let n = run(npu, npu_work);
-    if let Some((fs, key)) = sync {
-        let done = || started.done();
-        // Only a wait that found the GPU still busy sees its completion (≈ when the poll
-        // succeeds); one that found it done knows only an upper bound, and learns nothing.
-        let busy = !done();
-        fs.wait(key, &super::sync::Polled(&done), 1, submitted);
-        if busy {
-            fs.observe(key, submitted.elapsed());
-        }
-    }
-    let mut outs: Vec<&mut Vec<&mut [f32]>> = gpu_work.into_iter().map(|(_, v)| v).collect();
-    let g = started.finish(&mut outs);
-    n.and(g)
-}
-
-/// A reference runner: `Y = X·Wᵀ` over f32 weights (`n × k`), each element summed in f64 in
-/// column order then rounded; padding a piece to its graph changes nothing (its rows are
-/// discarded). For the property tests and as the specification of a piece.
-pub struct Reference<'a> {
-    pub w: &'a [f32],
-    pub k: usize,
-}
-
-impl PieceRunner for Reference<'_> {
-    fn run(&self, piece: &Piece, x: &[f32], out: &mut [&mut [f32]]) -> Result<(), String> {
-        for (i, o) in out.iter_mut().enumerate() {
-            let t = piece.tokens.start + i;
-            let xr = x.get(t * self.k..(t + 1) * self.k).ok_or("x too short")?;
-            for (j, v) in o.iter_mut().enumerate() {
-                let r = piece.rows.start + j;
-                let wr = self.w.get(r * self.k..(r + 1) * self.k).ok_or("w too short")?;
-                *v = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32;
-            }
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -474,30 +290,5 @@ mod tests {
         assert_eq!(s.greedy(600), (vec![512, 64], 24));
         assert_eq!(Sizes::new(vec![0, 64, 32, 64]).unwrap().all(), &[32, 64]);
         assert!(Sizes::new(vec![0]).is_none());
-    }
-
-    #[test]
-    fn execute_equals_the_whole_operator_on_one_device() {
-        let (m, n, k) = (70, 48, 40);
-        let mut rng = 0x1234_5678u64;
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        };
-        let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
-        let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
-        let r = Reference { w: &w, k };
-        let mut whole = vec![0.0; m * n];
-        execute(&Cut::gpu_only(), &x, m, n, &mut whole, &r, &r).unwrap();
-        for cut in [Cut::padded(m, 128, 16), Cut::from_sizes(&[64], n), Cut::from_sizes(&[32, 32], 32)] {
-            let mut y = vec![f32::NAN; m * n];
-            execute(&cut, &x, m, n, &mut y, &r, &r).unwrap();
-            assert_eq!(
-                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-            );
-        }
     }
 }

@@ -1,16 +1,40 @@
 //! The devices a model's passes are placed on besides the host, and what each holds of the model
-//! (weights, prepared executables); the executor (`placed.rs`) fills and reads them.
+//! (weights, prepared executables, the buffers of split matmuls' parts); the executor
+//! (`placed.rs`, `split.rs`) fills and reads them.
 
-use crate::sched::CostModel;
-use llmd_device::{Device, Executable, Subgraph, Weight};
+use crate::hetero::sync::FastSync;
+use crate::sched::{CostModel, NoSplit, Splitter};
+use llmd_device::{Bindings, Buffer, Device, Executable, Subgraph, Weight, WeightRole};
 use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 /// The devices a model runs on besides the host, and what they hold of it.
 pub struct Devices {
     pub list: Vec<Arc<dyn Device>>,
     pub cost: Arc<dyn CostModel>,
+    /// How each projection of a pass is divided between devices ([`NoSplit`] by default).
+    pub splitter: Arc<dyn Splitter>,
+    /// HeteroLLM's fast synchronisation of a split matmul: the caller, its own devices' parts
+    /// done, sleeps for the operator's predicted remainder, then polls the others' events.
+    pub sync: FastSync,
+    /// What split matmuls ran where.
+    pub stats: SplitStats,
     state: Mutex<DevState>,
+    pub(super) parts: Mutex<PartState>,
+}
+
+/// Counters of the split matmuls run.
+#[derive(Debug, Default)]
+pub struct SplitStats {
+    /// Projections run by a split.
+    pub matmuls: AtomicU64,
+    /// Of them, divided between more than one device.
+    pub split_matmuls: AtomicU64,
+    /// Parts run on an NPU, a GPU and a CPU device.
+    pub npu_parts: AtomicU64,
+    pub gpu_parts: AtomicU64,
+    pub cpu_parts: AtomicU64,
 }
 
 #[derive(Default)]
@@ -24,12 +48,65 @@ pub(super) struct DevState {
     pub(super) by_bytes: HashMap<(usize, usize, usize), Weight>,
 }
 
+/// A part's place: device index, layer, role, token count it runs in, first and end row.
+pub(super) type PartKey = (usize, usize, WeightRole, usize, usize, usize);
+
+/// The executor's state for split matmuls.
+#[derive(Default)]
+pub(super) struct PartState {
+    /// Row ranges loaded per (device index, layer, role, first row, end row).
+    pub(super) weights: HashMap<(usize, usize, WeightRole, usize, usize), Weight>,
+    pub(super) exes: HashMap<PartKey, Executable>,
+    /// Idle input/output buffers per part shape: taken by a running part, given back after.
+    pub(super) slots: HashMap<PartKey, Vec<Slot>>,
+}
+
+/// One part shape's executable and its buffers on a device, bound once.
+pub(super) struct Slot {
+    pub(super) key: PartKey,
+    pub(super) exe: Executable,
+    pub(super) bind: Bindings,
+    pub(super) y: Buffer,
+}
+
 impl Devices {
     pub fn new(list: Vec<Arc<dyn Device>>, cost: Arc<dyn CostModel>) -> Self {
-        Self { list, cost, state: Mutex::new(DevState::default()) }
+        Self {
+            list,
+            cost,
+            splitter: Arc::new(NoSplit),
+            sync: FastSync::new(),
+            stats: SplitStats::default(),
+            state: Mutex::new(DevState::default()),
+            parts: Mutex::new(PartState::default()),
+        }
+    }
+
+    /// These devices with `splitter` dividing the passes' projections between them.
+    pub fn with_splitter(mut self, splitter: Arc<dyn Splitter>) -> Self {
+        self.splitter = splitter;
+        self
     }
 
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, DevState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn lock_parts(&self) -> std::sync::MutexGuard<'_, PartState> {
+        self.parts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Executables prepared for split matmuls' parts.
+    pub fn part_executables(&self) -> usize {
+        self.lock_parts().exes.len()
+    }
+
+    /// The token counts of the part buffers device `d` (index in the placement's list, ≥ 1)
+    /// keeps idle now (after a pass: the counts kept).
+    pub fn kept_part_counts(&self, d: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = self.lock_parts().slots.keys().filter(|k| k.0 == d).map(|k| k.3).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 }

@@ -6,7 +6,8 @@ pub use crate::config;
 mod devices;
 mod ooe;
 mod placed;
-pub use devices::Devices;
+pub mod split;
+pub use devices::{Devices, SplitStats};
 pub mod stream;
 pub mod weights;
 

@@ -4,13 +4,14 @@
 //! blocks ([`crate::backend::blocks`]) in place; the others go through the device contract:
 //! their weights loaded once per device ([`Device::load_weight`]), an executable prepared once
 //! per device, subgraph and token count, each layer's KV cache in the memory of the device its
-//! attention runs on (`KvCache::device_layer`).
+//! attention runs on (`KvCache::device_layer`). A projection of a host subgraph that the
+//! devices' splitter divides runs as parts across devices (`split.rs`).
 
 use super::devices::Devices;
 use super::kv::{DeviceKv, KvCache};
 use super::weights::WeightMatrix;
 use super::{Logits, Transformer};
-use crate::backend::blocks::{Pass, PassState};
+use crate::backend::blocks::{Linears, Pass, PassState};
 use crate::backend::{bytes_f32, f32_bytes};
 use crate::error::BackendError;
 use crate::sched::{self, Dag};
@@ -176,18 +177,15 @@ impl Transformer {
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let p = Pass { c: &self.shape, planner: &self.planner, linears: None };
+        let descs: Vec<&DeviceDesc> = self.descs(devs)?;
+        // The host's projections go through the splitter, where it divides any.
+        let splits = if devs.splitter.splits() { Some(self.split_linears(devs)?) } else { None };
+        let p = Pass { c: &self.shape, planner: &self.planner, linears: splits.as_ref().map(|s| s as &dyn Linears) };
         let w = &self.weights;
         let Some(mut st) = p.state(batch)? else {
             return Ok(vec![Vec::new(); batch.len()]);
         };
         let pass = Subgraph::pass(self.config.n_layers);
-        let host = self
-            .planner
-            .backends()
-            .next()
-            .ok_or_else(|| BackendError::NoBackend("the planner has no host backend".into()))?;
-        let descs: Vec<&DeviceDesc> = std::iter::once(host).chain(devs.list.iter().map(|d| d.desc())).collect();
         // Placed by price alone: a sequence's KV cache of a layer follows that layer's
         // attention (handed to a device, or brought back, in the pass that needs it), so no
         // layer is pinned to where an earlier pass ran it. (Moving a cache is not priced: a

@@ -15,10 +15,10 @@
 //! - **Order** ([`Scheduler`], `order.rs`): which ready job an idle processor takes — llm.npu's
 //!   out-of-order score, in order, or random legal orders; [`simulate`] and [`optimum`] measure
 //!   it, [`run_threads`] (`threads.rs`) runs it on one thread per processor.
-//! - **Splitting** ([`Splitter`], [`Split`], `split.rs`): the hook where HeteroLLM cuts one
-//!   matmul across devices by rows or by tokens. The executor runs [`Split::Whole`] today;
-//!   HeteroLLM's cuts run through `hetero/` (the contract's row-range weight loads,
-//!   [`llmd_device::Device::load_weight`], are what a split on the executor needs).
+//! - **Splitting** ([`Splitter`], [`Split`], `split.rs`): how one projection is divided
+//!   between devices — by rows, by tokens, or any tiling ([`Part`]s: HeteroLLM's hybrid cut,
+//!   padded to a static device's graph). HeteroLLM's plan (`hetero::plan::HeteroPlan`) is a
+//!   splitter; the executor (`model/split.rs`) runs the parts through the device contract.
 
 mod graph;
 mod order;
@@ -28,7 +28,7 @@ mod threads;
 pub use graph::{Dag, Job, Spec};
 pub use llmd_device::Processor;
 pub use order::{optimum, simulate, Policy, Scheduler, Timeline, LANES};
-pub use split::{proportional, NoSplit, Split, Splitter};
+pub use split::{proportional, views, NoSplit, Part, Split, Splitter};
 pub use threads::run_threads;
 
 use llmd_device::{BlockShape, Cost, DeviceDesc, GgmlType, MemoryKind, Subgraph, SubgraphKind};

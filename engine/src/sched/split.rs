@@ -1,32 +1,132 @@
-//! How one matmul of a subgraph is divided between devices: the hook HeteroLLM's partition
-//! solver implements ([`Splitter`]), and proportional row ranges.
+//! How one matmul of a pass is divided between devices: [`Split`] (whole, by output rows, by
+//! tokens, or any tiling of the output into [`Part`]s — HeteroLLM's hybrid cut), decided per
+//! projection by a [`Splitter`] (HeteroLLM's plan is one) and run by the executor
+//! (`model/split.rs`). [`views`] cuts the one output buffer into each part's rectangles.
 
-use llmd_device::{DeviceDesc, Subgraph, WeightRole};
+use llmd_device::{DeviceDesc, WeightRole};
 use std::ops::Range;
 
-/// How one matmul of a subgraph is divided between devices.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Split {
-    /// On the subgraph's device alone.
-    Whole,
-    /// Output rows (weight rows) per device index: HeteroLLM's row cut.
-    Rows(Vec<(usize, Range<usize>)>),
-    /// Tokens per device index: HeteroLLM's sequence cut.
-    Tokens(Vec<(usize, Range<usize>)>),
+/// One rectangle of a matmul's output (`tokens` × weight `rows`) and the device that computes
+/// it: an index into the placement's device list (0 is the host).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Part {
+    pub dev: usize,
+    pub tokens: Range<usize>,
+    pub rows: Range<usize>,
+    /// The token count the part runs in on a device with static shapes (its tokens padded with
+    /// zeros to it); `None`: its own.
+    pub graph: Option<usize>,
 }
 
-/// Decides the [`Split`] of each matmul (HeteroLLM's partition solver implements this).
+/// How one matmul of `m` tokens by `n` output rows is divided between devices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Where its subgraph runs, undivided.
+    Whole,
+    /// Output rows per device: HeteroLLM's row cut.
+    Rows(Vec<(usize, Range<usize>)>),
+    /// Tokens per device: HeteroLLM's sequence cut.
+    Tokens(Vec<(usize, Range<usize>)>),
+    /// Any tiling of the output (HeteroLLM's multi-sequence and hybrid cuts, padded graphs).
+    Hybrid(Vec<Part>),
+}
+
+impl Split {
+    /// The parts of an `m`×`n` output (`None` for [`Split::Whole`]), empty ones left out; an
+    /// error if they do not tile the output exactly once.
+    pub fn parts(&self, m: usize, n: usize) -> Result<Option<Vec<Part>>, String> {
+        let parts: Vec<Part> = match self {
+            Split::Whole => return Ok(None),
+            Split::Rows(v) => {
+                v.iter().map(|(d, r)| Part { dev: *d, tokens: 0..m, rows: r.clone(), graph: None }).collect()
+            }
+            Split::Tokens(v) => {
+                v.iter().map(|(d, t)| Part { dev: *d, tokens: t.clone(), rows: 0..n, graph: None }).collect()
+            }
+            Split::Hybrid(v) => v.clone(),
+        };
+        let parts: Vec<Part> = parts.into_iter().filter(|p| !p.tokens.is_empty() && !p.rows.is_empty()).collect();
+        if let Some(p) = parts.iter().find(|p| p.graph.is_some_and(|g| p.tokens.len() > g)) {
+            return Err(format!("{} tokens in a graph of {:?}", p.tokens.len(), p.graph));
+        }
+        let mut out = vec![0f32; m * n];
+        views(&mut out, n, &parts)?;
+        Ok(Some(parts))
+    }
+}
+
+/// Decides the [`Split`] of each projection of a pass.
 pub trait Splitter: Send + Sync {
-    fn split(&self, sg: Subgraph, role: WeightRole, rows: usize, n_tokens: usize, devices: &[&DeviceDesc]) -> Split;
+    /// Projection `role` of layer `layer` (`rows` output rows) at `n_tokens` tokens, over
+    /// `devices` (the placement's list: index 0 the host).
+    fn split(&self, layer: usize, role: WeightRole, rows: usize, n_tokens: usize, devices: &[&DeviceDesc]) -> Split;
+
+    /// Whether it ever splits (the executor then routes the host's projections through it).
+    fn splits(&self) -> bool {
+        true
+    }
+
+    /// The token counts it plans for, if it has a fixed set: a device keeps the buffers of
+    /// these counts' parts between passes (others' live for their pass only), and a device
+    /// with static shapes has every part of these counts prepared up front
+    /// (`Transformer::prepare_splits`).
+    fn planned_counts(&self) -> Option<Vec<usize>> {
+        None
+    }
 }
 
 /// Never splits.
 pub struct NoSplit;
 
 impl Splitter for NoSplit {
-    fn split(&self, _: Subgraph, _: WeightRole, _: usize, _: usize, _: &[&DeviceDesc]) -> Split {
+    fn split(&self, _: usize, _: WeightRole, _: usize, _: usize, _: &[&DeviceDesc]) -> Split {
         Split::Whole
     }
+
+    fn splits(&self) -> bool {
+        false
+    }
+}
+
+/// The output buffer (`m` rows of `n`) cut into each part's views: per part, one slice per
+/// token, its rows — disjoint borrows, no merge copies. The parts must tile the output once.
+pub fn views<'a>(out: &'a mut [f32], n: usize, parts: &[Part]) -> Result<Vec<Vec<&'a mut [f32]>>, String> {
+    let m = out.len().checked_div(n).unwrap_or(0);
+    let bad = |detail: String| format!("split of a {m}×{n} output: {detail}");
+    if n == 0 || !out.len().is_multiple_of(n) {
+        return Err(bad(format!("an output of {} values", out.len())));
+    }
+    let mut per: Vec<Vec<&'a mut [f32]>> = parts.iter().map(|p| Vec::with_capacity(p.tokens.len())).collect();
+    // Per token, the parts covering it.
+    let mut by_token: Vec<Vec<usize>> = vec![Vec::new(); m];
+    for (i, p) in parts.iter().enumerate() {
+        if p.tokens.start > p.tokens.end || p.tokens.end > m || p.rows.start > p.rows.end || p.rows.end > n {
+            return Err(bad(format!("part {:?}×{:?} outside the output", p.tokens, p.rows)));
+        }
+        for t in p.tokens.clone() {
+            by_token[t].push(i);
+        }
+    }
+    for (t, row) in out.chunks_exact_mut(n).enumerate() {
+        let mut ids = std::mem::take(&mut by_token[t]);
+        ids.sort_by_key(|&i| parts[i].rows.start);
+        let mut rest = row;
+        let mut at = 0;
+        for i in ids {
+            let r = &parts[i].rows;
+            if r.start != at {
+                return Err(bad(format!("token {t}: rows {at}..{} not covered once", r.start)));
+            }
+            let (mine, tail) = rest.split_at_mut(r.len());
+            per[i].push(mine);
+            rest = tail;
+            at = r.end;
+        }
+        if at != n {
+            return Err(bad(format!("token {t}: rows {at}..{n} not covered")));
+        }
+    }
+    Ok(per)
 }
 
 /// Cuts `0..n` into contiguous ranges in proportion to `shares` (each a non-negative weight;
@@ -56,6 +156,7 @@ pub fn proportional(n: usize, shares: &[f64], align: usize) -> Vec<Range<usize>>
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -67,6 +168,37 @@ mod tests {
         assert_eq!(proportional(10, &[f64::NAN, 0.0], 1), vec![0..0, 0..10]);
         assert_eq!(proportional(10, &[1.0, 0.0], 1), vec![0..10, 10..10], "the remainder to a positive share");
         assert_eq!(proportional(10, &[], 1), Vec::<Range<usize>>::new());
-        assert_eq!(NoSplit.split(Subgraph::ffn(0), WeightRole::Up, 10, 1, &[]), Split::Whole);
+        assert_eq!(NoSplit.split(0, WeightRole::Up, 10, 1, &[]), Split::Whole);
+        assert!(!NoSplit.splits());
+    }
+
+    #[test]
+    fn parts_must_tile_the_output_once() {
+        let (m, n) = (6, 10);
+        assert_eq!(Split::Whole.parts(m, n).unwrap(), None);
+        let rows = Split::Rows(vec![(1, 0..4), (2, 4..10)]).parts(m, n).unwrap().unwrap();
+        assert_eq!(rows[1], Part { dev: 2, tokens: 0..6, rows: 4..10, graph: None });
+        assert!(Split::Tokens(vec![(1, 0..4), (2, 4..6)]).parts(m, n).unwrap().is_some());
+        assert!(Split::Rows(vec![(1, 0..4), (2, 5..10)]).parts(m, n).is_err(), "a gap");
+        assert!(Split::Tokens(vec![(1, 0..4), (2, 3..6)]).parts(m, n).is_err(), "an overlap");
+        assert!(Split::Tokens(vec![(1, 0..7)]).parts(m, n).is_err(), "past the end");
+        let hybrid = Split::Hybrid(vec![
+            Part { dev: 1, tokens: 0..4, rows: 0..8, graph: Some(4) },
+            Part { dev: 2, tokens: 0..4, rows: 8..10, graph: None },
+            Part { dev: 2, tokens: 4..6, rows: 0..10, graph: None },
+        ]);
+        assert_eq!(hybrid.parts(m, n).unwrap().unwrap().len(), 3);
+        let over = Split::Hybrid(vec![Part { dev: 1, tokens: 0..6, rows: 0..10, graph: Some(4) }]);
+        assert!(over.parts(m, n).is_err(), "more tokens than the graph takes");
+        // The views of a tiling write every element once.
+        let mut out = vec![0f32; m * n];
+        let parts = hybrid.parts(m, n).unwrap().unwrap();
+        for (i, v) in views(&mut out, n, &parts).unwrap().into_iter().enumerate() {
+            for row in v {
+                row.iter_mut().for_each(|x| *x += (i + 1) as f32);
+            }
+        }
+        assert!(out[..4 * n].chunks(n).all(|r| r[..8].iter().all(|&x| x == 1.0) && r[8..].iter().all(|&x| x == 2.0)));
+        assert!(out[4 * n..].iter().all(|&x| x == 3.0));
     }
 }

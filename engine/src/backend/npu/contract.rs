@@ -127,7 +127,23 @@ impl QnnDevice {
         shape: &BlockShape,
         items: &[Preparation],
     ) -> Result<(Vec<Executable>, Option<CacheOutcome>), DeviceError> {
-        self.prepare_in_one_context(shape, items, self.cache_dir.as_deref())
+        let r = self.prepare_in_one_context(shape, items, self.cache_dir.as_deref())?;
+        if let Some(o) = &r.1 {
+            *lock(&self.last_cache) = Some(match o {
+                CacheOutcome::Loaded => None,
+                CacheOutcome::Built { reason } => Some(reason.clone()),
+            });
+        }
+        Ok(r)
+    }
+
+    /// Where the last [`Device::prepare_all`] with a cache directory got its context (None:
+    /// none has run, or there is no cache directory).
+    pub fn last_cache_outcome(&self) -> Option<CacheOutcome> {
+        lock(&self.last_cache).clone().map(|o| match o {
+            None => CacheOutcome::Loaded,
+            Some(reason) => CacheOutcome::Built { reason },
+        })
     }
 
     fn plan<'w>(&self, shape: &BlockShape, item: &'w Preparation) -> Result<Planned<'w>, DeviceError> {

@@ -46,6 +46,9 @@ pub struct QnnDevice {
     pub(crate) modelled: std::sync::atomic::AtomicU64,
     /// The graph cache of the contract's `prepare_all` (`super::contract`), if any.
     pub(crate) cache_dir: Option<PathBuf>,
+    /// Where the last `prepare_all` with a cache directory got its context: `Some(None)`
+    /// loaded, `Some(Some(why))` built (`super::contract` turns it into a `CacheOutcome`).
+    pub(crate) last_cache: Mutex<Option<Option<String>>>,
     path: PathBuf,
     soc: u32,
     provider: Provider,
@@ -112,6 +115,7 @@ impl QnnDevice {
             desc,
             modelled: std::sync::atomic::AtomicU64::new(0),
             cache_dir: None,
+            last_cache: Mutex::new(None),
             path: path.to_owned(),
             soc,
             provider,

@@ -44,3 +44,17 @@ pub(crate) fn build_f16(
     g.node("fc", "FullyConnected", &[x, w], &[y], &[])?;
     Ok(g.finalize()?)
 }
+
+/// A matrix's rows dequantized and rounded to f16 (bits), row-major: what a graph's weight
+/// holds.
+pub fn f16_rows(w: &crate::backend::weight::WeightMatrix, rows: Range<usize>) -> Result<Vec<u16>, String> {
+    let mut out = Vec::with_capacity(rows.len() * w.cols);
+    let mut row = vec![0f32; w.cols];
+    let mut buf = Vec::new();
+    for r in rows {
+        w.read_row(r, &mut buf).map_err(|e| format!("{}: row {r}: {e}", w.name))?;
+        crate::quant::dequantize_row(w.ty, &buf, &mut row).map_err(|e| e.to_string())?;
+        out.extend(row.iter().map(|&v| half::f16::from_f32(v).to_bits()));
+    }
+    Ok(out)
+}
