@@ -15,14 +15,15 @@ mod common;
 
 use llmd_device::{
     Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable, GgmlType,
-    HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight,
+    HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight, WeightRole,
 };
 use llmd_engine::backend::blocks::Logits;
 use llmd_engine::backend::cpu::device::CpuDevice;
 use llmd_engine::backend::device_run::{run_subgraph, HostCopy, HostIo};
 use llmd_engine::backend::Planner;
 use llmd_engine::model::kv::{KvCache, KvType};
-use llmd_engine::sched::Pinned;
+use llmd_engine::model::Devices;
+use llmd_engine::sched::{Part, Pinned, Split};
 use llmd_engine::{LoadOptions, Model};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -365,6 +366,58 @@ fn the_cpu_device_behind_the_contract_gives_the_host_logits() {
     let names = vec!["cpu".to_string(), "cpu-device".to_string()];
     m.transformer.attach_devices(vec![Arc::new(CpuDevice::new(2))], Arc::new(Pinned { names, pick }));
     let placed = run_batch(&m, &prompts, 3);
+    for (x, y) in host.iter().zip(&placed) {
+        for (step, (u, v)) in x.iter().zip(y).enumerate() {
+            assert!(u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits()), "step {step} differs");
+        }
+    }
+}
+
+/// Every projection split between two CPU devices, a different way per layer: by rows, by
+/// tokens, and a hybrid (the first half of the tokens cut by rows, the rest on one device).
+struct EveryWay;
+
+impl llmd_engine::sched::Splitter for EveryWay {
+    fn split(&self, layer: usize, _: WeightRole, rows: usize, n: usize, _: &[&llmd_device::DeviceDesc]) -> Split {
+        let (r, t) = (rows / 2, n / 2);
+        match layer % 3 {
+            0 => Split::Rows(vec![(1, 0..r), (2, r..rows)]),
+            1 => Split::Tokens(vec![(1, 0..t), (2, t..n)]),
+            _ => Split::Hybrid(vec![
+                Part { dev: 2, tokens: 0..t, rows: 0..r, graph: None },
+                Part { dev: 1, tokens: 0..t, rows: r..rows, graph: None },
+                Part { dev: 1, tokens: t..n, rows: 0..rows, graph: None },
+            ]),
+        }
+    }
+}
+
+#[test]
+fn projections_split_by_the_executor_across_two_cpu_devices_give_the_host_logits() {
+    let mut m = load();
+    let enc = |s: &str| m.tokenizer.encode(s, false, false).expect("encodes");
+    let prompts = vec![enc("The quick brown fox jumps over"), enc("Rust is a language")];
+    let host = run_batch(&m, &prompts, 3);
+    // Every block on the host; every projection's parts on the two CPU devices.
+    let names = vec!["cpu".to_string()];
+    let devs = Devices::new(
+        vec![Arc::new(CpuDevice::new(2)), Arc::new(CpuDevice::new(1))],
+        Arc::new(Pinned { names, pick: |_| 0 }),
+    )
+    .with_splitter(Arc::new(EveryWay));
+    m.transformer.attach(devs);
+    let placed = run_batch(&m, &prompts, 3);
+    let st = &m.transformer.devices().expect("attached").stats;
+    let (runs, split, parts) = (
+        st.matmuls.load(Ordering::Relaxed),
+        st.split_matmuls.load(Ordering::Relaxed),
+        st.cpu_parts.load(Ordering::Relaxed),
+    );
+    eprintln!("{runs} projections run split, {split} across both devices, {parts} parts");
+    // 30 layers × 7 projections × 4 passes, each across both devices (two sequences per pass:
+    // even a decode step's token split gives each device one).
+    assert_eq!(runs, 30 * 7 * 4);
+    assert!(split == runs && parts > 2 * runs, "{split} {parts}");
     for (x, y) in host.iter().zip(&placed) {
         for (step, (u, v)) in x.iter().zip(y).enumerate() {
             assert!(u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits()), "step {step} differs");

@@ -69,6 +69,16 @@ impl Transformer {
         self.devices = (!devices.is_empty()).then(|| devices::Devices::new(devices, cost));
     }
 
+    /// The devices attached ([`Self::attach`]), if any.
+    pub fn devices(&self) -> Option<&Devices> {
+        self.devices.as_ref()
+    }
+
+    /// Runs later passes on `devs` (their cost model and splitter), as [`Self::attach_devices`].
+    pub fn attach(&mut self, devs: Devices) {
+        self.devices = (!devs.list.is_empty()).then_some(devs);
+    }
+
     pub fn planner(&self) -> &Planner {
         &self.planner
     }
