@@ -573,7 +573,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 // The plan's counts, and the SoC's standard sizes the solver pads pieces to.
                 let mut counts = hetero_counts(h);
                 counts.extend_from_slice(h.soc.sizes().all());
-                d.with_token_counts(&counts).with_cache_dir(settings.cache_dir.clone())
+                d.with_token_counts(&counts).with_cache_dir(settings.cache_dir.clone()).with_profile(h.soc.clone())
             }
             None => d,
         }),

@@ -239,3 +239,28 @@ fn the_npu_device_refuses_what_it_cannot_run_with_a_typed_error() {
     let cpu_w = cpu.load_weight(&hw, 0..64).expect("cpu loads");
     assert!(invalid(npu.prepare(Subgraph::linear(0, WeightRole::Wq), &shape, 32, &[cpu_w]).expect_err("refused")));
 }
+
+#[test]
+fn the_npu_device_estimates_its_graphs_from_the_soc_profile() {
+    use llmd_device::{Device, Subgraph, WeightRole};
+    let shape = common::default_model().transformer.shape;
+    let soc = llmd_engine::hetero::soc::find(None, "snapdragon_8gen3").expect("a built-in profile");
+    let open = || QnnDevice::open(&common::emulator_library(), SM8650).expect("opens").with_token_counts(&[1, 32, 256]);
+    let up = Subgraph::linear(0, WeightRole::Up);
+    assert_eq!(open().estimate(up, &shape, 32), None, "no profile, no figures");
+    let npu = open().with_profile(soc.clone());
+    let (d, f) = (shape.d_model, shape.ffn_dim);
+    // A pass of 20 tokens runs in the 32-token graph: its price, HeteroLLM's model of it.
+    let c = npu.estimate(up, &shape, 20).expect("priced");
+    assert_eq!(c.compute_s, soc.npu_matmul_s(32, d, f, 16.0));
+    assert_eq!(npu.estimate(up, &shape, 32), Some(c));
+    let one = npu.estimate(up, &shape, 1).expect("priced").compute_s;
+    let big = npu.estimate(up, &shape, 256).expect("priced").compute_s;
+    assert!(one < c.compute_s && c.compute_s < big, "{one} {} {big}", c.compute_s);
+    // Down reads the FFN's width: its own shape.
+    let down = npu.estimate(Subgraph::linear(0, WeightRole::Down), &shape, 32).expect("priced");
+    assert_eq!(down.compute_s, soc.npu_matmul_s(32, f, d, 16.0));
+    // Past its largest graph, and kinds it does not run: no figure.
+    assert_eq!(npu.estimate(up, &shape, 257), None);
+    assert_eq!(npu.estimate(Subgraph::attention(0), &shape, 32), None);
+}

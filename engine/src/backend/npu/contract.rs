@@ -31,11 +31,25 @@ use super::device::{describe, QnnDevice};
 use super::f16::{build_f16, f16_io};
 use crate::error::NpuError;
 use llmd_device::{
-    Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable,
-    HostWeight, Preparation, Subgraph, SubgraphKind, Weight,
+    Bindings, BlockShape, Buffer, BufferUsage, Cost, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable,
+    HostWeight, Preparation, StaticShapes, Subgraph, SubgraphKind, Weight, WeightRole,
 };
 use std::ops::Range;
 use std::path::PathBuf;
+
+/// A whole projection's (output rows, input columns) in a model of `shape`.
+fn linear_shape(shape: &BlockShape, role: WeightRole) -> Option<(usize, usize)> {
+    let (d, q, kv, f) = (shape.d_model, shape.q_dim(), shape.kv_dim(), shape.ffn_dim);
+    Some(match role {
+        WeightRole::Wq => (q, d),
+        WeightRole::Wk | WeightRole::Wv => (kv, d),
+        WeightRole::Wo => (d, q),
+        WeightRole::Gate | WeightRole::Up => (f, d),
+        WeightRole::Down => (d, f),
+        WeightRole::Output => (shape.vocab, d),
+        _ => return None,
+    })
+}
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -135,6 +149,14 @@ impl QnnDevice {
             });
         }
         Ok(r)
+    }
+
+    /// Prices its graphs by `soc`'s NPU figures ([`Device::estimate`]): HeteroLLM's model of an
+    /// fp16 graph (launch, then the slower of its compute at the graph size's rate and its
+    /// bytes), at the static token count a pass of `n` tokens runs in.
+    pub fn with_profile(mut self, soc: crate::hetero::soc::Soc) -> Self {
+        self.profile = Some(soc);
+        self
     }
 
     /// Where the last [`Device::prepare_all`] with a cache directory got its context (None:
@@ -299,6 +321,20 @@ impl Device for QnnDevice {
 
     fn prepare_all(&self, shape: &BlockShape, items: &[Preparation]) -> Result<Vec<Executable>, DeviceError> {
         Ok(self.prepare_cached(shape, items)?.0)
+    }
+
+    /// A `Linear` subgraph's modelled time on the profile's NPU ([`QnnDevice::with_profile`])
+    /// at the smallest static count holding `n_tokens`, weights in f16: None without a profile,
+    /// for other kinds, and past its largest count.
+    fn estimate(&self, sg: Subgraph, shape: &BlockShape, n_tokens: usize) -> Option<Cost> {
+        let soc = self.profile.as_ref()?;
+        let SubgraphKind::Linear(role) = sg.kind else { return None };
+        let (rows, cols) = linear_shape(shape, role)?;
+        let m = match &self.desc.static_shapes {
+            StaticShapes::Only(c) => c.iter().copied().filter(|&s| s >= n_tokens).min()?,
+            StaticShapes::Any => n_tokens,
+        };
+        Some(Cost { compute_s: soc.npu_matmul_s(m, cols, rows, 16.0), transfer_s: 0.0 })
     }
 
     fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {

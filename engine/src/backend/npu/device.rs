@@ -49,6 +49,8 @@ pub struct QnnDevice {
     /// Where the last `prepare_all` with a cache directory got its context: `Some(None)`
     /// loaded, `Some(Some(why))` built (`super::contract` turns it into a `CacheOutcome`).
     pub(crate) last_cache: Mutex<Option<Option<String>>>,
+    /// The SoC profile its `estimate` prices graphs with (`super::contract`), if any.
+    pub(crate) profile: Option<crate::hetero::soc::Soc>,
     path: PathBuf,
     soc: u32,
     provider: Provider,
@@ -116,6 +118,7 @@ impl QnnDevice {
             modelled: std::sync::atomic::AtomicU64::new(0),
             cache_dir: None,
             last_cache: Mutex::new(None),
+            profile: None,
             path: path.to_owned(),
             soc,
             provider,
