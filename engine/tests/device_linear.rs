@@ -14,12 +14,18 @@
 //!
 //! The weights are the default model's own (its types and widths), at whole and partial row
 //! ranges and token counts of a decode step, a short and a standard prefill block.
+//!
+//! The same devices then run a whole pass of the default model (a 32-token prompt and greedy
+//! steps): a device that runs whole blocks takes every subgraph, one that runs projections only
+//! (the NPU) every projection through the executor's splits, the host the rest — the CPU device
+//! bit for bit the host's logits, every other device the CPU's greedy tokens or a parting at a
+//! near tie.
 //! `scripts/test.sh` sets LLMD_REQUIRE_OPENCL / _SUBGROUPS / _FP16: a runtime missing there
 //! fails this test.
 
 mod common;
 
-use llmd_device::{Bindings, BlockShape, BufferUsage, Device, HostWeight, Subgraph, WeightRole};
+use llmd_device::{Bindings, BlockShape, BufferUsage, Device, HostWeight, OpKind, Subgraph, WeightRole};
 use llmd_engine::backend::cpu::device::CpuDevice;
 use llmd_engine::backend::cpu::CpuBackend;
 use llmd_engine::backend::gpu::{check, GpuDevice, GpuOptions, MatmulVariant};
@@ -27,6 +33,8 @@ use llmd_engine::backend::npu::contract::F16_LINEAR_REL_TOL;
 use llmd_engine::backend::npu::QnnDevice;
 use llmd_engine::backend::weight::WeightMatrix;
 use llmd_engine::backend::Backend;
+use llmd_engine::model::Devices;
+use llmd_engine::sched::{Pinned, Split};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -236,4 +244,99 @@ fn a_projections_rows_run_through_the_contract_on_every_device_within_its_tolera
         }
     }
     assert!(runs >= 27 * 3, "{runs} runs: the CPU, an OpenCL device and the NPU at least");
+}
+
+/// Greedy steps a whole pass runs after its prompt.
+const PASS_STEPS: usize = 6;
+/// A top-two logit margin under which a device may pick the other token: its float arithmetic
+/// (f32 sums in another order; fp16 operands) moves the default model's logits by a few
+/// hundredths (`gpu_opencl`'s `NEAR_TIE`, and `hetero_model`'s).
+const NEAR_TIE: f32 = 0.25;
+
+/// A prompt of the `TOKEN_COUNTS`' standard block (32 tokens), then greedy steps: each
+/// step's logits and token.
+fn greedy_pass(m: &llmd_engine::Model) -> Vec<(Vec<f32>, u32)> {
+    let t = &m.transformer;
+    let text = "The history of the printing press begins in the fifteenth century, when movable type made \
+                books cheaper and faster to produce than ever before. Within fifty years, presses in more \
+                than two hundred towns had printed millions of copies, and";
+    let prompt: Vec<u32> = m.tokenizer.encode(text, false, false).expect("encodes").into_iter().take(32).collect();
+    assert_eq!(prompt.len(), 32);
+    let mut kv = t.new_kv();
+    let mut logits = t.forward(&mut kv, &prompt, llmd_engine::backend::blocks::Logits::Last).expect("the prompt");
+    let mut out = Vec::new();
+    for _ in 0..PASS_STEPS {
+        let next = llmd_engine::sampling::argmax(&logits);
+        out.push((logits, next));
+        logits = t.forward(&mut kv, &[next], llmd_engine::backend::blocks::Logits::Last).expect("a step");
+    }
+    out
+}
+
+/// Every projection whole on device 1.
+struct AllOnDevice;
+
+impl llmd_engine::sched::Splitter for AllOnDevice {
+    fn split(&self, _: usize, _: WeightRole, rows: usize, _: usize, _: &[&llmd_device::DeviceDesc]) -> Split {
+        Split::Rows(vec![(1, 0..rows)])
+    }
+}
+
+#[test]
+fn a_whole_pass_runs_on_every_device_with_the_cpus_greedy_tokens() {
+    use llmd_engine::{LoadOptions, Model};
+    let load = || Model::load(&common::default_model_path(), &LoadOptions { threads: 2, ..Default::default() });
+    let cpu = greedy_pass(&load().expect("loads"));
+    let mut runs = 0;
+    for (name, dev, expect) in devices() {
+        let mut m = load().expect("loads");
+        let host = m.transformer.planner().backends().next().expect("a host backend").name.clone();
+        // A device that runs whole blocks takes every subgraph of the pass (the embedding and
+        // head too); one that runs projections only (the NPU) takes every projection, the host
+        // the rest.
+        let blocks = dev.desc().ops.contains(&OpKind::Attention);
+        let devs = if blocks {
+            Devices::new(
+                vec![dev.clone()],
+                Arc::new(Pinned { names: vec![host, dev.desc().name.clone()], pick: |_| 1 }),
+            )
+        } else {
+            Devices::new(vec![dev.clone()], Arc::new(Pinned { names: vec![host], pick: |_| 0 }))
+                .with_splitter(Arc::new(AllOnDevice))
+        };
+        m.transformer.attach(devs);
+        let t0 = std::time::Instant::now();
+        let got = greedy_pass(&m);
+        let split = m.transformer.devices().map_or(0, |d| d.stats.matmuls.load(std::sync::atomic::Ordering::Relaxed));
+        assert!(blocks || split == 30 * 7 * (1 + PASS_STEPS as u64), "{name}: {split} projections on the device");
+        let first_diff = cpu[0].0.iter().zip(&got[0].0).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        match expect {
+            Expect::HostBits => {
+                for (i, ((a, _), (b, _))) in cpu.iter().zip(&got).enumerate() {
+                    assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()), "{name}: step {i} differs");
+                }
+            }
+            Expect::Within(_) => {
+                if let Some(i) = cpu.iter().zip(&got).position(|(a, b)| a.1 != b.1) {
+                    let mut sorted = cpu[i].0.clone();
+                    sorted.sort_by(|a, b| b.total_cmp(a));
+                    let margin = sorted[0] - sorted[1];
+                    eprintln!("{name}: parts from the CPU at step {i}, CPU margin {margin:.3}");
+                    assert!(
+                        margin < NEAR_TIE,
+                        "{name}: step {i}: {} vs the CPU's {}, margin {margin}",
+                        got[i].1,
+                        cpu[i].1
+                    );
+                }
+            }
+        }
+        eprintln!(
+            "{name:<70} {} ({:.1} s; first logits within {first_diff:.2e} of the CPU's)",
+            if blocks { "whole pass" } else { "every projection" },
+            t0.elapsed().as_secs_f64()
+        );
+        runs += 1;
+    }
+    assert!(runs >= 3, "{runs} devices: the CPU, an OpenCL device and the NPU at least");
 }
