@@ -482,7 +482,7 @@ impl Npu {
             }
             if let Some((model, [m, split, np, gp, waits, polled])) = &s.hetero {
                 out.push_str(&format!(
-                    "  hetero {model}: {m} matmuls, {split} cut between the NPU and the GPU; {np} NPU pieces, {gp} GPU pieces\n  fast sync {model}: {waits} waits for the NPU, {:.1} ms polling\n",
+                    "  hetero {model}: {m} matmuls, {split} cut between the NPU and the GPU; {np} NPU pieces, {gp} GPU pieces\n  fast sync {model}: {waits} waits for the GPU, {:.1} ms polling\n",
                     *polled as f64 / 1e6
                 ));
             }
@@ -737,7 +737,10 @@ fn prepare_hetero(
     let graphs = model.transformer.prepare_splits(&devs).map_err(|e| e.to_string())?;
     let mut how =
         format!("planned ({:?} on {}, token counts {:?}; GPU {})", h.plan, h.soc.key, counts, gpu.info().name);
+    // The plan's NPU graphs were prepared in one `prepare_all` just now (a fresh set of
+    // devices), which set the outcome; a plan with none prepared nothing.
     match device.last_cache_outcome() {
+        _ if graphs == 0 => how.push_str(", no NPU graphs in the plan"),
         Some(CacheOutcome::Loaded) => how.push_str(", fp16 graphs loaded from the cache"),
         Some(CacheOutcome::Built { reason }) => how.push_str(&format!(", fp16 graphs built and finalized ({reason})")),
         None => how.push_str(", fp16 graphs built (no cache directory)"),

@@ -1565,7 +1565,7 @@ fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cp
     assert_eq!(matmuls, split, "every matmul cut: {line}");
     assert!(npu_pieces >= matmuls && gpu_pieces >= matmuls, "{line}");
     let fast = npu.lines().find(|l| l.contains("fast sync ")).unwrap_or_else(|| panic!("no fast-sync line:\n{npu}"));
-    assert!(fast.contains(&format!(": {split} waits for the NPU")), "a fast-sync wait per cut matmul: {fast}");
+    assert!(fast.contains(&format!(": {split} waits for the GPU")), "a fast-sync wait per cut matmul: {fast}");
     assert!(
         npu.lines().filter(|l| l.contains("npu_job request=0 tokens=1 ")).count() >= 10,
         "decode steps on the plan:\n{npu}"

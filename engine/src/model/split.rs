@@ -2,9 +2,12 @@
 //! devices runs as [`Part`]s — each device's rectangles of the one output buffer — through the
 //! device contract: each part's row range loaded once per device ([`Device::load_weight`]), a
 //! [`Subgraph::linear`] prepared once per (tokens, rows) (all of a static device's up front:
-//! [`Transformer::prepare_splits`]), its input and output buffers kept between passes for the
-//! splitter's planned token counts, `write` → `submit` → `read` after the event. No thread is
-//! made: a device with a queue (the GPU) works while the caller submits to the next.
+//! [`Transformer::prepare_splits`]), `write` → `submit` after the write → `read` after the
+//! run. A part's executable and its input and output buffers are kept between passes on a
+//! device with static shapes (a fixed set of graphs) and for passes of the splitter's planned
+//! token counts; other passes' are made for their pass only (none are kept for a splitter that
+//! plans no counts), so a long-lived plan keeps no buffers per prompt length it meets. No
+//! thread is made: a device with a queue (the GPU) works while the caller submits to the next.
 //!
 //! **Decisions.** Parts on an NPU are submitted last: QNN executes in `submit`, on the caller's
 //! thread, so the queued devices' parts are already running meanwhile. When both kinds took
@@ -87,15 +90,16 @@ impl Devices {
         Ok(loaded)
     }
 
-    /// Whether a part of `m` tokens keeps its buffers after the pass: a static device's
-    /// (a fixed set of graphs) and the splitter's planned counts; every count when it plans none.
-    fn keeps(&self, dev: &dyn Device, m: usize) -> bool {
+    /// Whether a part on `dev` of a pass of `n` tokens keeps its executable and buffers after
+    /// the pass (see the module).
+    fn keeps(&self, dev: &dyn Device, n: usize) -> bool {
         matches!(dev.desc().static_shapes, StaticShapes::Only(_))
-            || self.splitter.planned_counts().is_none_or(|c| c.contains(&m))
+            || self.splitter.planned_counts().is_some_and(|c| c.contains(&n))
     }
 
-    /// An idle slot for `key`, made (and its executable prepared) on first use.
-    fn slot(&self, shape: &BlockShape, key: PartKey, w: &WeightMatrix) -> Result<Slot, BackendError> {
+    /// An idle slot for `key`, made (and its executable prepared) on first use; `keep`: the
+    /// executable is kept for later passes.
+    fn slot(&self, shape: &BlockShape, key: PartKey, w: &WeightMatrix, keep: bool) -> Result<Slot, BackendError> {
         if let Some(s) = self.lock_parts().slots.get_mut(&key).and_then(Vec::pop) {
             return Ok(s);
         }
@@ -108,7 +112,7 @@ impl Devices {
             None => {
                 let weight = self.part_weight(d, (layer, role), w, &(r0..r1))?;
                 let exe = dev.prepare(Subgraph::linear(layer, role), shape, m, &[weight]).map_err(e)?;
-                if self.keeps(&**dev, m) {
+                if keep {
                     self.lock_parts().exes.insert(key, exe.clone());
                 }
                 exe
@@ -129,14 +133,16 @@ impl Devices {
         Ok(Slot { key, exe, bind, y })
     }
 
-    /// Gives slots back once their work is done (an error leaves later work queued: waited for).
-    fn give_back(&self, work: Vec<(usize, Slot, Event)>) {
+    /// Gives slots back once their work is done (an error leaves later work queued: waited
+    /// for); those of a pass of `n` tokens that [`Self::keeps`] nothing of are dropped.
+    fn give_back(&self, work: Vec<(usize, Slot, Event)>, n: usize) {
         for (_, _, ev) in &work {
             let _ = ev.wait();
         }
+        let keep: Vec<bool> =
+            work.iter().map(|(_, s, _)| self.part_device(s.key.0).is_ok_and(|dev| self.keeps(&**dev, n))).collect();
         let mut st = self.lock_parts();
-        for (_, s, _) in work {
-            let keep = self.part_device(s.key.0).is_ok_and(|dev| self.keeps(&**dev, s.key.3));
+        for ((_, s, _), keep) in work.into_iter().zip(keep) {
             if keep {
                 st.slots.entry(s.key).or_default().push(s);
             }
@@ -163,47 +169,56 @@ impl Devices {
                 detail: format!("{} inputs, {} outputs for {n} tokens of {}", x.len(), out.len(), w.name),
             });
         }
+        // Empty parts compute nothing.
+        let parts: Vec<Part> = parts.iter().filter(|p| !p.tokens.is_empty() && !p.rows.is_empty()).cloned().collect();
         let mut views =
-            views(out, w.rows, parts).map_err(|detail| BackendError::Shape { op: "split matmul", detail })?;
+            views(out, w.rows, &parts).map_err(|detail| BackendError::Shape { op: "split matmul", detail })?;
         let mut devs = Vec::with_capacity(parts.len());
-        for p in parts {
+        for p in &parts {
             devs.push(self.part_device(p.dev)?.clone());
         }
         // Queued devices first, the NPU (which runs in `submit`) last.
         let mut order: Vec<usize> = (0..parts.len()).collect();
         order.sort_by_key(|&i| devs[i].desc().processor == Processor::Npu);
-        let submitted = Instant::now();
-        let mut work: Vec<(usize, Slot, Event)> = Vec::with_capacity(parts.len());
+        // Every part's slot first (a first use loads rows and prepares): the operator's time,
+        // which the fast sync learns, starts at the first submission.
+        let mut slots: Vec<(usize, Slot)> = Vec::with_capacity(parts.len());
         for &i in &order {
             let (p, dev) = (&parts[i], &devs[i]);
-            let m = run_tokens(&**dev, p);
-            let r = self.slot(shape, (p.dev, layer, role, m, p.rows.start, p.rows.end), w).and_then(|slot| {
-                let mut bytes = f32_bytes(&x[p.tokens.start * k..p.tokens.end * k]);
-                // A static graph's rows past the part's tokens: zeros.
-                bytes.resize(m * k * 4, 0);
-                let e = |e| dev_err(&**dev, e);
-                match dev
-                    .write(&slot.bind.x, 0, &bytes, &[])
-                    .map_err(e)
-                    .and_then(|_| dev.submit(&slot.exe, &slot.bind, &[]).map_err(|e| dev_err(&**dev, e)))
-                {
-                    Ok(ev) => Ok((slot, ev)),
-                    Err(err) => {
-                        self.give_back(vec![(i, slot, Event::ready(Ok(())))]);
-                        Err(err)
-                    }
+            let key = (p.dev, layer, role, run_tokens(&**dev, p), p.rows.start, p.rows.end);
+            match self.slot(shape, key, w, self.keeps(&**dev, n)) {
+                Ok(s) => slots.push((i, s)),
+                Err(err) => {
+                    self.give_back(slots.into_iter().map(|(i, s)| (i, s, Event::ready(Ok(())))).collect(), n);
+                    return Err(err);
                 }
+            }
+        }
+        let submitted = Instant::now();
+        let mut work: Vec<(usize, Slot, Event)> = Vec::with_capacity(parts.len());
+        let mut slots = slots.into_iter();
+        while let Some((i, slot)) = slots.next() {
+            let (p, dev) = (&parts[i], &devs[i]);
+            let m = slot.key.3;
+            let mut bytes = f32_bytes(&x[p.tokens.start * k..p.tokens.end * k]);
+            // A static graph's rows past the part's tokens: zeros.
+            bytes.resize(m * k * 4, 0);
+            let e = |e| dev_err(&**dev, e);
+            let r = dev.write(&slot.bind.x, 0, &bytes, &[]).map_err(e).and_then(|wrote| {
+                dev.submit(&slot.exe, &slot.bind, std::slice::from_ref(&wrote)).map_err(|e| dev_err(&**dev, e))
             });
             match r {
-                Ok((slot, ev)) => work.push((i, slot, ev)),
+                Ok(ev) => work.push((i, slot, ev)),
                 Err(err) => {
-                    self.give_back(work);
+                    work.push((i, slot, Event::ready(Ok(()))));
+                    work.extend(slots.map(|(i, s)| (i, s, Event::ready(Ok(())))));
+                    self.give_back(work, n);
                     return Err(err);
                 }
             }
         }
         let on_npu = |i: usize| devs[i].desc().processor == Processor::Npu;
-        let mixed = parts.len() > 1 && (0..parts.len()).any(on_npu) && !(0..parts.len()).all(on_npu);
+        let mixed = (0..parts.len()).any(on_npu) && !(0..parts.len()).all(on_npu);
         if mixed {
             let done = || work.iter().all(|(_, _, ev)| ev.state().is_some());
             let busy = !done();
@@ -228,7 +243,7 @@ impl Devices {
                 o.copy_from_slice(row);
             }
         }
-        self.give_back(work);
+        self.give_back(work, n);
         result?;
         let st = &self.stats;
         st.matmuls.fetch_add(1, Ordering::Relaxed);

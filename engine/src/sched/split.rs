@@ -49,8 +49,7 @@ impl Split {
         if let Some(p) = parts.iter().find(|p| p.graph.is_some_and(|g| p.tokens.len() > g)) {
             return Err(format!("{} tokens in a graph of {:?}", p.tokens.len(), p.graph));
         }
-        let mut out = vec![0f32; m * n];
-        views(&mut out, n, &parts)?;
+        tiling(m, n, &parts)?;
         Ok(Some(parts))
     }
 }
@@ -88,16 +87,10 @@ impl Splitter for NoSplit {
     }
 }
 
-/// The output buffer (`m` rows of `n`) cut into each part's views: per part, one slice per
-/// token, its rows — disjoint borrows, no merge copies. The parts must tile the output once.
-pub fn views<'a>(out: &'a mut [f32], n: usize, parts: &[Part]) -> Result<Vec<Vec<&'a mut [f32]>>, String> {
-    let m = out.len().checked_div(n).unwrap_or(0);
+/// Per token of an `m`×`n` output, the parts covering it in row order; an error unless the
+/// parts tile the output exactly once.
+fn tiling(m: usize, n: usize, parts: &[Part]) -> Result<Vec<Vec<usize>>, String> {
     let bad = |detail: String| format!("split of a {m}×{n} output: {detail}");
-    if n == 0 || !out.len().is_multiple_of(n) {
-        return Err(bad(format!("an output of {} values", out.len())));
-    }
-    let mut per: Vec<Vec<&'a mut [f32]>> = parts.iter().map(|p| Vec::with_capacity(p.tokens.len())).collect();
-    // Per token, the parts covering it.
     let mut by_token: Vec<Vec<usize>> = vec![Vec::new(); m];
     for (i, p) in parts.iter().enumerate() {
         if p.tokens.start > p.tokens.end || p.tokens.end > m || p.rows.start > p.rows.end || p.rows.end > n {
@@ -107,23 +100,37 @@ pub fn views<'a>(out: &'a mut [f32], n: usize, parts: &[Part]) -> Result<Vec<Vec
             by_token[t].push(i);
         }
     }
-    for (t, row) in out.chunks_exact_mut(n).enumerate() {
-        let mut ids = std::mem::take(&mut by_token[t]);
+    for (t, ids) in by_token.iter_mut().enumerate() {
         ids.sort_by_key(|&i| parts[i].rows.start);
-        let mut rest = row;
         let mut at = 0;
-        for i in ids {
+        for &i in ids.iter() {
             let r = &parts[i].rows;
             if r.start != at {
                 return Err(bad(format!("token {t}: rows {at}..{} not covered once", r.start)));
             }
-            let (mine, tail) = rest.split_at_mut(r.len());
-            per[i].push(mine);
-            rest = tail;
             at = r.end;
         }
         if at != n {
             return Err(bad(format!("token {t}: rows {at}..{n} not covered")));
+        }
+    }
+    Ok(by_token)
+}
+
+/// The output buffer (`m` rows of `n`) cut into each part's views: per part, one slice per
+/// token, its rows — disjoint borrows, no merge copies. The parts must tile the output once.
+pub fn views<'a>(out: &'a mut [f32], n: usize, parts: &[Part]) -> Result<Vec<Vec<&'a mut [f32]>>, String> {
+    if n == 0 || !out.len().is_multiple_of(n) {
+        return Err(format!("split of an output of {} values into rows of {n}", out.len()));
+    }
+    let by_token = tiling(out.len() / n, n, parts)?;
+    let mut per: Vec<Vec<&'a mut [f32]>> = parts.iter().map(|p| Vec::with_capacity(p.tokens.len())).collect();
+    for (row, ids) in out.chunks_exact_mut(n).zip(by_token) {
+        let mut rest = row;
+        for i in ids {
+            let (mine, tail) = rest.split_at_mut(parts[i].rows.len());
+            per[i].push(mine);
+            rest = tail;
         }
     }
     Ok(per)
