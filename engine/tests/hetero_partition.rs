@@ -133,7 +133,7 @@ fn split(cut: &Cut, c: &Case, exact: bool) -> Split {
 /// The projection's output for `split`, run by the executor on `devs`.
 fn run(split: &Split, c: &Case, devs: &Devices) -> Vec<f32> {
     let mut y = vec![f32::NAN; c.m * c.n];
-    let parts = split.parts(c.m, c.n).unwrap().expect("a split");
+    let parts = split.parts(c.m, c.n).expect("a split");
     devs.run_parts(&linear_shape(), (0, WeightRole::Up), &c.w, &c.x, c.m, &mut y, &parts)
         .unwrap_or_else(|e| panic!("{split:?}: {e}"));
     y

@@ -59,6 +59,9 @@ pub enum CaptureSite {
 }
 
 impl CaptureSite {
+    /// Every group of a layer, in the pass's order.
+    pub const ALL: [CaptureSite; 4] = [CaptureSite::Qkv, CaptureSite::O, CaptureSite::GateUp, CaptureSite::Down];
+
     /// The projections of the group, in the order the group's outputs come.
     pub fn roles(self) -> &'static [llmd_device::WeightRole] {
         use llmd_device::WeightRole::*;

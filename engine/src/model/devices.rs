@@ -15,6 +15,8 @@ pub struct Devices {
     pub cost: Arc<dyn CostModel>,
     /// How each projection of a pass is divided between devices ([`NoSplit`] by default).
     pub splitter: Arc<dyn Splitter>,
+    /// The splitter's planned token counts, asked once ([`Splitter::planned_counts`]).
+    pub(super) planned: Option<Vec<usize>>,
     /// HeteroLLM's fast synchronisation of a split matmul: the caller, its own devices' parts
     /// done, sleeps for the operator's predicted remainder, then polls the others' events.
     pub sync: FastSync,
@@ -75,6 +77,7 @@ impl Devices {
             list,
             cost,
             splitter: Arc::new(NoSplit),
+            planned: None,
             sync: FastSync::new(),
             stats: SplitStats::default(),
             state: Mutex::new(DevState::default()),
@@ -84,6 +87,7 @@ impl Devices {
 
     /// These devices with `splitter` dividing the passes' projections between them.
     pub fn with_splitter(mut self, splitter: Arc<dyn Splitter>) -> Self {
+        self.planned = splitter.planned_counts();
         self.splitter = splitter;
         self
     }
@@ -94,11 +98,6 @@ impl Devices {
 
     pub(super) fn lock_parts(&self) -> std::sync::MutexGuard<'_, PartState> {
         self.parts.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Executables prepared for split matmuls' parts.
-    pub fn part_executables(&self) -> usize {
-        self.lock_parts().exes.len()
     }
 
     /// The token counts of the part buffers device `d` (index in the placement's list, ≥ 1)

@@ -66,7 +66,7 @@ impl Transformer {
         devices: Vec<std::sync::Arc<dyn llmd_device::Device>>,
         cost: std::sync::Arc<dyn crate::sched::CostModel>,
     ) {
-        self.devices = (!devices.is_empty()).then(|| devices::Devices::new(devices, cost));
+        self.attach(Devices::new(devices, cost));
     }
 
     /// The devices attached ([`Self::attach`]), if any.

@@ -35,17 +35,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Every projection role of a layer, site by site.
-pub const PROJECTION_ROLES: [WeightRole; 7] = [
-    WeightRole::Wq,
-    WeightRole::Wk,
-    WeightRole::Wv,
-    WeightRole::Wo,
-    WeightRole::Gate,
-    WeightRole::Up,
-    WeightRole::Down,
-];
-
 fn dev_err(d: &dyn Device, e: DeviceError) -> BackendError {
     BackendError::Device(format!("{}: {e}", d.desc().name))
 }
@@ -94,7 +83,7 @@ impl Devices {
     /// the pass (see the module).
     fn keeps(&self, dev: &dyn Device, n: usize) -> bool {
         matches!(dev.desc().static_shapes, StaticShapes::Only(_))
-            || self.splitter.planned_counts().is_some_and(|c| c.contains(&n))
+            || self.planned.as_ref().is_some_and(|c| c.contains(&n))
     }
 
     /// An idle slot for `key`, made (and its executable prepared) on first use; `keep`: the
@@ -292,11 +281,8 @@ impl Linears for SplitLinears<'_> {
         let mut plans = Vec::with_capacity(roles.len());
         for &role in roles {
             let Some(w) = l.matrix(role) else { return Ok(false) };
-            let split = self.devs.splitter.split(li, role, w.rows, n, &self.descs);
-            let parts = split.parts(n, w.rows).map_err(|detail| BackendError::Shape {
-                op: "split matmul",
-                detail: format!("{}: {detail}", w.name),
-            })?;
+            // Checked where the run cuts its output (`views`).
+            let parts = self.devs.splitter.split(li, role, w.rows, n, &self.descs).parts(n, w.rows);
             plans.push((role, w, parts));
         }
         if plans.iter().all(|p| p.2.is_none()) {
@@ -320,7 +306,7 @@ impl Transformer {
     pub fn projections(&self) -> Vec<Projection> {
         let mut v = Vec::new();
         for (layer, l) in self.weights.layers.iter().enumerate() {
-            for role in PROJECTION_ROLES {
+            for &role in CaptureSite::ALL.iter().flat_map(|s| s.roles()) {
                 if let Some(w) = l.matrix(role) {
                     v.push(Projection { layer, role, name: w.name.clone(), rows: w.rows, cols: w.cols });
                 }
@@ -351,17 +337,18 @@ impl Transformer {
     /// for them go (the executables hold their own copy). Returns the executables prepared.
     /// Nothing to do for a splitter without planned counts.
     pub fn prepare_splits(&self, devs: &Devices) -> Result<usize, BackendError> {
-        let Some(counts) = devs.splitter.planned_counts() else { return Ok(0) };
+        let Some(counts) = devs.planned.clone() else { return Ok(0) };
         let descs = self.descs(devs)?;
         let mut per_dev: HashMap<usize, Vec<PartKey>> = HashMap::new();
         for p in self.projections() {
             for &m in &counts {
-                let split = devs.splitter.split(p.layer, p.role, p.rows, m, &descs);
-                let parts = split.parts(m, p.rows).map_err(|detail| BackendError::Shape {
+                let parts =
+                    devs.splitter.split(p.layer, p.role, p.rows, m, &descs).parts(m, p.rows).unwrap_or_default();
+                crate::sched::check(m, p.rows, &parts).map_err(|detail| BackendError::Shape {
                     op: "split plan",
                     detail: format!("{}: {detail}", p.name),
                 })?;
-                for part in parts.unwrap_or_default() {
+                for part in parts {
                     let dev = devs.part_device(part.dev)?;
                     if matches!(dev.desc().static_shapes, StaticShapes::Only(_)) {
                         let key =

@@ -28,7 +28,7 @@ mod threads;
 pub use graph::{Dag, Job, Spec};
 pub use llmd_device::Processor;
 pub use order::{optimum, simulate, Policy, Scheduler, Timeline, LANES};
-pub use split::{proportional, views, NoSplit, Part, Split, Splitter};
+pub use split::{check, proportional, views, NoSplit, Part, Split, Splitter};
 pub use threads::run_threads;
 
 use llmd_device::{BlockShape, Cost, DeviceDesc, GgmlType, MemoryKind, Subgraph, SubgraphKind};

@@ -32,11 +32,11 @@ pub enum Split {
 }
 
 impl Split {
-    /// The parts of an `m`×`n` output (`None` for [`Split::Whole`]), empty ones left out; an
-    /// error if they do not tile the output exactly once.
-    pub fn parts(&self, m: usize, n: usize) -> Result<Option<Vec<Part>>, String> {
+    /// The parts of an `m`×`n` output (`None` for [`Split::Whole`]), empty ones left out, not
+    /// yet checked: [`check`] does, and so does [`views`], which every run cuts its output with.
+    pub fn parts(&self, m: usize, n: usize) -> Option<Vec<Part>> {
         let parts: Vec<Part> = match self {
-            Split::Whole => return Ok(None),
+            Split::Whole => return None,
             Split::Rows(v) => {
                 v.iter().map(|(d, r)| Part { dev: *d, tokens: 0..m, rows: r.clone(), graph: None }).collect()
             }
@@ -45,13 +45,13 @@ impl Split {
             }
             Split::Hybrid(v) => v.clone(),
         };
-        let parts: Vec<Part> = parts.into_iter().filter(|p| !p.tokens.is_empty() && !p.rows.is_empty()).collect();
-        if let Some(p) = parts.iter().find(|p| p.graph.is_some_and(|g| p.tokens.len() > g)) {
-            return Err(format!("{} tokens in a graph of {:?}", p.tokens.len(), p.graph));
-        }
-        tiling(m, n, &parts)?;
-        Ok(Some(parts))
+        Some(parts.into_iter().filter(|p| !p.tokens.is_empty() && !p.rows.is_empty()).collect())
     }
+}
+
+/// An error unless `parts` tile an `m`×`n` output exactly once, each within its graph.
+pub fn check(m: usize, n: usize, parts: &[Part]) -> Result<(), String> {
+    tiling(m, n, parts).map(|_| ())
 }
 
 /// Decides the [`Split`] of each projection of a pass.
@@ -65,10 +65,10 @@ pub trait Splitter: Send + Sync {
         true
     }
 
-    /// The token counts it plans for, if it has a fixed set: a device keeps the buffers of
-    /// these counts' parts between passes (others' live for their pass only), and a device
-    /// with static shapes has every part of these counts prepared up front
-    /// (`Transformer::prepare_splits`).
+    /// The token counts it plans for, if it has a fixed set (asked once, when the devices take
+    /// it): the parts of a pass of these counts keep their executables and buffers between
+    /// passes (other passes' live for their pass only), and a device with static shapes has
+    /// every part of these counts prepared up front (`Transformer::prepare_splits`).
     fn planned_counts(&self) -> Option<Vec<usize>> {
         None
     }
@@ -88,13 +88,16 @@ impl Splitter for NoSplit {
 }
 
 /// Per token of an `m`×`n` output, the parts covering it in row order; an error unless the
-/// parts tile the output exactly once.
+/// parts tile the output exactly once, each with no more tokens than its graph.
 fn tiling(m: usize, n: usize, parts: &[Part]) -> Result<Vec<Vec<usize>>, String> {
     let bad = |detail: String| format!("split of a {m}×{n} output: {detail}");
     let mut by_token: Vec<Vec<usize>> = vec![Vec::new(); m];
     for (i, p) in parts.iter().enumerate() {
         if p.tokens.start > p.tokens.end || p.tokens.end > m || p.rows.start > p.rows.end || p.rows.end > n {
             return Err(bad(format!("part {:?}×{:?} outside the output", p.tokens, p.rows)));
+        }
+        if p.graph.is_some_and(|g| p.tokens.len() > g) {
+            return Err(bad(format!("{} tokens in a graph of {:?}", p.tokens.len(), p.graph)));
         }
         for t in p.tokens.clone() {
             by_token[t].push(i);
@@ -182,24 +185,29 @@ mod tests {
     #[test]
     fn parts_must_tile_the_output_once() {
         let (m, n) = (6, 10);
-        assert_eq!(Split::Whole.parts(m, n).unwrap(), None);
-        let rows = Split::Rows(vec![(1, 0..4), (2, 4..10)]).parts(m, n).unwrap().unwrap();
+        let checked = |sp: Split| check(m, n, &sp.parts(m, n).unwrap());
+        assert_eq!(Split::Whole.parts(m, n), None);
+        let rows = Split::Rows(vec![(1, 0..4), (2, 4..10)]).parts(m, n).unwrap();
         assert_eq!(rows[1], Part { dev: 2, tokens: 0..6, rows: 4..10, graph: None });
-        assert!(Split::Tokens(vec![(1, 0..4), (2, 4..6)]).parts(m, n).unwrap().is_some());
-        assert!(Split::Rows(vec![(1, 0..4), (2, 5..10)]).parts(m, n).is_err(), "a gap");
-        assert!(Split::Tokens(vec![(1, 0..4), (2, 3..6)]).parts(m, n).is_err(), "an overlap");
-        assert!(Split::Tokens(vec![(1, 0..7)]).parts(m, n).is_err(), "past the end");
+        assert!(check(m, n, &rows).is_ok());
+        assert!(checked(Split::Tokens(vec![(1, 0..4), (2, 4..6)])).is_ok());
+        assert!(checked(Split::Tokens(vec![(1, 0..0), (2, 0..6)])).is_ok(), "an empty part is left out");
+        assert!(checked(Split::Rows(vec![(1, 0..4), (2, 5..10)])).is_err(), "a gap");
+        assert!(checked(Split::Tokens(vec![(1, 0..4), (2, 3..6)])).is_err(), "an overlap");
+        assert!(checked(Split::Tokens(vec![(1, 0..7)])).is_err(), "past the end");
         let hybrid = Split::Hybrid(vec![
             Part { dev: 1, tokens: 0..4, rows: 0..8, graph: Some(4) },
             Part { dev: 2, tokens: 0..4, rows: 8..10, graph: None },
             Part { dev: 2, tokens: 4..6, rows: 0..10, graph: None },
         ]);
-        assert_eq!(hybrid.parts(m, n).unwrap().unwrap().len(), 3);
+        assert_eq!(hybrid.parts(m, n).unwrap().len(), 3);
+        assert!(checked(hybrid.clone()).is_ok());
         let over = Split::Hybrid(vec![Part { dev: 1, tokens: 0..6, rows: 0..10, graph: Some(4) }]);
-        assert!(over.parts(m, n).is_err(), "more tokens than the graph takes");
+        assert!(checked(over.clone()).is_err(), "more tokens than the graph takes");
+        assert!(views(&mut vec![0f32; m * n], n, &over.parts(m, n).unwrap()).is_err(), "views check too");
         // The views of a tiling write every element once.
         let mut out = vec![0f32; m * n];
-        let parts = hybrid.parts(m, n).unwrap().unwrap();
+        let parts = hybrid.parts(m, n).unwrap();
         for (i, v) in views(&mut out, n, &parts).unwrap().into_iter().enumerate() {
             for row in v {
                 row.iter_mut().for_each(|x| *x += (i + 1) as f32);
