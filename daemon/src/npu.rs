@@ -21,7 +21,6 @@
 //! foreground prompt can take the NPU from a background one (llm.npu's chunk, 256 tokens).
 
 use llmd_device::Device as _;
-use llmd_engine::backend::blocks::Linears;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
 use llmd_engine::backend::npu::cache::CacheOutcome;
 use llmd_engine::backend::npu::QnnDevice;
@@ -47,9 +46,16 @@ struct HeteroGraphs {
     graphs: usize,
 }
 
+/// A model's llm.npu path on the engine's executor: the NPU device holding its W8A8 groups.
+struct Int8Graphs {
+    devs: Devices,
+    /// The groups' graphs (their counters).
+    groups: Arc<NpuLinears>,
+}
+
 /// A model's prepared NPU work: llm.npu's INT8 graphs or HeteroLLM's plan.
 enum Prepared {
-    Int8(NpuLinears),
+    Int8(Box<Int8Graphs>),
     Hetero(Box<HeteroGraphs>),
 }
 
@@ -78,7 +84,7 @@ fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()>
 
 /// Work for the NPU thread: called with the model's graphs, or with why there are none (the
 /// model was dropped, or its graphs failed); returns whether it succeeded (for `dump`).
-pub type Job = Box<dyn FnOnce(Result<&dyn Linears, String>) -> bool + Send>;
+pub type Job = Box<dyn FnOnce(Result<&Devices, String>) -> bool + Send>;
 
 enum Msg {
     Prepare {
@@ -533,7 +539,7 @@ struct Resident {
 impl Prepared {
     fn count(&self) -> usize {
         match self {
-            Prepared::Int8(l) => l.graph_names().len(),
+            Prepared::Int8(g) => g.groups.graph_names().len(),
             Prepared::Hetero(g) => g.graphs,
         }
     }
@@ -611,7 +617,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 let outcome =
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match (&settings.hetero, &gpu) {
                         (Some(h), Some(g)) => prepare_hetero(&device, h, g, &m),
-                        _ => prepare(&device, &settings, &m).map(|(g, how)| (Prepared::Int8(g), how)),
+                        _ => prepare(&device, &settings, &m).map(|(g, how)| (Prepared::Int8(Box::new(g)), how)),
                     }))
                     .unwrap_or_else(|_| Err("preparing the graphs panicked".into()));
                 let mut s = lock(status);
@@ -639,10 +645,10 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                 let r = resident.iter().find(|r| r.key == key && r.model.strong_count() > 0);
                 // A job that panics loses only itself (its own guard reports it).
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match r.map(|r| (r, &r.graphs)) {
-                    Some((r, Prepared::Int8(l))) => {
-                        let l: &NpuLinears = l;
+                    Some((r, Prepared::Int8(g))) => {
+                        let l: &NpuLinears = &g.groups;
                         let before = l.stats().1;
-                        job(Ok(l as &dyn Linears));
+                        job(Ok(&g.devs));
                         // The job's span is the last one recorded: give it its modelled time.
                         let modelled = l.stats().1.saturating_sub(before);
                         let name = r.model.upgrade().map(|m| m.name.clone()).unwrap_or_default();
@@ -659,10 +665,7 @@ fn serve(settings: Settings, status: &Mutex<Status>, rx: Receiver<Msg>) {
                             return;
                         };
                         let before = device.modelled_ns();
-                        match m.transformer.split_linears(&h.devs) {
-                            Ok(l) => job(Ok(&l as &dyn Linears)),
-                            Err(e) => job(Err(e.to_string())),
-                        };
+                        job(Ok(&h.devs));
                         // The NPU's parts' modelled time (the emulator's), as for INT8 jobs.
                         let modelled = device.modelled_ns().saturating_sub(before);
                         let (st, sync) = (&h.devs.stats, &h.devs.sync);
@@ -758,7 +761,7 @@ fn prepare_hetero(
 }
 
 /// Calibrates `model`, requantizes it, and loads its graphs from the cache or builds them.
-fn prepare(device: &QnnDevice, s: &Settings, model: &Model) -> Result<(NpuLinears, String), String> {
+fn prepare(device: &Arc<QnnDevice>, s: &Settings, model: &Model) -> Result<(Int8Graphs, String), String> {
     let text = match &s.calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("calibration text {}: {e}", f.display()))?,
         None => CALIBRATION_TEXT.to_owned(),
@@ -779,5 +782,6 @@ fn prepare(device: &QnnDevice, s: &Settings, model: &Model) -> Result<(NpuLinear
     };
     let mut graphs = NpuLinears::from_context(&context, groups, &ids, s.chunk).map_err(|e| e.to_string())?;
     graphs.set_shadow(shadow).map_err(|e| e.to_string())?;
-    Ok((graphs, how))
+    let groups = Arc::new(graphs);
+    Ok((Int8Graphs { devs: prefill::devices(device.clone(), &groups), groups }, how))
 }

@@ -1149,23 +1149,25 @@ fn npu_reference(prompt: &str, max_tokens: usize) -> Vec<i32> {
     use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
     let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
         .expect("model loads");
-    let device =
-        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("emulator opens");
+    let device = std::sync::Arc::new(
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("emulator opens"),
+    );
     let cal = m.tokenizer.encode(CALIBRATION_TEXT, false, false).expect("calibration tokens");
     let q = prefill::NpuQuant::default();
     let p = prefill::prepare(&device, &m.transformer, &cal, NPU_CHUNK, &q, None).expect("graphs");
     let mut npu = NpuLinears::from_context(&p.context, p.groups, &p.ids, NPU_CHUNK).expect("linears");
     npu.set_shadow(p.shadow).expect("shadow sites");
-    greedy_ids(&m, prompt, max_tokens, Some((&npu, NPU_CHUNK)))
+    let devs = prefill::devices(device, &std::sync::Arc::new(npu));
+    greedy_ids(&m, prompt, max_tokens, Some((&devs, NPU_CHUNK)))
 }
 
-/// The greedy ids of `prompt` from `m` in-process, its prefill on `prefill` (linear groups and
-/// chunk rows) or on the CPU.
+/// The greedy ids of `prompt` from `m` in-process, its prefill's linear groups on `prefill`'s
+/// devices (in chunks of its rows) or on the CPU.
 fn greedy_ids(
     m: &llmd_engine::Model,
     prompt: &str,
     max_tokens: usize,
-    prefill: Option<(&dyn llmd_engine::backend::blocks::Linears, usize)>,
+    prefill: Option<(&llmd_engine::model::Devices, usize)>,
 ) -> Vec<i32> {
     use llmd_engine::generate::{Flow, GenerateRequest, Prompt};
     let p = Prompt::Text(prompt.into());

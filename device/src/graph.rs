@@ -53,6 +53,42 @@ pub enum SubgraphKind {
     /// reads `n_tokens` rows of the weight's `cols` values from [`crate::Bindings::x`] and
     /// writes `n_tokens` rows of the loaded rows' count to [`crate::Bindings::y`].
     Linear(WeightRole),
+    /// One linear group of a layer: the projections that read one input (Q, K and V; O;
+    /// gate and up; down), llm.npu's unit of NPU work. It reads `n_tokens` rows of the
+    /// group's input from [`crate::Bindings::x`] and writes to [`crate::Bindings::y`] each
+    /// projection's `n_tokens` rows in turn, in [`GroupSite::roles`] order (f32, before any
+    /// bias). A device that holds a model's groups (quantized and calibrated when it loaded
+    /// them) takes it.
+    Group(GroupSite),
+}
+
+/// A layer's linear groups: the projections that share an input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GroupSite {
+    /// The normed input of Q, K and V.
+    Qkv = 0,
+    /// The attention output, input of O.
+    O = 1,
+    /// The normed input of gate and up.
+    GateUp = 2,
+    /// `silu(gate) · up`, input of down.
+    Down = 3,
+}
+
+impl GroupSite {
+    /// Every group of a layer, in the pass's order.
+    pub const ALL: [GroupSite; 4] = [GroupSite::Qkv, GroupSite::O, GroupSite::GateUp, GroupSite::Down];
+
+    /// The projections of the group, in the order the group's outputs come.
+    pub fn roles(self) -> &'static [WeightRole] {
+        use WeightRole::*;
+        match self {
+            GroupSite::Qkv => &[Wq, Wk, Wv],
+            GroupSite::O => &[Wo],
+            GroupSite::GateUp => &[Gate, Up],
+            GroupSite::Down => &[Down],
+        }
+    }
 }
 
 /// One subgraph of a pass: a kind, and the layer for [`SubgraphKind::Attention`] and
@@ -140,6 +176,10 @@ impl Subgraph {
     pub fn linear(layer: usize, role: WeightRole) -> Self {
         Self { kind: SubgraphKind::Linear(role), layer }
     }
+    /// Linear group `site` of layer `layer`.
+    pub fn group(layer: usize, site: GroupSite) -> Self {
+        Self { kind: SubgraphKind::Group(site), layer }
+    }
 
     /// A pass in order: the embedding, each layer's attention then FFN, the head.
     pub fn pass(n_layers: usize) -> Vec<Self> {
@@ -161,7 +201,7 @@ impl Subgraph {
             SubgraphKind::Attention => &[RmsNorm, MatMul, Rope, Attention],
             SubgraphKind::Ffn => &[RmsNorm, MatMul, SwiGlu],
             SubgraphKind::Head => &[RmsNorm, MatMul],
-            SubgraphKind::Linear(_) => &[MatMul],
+            SubgraphKind::Linear(_) | SubgraphKind::Group(_) => &[MatMul],
         }
     }
 
@@ -183,6 +223,7 @@ impl Subgraph {
             SubgraphKind::Ffn => vec![FfnNorm, Gate, Up, Down],
             SubgraphKind::Head => vec![OutputNorm, Output],
             SubgraphKind::Linear(role) => vec![role],
+            SubgraphKind::Group(site) => site.roles().to_vec(),
         }
     }
 

@@ -27,7 +27,7 @@ pub use desc::{BufferUsage, DeviceDesc, MemoryDesc, MemoryKind, OpKind, Processo
 pub use dtype::GgmlType;
 pub use error::DeviceError;
 pub use event::Event;
-pub use graph::{BlockShape, RopeParams, RopeStyle, Subgraph, SubgraphKind, WeightRole};
+pub use graph::{BlockShape, GroupSite, RopeParams, RopeStyle, Subgraph, SubgraphKind, WeightRole};
 
 use std::any::Any;
 use std::ops::Range;
@@ -213,7 +213,8 @@ pub struct Bindings {
     /// The head: which rows of `x` get logits, and where they go (`rows × vocab` f32).
     pub logit_rows: Arc<[u32]>,
     pub logits: Option<Buffer>,
-    /// A [`SubgraphKind::Linear`]'s output: `n_tokens` rows of its weight's loaded rows, f32.
+    /// A [`SubgraphKind::Linear`]'s output: `n_tokens` rows of its weight's loaded rows, f32;
+    /// a [`SubgraphKind::Group`]'s: each projection's `n_tokens` rows, one after the other.
     pub y: Option<Buffer>,
 }
 

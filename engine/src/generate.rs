@@ -196,14 +196,14 @@ impl Model {
         self.generate_in_with(kv, prompt, req, None, on_text)
     }
 
-    /// [`Self::generate_in`] with the prompt's linear groups on `prefill` (the NPU path, in
+    /// [`Self::generate_in`] with the prompt's linear groups where the devices `prefill` place them (the NPU path, in
     /// chunks of its graphs' size) and the decode on the CPU from the same cache.
     pub fn generate_in_with(
         &self,
         kv: &mut KvCache,
         prompt: &[u32],
         req: &GenerateRequest,
-        prefill: Option<(&dyn crate::backend::blocks::Linears, usize)>,
+        prefill: Option<(&crate::model::Devices, usize)>,
         on_text: impl FnMut(&str, &[u32]) -> Flow,
     ) -> Result<GenerationStats, GenerateError> {
         self.generate_in_chunks(kv, prompt, req, prefill, 1, on_text)
@@ -216,7 +216,7 @@ impl Model {
         kv: &mut KvCache,
         prompt: &[u32],
         req: &GenerateRequest,
-        prefill: Option<(&dyn crate::backend::blocks::Linears, usize)>,
+        prefill: Option<(&crate::model::Devices, usize)>,
         out_of_order: usize,
         mut on_text: impl FnMut(&str, &[u32]) -> Flow,
     ) -> Result<GenerationStats, GenerateError> {
@@ -452,17 +452,18 @@ impl Generation {
         self.step_with(model, kv, None)
     }
 
-    /// [`Self::step`] with prefill chunks' linear groups on `prefill` when given.
+    /// [`Self::step`] with prefill chunks' linear groups where the devices `prefill` place
+    /// them, when given (the NPU's W8A8 groups, HeteroLLM's cuts).
     pub fn step_with(
         &mut self,
         model: &Model,
         kv: &mut KvCache,
-        prefill: Option<&dyn crate::backend::blocks::Linears>,
+        prefill: Option<&crate::model::Devices>,
     ) -> Result<StepOutput, GenerateError> {
         if let Some(l) = prefill.filter(|_| self.out_of_order > 1) {
             if let Some(tokens) = self.prefill_at_most(self.prefill_unit()) {
                 let n = tokens.len();
-                let logits = model.transformer.prefill_chunks(kv, tokens, self.prefill_chunk, l)?;
+                let logits = model.transformer.prefill_chunks(kv, tokens, self.prefill_chunk, l, None)?;
                 self.accept_prefill(n, logits);
                 return Ok(StepOutput::default());
             }
@@ -470,7 +471,7 @@ impl Generation {
         if let Some(chunk) = self.prefill_chunk_tokens() {
             let n = chunk.len();
             let logits = match prefill {
-                Some(l) => model.transformer.forward_with(kv, chunk, l, Logits::Last)?,
+                Some(l) => model.transformer.forward_on(kv, chunk, l, Logits::Last)?,
                 None => model.transformer.forward(kv, chunk, Logits::Last)?,
             };
             self.accept_prefill(n, logits);
@@ -479,7 +480,7 @@ impl Generation {
         let (out, feed) = self.sample(model, kv.len())?;
         if let Some(tok) = feed {
             let logits = match prefill {
-                Some(l) if self.decode_with_linears => model.transformer.forward_with(kv, &[tok], l, Logits::Last)?,
+                Some(l) if self.decode_with_linears => model.transformer.forward_on(kv, &[tok], l, Logits::Last)?,
                 _ => model.transformer.forward(kv, &[tok], Logits::Last)?,
             };
             self.accept_logits(logits);

@@ -85,31 +85,33 @@ impl Transformer {
         self.forward_batch_on(devs, &mut kvs, which)
     }
 
-    /// [`Transformer::prefill_chunks`] on a sequence: `tokens` with the linear groups on
-    /// `linears` (the NPU's graphs of `chunk` rows), several chunks out of order; on an error
-    /// the sequence is cut back to what it held before.
-    pub fn prefill_sequence_with(
+    /// [`Transformer::prefill_chunks`] on a sequence: `tokens` with the linear groups where
+    /// `devs` places them (the NPU's graphs of `chunk` rows), several chunks out of order,
+    /// `stop` asked before each group; on an error the sequence is cut back to what it held
+    /// before.
+    pub fn prefill_sequence_on(
         &self,
         seq: &mut Sequence,
         tokens: &[u32],
         chunk: usize,
-        linears: &dyn crate::backend::blocks::Linears,
+        devs: &crate::model::Devices,
+        stop: Option<&(dyn Fn() -> bool + Sync)>,
     ) -> Result<Vec<f32>, BackendError> {
-        self.prefill_chunks(&mut seq.kv, tokens, chunk, linears)
+        self.prefill_chunks(&mut seq.kv, tokens, chunk, devs, stop)
     }
 
-    /// Runs `tokens` after what `seq` holds with the linear groups on `linears` (the NPU
-    /// prefill, `crate::prefill::NpuLinears`) and everything else on the CPU, into the same
-    /// host cache the CPU decodes from; returns the last token's logits. On an error the
-    /// sequence is cut back to what it held before.
-    pub fn forward_sequence_with(
+    /// Runs `tokens` after what `seq` holds with the projections and linear groups where
+    /// `devs`' splitter places them (the NPU's W8A8 groups, HeteroLLM's cuts) and everything
+    /// else on the CPU, into the same host cache the CPU decodes from; returns the last token's
+    /// logits. On an error the sequence is cut back to what it held before.
+    pub fn forward_sequence_on(
         &self,
         seq: &mut Sequence,
         tokens: &[u32],
-        linears: &dyn crate::backend::blocks::Linears,
+        devs: &crate::model::Devices,
     ) -> Result<Vec<f32>, BackendError> {
         let before = seq.kv.len();
-        let r = self.forward_with(&mut seq.kv, tokens, linears, Logits::Last);
+        let r = self.forward_on(&mut seq.kv, tokens, devs, Logits::Last);
         if r.is_err() {
             seq.kv.truncate(before);
         }

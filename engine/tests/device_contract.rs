@@ -299,7 +299,7 @@ fn subgraphs_on_a_device_with_its_own_memory_give_the_cpu_alone_logits() {
         SubgraphKind::Embed | SubgraphKind::Head => true,
         SubgraphKind::Attention => sg.layer == 1 || sg.layer == 4,
         SubgraphKind::Ffn => sg.layer == 1 || sg.layer == 7,
-        SubgraphKind::Linear(_) => false,
+        SubgraphKind::Linear(_) | SubgraphKind::Group(_) => false,
     };
     let pick = move |sg: Subgraph| usize::from(on_device(sg));
     let names = vec!["cpu".to_string(), "discrete-test".to_string()];

@@ -23,20 +23,22 @@ const LOGIT_REL_TOL: f32 = 0.0;
 /// KV cache entries (f16): the largest difference over the largest magnitude — none either.
 const KV_REL_TOL: f32 = 0.0;
 
-/// The groups' graphs at `rows` rows in `ctx`, with shadow execution where `sites` says.
+/// The groups' graphs at `rows` rows in a context of `device`, with shadow execution where
+/// `sites` says, held by the device (the executor runs them as its `Group` subgraphs).
 fn build(
-    ctx: &llmd_engine::backend::npu::NpuContext,
+    device: &std::sync::Arc<llmd_engine::backend::npu::QnnDevice>,
     rows: usize,
     groups: Vec<[llmd_engine::backend::npu::graph::LinearGroup; 4]>,
     flat: &[llmd_engine::backend::npu::graph::LinearGroup],
     cal: &llmd_engine::prefill::Calibration,
     sites: &[[bool; 4]],
-) -> NpuLinears {
+) -> llmd_engine::model::Devices {
     let m = common::default_model();
-    let mut n = NpuLinears::build(ctx, groups, rows).expect("graphs");
+    let ctx = device.context().expect("context");
+    let mut n = NpuLinears::build(&ctx, groups, rows).expect("graphs");
     let sh = shadow_sites(&m.transformer, flat, cal, sites, &ShadowConfig::default(), None).expect("shadow");
     n.set_shadow(sh).expect("set");
-    n
+    llmd_engine::prefill::devices(device.clone(), &std::sync::Arc::new(n))
 }
 
 fn kv_values(kv: &llmd_engine::backend::kv::KvCache) -> Vec<f32> {
@@ -54,10 +56,10 @@ fn chunked_prefill_equals_one_pass_for_random_lengths_and_chunk_sizes() {
     let sites = cal.shadow_sites(DEFAULT_PRUNE);
     let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &sites).expect("quantizes");
     let flat: Vec<_> = groups.iter().flatten().cloned().collect();
-    let device =
-        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
-    let ctx_whole = device.context().expect("context");
-    let whole = build(&ctx_whole, WHOLE, groups.clone(), &flat, &cal, &sites);
+    let device = std::sync::Arc::new(
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens"),
+    );
+    let whole = build(&device, WHOLE, groups.clone(), &flat, &cal, &sites);
     // A prompt of ordinary text, cut at random lengths (seeded).
     let text = m
         .tokenizer
@@ -79,17 +81,16 @@ fn chunked_prefill_equals_one_pass_for_random_lengths_and_chunk_sizes() {
     };
     let mut worst = (0f32, 0f32);
     for chunk in [16usize, 32, 64] {
-        let ctx = device.context().expect("context");
-        let chunked = build(&ctx, chunk, groups.clone(), &flat, &cal, &sites);
+        let chunked = build(&device, chunk, groups.clone(), &flat, &cal, &sites);
         for _ in 0..2 {
             let p = 1 + next(text.len().min(WHOLE));
             let prompt = &text[..p];
             let mut kv1 = m.transformer.new_kv();
-            let one = m.transformer.forward_with(&mut kv1, prompt, &whole, Logits::Last).expect("one pass");
+            let one = m.transformer.forward_on(&mut kv1, prompt, &whole, Logits::Last).expect("one pass");
             let mut kv2 = m.transformer.new_kv();
             let mut last = Vec::new();
             for part in prompt.chunks(chunk) {
-                last = m.transformer.forward_with(&mut kv2, part, &chunked, Logits::Last).expect("a chunk");
+                last = m.transformer.forward_on(&mut kv2, part, &chunked, Logits::Last).expect("a chunk");
             }
             let mean = one.iter().sum::<f32>() / one.len() as f32;
             let spread = (one.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / one.len() as f32).sqrt();

@@ -2,7 +2,8 @@
 //! default model's chunks on the NPU path (emulator provider, shadow execution) with their
 //! subgraphs run by an NPU thread and a CPU thread in the scheduler's order — llm.npu's
 //! contribution score, the in-order baseline, and pseudo-random legal orders — all give the
-//! in-order chunked prefill's logits and KV cache bit for bit.
+//! in-order chunked prefill's logits and KV cache bit for bit. Every linear group runs through
+//! the engine's executor as the NPU device's `Group` subgraph (`prefill::devices`).
 
 mod common;
 
@@ -28,12 +29,14 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
     let sites = cal.shadow_sites(DEFAULT_PRUNE);
     let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &sites).expect("quantizes");
     let flat: Vec<_> = groups.iter().flatten().cloned().collect();
-    let device =
-        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens");
+    let device = std::sync::Arc::new(
+        llmd_engine::backend::npu::QnnDevice::open(&common::emulator_library(), SM8650).expect("the QNN library opens"),
+    );
     let ctx = device.context().expect("context");
     let mut npu = NpuLinears::build(&ctx, groups, CHUNK).expect("graphs");
     npu.set_shadow(shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("shadow"))
         .expect("set");
+    let devs = llmd_engine::prefill::devices(device, &std::sync::Arc::new(npu));
     // Four chunks, the last one short; after a turn already in the cache.
     let history = m.tokenizer.encode("A short earlier turn.", false, false).expect("history");
     let prompt: Vec<u32> = cal_tokens[..3 * CHUNK + 11].to_vec();
@@ -47,17 +50,18 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
     let mut want = Vec::new();
     for part in prompt.chunks(CHUNK) {
         want =
-            m.transformer.forward_with(&mut kv, part, &npu, llmd_engine::backend::blocks::Logits::Last).expect("chunk");
+            m.transformer.forward_on(&mut kv, part, &devs, llmd_engine::backend::blocks::Logits::Last).expect("chunk");
     }
     let want_kv = kv_bytes(&kv);
     // llm.npu's profiled times stand in as: NPU subgraphs 2, attention 1 plus the chunk index.
     let dag = m.transformer.prefill_dag(prompt.len().div_ceil(CHUNK));
     let times = |j: Job| if dag.specs[j.step].proc == Processor::Npu { 2.0 } else { 1.0 + j.chunk as f64 };
     let mut orders = std::collections::HashSet::new();
-    for policy in [Policy::OutOfOrder, Policy::InOrder, Policy::Random(1), Policy::Random(2), Policy::Random(3)] {
+    let policies = [Policy::OutOfOrder, Policy::InOrder, Policy::Random(1), Policy::Random(2), Policy::Random(3)];
+    for policy in policies {
         let mut kv = fresh();
         let (got, tl) =
-            m.transformer.prefill_out_of_order(&mut kv, &prompt, CHUNK, &npu, policy, &times).expect("prefills");
+            m.transformer.prefill_out_of_order(&mut kv, &prompt, CHUNK, &devs, policy, &times).expect("prefills");
         assert_eq!(tl.runs.len(), dag.jobs(), "{policy:?}");
         assert!(
             got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()) && got.len() == want.len(),
@@ -75,4 +79,7 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
         orders.insert(order);
     }
     assert!(orders.len() >= 3, "the policies ran only {} distinct orders", orders.len());
+    // Every group of every chunk, in order and under each policy, was the NPU device's.
+    let groups = (1 + policies.len()) * prompt.len().div_ceil(CHUNK) * m.config().n_layers * 4;
+    assert_eq!(devs.stats.groups.load(std::sync::atomic::Ordering::Relaxed), groups as u64);
 }

@@ -106,16 +106,20 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
     // of its steps can be compared with the emulator's.
     let mut emulator: Option<(Vec<u32>, Vec<f32>, Vec<f32>)> = None;
     for (name, path) in [("emulator", common::emulator_library()), ("Qualcomm HTP", common::htp_library())] {
-        let device = llmd_engine::backend::npu::QnnDevice::open(&path, SM8650).expect("the QNN library opens");
+        let device = std::sync::Arc::new(
+            llmd_engine::backend::npu::QnnDevice::open(&path, SM8650).expect("the QNN library opens"),
+        );
         let context = device.context().expect("context");
         let t = std::time::Instant::now();
         let mut npu = NpuLinears::build(&context, groups.clone(), CHUNK).expect("graphs build");
         let shadow = shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("shadow");
         npu.set_shadow(shadow).expect("shadow sites");
+        let npu = std::sync::Arc::new(npu);
+        let devs = llmd_engine::prefill::devices(device.clone(), &npu);
         let built = t.elapsed().as_secs_f64();
         let mut kv = m.transformer.new_kv();
         let t = std::time::Instant::now();
-        let logits = m.transformer.forward_with(&mut kv, &prompt, &npu, Logits::Last).expect("NPU prefill");
+        let logits = m.transformer.forward_on(&mut kv, &prompt, &devs, Logits::Last).expect("NPU prefill");
         let prefilled = t.elapsed().as_secs_f64();
         let (execs, modelled) = npu.stats();
         eprintln!(

@@ -264,3 +264,88 @@ fn the_npu_device_estimates_its_graphs_from_the_soc_profile() {
     assert_eq!(npu.estimate(up, &shape, 257), None);
     assert_eq!(npu.estimate(Subgraph::attention(0), &shape, 32), None);
 }
+
+/// llm.npu's W8A8 groups as the NPU device's second graph kind: a model's groups (calibrated,
+/// quantized, their graphs built in a context of the device) are the device's weights of each
+/// `Group` subgraph, and a group prepared, written, submitted and read through the contract
+/// gives the groups' own run (`NpuLinears::run`, checked against the integer reference above)
+/// bit for bit — at a token count that is not the graphs' chunk size (two chunks, the last
+/// padded) — on the emulator (every layer, shadow execution on) and on Qualcomm's library
+/// (two layers, to keep finalizing short). A weight that is not this device's group of that
+/// layer and site is refused with a typed error.
+#[test]
+fn a_models_w8a8_groups_run_as_the_npu_devices_group_subgraphs() {
+    use llmd_device::{Bindings, BufferUsage, Device, DeviceError, Subgraph};
+    use llmd_engine::backend::blocks::CaptureSite;
+    use llmd_engine::prefill::{
+        calibrate, quantized_groups, shadow_sites, NpuLinears, ShadowConfig, WeightQuant, CALIBRATION_TEXT,
+        DEFAULT_PRUNE,
+    };
+    use std::sync::Arc;
+    const CHUNK: usize = 32;
+    const ROWS: usize = 45;
+    let m = common::default_model();
+    let shape = m.transformer.shape;
+    let cal_tokens = m.tokenizer.encode(CALIBRATION_TEXT, false, false).expect("calibration");
+    let cal = calibrate(&m.transformer, &cal_tokens).expect("calibrates");
+    let sites = cal.shadow_sites(DEFAULT_PRUNE);
+    let groups = quantized_groups(&m.transformer, &cal, WeightQuant::Folded, 16, &sites).expect("quantizes");
+    let flat: Vec<_> = groups.iter().flatten().cloned().collect();
+    for (lib, layers) in [(common::emulator_library(), groups.len()), (common::htp_library(), 2)] {
+        let dev = Arc::new(QnnDevice::open(&lib, SM8650).expect("opens"));
+        let ctx = dev.context().expect("context");
+        let mut npu = NpuLinears::build(&ctx, groups[..layers].to_vec(), CHUNK).expect("graphs");
+        if layers == groups.len() {
+            let sh = shadow_sites(&m.transformer, &flat, &cal, &sites, &ShadowConfig::default(), None).expect("sh");
+            npu.set_shadow(sh).expect("shadow");
+        }
+        let npu = Arc::new(npu);
+        let held = dev.group_weights(&npu);
+        assert_eq!(held.len(), layers * 4, "a weight set per group");
+        let mut checked = 0;
+        for (sg, weights) in &held {
+            if sg.layer != 0 && sg.layer + 1 != layers {
+                continue;
+            }
+            let llmd_device::SubgraphKind::Group(site) = sg.kind else { panic!("{sg:?} is not a group") };
+            let (k, rows) = npu.group_shape(sg.layer, site).expect("shape");
+            let x = normal(sg.layer as u64 * 4 + site as u64, ROWS * k, 1.0);
+            // The groups' own run.
+            let mut want: Vec<Vec<f32>> = rows.iter().map(|&r| vec![0f32; ROWS * r]).collect();
+            let mut views: Vec<&mut [f32]> = want.iter_mut().map(|w| &mut w[..]).collect();
+            npu.run(sg.layer, site, &x, ROWS, &mut views).expect("runs");
+            // Through the contract.
+            let exe = dev.prepare(*sg, &shape, ROWS, weights).expect("prepares");
+            let total: usize = rows.iter().map(|r| r * ROWS).sum();
+            let xb = dev.alloc(BufferUsage::Activations, x.len() * 4).expect("x");
+            let yb = dev.alloc(BufferUsage::Activations, total * 4).expect("y");
+            let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let wrote = dev.write(&xb, 0, &bytes, &[]).expect("writes");
+            let bind = Bindings {
+                x: xb,
+                tokens: Arc::from(Vec::new()),
+                positions: Arc::from(Vec::new()),
+                seqs: Arc::from(Vec::new()),
+                logit_rows: Arc::from(Vec::new()),
+                logits: None,
+                y: Some(yb.clone()),
+            };
+            let ran = dev.submit(&exe, &bind, &[wrote]).expect("submits");
+            let mut raw = vec![0u8; total * 4];
+            dev.read(&yb, 0, &mut raw, &[ran]).expect("reads");
+            let got: Vec<u32> = raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let want: Vec<u32> = want.iter().flatten().map(|v| v.to_bits()).collect();
+            assert!(got == want, "{}: {sg:?} through the contract differs from the groups' run", lib.display());
+            checked += 1;
+        }
+        assert_eq!(checked, if layers == 1 { 4 } else { 8 });
+        // Typed refusals: another layer's or site's group, weights of the wrong roles, none.
+        let invalid = |e: DeviceError| matches!(e, DeviceError::Invalid { .. });
+        let (sg0, w0) = &held[0];
+        assert!(invalid(dev.prepare(Subgraph::group(1, CaptureSite::Qkv), &shape, 8, w0).expect_err("refused")));
+        assert!(invalid(dev.prepare(Subgraph::group(0, CaptureSite::O), &shape, 8, w0).expect_err("refused")));
+        assert!(invalid(dev.prepare(*sg0, &shape, 8, &w0[..1]).expect_err("refused")));
+        assert!(invalid(dev.prepare(*sg0, &shape, 8, &[]).expect_err("refused")));
+        eprintln!("{}: {checked} groups through the contract equal the groups' own run", lib.display());
+    }
+}

@@ -6,7 +6,7 @@
 
 mod common;
 
-use llmd_engine::backend::blocks::{CaptureSite, Linears};
+use llmd_engine::backend::blocks::CaptureSite;
 use llmd_engine::backend::npu::graph::LinearGroup;
 use llmd_engine::prefill::{
     calibrate, quantized_groups, shadow_sites, Calibration, NpuLinears, ShadowConfig, WeightQuant, CALIBRATION_TEXT,
@@ -41,10 +41,10 @@ fn inside(lo: f32, hi: f32, k: usize, seed: &mut u64) -> Vec<f32> {
 }
 
 /// Runs group `site` of layer `li` on `l`, one output vector per projection.
-fn run(l: &dyn Linears, g: &LinearGroup, li: usize, site: CaptureSite, x: &[f32]) -> Vec<Vec<f32>> {
+fn run(l: &NpuLinears, g: &LinearGroup, li: usize, site: CaptureSite, x: &[f32]) -> Vec<Vec<f32>> {
     let mut outs: Vec<Vec<f32>> = g.projections.iter().map(|p| vec![0f32; ROWS * p.weights.rows]).collect();
     let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-    assert!(l.group(li, site, x, ROWS, &mut refs).expect("group runs"));
+    l.run(li, site, x, ROWS, &mut refs).expect("group runs");
     outs
 }
 

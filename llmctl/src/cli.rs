@@ -229,7 +229,7 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
         _ => None,
     };
     let gpu_before = gpu.as_ref().map(|g| g.stats());
-    let prefill = npu.as_ref().map(|(n, chunk)| (n as &dyn llmd_engine::backend::blocks::Linears, *chunk));
+    let prefill = npu.as_ref().map(|n| (&n.devs, n.chunk));
     let mut kv = model.transformer.new_kv();
     let mut out = crate::output::stdout();
     let mut write_err = None;
@@ -280,8 +280,8 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
             now.saturating_sub(rss_kb[1]) as f64 / 1024.0,
         );
     }
-    if let Some((n, _)) = &npu {
-        let (execs, modelled) = n.stats();
+    if let Some(n) = &npu {
+        let (execs, modelled) = n.groups.stats();
         if modelled > 0 {
             eprintln!(
                 "npu: {execs} graph executions; modelled NPU time {:.1} ms on the emulated chip (a model of the phone, not measured)",

@@ -186,7 +186,7 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
                 .into())
         }
     };
-    let step = npu.as_ref().map_or(128, |(_, chunk)| *chunk);
+    let step = npu.as_ref().map_or(128, |n| n.chunk);
     let start = Instant::now();
     let pb = bar(windows as u64, "perplexity");
     let (mut total, mut count) = (0f64, 0usize);
@@ -197,7 +197,7 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
         let mut kv = model.transformer.new_kv();
         for (ci, chunk) in win.chunks(step).enumerate() {
             let logits = match &npu {
-                Some((n, _)) => model.transformer.forward_with(&mut kv, chunk, n, Logits::All),
+                Some(n) => model.transformer.forward_on(&mut kv, chunk, &n.devs, Logits::All),
                 None => model.transformer.forward(&mut kv, chunk, Logits::All),
             }
             .map_err(|e| e.to_string())?;
@@ -215,8 +215,8 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
     pb.finish_and_clear();
     let ppl = (total / count.max(1) as f64).exp();
     let secs = start.elapsed().as_secs_f64();
-    if let Some((n, _)) = &npu {
-        eprintln!("{}", crate::npu::shadow_summary(n));
+    if let Some(n) = &npu {
+        eprintln!("{}", crate::npu::shadow_summary(&n.groups));
     }
     if a.json {
         crate::out!(

@@ -100,13 +100,22 @@ pub fn cache_dir(args: &NpuArgs) -> Option<PathBuf> {
     crate::paths::cache_dir(args.npu_cache.as_deref(), "npu")
 }
 
-/// The library at `path` opened for chip `soc`: llmctl is a one-shot process, so the device
-/// and the context its graphs live in stay until it exits.
+/// llm.npu's prefill on the engine's executor: the NPU device holding the model's W8A8 groups,
+/// placed on it by the devices' splitter.
+pub struct NpuPrefill {
+    pub devs: llmd_engine::model::Devices,
+    /// The groups' graphs (their counters: executions, modelled time, shadow execution).
+    pub groups: std::sync::Arc<NpuLinears>,
+    /// The rows of each graph.
+    pub chunk: usize,
+}
+
 /// The NPU prefill for `model`: the library opened, the model calibrated and quantized, its
-/// graphs loaded from the cache or built. Prints what it did on standard error.
-pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears, usize), String> {
+/// graphs loaded from the cache or built, the NPU device holding them. Prints what it did on
+/// standard error.
+pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<NpuPrefill, String> {
     let path = library_path(args)?;
-    let device = &QnnDevice::open(&path, args.soc).map_err(|e| e.to_string())?;
+    let device = std::sync::Arc::new(QnnDevice::open(&path, args.soc).map_err(|e| e.to_string())?);
     let text = match &args.calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
         None => CALIBRATION_TEXT.to_owned(),
@@ -119,7 +128,7 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
     let dir = cache_dir(args);
     let q = args.quant()?;
     let prefill::PreparedNpu { context, groups, ids, shadow, report: p } =
-        prefill::prepare(device, &model.transformer, &tokens, chunk, &q, dir.as_deref())
+        prefill::prepare(&device, &model.transformer, &tokens, chunk, &q, dir.as_deref())
             .map_err(|e| format!("preparing the NPU graphs: {e}"))?;
     let mut npu = NpuLinears::from_context(&context, groups, &ids, chunk).map_err(|e| e.to_string())?;
     npu.set_shadow(shadow).map_err(|e| e.to_string())?;
@@ -145,7 +154,8 @@ pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<(NpuLinears
         st.resident_bytes as f64 / 1e6,
         (st.total_bytes - st.resident_bytes.min(st.total_bytes)) as f64 / 1e6
     );
-    Ok((npu, chunk))
+    let groups = std::sync::Arc::new(npu);
+    Ok(NpuPrefill { devs: prefill::devices(device, &groups), groups, chunk })
 }
 
 /// One line on shadow execution's work so far (for the end of a run).

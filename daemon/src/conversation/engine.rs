@@ -8,7 +8,6 @@ use crate::error::ServiceError;
 use crate::gpu::Gpu;
 use crate::npu::Npu;
 use crate::scheduler::{Engine, Fed};
-use llmd_engine::backend::blocks::Linears;
 use llmd_engine::generate::{GenerateRequest, Generation, GenerationStats, StepOutput};
 use llmd_engine::Model;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -78,28 +77,6 @@ impl Reply {
 impl Drop for Reply {
     fn drop(&mut self) {
         self.send(ChunkOutcome::Failed("the NPU job ended without a result".into()));
-    }
-}
-
-/// The NPU's graphs, stopping at the next group once the chunk is withdrawn.
-struct Withdrawable<'a> {
-    graphs: &'a dyn Linears,
-    withdraw: &'a AtomicBool,
-}
-
-impl Linears for Withdrawable<'_> {
-    fn group(
-        &self,
-        li: usize,
-        site: llmd_engine::backend::blocks::CaptureSite,
-        x: &[f32],
-        n: usize,
-        outs: &mut [&mut [f32]],
-    ) -> Result<bool, llmd_engine::error::BackendError> {
-        if self.withdraw.load(Ordering::Acquire) {
-            return Err(llmd_engine::error::BackendError::Device("the chunk was withdrawn".into()));
-        }
-        self.graphs.group(li, site, x, n, outs)
     }
 }
 
@@ -197,7 +174,7 @@ impl ModelEngine {
         let work = decode_work(batch, decode);
         let (tx, rx) = std::sync::mpsc::channel();
         let m = model.clone();
-        let job: crate::npu::Job = Box::new(move |linears| {
+        let job: crate::npu::Job = Box::new(move |devs| {
             // The worker planned nothing else of these sessions this pass: their locks are free.
             // Unless every step succeeds, every cache goes back to where it was — on an error or a
             // panic alike (the guard) — since the CPU then reruns every step.
@@ -217,8 +194,8 @@ impl ModelEngine {
             }
             let mut guard =
                 Rollback { work: &work, before: work.iter().map(|(s, _)| s.lock().kv_len()).collect(), armed: true };
-            let r: Result<Vec<Vec<f32>>, String> = linears.and_then(|l| {
-                work.iter().map(|(s, t)| s.lock().forward_with(&m, t, l).map_err(|e| e.to_string())).collect()
+            let r: Result<Vec<Vec<f32>>, String> = devs.and_then(|d| {
+                work.iter().map(|(s, t)| s.lock().forward_on(&m, t, d).map_err(|e| e.to_string())).collect()
             });
             guard.armed = r.is_err();
             drop(guard);
@@ -357,17 +334,18 @@ impl Engine for ModelEngine {
         let (n, chunk) = (tokens.len(), self.npu.chunk());
         let before = session.lock().kv_len();
         let mut reply = Reply { id, tokens: n, before, tx: Some(self.npu_done.0.clone()) };
-        let job: crate::npu::Job = Box::new(move |graphs| {
+        let job: crate::npu::Job = Box::new(move |devs| {
             if withdraw.load(Ordering::Acquire) {
                 reply.send(ChunkOutcome::Withdrawn);
                 return true;
             }
-            let outcome = match graphs {
+            let outcome = match devs {
                 Err(e) => ChunkOutcome::Failed(e),
                 // The worker plans nothing of this session until the reply: the lock is free.
-                Ok(graphs) => {
-                    let w = Withdrawable { graphs, withdraw: &withdraw };
-                    match session.lock().prefill_with(&model, &tokens, chunk, &w) {
+                // A withdrawn chunk stops at its next linear group.
+                Ok(devs) => {
+                    let stop = || withdraw.load(Ordering::Acquire);
+                    match session.lock().prefill_on(&model, &tokens, chunk, devs, &stop) {
                         Ok(logits) => ChunkOutcome::Logits(logits),
                         Err(_) if withdraw.load(Ordering::Acquire) => ChunkOutcome::Withdrawn,
                         Err(e) => ChunkOutcome::Failed(e.to_string()),

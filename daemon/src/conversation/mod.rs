@@ -283,34 +283,35 @@ impl SessionInner {
         self.kv.truncate(len);
     }
 
-    /// Feeds `tokens` with the linear groups on `linears` (the NPU's graphs) and the rest on
-    /// the CPU, into the cache the CPU decodes from; the logits after the last token. On an
-    /// error the cache is as it was.
-    pub fn forward_with(
+    /// Feeds `tokens` with the projections and linear groups where `devs` place them (the
+    /// NPU's graphs, HeteroLLM's cuts) and the rest on the CPU, into the cache the CPU decodes
+    /// from; the logits after the last token. On an error the cache is as it was.
+    pub fn forward_on(
         &mut self,
         model: &Model,
         tokens: &[u32],
-        linears: &dyn llmd_engine::backend::blocks::Linears,
+        devs: &llmd_engine::model::Devices,
     ) -> Result<Vec<f32>, ServiceError> {
         model
             .transformer
-            .forward_sequence_with(&mut self.kv, tokens, linears)
+            .forward_sequence_on(&mut self.kv, tokens, devs)
             .map_err(|e| ServiceError::Internal(e.to_string()))
     }
 
-    /// Prefills `tokens` with the linear groups on `linears` (the NPU's graphs of `chunk`
-    /// rows), several chunks out of order; the logits after the last token. On an error the
-    /// cache is as it was.
-    pub fn prefill_with(
+    /// Prefills `tokens` with the linear groups where `devs` place them (the NPU's graphs of
+    /// `chunk` rows), several chunks out of order, `stop` asked before each group; the logits
+    /// after the last token. On an error the cache is as it was.
+    pub fn prefill_on(
         &mut self,
         model: &Model,
         tokens: &[u32],
         chunk: usize,
-        linears: &dyn llmd_engine::backend::blocks::Linears,
+        devs: &llmd_engine::model::Devices,
+        stop: &(dyn Fn() -> bool + Sync),
     ) -> Result<Vec<f32>, ServiceError> {
         model
             .transformer
-            .prefill_sequence_with(&mut self.kv, tokens, chunk, linears)
+            .prefill_sequence_on(&mut self.kv, tokens, chunk, devs, Some(stop))
             .map_err(|e| ServiceError::Internal(e.to_string()))
     }
 

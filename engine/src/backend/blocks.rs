@@ -45,34 +45,9 @@ pub struct FfnWeights<'a> {
 /// tokens.
 pub type Batch<'a, 'b> = [(&'a mut KvCache, &'b [u32])];
 
-/// Where `Transformer::forward_capture` shows a linear group its input.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CaptureSite {
-    /// The normed input of Q, K and V.
-    Qkv = 0,
-    /// The attention output, input of O.
-    O = 1,
-    /// The normed input of gate and up.
-    GateUp = 2,
-    /// `silu(gate) · up`, input of down.
-    Down = 3,
-}
-
-impl CaptureSite {
-    /// Every group of a layer, in the pass's order.
-    pub const ALL: [CaptureSite; 4] = [CaptureSite::Qkv, CaptureSite::O, CaptureSite::GateUp, CaptureSite::Down];
-
-    /// The projections of the group, in the order the group's outputs come.
-    pub fn roles(self) -> &'static [llmd_device::WeightRole] {
-        use llmd_device::WeightRole::*;
-        match self {
-            CaptureSite::Qkv => &[Wq, Wk, Wv],
-            CaptureSite::O => &[Wo],
-            CaptureSite::GateUp => &[Gate, Up],
-            CaptureSite::Down => &[Down],
-        }
-    }
-}
+/// Where `Transformer::forward_capture` shows a linear group its input: the device contract's
+/// linear groups.
+pub use llmd_device::GroupSite as CaptureSite;
 
 /// A capture hook: `(layer, site, rows, columns)`.
 pub type Capture<'a> = &'a mut dyn FnMut(usize, CaptureSite, &[f32], usize);

@@ -199,6 +199,7 @@ pub fn run_subgraph(
                 Ok(())
             }
             SubgraphKind::Linear(_) => Err("a linear subgraph past its own path".into()),
+            SubgraphKind::Group(_) => Err("a linear group (the host runs groups in its own blocks)".into()),
         }
     })();
     std::mem::swap(&mut st.x, io.x);

@@ -33,6 +33,8 @@ pub struct SplitStats {
     pub matmuls: AtomicU64,
     /// Of them, divided between more than one device.
     pub split_matmuls: AtomicU64,
+    /// Linear groups run whole on a device (llm.npu's W8A8 groups on the NPU).
+    pub groups: AtomicU64,
     /// Parts run on an NPU, a GPU and a CPU device.
     pub npu_parts: AtomicU64,
     pub gpu_parts: AtomicU64,
@@ -98,6 +100,13 @@ impl Devices {
 
     pub(super) fn lock_parts(&self) -> std::sync::MutexGuard<'_, PartState> {
         self.parts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Device `d` (index in the placement's list, ≥ 1) holds `weights` of subgraph `sg`,
+    /// loaded by the caller: weights made with what only the whole model gives (the NPU's W8A8
+    /// groups, quantized with the model's calibration: `QnnDevice::group_weights`).
+    pub fn hold(&self, d: usize, sg: Subgraph, weights: Vec<Weight>) {
+        self.lock().weights.insert((d, sg), Arc::new(weights));
     }
 
     /// The token counts of the part buffers device `d` (index in the placement's list, ≥ 1)

@@ -264,6 +264,19 @@ impl Transformer {
         Ok(out)
     }
 
+    /// [`Self::forward`] for one sequence with its projections and linear groups where `devs`'
+    /// splitter places them (llm.npu's groups on the NPU, HeteroLLM's cuts) and the rest on
+    /// the planner, into the host cache `kv` (as [`Self::forward_with`]).
+    pub fn forward_on(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        devs: &Devices,
+        which: Logits,
+    ) -> Result<Vec<f32>, BackendError> {
+        self.forward_with(kv, tokens, &self.split_linears(devs)?, which)
+    }
+
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`
     /// (calibration); returns the last token's logits.
     pub fn forward_capture(

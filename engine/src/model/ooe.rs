@@ -6,11 +6,16 @@
 //! it picks. The arithmetic of each subgraph is the in-order pass's own (`Pass::attn_qkv`,
 //! `attn_core`, `attn_out`, `ffn`), so every legal order gives the same bits.
 //!
+//! The NPU thread's subgraphs run their linear groups through the executor
+//! ([`Transformer::split_linears`]): where the devices' splitter places them — llm.npu's W8A8
+//! groups as the NPU device's `Group` executables ([`crate::sched::GroupsOnNpu`]), or
+//! HeteroLLM's cuts as parts on the NPU and the GPU.
+//!
 //! Decision (the authors' code's split): the element-wise work between the O and down groups
 //! runs with them as one NPU-thread subgraph, as llm.npu's "Part 2" graph fuses it on the NPU;
 //! here it is host arithmetic on that thread.
 
-use super::Transformer;
+use super::{Devices, Transformer};
 use crate::backend::blocks::{Linears, Logits, Pass, PassState};
 use crate::backend::kv::KvCache;
 use crate::error::BackendError;
@@ -56,24 +61,29 @@ impl Transformer {
         }
     }
 
-    /// Prefills `tokens` after what `kv` holds with the linear groups on `linears` (graphs of
-    /// `chunk` rows) and returns the last token's logits: one chunk as an in-order pass, more out
-    /// of order across the chunks ([`Self::prefill_out_of_order`], llm.npu's score over
-    /// [`Self::prefill_times`]) — the same bits either way. On an error `kv` is cut back to what
-    /// it held. The product path's one way in: llmctl's generation and the daemon's NPU jobs.
+    /// Prefills `tokens` after what `kv` holds with the linear groups where `devs`' splitter
+    /// places them (the NPU's graphs of `chunk` rows) and returns the last token's logits: one
+    /// chunk as an in-order pass, more out of order across the chunks
+    /// ([`Self::prefill_out_of_order`], llm.npu's score over [`Self::prefill_times`]) — the same
+    /// bits either way. `stop`, asked before each group, ends the prefill with an error when it
+    /// says so (a withdrawn job). On an error `kv` is cut back to what it held. The product
+    /// path's one way in: llmctl's generation and the daemon's NPU jobs.
     pub fn prefill_chunks(
         &self,
         kv: &mut KvCache,
         tokens: &[u32],
         chunk: usize,
-        linears: &dyn Linears,
+        devs: &Devices,
+        stop: Option<&(dyn Fn() -> bool + Sync)>,
     ) -> Result<Vec<f32>, BackendError> {
+        let never = || false;
+        let linears = self.split_linears_until(devs, stop.unwrap_or(&never))?;
         let before = kv.len();
         let r = if tokens.len() <= chunk.max(1) {
-            self.forward_with(kv, tokens, linears, Logits::Last)
+            self.forward_with(kv, tokens, &linears, Logits::Last)
         } else {
             let times = self.prefill_times(before, tokens.len(), chunk);
-            self.prefill_out_of_order(kv, tokens, chunk, linears, Policy::OutOfOrder, &times).map(|(l, _)| l)
+            self.chunks_out_of_order(kv, tokens, chunk, &linears, Policy::OutOfOrder, &times).map(|(l, _)| l)
         };
         if r.is_err() {
             kv.truncate(before);
@@ -82,10 +92,24 @@ impl Transformer {
     }
 
     /// Prefills `tokens` after what `kv` holds in chunks of `chunk` tokens, their subgraphs
-    /// run out of order across chunks under `policy` on an NPU thread (`linears`' groups) and a
-    /// CPU thread, scored with the profiled times `times` (llm.npu's T(G)); returns the last
-    /// token's logits and the timeline. `kv` ends as an in-order prefill leaves it.
+    /// run out of order across chunks under `policy` on an NPU thread (the linear groups where
+    /// `devs`' splitter places them) and a CPU thread, scored with the profiled times `times`
+    /// (llm.npu's T(G)); returns the last token's logits and the timeline. `kv` ends as an
+    /// in-order prefill leaves it.
     pub fn prefill_out_of_order(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        chunk: usize,
+        devs: &Devices,
+        policy: Policy,
+        times: &(dyn Fn(Job) -> f64 + Sync),
+    ) -> Result<(Vec<f32>, Timeline), BackendError> {
+        let linears = self.split_linears(devs)?;
+        self.chunks_out_of_order(kv, tokens, chunk, &linears, policy, times)
+    }
+
+    fn chunks_out_of_order(
         &self,
         kv: &mut KvCache,
         tokens: &[u32],

@@ -60,6 +60,10 @@ impl Transformer {
                 },
                 |m| vec![(role, m)],
             ),
+            SubgraphKind::Group(site) => w
+                .layers
+                .get(sg.layer)
+                .map_or_else(Vec::new, |l| site.roles().iter().filter_map(|&r| l.matrix(r).map(|m| (r, m))).collect()),
         }
     }
 
@@ -88,7 +92,7 @@ impl Transformer {
                     v.push((WeightRole::FfnNorm, &l.ffn_norm));
                 }
             }
-            SubgraphKind::Linear(_) => {}
+            SubgraphKind::Linear(_) | SubgraphKind::Group(_) => {}
         }
         v
     }
@@ -160,7 +164,13 @@ impl Transformer {
         Ok(out)
     }
 
-    fn executable(&self, devs: &Devices, d: usize, sg: Subgraph, n: usize) -> Result<Executable, BackendError> {
+    pub(super) fn executable(
+        &self,
+        devs: &Devices,
+        d: usize,
+        sg: Subgraph,
+        n: usize,
+    ) -> Result<Executable, BackendError> {
         if let Some(e) = devs.lock().exes.get(&(d, sg, n)) {
             return Ok(e.clone());
         }
@@ -227,7 +237,7 @@ impl Transformer {
                     SubgraphKind::Head => logits = Some(p.head(&st, &w.output_norm, &w.output, which)?),
                     // A pass is made of whole blocks (`Subgraph::pass`); projections are the
                     // pieces of a split.
-                    SubgraphKind::Linear(_) => {
+                    SubgraphKind::Linear(_) | SubgraphKind::Group(_) => {
                         return Err(BackendError::Device(format!("{sg:?} in a pass of whole blocks")))
                     }
                 }

@@ -15,6 +15,11 @@
 //! operator's predicted remainder, then poll the events), and learns a time only from a wait
 //! that found the others still busy (one that found them done knows an upper bound only). The
 //! host (device 0) takes no part of a split: a split's CPU share runs on a `CpuDevice`.
+//!
+//! A linear group the splitter places whole on a device ([`crate::sched::Splitter::group`]:
+//! llm.npu's W8A8 groups on the NPU) runs as one [`Subgraph::group`] there, on the weights the
+//! device was given for it ([`Devices::hold`]): its input written, the group submitted, its
+//! projections' outputs read back in turn.
 
 use super::devices::{Devices, PartKey, Slot};
 use super::Transformer;
@@ -262,6 +267,8 @@ pub struct SplitLinears<'a> {
     t: &'a Transformer,
     devs: &'a Devices,
     descs: Vec<&'a DeviceDesc>,
+    /// Asked before each group: true stops the pass there with an error (a withdrawn job).
+    stop: Option<&'a (dyn Fn() -> bool + Sync)>,
 }
 
 impl Linears for SplitLinears<'_> {
@@ -273,6 +280,13 @@ impl Linears for SplitLinears<'_> {
         n: usize,
         outs: &mut [&mut [f32]],
     ) -> Result<bool, BackendError> {
+        if self.stop.is_some_and(|stop| stop()) {
+            return Err(BackendError::Device(format!("stopped before layer {li}'s {site:?} group")));
+        }
+        if let Some(d) = self.devs.splitter.group(li, site, n, &self.descs) {
+            self.t.run_group(self.devs, d, (li, site), x, n, outs)?;
+            return Ok(true);
+        }
         let roles = site.roles();
         let Some(l) = self.t.weights.layers.get(li) else { return Ok(false) };
         if roles.len() != outs.len() {
@@ -318,7 +332,63 @@ impl Transformer {
     /// The host's projections run as `devs`' splitter divides them, for a pass over host
     /// caches (the daemon's prompt chunks and decode steps on HeteroLLM's plan).
     pub fn split_linears<'a>(&'a self, devs: &'a Devices) -> Result<SplitLinears<'a>, BackendError> {
-        Ok(SplitLinears { t: self, devs, descs: self.descs(devs)? })
+        Ok(SplitLinears { t: self, devs, descs: self.descs(devs)?, stop: None })
+    }
+
+    /// [`Self::split_linears`] that stops before the first group after `stop` says so.
+    pub fn split_linears_until<'a>(
+        &'a self,
+        devs: &'a Devices,
+        stop: &'a (dyn Fn() -> bool + Sync),
+    ) -> Result<SplitLinears<'a>, BackendError> {
+        Ok(SplitLinears { t: self, devs, descs: self.descs(devs)?, stop: Some(stop) })
+    }
+
+    /// Linear group `site` of layer `li` over `n` rows of `x`, whole on device `d` (≥ 1), into
+    /// `outs` (one per projection): through the contract, on the weights `d` holds for it.
+    fn run_group(
+        &self,
+        devs: &Devices,
+        d: usize,
+        (li, site): (usize, CaptureSite),
+        x: &[f32],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), BackendError> {
+        let sg = Subgraph::group(li, site);
+        let dev = devs.part_device(d)?.clone();
+        if !devs.lock().weights.contains_key(&(d, sg)) {
+            return Err(BackendError::Device(format!(
+                "{}: holds no weights of layer {li}'s {site:?} group (the splitter placed it there)",
+                dev.desc().name
+            )));
+        }
+        let exe = self.executable(devs, d, sg, n)?;
+        let total: usize = outs.iter().map(|o| o.len()).sum();
+        let e = |e| dev_err(&*dev, e);
+        let xb = dev.alloc(BufferUsage::Activations, x.len() * 4).map_err(e)?;
+        let yb = dev.alloc(BufferUsage::Activations, total * 4).map_err(e)?;
+        let wrote = dev.write(&xb, 0, &f32_bytes(x), &[]).map_err(e)?;
+        let bind = Bindings {
+            x: xb,
+            tokens: Arc::from(Vec::new()),
+            positions: Arc::from(Vec::new()),
+            seqs: Arc::from(Vec::new()),
+            logit_rows: Arc::from(Vec::new()),
+            logits: None,
+            y: Some(yb.clone()),
+        };
+        let ran = dev.submit(&exe, &bind, &[wrote]).map_err(e)?;
+        let mut raw = vec![0u8; total * 4];
+        dev.read(&yb, 0, &mut raw, &[ran]).map_err(e)?;
+        let vals = bytes_f32(&raw);
+        let mut at = 0;
+        for o in outs.iter_mut() {
+            o.copy_from_slice(&vals[at..at + o.len()]);
+            at += o.len();
+        }
+        devs.stats.groups.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The host's description, then `devs`' (the placement's list).

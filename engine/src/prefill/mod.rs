@@ -666,3 +666,17 @@ pub fn prepare(
     };
     Ok(PreparedNpu { context, groups, ids, shadow, report })
 }
+
+/// The devices llm.npu's prefill runs on: `device` holding the model's W8A8 groups `groups`
+/// (a graph of `device`'s per group: [`QnnDevice::group_weights`]), every linear group placed on
+/// it ([`crate::sched::GroupsOnNpu`]) and every block on the host ([`crate::sched::HostBlocks`]):
+/// norms, RoPE, attention into the host cache, SwiGLU and the head stay on the CPU.
+pub fn devices(device: std::sync::Arc<QnnDevice>, groups: &std::sync::Arc<NpuLinears>) -> crate::model::Devices {
+    let held = device.group_weights(groups);
+    let devs = crate::model::Devices::new(vec![device], std::sync::Arc::new(crate::sched::HostBlocks))
+        .with_splitter(std::sync::Arc::new(crate::sched::GroupsOnNpu));
+    for (sg, ws) in held {
+        devs.hold(1, sg, ws);
+    }
+    devs
+}

@@ -28,7 +28,7 @@ mod threads;
 pub use graph::{Dag, Job, Spec};
 pub use llmd_device::Processor;
 pub use order::{optimum, simulate, Policy, Scheduler, Timeline, LANES};
-pub use split::{check, proportional, views, NoSplit, Part, Split, Splitter};
+pub use split::{check, proportional, views, GroupsOnNpu, NoSplit, Part, Split, Splitter};
 pub use threads::run_threads;
 
 use llmd_device::{BlockShape, Cost, DeviceDesc, GgmlType, MemoryKind, Subgraph, SubgraphKind};
@@ -71,6 +71,12 @@ pub fn work(sg: Subgraph, s: &BlockShape, n_tokens: usize, context: usize) -> Wo
                 _ => d,
             }
         }
+        SubgraphKind::Group(site) => match site {
+            llmd_device::GroupSite::Qkv => d * (qd + 2.0 * kvd),
+            llmd_device::GroupSite::O => d * qd,
+            llmd_device::GroupSite::GateUp => 2.0 * d * f,
+            llmd_device::GroupSite::Down => d * f,
+        },
     };
     let attn = if sg.kind == SubgraphKind::Attention { 2.0 * n * context as f64 * qd } else { 0.0 };
     let macs = if sg.kind == SubgraphKind::Embed { 0.0 } else { n * weights + attn };
@@ -130,6 +136,20 @@ impl<F: Fn(Subgraph) -> usize + Send + Sync> CostModel for Pinned<F> {
     fn cost(&self, dev: &DeviceDesc, sg: Subgraph, _: &BlockShape, _: usize) -> Option<Cost> {
         let i = (self.pick)(sg);
         (self.names.get(i) == Some(&dev.name)).then_some(Cost::default())
+    }
+    fn transfer_s(&self, _: &DeviceDesc, _: usize) -> f64 {
+        0.0
+    }
+}
+
+/// Every block of a pass on the host (the CPU's processor), where the devices' splitter places
+/// its projections and linear groups: llm.npu's split, the NPU taking the groups
+/// ([`GroupsOnNpu`]) while norms, RoPE, attention, SwiGLU and the head stay on the CPU.
+pub struct HostBlocks;
+
+impl CostModel for HostBlocks {
+    fn cost(&self, dev: &DeviceDesc, _: Subgraph, _: &BlockShape, _: usize) -> Option<Cost> {
+        (dev.processor == Processor::Cpu).then_some(Cost::default())
     }
     fn transfer_s(&self, _: &DeviceDesc, _: usize) -> f64 {
         0.0

@@ -3,7 +3,7 @@
 //! projection by a [`Splitter`] (HeteroLLM's plan is one) and run by the executor
 //! (`model/split.rs`). [`views`] cuts the one output buffer into each part's rectangles.
 
-use llmd_device::{DeviceDesc, WeightRole};
+use llmd_device::{DeviceDesc, GroupSite, Processor, WeightRole};
 use std::ops::Range;
 
 /// One rectangle of a matmul's output (`tokens` × weight `rows`) and the device that computes
@@ -60,7 +60,15 @@ pub trait Splitter: Send + Sync {
     /// `devices` (the placement's list: index 0 the host).
     fn split(&self, layer: usize, role: WeightRole, rows: usize, n_tokens: usize, devices: &[&DeviceDesc]) -> Split;
 
-    /// Whether it ever splits (the executor then routes the host's projections through it).
+    /// The device (an index into `devices`, ≥ 1) that runs linear group `site` of layer
+    /// `layer` whole at `n_tokens` tokens — llm.npu's unit of NPU work, a device that holds
+    /// the model's groups — or None: the group's projections go to [`Self::split`].
+    fn group(&self, _layer: usize, _site: GroupSite, _n_tokens: usize, _devices: &[&DeviceDesc]) -> Option<usize> {
+        None
+    }
+
+    /// Whether it ever places a projection off the host (the executor then routes the host's
+    /// projections through it).
     fn splits(&self) -> bool {
         true
     }
@@ -84,6 +92,21 @@ impl Splitter for NoSplit {
 
     fn splits(&self) -> bool {
         false
+    }
+}
+
+/// llm.npu's placement of the linear groups: every group of every layer on the first NPU of
+/// the placement (whose `Group` executables run its W8A8 graphs), at any token count — the
+/// NPU device runs a pass in its graphs' chunk size. Nothing is divided.
+pub struct GroupsOnNpu;
+
+impl Splitter for GroupsOnNpu {
+    fn split(&self, _: usize, _: WeightRole, _: usize, _: usize, _: &[&DeviceDesc]) -> Split {
+        Split::Whole
+    }
+
+    fn group(&self, _: usize, _: GroupSite, _: usize, devices: &[&DeviceDesc]) -> Option<usize> {
+        devices.iter().skip(1).position(|d| d.processor == Processor::Npu).map(|i| i + 1)
     }
 }
 

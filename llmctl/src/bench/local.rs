@@ -71,13 +71,9 @@ fn figures_json(f: &Figures) -> serde_json::Map<String, Value> {
 
 /// Seconds to prefill `tokens`; on the NPU path (`npu`: its linear groups and chunk rows) also
 /// the modelled NPU seconds of its graphs (0 on a library that models none).
-fn ours_prefill(
-    model: &Model,
-    tokens: &[u32],
-    npu: Option<&(llmd_engine::prefill::NpuLinears, usize)>,
-) -> Result<(f64, f64), String> {
+fn ours_prefill(model: &Model, tokens: &[u32], npu: Option<&crate::npu::NpuPrefill>) -> Result<(f64, f64), String> {
     let mut kv = model.transformer.new_kv();
-    let modelled_before = npu.map_or(0, |(l, _)| l.stats().1);
+    let modelled_before = npu.map_or(0, |n| n.groups.stats().1);
     let t0 = Instant::now();
     match npu {
         None => {
@@ -85,14 +81,14 @@ fn ours_prefill(
                 model.transformer.forward(&mut kv, c, Logits::Last).map_err(|e| e.to_string())?;
             }
         }
-        Some((l, chunk)) => {
-            for c in tokens.chunks(*chunk) {
-                model.transformer.forward_with(&mut kv, c, l, Logits::Last).map_err(|e| e.to_string())?;
+        Some(n) => {
+            for c in tokens.chunks(n.chunk) {
+                model.transformer.forward_on(&mut kv, c, &n.devs, Logits::Last).map_err(|e| e.to_string())?;
             }
         }
     }
     let secs = t0.elapsed().as_secs_f64();
-    let modelled = npu.map_or(0, |(l, _)| l.stats().1) - modelled_before;
+    let modelled = npu.map_or(0, |n| n.groups.stats().1) - modelled_before;
     Ok((secs, modelled as f64 / 1e9))
 }
 
@@ -479,7 +475,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
             args.decode_prompt + args.decode_tokens / 2
         );
     }
-    if let Some((l, chunk)) = &npu {
+    if let Some(crate::npu::NpuPrefill { groups: l, chunk, .. }) = &npu {
         for (&n, m) in args.prefill.iter().zip(&modelled_ms) {
             if *m > 0.0 {
                 crate::out!(

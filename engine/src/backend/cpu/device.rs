@@ -110,6 +110,12 @@ impl Device for CpuDevice {
         n: usize,
         weights: &[Weight],
     ) -> Result<Executable, DeviceError> {
+        if let llmd_device::SubgraphKind::Group(_) = sg.kind {
+            return Err(DeviceError::Unsupported {
+                device: self.desc.name.clone(),
+                what: format!("{sg:?} (the CPU runs a group's projections as Linear subgraphs)"),
+            });
+        }
         let roles = sg.weight_roles(shape);
         if weights.len() != roles.len() || weights.iter().zip(&roles).any(|(w, r)| w.role != *r) {
             return Err(self.err(format!("{sg:?} takes the weights {roles:?}")));

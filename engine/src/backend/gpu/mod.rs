@@ -891,6 +891,7 @@ impl GpuDevice {
                 self.matmul(out, h, logits, rows, false, None)
             }
             SubgraphKind::Linear(_) => Err(self.err("a linear subgraph past its own path")),
+            SubgraphKind::Group(_) => Err(self.err("a linear group (the GPU runs projections as Linear subgraphs)")),
         }
     }
 
@@ -1013,6 +1014,12 @@ impl Device for GpuDevice {
         n_tokens: usize,
         weights: &[Weight],
     ) -> Result<Executable, DeviceError> {
+        if let SubgraphKind::Group(_) = subgraph.kind {
+            return Err(DeviceError::Unsupported {
+                device: self.desc.name.clone(),
+                what: format!("{subgraph:?} (the GPU runs a group's projections as Linear subgraphs)"),
+            });
+        }
         let roles = subgraph.weight_roles(shape);
         if roles.len() != weights.len() {
             return Err(self.err(format!("{subgraph:?} takes {} weights, {} given", roles.len(), weights.len())));

@@ -22,9 +22,15 @@
 //!   NPU would take ([`QnnDevice::modelled_ns`]); Qualcomm's x86 library runs for real and
 //!   models nothing.
 //!
-//! Not yet through the contract: the W8A8 graphs of llm.npu's prefill (`super::linears`), a
-//! second graph kind, and an `estimate` from the SoC profile (the scheduler prices the NPU with
-//! its `CostModel`).
+//! - **W8A8 groups:** llm.npu's linear groups ([`SubgraphKind::Group`]) — int8 weights and
+//!   8-bit activations, with shadow outlier execution beside the graph — are the second graph
+//!   kind. Their weights are loaded with the model's calibration: `crate::prefill::prepare`
+//!   calibrates and quantizes a model and builds every group's graph in one context of this
+//!   device (kept in the same graph cache), and [`QnnDevice::group_weights`] hands each group's
+//!   graph out as this device's `Weight`s of that group (the graph holds the int8 weights). A
+//!   group's executable takes any token count: its graph's chunk size at a time, a short last
+//!   chunk padded. `estimate` prices only the fp16 `Linear` kind (the SoC profiles carry no
+//!   int8 rate).
 
 use super::cache::{key_with, load_or_build_with, CacheOutcome, GraphIds};
 use super::device::{describe, QnnDevice};
@@ -50,8 +56,26 @@ fn linear_shape(shape: &BlockShape, role: WeightRole) -> Option<(usize, usize)> 
         _ => return None,
     })
 }
+use super::linears::NpuLinears;
+use llmd_device::GroupSite;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// One W8A8 group's graph as a weight of the device: the model's groups, shared, and which.
+struct GroupWeight {
+    groups: Arc<NpuLinears>,
+    layer: usize,
+    site: GroupSite,
+}
+
+/// A prepared group: the model's groups and which, its input width and its projections' rows.
+struct GroupExe {
+    groups: Arc<NpuLinears>,
+    layer: usize,
+    site: GroupSite,
+    cols: usize,
+    rows: Vec<usize>,
+}
 
 /// The largest error of an fp16 `FullyConnected` against the f64 definition over the
 /// dequantized weights, relative to Σ|w·x|: `x` and `w` are each rounded to f16 (2⁻¹¹ relative
@@ -251,6 +275,89 @@ impl QnnDevice {
     }
 }
 
+impl QnnDevice {
+    /// A model's W8A8 groups (`crate::prefill::prepare`'s, their graphs in a context of this
+    /// device) as this device's weights of every `Group` subgraph, in
+    /// [`Subgraph::weight_roles`] order: one handle per projection, each naming the group's
+    /// graph (which holds the int8 weights).
+    pub fn group_weights(&self, groups: &Arc<NpuLinears>) -> Vec<(Subgraph, Vec<Weight>)> {
+        let mut out = Vec::with_capacity(groups.layers() * 4);
+        for layer in 0..groups.layers() {
+            for site in GroupSite::ALL {
+                let Some((cols, rows)) = groups.group_shape(layer, site) else { continue };
+                let ws = site
+                    .roles()
+                    .iter()
+                    .zip(&rows)
+                    .map(|(&role, &n)| {
+                        let inner = GroupWeight { groups: groups.clone(), layer, site };
+                        Weight::new(self.id, role, 0..n, cols, n * cols, Arc::new(inner))
+                    })
+                    .collect();
+                out.push((Subgraph::group(layer, site), ws));
+            }
+        }
+        out
+    }
+
+    fn prepare_group(
+        &self,
+        sg: Subgraph,
+        site: GroupSite,
+        n_tokens: usize,
+        weights: &[Weight],
+    ) -> Result<Executable, DeviceError> {
+        let roles = site.roles();
+        if weights.len() != roles.len() || weights.iter().zip(roles).any(|(w, r)| w.role != *r) {
+            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}")));
+        }
+        let mut named = None;
+        for w in weights {
+            let g = w.get::<GroupWeight>(self.id).ok_or_else(|| {
+                self.invalid(format!("{sg:?}: {:?} is not a W8A8 group's graph of this device", w.role))
+            })?;
+            if g.layer != sg.layer || g.site != site {
+                return Err(self.invalid(format!("{sg:?} given layer {}'s {:?} group", g.layer, g.site)));
+            }
+            named.get_or_insert(g);
+        }
+        let g = named.ok_or_else(|| self.invalid(format!("{sg:?} without weights")))?;
+        let (cols, rows) = g
+            .groups
+            .group_shape(g.layer, site)
+            .ok_or_else(|| self.invalid(format!("{sg:?}: no such group in the model's graphs")))?;
+        let exe = GroupExe { groups: g.groups.clone(), layer: g.layer, site, cols, rows };
+        Ok(Executable::new(self.id, sg, n_tokens, Arc::new(exe)))
+    }
+
+    /// Runs a group over `n` rows: `x`'s rows in, each projection's rows out to `y` in turn.
+    fn submit_group(&self, g: &GroupExe, n: usize, bind: &Bindings) -> Result<(), DeviceError> {
+        let y = bind.y.as_ref().ok_or_else(|| self.invalid("a Group subgraph without an output buffer"))?;
+        let k = g.cols.max(1);
+        let x: Vec<f32> = {
+            let xb = lock(self.mem(&bind.x)?);
+            let src = xb.get(..n * k * 4).ok_or_else(|| {
+                self.invalid(format!("x holds {} bytes, {n} rows of {k} f32 take {}", xb.len(), n * k * 4))
+            })?;
+            src.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        let mut outs: Vec<Vec<f32>> = g.rows.iter().map(|&r| vec![0f32; n * r]).collect();
+        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+        g.groups
+            .run(g.layer, g.site, &x, n, &mut views)
+            .map_err(|e| DeviceError::Execution { device: self.desc.name.clone(), detail: e.to_string() })?;
+        let mut yb = lock(self.mem(y)?);
+        let total: usize = outs.iter().map(Vec::len).sum();
+        let dst = yb
+            .get_mut(..total * 4)
+            .ok_or_else(|| self.invalid(format!("y is shorter than the group's {total} outputs")))?;
+        for (d, v) in dst.chunks_exact_mut(4).zip(outs.iter().flatten()) {
+            d.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
 impl Device for QnnDevice {
     fn id(&self) -> DeviceId {
         self.id
@@ -314,12 +421,19 @@ impl Device for QnnDevice {
         n_tokens: usize,
         weights: &[Weight],
     ) -> Result<Executable, DeviceError> {
+        if let SubgraphKind::Group(site) = sg.kind {
+            return self.prepare_group(sg, site, n_tokens, weights);
+        }
         let item = Preparation { subgraph: sg, n_tokens, weights: weights.to_vec() };
         let (mut exes, _) = self.prepare_in_one_context(shape, std::slice::from_ref(&item), None)?;
         exes.pop().ok_or_else(|| self.invalid("no executable prepared"))
     }
 
     fn prepare_all(&self, shape: &BlockShape, items: &[Preparation]) -> Result<Vec<Executable>, DeviceError> {
+        if items.iter().any(|i| matches!(i.subgraph.kind, SubgraphKind::Group(_))) {
+            // Groups' graphs are built with the model's calibration: each wraps its own.
+            return items.iter().map(|i| self.prepare(i.subgraph, shape, i.n_tokens, &i.weights)).collect();
+        }
         Ok(self.prepare_cached(shape, items)?.0)
     }
 
@@ -338,6 +452,11 @@ impl Device for QnnDevice {
     }
 
     fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
+        if let Some(g) = exe.get::<GroupExe>(self.id) {
+            Event::wait_all(after)?;
+            self.submit_group(g, exe.n_tokens, bind)?;
+            return Ok(Event::ready(Ok(())));
+        }
         let p = exe.get::<Prepared>(self.id).ok_or_else(|| self.invalid("an executable of another device"))?;
         let y = bind.y.as_ref().ok_or_else(|| self.invalid("a Linear subgraph without an output buffer"))?;
         Event::wait_all(after)?;

@@ -1,13 +1,13 @@
 //! A model's W8A8 linear groups as finalized graphs of one QNN context ([`NpuLinears`]), run
-//! chunk by chunk in place of the CPU's matmuls during prefill (a short last chunk padded with
-//! the input's zero point; its rows are dropped), with llm.npu's shadow outlier execution
-//! beside the graph at the sites that have it ([`ShadowSite`]). The groups come from
-//! [`crate::prefill`], which calibrates and quantizes a model.
+//! chunk by chunk (a short last chunk padded with the input's zero point; its rows are
+//! dropped), with llm.npu's shadow outlier execution beside the graph at the sites that have it
+//! ([`ShadowSite`]). The groups come from [`crate::prefill`], which calibrates and quantizes a
+//! model; [`super::QnnDevice`] runs them as the contract's `Group` subgraphs (`contract.rs`).
 
 use super::device::NpuContext;
 use super::graph::{build_linear_group, graph_name, run_linear_group, LinearGroup};
 use super::shadow::{extract, ShadowWeights};
-use crate::backend::blocks::{CaptureSite, Linears};
+use crate::backend::blocks::CaptureSite;
 use crate::backend::weight::WeightMatrix;
 use crate::error::{BackendError, NpuError};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -251,16 +251,31 @@ impl NpuLinears {
     }
 }
 
-impl Linears for NpuLinears {
-    fn group(
+impl NpuLinears {
+    /// The layers it has groups of.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Group `site` of layer `li`'s input width and each projection's output rows.
+    pub fn group_shape(&self, li: usize, site: CaptureSite) -> Option<(usize, Vec<usize>)> {
+        let g = &self.layers.get(li)?[site as usize].group;
+        Some((g.k(), g.projections.iter().map(|p| p.weights.rows).collect()))
+    }
+
+    /// Runs group `site` of layer `li` over `n` rows of `x` into `outs` (one per projection,
+    /// `n` rows each, f32), chunk by chunk, with shadow execution where the site has it.
+    pub fn run(
         &self,
         li: usize,
         site: CaptureSite,
         x: &[f32],
         n: usize,
         outs: &mut [&mut [f32]],
-    ) -> Result<bool, BackendError> {
-        let Some(b) = self.layers.get(li).map(|l| &l[site as usize]) else { return Ok(false) };
+    ) -> Result<(), BackendError> {
+        let Some(b) = self.layers.get(li).map(|l| &l[site as usize]) else {
+            return Err(BackendError::Shape { op: "npu linear group", detail: format!("no layer {li}") });
+        };
         let g = &b.group;
         let (k, chunk) = (g.k(), self.chunk);
         if x.len() != n * k
@@ -353,6 +368,6 @@ impl Linears for NpuLinears {
             }
             start += m;
         }
-        Ok(true)
+        Ok(())
     }
 }
