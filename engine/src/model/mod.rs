@@ -148,7 +148,7 @@ impl Transformer {
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let out = self.forward_placed(devs, batch, which);
+        let out = self.forward_placed(devs, batch, which, None);
         self.weights.check_files()?;
         out
     }
@@ -160,7 +160,7 @@ impl Transformer {
         which: Logits,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
         if let Some(devs) = &self.devices {
-            return self.forward_placed(devs, batch, which);
+            return self.forward_placed(devs, batch, which, None);
         }
         // A sequence that decoded on a device brings its cache home for the host's pass.
         for (kv, _) in batch.iter_mut() {
@@ -264,9 +264,10 @@ impl Transformer {
         Ok(out)
     }
 
-    /// [`Self::forward`] for one sequence with its projections and linear groups where `devs`'
-    /// splitter places them (llm.npu's groups on the NPU, HeteroLLM's cuts) and the rest on
-    /// the planner, into the host cache `kv` (as [`Self::forward_with`]).
+    /// [`Self::forward_batch_on`] for one sequence (as [`Self::forward`] is
+    /// [`Self::forward_batch`] for one): llm.npu's prompt chunk with its linear groups on the
+    /// NPU, or a pass on HeteroLLM's cuts — every block where `devs`' cost model places it, each
+    /// host block's projections and groups where their splitter does.
     pub fn forward_on(
         &self,
         kv: &mut KvCache,
@@ -274,7 +275,7 @@ impl Transformer {
         devs: &Devices,
         which: Logits,
     ) -> Result<Vec<f32>, BackendError> {
-        self.forward_with(kv, tokens, &self.split_linears(devs)?, which)
+        Ok(self.forward_batch_on(devs, &mut [(kv, tokens)], which)?.pop().unwrap_or_default())
     }
 
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`

@@ -76,12 +76,15 @@ impl Transformer {
         devs: &Devices,
         stop: Option<&(dyn Fn() -> bool + Sync)>,
     ) -> Result<Vec<f32>, BackendError> {
-        let never = || false;
-        let linears = self.split_linears_until(devs, stop.unwrap_or(&never))?;
         let before = kv.len();
         let r = if tokens.len() <= chunk.max(1) {
-            self.forward_with(kv, tokens, &linears, Logits::Last)
+            self.forward_placed(devs, &mut [(&mut *kv, tokens)], Logits::Last, stop).and_then(|mut l| {
+                self.weights.check_files()?;
+                Ok(l.pop().unwrap_or_default())
+            })
         } else {
+            let never = || false;
+            let linears = self.split_linears_until(devs, stop.unwrap_or(&never))?;
             let times = self.prefill_times(before, tokens.len(), chunk);
             self.chunks_out_of_order(kv, tokens, chunk, &linears, Policy::OutOfOrder, &times).map(|(l, _)| l)
         };

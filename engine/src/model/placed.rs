@@ -180,16 +180,22 @@ impl Transformer {
         Ok(exe)
     }
 
-    /// One pass over `batch` with its subgraphs placed across the host and the attached devices.
+    /// One pass over `batch` with its subgraphs placed across the host and `devs`; `stop`,
+    /// when given, is asked before each of the host subgraphs' linear groups (a withdrawn job).
     pub(crate) fn forward_placed(
         &self,
         devs: &Devices,
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
+        stop: Option<&(dyn Fn() -> bool + Sync)>,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
         let descs: Vec<&DeviceDesc> = self.descs(devs)?;
         // The host's projections go through the splitter, where it divides any.
-        let splits = if devs.splitter.splits() { Some(self.split_linears(devs)?) } else { None };
+        let splits = match (devs.splitter.splits(), stop) {
+            (false, _) => None,
+            (true, Some(stop)) => Some(self.split_linears_until(devs, stop)?),
+            (true, None) => Some(self.split_linears(devs)?),
+        };
         let p = Pass { c: &self.shape, planner: &self.planner, linears: splits.as_ref().map(|s| s as &dyn Linears) };
         let w = &self.weights;
         let Some(mut st) = p.state(batch)? else {
