@@ -321,10 +321,12 @@ fn a_models_w8a8_groups_run_as_the_npu_devices_group_subgraphs() {
             let yb = dev.alloc(BufferUsage::Activations, total * 4).expect("y");
             let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
             let wrote = dev.write(&xb, 0, &bytes, &[]).expect("writes");
+            // One position per row: the rows the group runs.
+            let rows_bound: Arc<[u32]> = vec![0u32; ROWS].into();
             let bind = Bindings {
                 x: xb,
-                tokens: Arc::from(Vec::new()),
-                positions: Arc::from(Vec::new()),
+                tokens: rows_bound.clone(),
+                positions: rows_bound,
                 seqs: Arc::from(Vec::new()),
                 logit_rows: Arc::from(Vec::new()),
                 logits: None,

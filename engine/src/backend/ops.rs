@@ -11,7 +11,11 @@ pub use llmd_device::{DeviceDesc, OpKind, Processor};
 /// f32 values as the little-endian bytes a device buffer holds (the residual stream, logits,
 /// norm vectors crossing the device contract).
 pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    let mut out = Vec::with_capacity(v.len() * 4);
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
 }
 
 /// The reverse of [`f32_bytes`] (a trailing partial value is ignored).

@@ -50,6 +50,17 @@ pub(super) struct DevState {
     /// Per (device index, the model's bytes): a matrix already on that device — a tied
     /// embedding and output head share their bytes and are loaded once.
     pub(super) by_bytes: HashMap<(usize, usize, usize), Weight>,
+    /// Idle input and output buffers of groups placed whole on a device, per device index:
+    /// taken by a group that fits them, given back after (a group's input and outputs are a
+    /// prefix of each).
+    pub(super) group_bufs: Vec<GroupBufs>,
+}
+
+/// A group's input and output buffers on device `dev`.
+pub(super) struct GroupBufs {
+    pub(super) dev: usize,
+    pub(super) x: Buffer,
+    pub(super) y: Buffer,
 }
 
 /// A part's place: device index, layer, role, token count it runs in, first and end row.

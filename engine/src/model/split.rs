@@ -21,7 +21,7 @@
 //! device was given for it ([`Devices::hold`]): its input written, the group submitted, its
 //! projections' outputs read back in turn.
 
-use super::devices::{Devices, PartKey, Slot};
+use super::devices::{Devices, GroupBufs, PartKey, Slot};
 use super::Transformer;
 use crate::backend::blocks::{CaptureSite, Linears};
 use crate::backend::weight::WeightMatrix;
@@ -39,6 +39,10 @@ use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Idle group buffer pairs kept across devices (`DevState::group_bufs`): one per group kind of
+/// a layer at the chunk size, and as many again for a prompt's shorter last chunk.
+const MAX_IDLE_GROUP_BUFFERS: usize = 8;
 
 fn dev_err(d: &dyn Device, e: DeviceError) -> BackendError {
     BackendError::Device(format!("{}: {e}", d.desc().name))
@@ -363,29 +367,53 @@ impl Transformer {
                 dev.desc().name
             )));
         }
-        let exe = self.executable(devs, d, sg, n)?;
+        // One executable per group, whatever the pass's count: it runs the rows it is bound to.
+        let exe = self.executable(devs, d, sg, 0)?;
         let total: usize = outs.iter().map(|o| o.len()).sum();
         let e = |e| dev_err(&*dev, e);
-        let xb = dev.alloc(BufferUsage::Activations, x.len() * 4).map_err(e)?;
-        let yb = dev.alloc(BufferUsage::Activations, total * 4).map_err(e)?;
-        let wrote = dev.write(&xb, 0, &f32_bytes(x), &[]).map_err(e)?;
+        let idle = {
+            let mut st = devs.lock();
+            let fits = st.group_bufs.iter().position(|b| b.dev == d && b.x.len >= x.len() * 4 && b.y.len >= total * 4);
+            fits.map(|i| st.group_bufs.swap_remove(i))
+        };
+        let bufs = match idle {
+            Some(b) => b,
+            None => GroupBufs {
+                dev: d,
+                x: dev.alloc(BufferUsage::Activations, x.len() * 4).map_err(e)?,
+                y: dev.alloc(BufferUsage::Activations, total * 4).map_err(e)?,
+            },
+        };
+        // The contract's f32 buffers are little-endian: the host's own bytes (every target).
+        let wrote = dev.write(&bufs.x, 0, bytemuck::cast_slice(x), &[]).map_err(e)?;
+        // One row of `x` per token (the group reads no ids or positions).
+        let zeros: Arc<[u32]> = vec![0u32; n].into();
         let bind = Bindings {
-            x: xb,
-            tokens: Arc::from(Vec::new()),
-            positions: Arc::from(Vec::new()),
+            x: bufs.x.clone(),
+            tokens: zeros.clone(),
+            positions: zeros,
             seqs: Arc::from(Vec::new()),
             logit_rows: Arc::from(Vec::new()),
             logits: None,
-            y: Some(yb.clone()),
+            y: Some(bufs.y.clone()),
         };
         let ran = dev.submit(&exe, &bind, &[wrote]).map_err(e)?;
-        let mut raw = vec![0u8; total * 4];
-        dev.read(&yb, 0, &mut raw, &[ran]).map_err(e)?;
-        let vals = bytes_f32(&raw);
         let mut at = 0;
         for o in outs.iter_mut() {
-            o.copy_from_slice(&vals[at..at + o.len()]);
+            dev.read(&bufs.y, at * 4, bytemuck::cast_slice_mut(&mut o[..]), std::slice::from_ref(&ran)).map_err(e)?;
             at += o.len();
+        }
+        {
+            // Kept for the next group: a layer's four kinds and a prompt's chunk sizes need a
+            // few pairs; the smallest go when more are idle.
+            let mut st = devs.lock();
+            st.group_bufs.push(bufs);
+            if st.group_bufs.len() > MAX_IDLE_GROUP_BUFFERS {
+                let b = &st.group_bufs;
+                if let Some(i) = (0..b.len()).min_by_key(|&i| b[i].x.len + b[i].y.len) {
+                    st.group_bufs.swap_remove(i);
+                }
+            }
         }
         devs.stats.groups.fetch_add(1, Ordering::Relaxed);
         Ok(())

@@ -28,8 +28,9 @@
 //!   calibrates and quantizes a model and builds every group's graph in one context of this
 //!   device (kept in the same graph cache), and [`QnnDevice::group_weights`] hands each group's
 //!   graph out as this device's `Weight`s of that group (the graph holds the int8 weights). A
-//!   group's executable takes any token count: its graph's chunk size at a time, a short last
-//!   chunk padded. `estimate` prices only the fp16 `Linear` kind (the SoC profiles carry no
+//!   group's executable, whatever count it was prepared for, runs the rows its bindings name
+//!   (one position per row of `x`): its graphs' chunk size at a time, a short last chunk
+//!   padded. `estimate` prices only the fp16 `Linear` kind (the SoC profiles carry no
 //!   int8 rate).
 
 use super::cache::{key_with, load_or_build_with, CacheOutcome, GraphIds};
@@ -330,29 +331,55 @@ impl QnnDevice {
         Ok(Executable::new(self.id, sg, n_tokens, Arc::new(exe)))
     }
 
-    /// Runs a group over `n` rows: `x`'s rows in, each projection's rows out to `y` in turn.
-    fn submit_group(&self, g: &GroupExe, n: usize, bind: &Bindings) -> Result<(), DeviceError> {
+    /// Runs a group over the rows `bind` names (one position per row of `x`): `x`'s rows in,
+    /// each projection's rows out to `y` in turn.
+    fn submit_group(&self, g: &GroupExe, bind: &Bindings) -> Result<(), DeviceError> {
+        let n = bind.positions.len();
         let y = bind.y.as_ref().ok_or_else(|| self.invalid("a Group subgraph without an output buffer"))?;
         let k = g.cols.max(1);
-        let x: Vec<f32> = {
-            let xb = lock(self.mem(&bind.x)?);
-            let src = xb.get(..n * k * 4).ok_or_else(|| {
-                self.invalid(format!("x holds {} bytes, {n} rows of {k} f32 take {}", xb.len(), n * k * 4))
-            })?;
-            src.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        let total: usize = g.rows.iter().map(|r| n * r).sum();
+        // The buffers' bytes are read and written as f32 in place where they are aligned for
+        // it (the host's little-endian bytes), else through the device's staging.
+        let mut staged = lock(&self.group_staging);
+        let (xs, ys) = &mut *staged;
+        let xb = lock(self.mem(&bind.x)?);
+        let src = xb.get(..n * k * 4).ok_or_else(|| {
+            self.invalid(format!("x holds {} bytes, {n} rows of {k} f32 take {}", xb.len(), n * k * 4))
+        })?;
+        let x: &[f32] = match bytemuck::try_cast_slice(src) {
+            Ok(x) => x,
+            Err(_) => {
+                xs.clear();
+                xs.extend(src.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+                xs
+            }
         };
-        let mut outs: Vec<Vec<f32>> = g.rows.iter().map(|&r| vec![0f32; n * r]).collect();
-        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
-        g.groups
-            .run(g.layer, g.site, &x, n, &mut views)
-            .map_err(|e| DeviceError::Execution { device: self.desc.name.clone(), detail: e.to_string() })?;
         let mut yb = lock(self.mem(y)?);
-        let total: usize = outs.iter().map(Vec::len).sum();
         let dst = yb
             .get_mut(..total * 4)
             .ok_or_else(|| self.invalid(format!("y is shorter than the group's {total} outputs")))?;
-        for (d, v) in dst.chunks_exact_mut(4).zip(outs.iter().flatten()) {
-            d.copy_from_slice(&v.to_le_bytes());
+        let in_place = bytemuck::try_cast_slice_mut::<u8, f32>(&mut dst[..]).is_ok();
+        let out: &mut [f32] = if in_place {
+            bytemuck::cast_slice_mut(&mut dst[..])
+        } else {
+            ys.clear();
+            ys.resize(total, 0.0);
+            ys
+        };
+        let mut views: Vec<&mut [f32]> = Vec::with_capacity(g.rows.len());
+        let mut rest = out;
+        for &r in &g.rows {
+            let (one, more) = rest.split_at_mut(n * r);
+            views.push(one);
+            rest = more;
+        }
+        g.groups
+            .run(g.layer, g.site, x, n, &mut views)
+            .map_err(|e| DeviceError::Execution { device: self.desc.name.clone(), detail: e.to_string() })?;
+        if !in_place {
+            for (d, v) in dst.chunks_exact_mut(4).zip(ys.iter()) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
         }
         Ok(())
     }
@@ -454,7 +481,7 @@ impl Device for QnnDevice {
     fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
         if let Some(g) = exe.get::<GroupExe>(self.id) {
             Event::wait_all(after)?;
-            self.submit_group(g, exe.n_tokens, bind)?;
+            self.submit_group(g, bind)?;
             return Ok(Event::ready(Ok(())));
         }
         let p = exe.get::<Prepared>(self.id).ok_or_else(|| self.invalid("an executable of another device"))?;

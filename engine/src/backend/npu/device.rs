@@ -51,6 +51,9 @@ pub struct QnnDevice {
     pub(crate) last_cache: Mutex<Option<Option<String>>>,
     /// The SoC profile its `estimate` prices graphs with (`super::contract`), if any.
     pub(crate) profile: Option<crate::hetero::soc::Soc>,
+    /// A `Group` submission's input and outputs in f32 (`super::contract`), kept between
+    /// submissions: groups run one at a time, as the NPU runs its graphs.
+    pub(crate) group_staging: Mutex<(Vec<f32>, Vec<f32>)>,
     path: PathBuf,
     soc: u32,
     provider: Provider,
@@ -119,6 +122,7 @@ impl QnnDevice {
             cache_dir: None,
             last_cache: Mutex::new(None),
             profile: None,
+            group_staging: Mutex::default(),
             path: path.to_owned(),
             soc,
             provider,
