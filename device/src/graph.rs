@@ -54,11 +54,11 @@ pub enum SubgraphKind {
     /// writes `n_tokens` rows of the loaded rows' count to [`crate::Bindings::y`].
     Linear(WeightRole),
     /// One linear group of a layer: the projections that read one input (Q, K and V; O;
-    /// gate and up; down), llm.npu's unit of NPU work. It reads `n_tokens` rows of the
-    /// group's input from [`crate::Bindings::x`] and writes to [`crate::Bindings::y`] each
-    /// projection's `n_tokens` rows in turn, in [`GroupSite::roles`] order (f32, before any
-    /// bias). A device that holds a model's groups (quantized and calibrated when it loaded
-    /// them) takes it.
+    /// gate and up; down), llm.npu's unit of NPU work. It reads one row of the group's input
+    /// from [`crate::Bindings::x`] per position its bindings name, and writes to
+    /// [`crate::Bindings::y`] each projection's rows in turn, in [`GroupSite::roles`] order
+    /// (f32, before any bias). A device that holds a model's groups (quantized and calibrated
+    /// when it loaded them) takes it; its executable may run any number of rows.
     Group(GroupSite),
 }
 

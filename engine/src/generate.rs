@@ -196,8 +196,9 @@ impl Model {
         self.generate_in_with(kv, prompt, req, None, on_text)
     }
 
-    /// [`Self::generate_in`] with the prompt's linear groups where the devices `prefill` place them (the NPU path, in
-    /// chunks of its graphs' size) and the decode on the CPU from the same cache.
+    /// [`Self::generate_in`] with the prompt's linear groups where the devices `prefill` place
+    /// them (the NPU path, in chunks of its graphs' size) and the decode on the CPU from the
+    /// same cache.
     pub fn generate_in_with(
         &self,
         kv: &mut KvCache,
@@ -328,9 +329,9 @@ pub struct Generation {
     prompt: Vec<u32>,
     prefilled: usize,
     prefill_chunk: usize,
-    /// Decode steps also go through the linears `step_with` is given (HeteroLLM's decode).
+    /// Decode steps also go through the devices `step_with` is given (HeteroLLM's decode).
     decode_with_linears: bool,
-    /// Prompt chunks one unit of work prefills out of order through the linears `step_with` is
+    /// Prompt chunks one unit of work prefills out of order through the devices `step_with` is
     /// given (llm.npu's out-of-order execution across chunks; 1: one chunk per unit, in order).
     out_of_order: usize,
     logits: Vec<f32>,
@@ -409,9 +410,9 @@ impl Generation {
         self
     }
 
-    /// Up to `chunks` prompt chunks per unit of work when [`Self::step_with`] is given linears
-    /// (the NPU path): their subgraphs run out of order across the chunks, on the linears'
-    /// thread and a CPU thread (`Transformer::prefill_out_of_order`), with the same bits as one
+    /// Up to `chunks` prompt chunks per unit of work when [`Self::step_with`] is given devices
+    /// (the NPU path): their subgraphs run out of order across the chunks, on the caller's
+    /// (NPU) thread and a CPU thread (`Transformer::prefill_out_of_order`), with the same bits as one
     /// chunk at a time. 1 (the default): one chunk per unit.
     pub fn with_out_of_order(mut self, chunks: usize) -> Self {
         self.out_of_order = chunks.max(1);
@@ -423,7 +424,7 @@ impl Generation {
         self.prefill_chunk.saturating_mul(self.out_of_order)
     }
 
-    /// Decode steps through the linears [`Self::step_with`] is given as well (HeteroLLM's
+    /// Decode steps through the devices [`Self::step_with`] is given as well (HeteroLLM's
     /// decode: the GPU leads, the NPU takes a slice), not only prefill chunks.
     pub fn with_linears_for_decode(mut self) -> Self {
         self.decode_with_linears = true;

@@ -102,8 +102,8 @@ impl Transformer {
 
     /// Runs `tokens` after what `seq` holds with the projections and linear groups where
     /// `devs`' splitter places them (the NPU's W8A8 groups, HeteroLLM's cuts) and everything
-    /// else on the CPU, into the same host cache the CPU decodes from; returns the last token's
-    /// logits. On an error the sequence is cut back to what it held before.
+    /// else where their cost model places the blocks (the host, for llm.npu's and HeteroLLM's
+    /// devices: the cache the CPU decodes from); returns the last token's logits. On an error the sequence is cut back to what it held before.
     pub fn forward_sequence_on(
         &self,
         seq: &mut Sequence,

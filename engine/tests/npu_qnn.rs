@@ -348,6 +348,20 @@ fn a_models_w8a8_groups_run_as_the_npu_devices_group_subgraphs() {
         assert!(invalid(dev.prepare(Subgraph::group(0, CaptureSite::O), &shape, 8, w0).expect_err("refused")));
         assert!(invalid(dev.prepare(*sg0, &shape, 8, &w0[..1]).expect_err("refused")));
         assert!(invalid(dev.prepare(*sg0, &shape, 8, &[]).expect_err("refused")));
+        // One buffer bound as both the input and the outputs.
+        let exe = dev.prepare(*sg0, &shape, 8, w0).expect("prepares");
+        let one = dev.alloc(BufferUsage::Activations, 1 << 20).expect("alloc");
+        let rows8: Arc<[u32]> = vec![0u32; 8].into();
+        let both = Bindings {
+            x: one.clone(),
+            tokens: rows8.clone(),
+            positions: rows8,
+            seqs: Arc::from(Vec::new()),
+            logit_rows: Arc::from(Vec::new()),
+            logits: None,
+            y: Some(one),
+        };
+        assert!(invalid(dev.submit(&exe, &both, &[]).expect_err("refused")));
         eprintln!("{}: {checked} groups through the contract equal the groups' own run", lib.display());
     }
 }

@@ -152,12 +152,14 @@ pub fn ffn_token_block(ffn: usize, n: usize) -> usize {
 pub struct Pass<'a> {
     pub c: &'a BlockShape,
     pub planner: &'a Planner,
-    /// Runs the layers' linear groups instead of the planner (the NPU path), where it takes them.
+    /// Runs the layers' linear groups instead of the planner, where it takes them: the
+    /// executor's `SplitLinears` (groups and projections where the devices' splitter places
+    /// them), or `quantsim`'s simulation.
     pub linears: Option<&'a dyn Linears>,
 }
 
 /// A runner of a layer's linear groups — QKV, O, gate/up, down, without biases — in place of the
-/// planner's matmuls: the NPU path's quantized graphs (`prefill`).
+/// planner's matmuls: the executor's `SplitLinears`, or `quantsim`'s simulated schemes.
 pub trait Linears: Sync {
     /// Computes group `site` of layer `li` over `n` rows of `x` into `outs` (one per projection,
     /// `n` rows each, f32), or returns false to leave it to the planner.

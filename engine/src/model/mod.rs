@@ -236,9 +236,8 @@ impl Transformer {
     }
 
     /// [`Self::forward`] for one sequence with its linear groups run by `linears` where it takes
-    /// them (the NPU path's prefill: `prefill`); the rest — norms, RoPE,
-    /// attention into `kv`, SwiGLU, the head — on the planner, so `kv` is the host cache the CPU
-    /// decodes from next, with no copy.
+    /// them (`quantsim`'s simulated schemes); the rest — norms, RoPE, attention into `kv`,
+    /// SwiGLU, the head — on the planner, so `kv` is the host cache the CPU decodes from next.
     pub fn forward_with(
         &self,
         kv: &mut KvCache,
@@ -248,7 +247,7 @@ impl Transformer {
     ) -> Result<Vec<f32>, BackendError> {
         if self.devices.is_some() {
             return Err(BackendError::Device(
-                "the NPU prefill runs on the host's caches: detach the devices first".into(),
+                "a pass with substituted linear groups runs on the host's caches: detach the devices first".into(),
             ));
         }
         kv.move_all_home()?;

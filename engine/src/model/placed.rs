@@ -191,10 +191,11 @@ impl Transformer {
     ) -> Result<Vec<Vec<f32>>, BackendError> {
         let descs: Vec<&DeviceDesc> = self.descs(devs)?;
         // The host's projections go through the splitter, where it divides any.
+        // A stop flag is asked by the host's projections too, whatever the splitter.
         let splits = match (devs.splitter.splits(), stop) {
-            (false, _) => None,
-            (true, Some(stop)) => Some(self.split_linears_until(devs, stop)?),
+            (_, Some(stop)) => Some(self.split_linears_until(devs, stop)?),
             (true, None) => Some(self.split_linears(devs)?),
+            (false, None) => None,
         };
         let p = Pass { c: &self.shape, planner: &self.planner, linears: splits.as_ref().map(|s| s as &dyn Linears) };
         let w = &self.weights;

@@ -40,9 +40,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Idle group buffer pairs kept across devices (`DevState::group_bufs`): one per group kind of
-/// a layer at the chunk size, and as many again for a prompt's shorter last chunk.
-const MAX_IDLE_GROUP_BUFFERS: usize = 8;
+/// Idle group buffer pairs kept across devices (`DevState::group_bufs`): a group takes the first
+/// pair large enough, so a layer's four kinds need a few; the smallest go beyond this.
+const MAX_IDLE_GROUP_BUFFERS: usize = 4;
+
+// The contract's f32 buffers hold little-endian bytes; the executor moves f32 rows to and from
+// them as the host's own bytes.
+#[cfg(target_endian = "big")]
+compile_error!("llmd's device buffers are little-endian: a big-endian host is not supported");
 
 fn dev_err(d: &dyn Device, e: DeviceError) -> BackendError {
     BackendError::Device(format!("{}: {e}", d.desc().name))
@@ -361,11 +366,29 @@ impl Transformer {
     ) -> Result<(), BackendError> {
         let sg = Subgraph::group(li, site);
         let dev = devs.part_device(d)?.clone();
-        if !devs.lock().weights.contains_key(&(d, sg)) {
+        let Some(held) = devs.lock().weights.get(&(d, sg)).cloned() else {
             return Err(BackendError::Device(format!(
                 "{}: holds no weights of layer {li}'s {site:?} group (the splitter placed it there)",
                 dev.desc().name
             )));
+        };
+        // The group the device holds must be this pass's shape: its input width and each
+        // projection's rows (a reused buffer is longer than a pass needs).
+        let k = held.first().map_or(0, |w| w.cols);
+        if x.len() != n * k
+            || outs.len() != held.len()
+            || outs.iter().zip(held.iter()).any(|(o, w)| o.len() != n * w.rows.len())
+        {
+            return Err(BackendError::Shape {
+                op: "linear group",
+                detail: format!(
+                    "layer {li}'s {site:?} group on {} takes {k} inputs per row and {:?} outputs; given {} values for {n} rows and {:?}",
+                    dev.desc().name,
+                    held.iter().map(|w| w.rows.len()).collect::<Vec<_>>(),
+                    x.len(),
+                    outs.iter().map(|o| o.len()).collect::<Vec<_>>()
+                ),
+            });
         }
         // One executable per group, whatever the pass's count: it runs the rows it is bound to.
         let exe = self.executable(devs, d, sg, 0)?;
@@ -404,8 +427,8 @@ impl Transformer {
             at += o.len();
         }
         {
-            // Kept for the next group: a layer's four kinds and a prompt's chunk sizes need a
-            // few pairs; the smallest go when more are idle.
+            // Kept for the next group (outside the residency budget: at most
+            // MAX_IDLE_GROUP_BUFFERS pairs, each the size of the largest group pass seen).
             let mut st = devs.lock();
             st.group_bufs.push(bufs);
             if st.group_bufs.len() > MAX_IDLE_GROUP_BUFFERS {

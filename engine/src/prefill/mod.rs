@@ -1,6 +1,7 @@
 //! llm.npu's prefill on the NPU path: a model's linear groups as W8A8 QNN graphs at a chunk size,
-//! run in place of the CPU's matmuls ([`Linears`]) while norms, RoPE, attention (into the host
-//! KV cache), SwiGLU and the head stay on the CPU in float — llm.npu's split. The CPU then decodes
+//! run as the NPU device's `Group` subgraphs in place of the CPU's matmuls ([`devices`]) while
+//! norms, RoPE, attention (into the host KV cache), SwiGLU and the head stay on the CPU in
+//! float — llm.npu's split. The CPU then decodes
 //! from the same cache: nothing is copied between the two.
 //!
 //! - [`calibrate`]: two passes of calibration text on the CPU — each group's input range, its

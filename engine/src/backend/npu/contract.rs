@@ -10,18 +10,18 @@
 //!   once (W4A16 / W8A16: HeteroLLM's float NPU path); `prepare` bakes them into the graph as a
 //!   constant, so the graph holds the only NPU copy.
 //! - **Submission:** `submit` runs the graph on the caller's thread (QNN's `graphExecute` is
-//!   synchronous) and returns a signalled event: `x`'s `n_tokens` rows in f16, `y`'s out as f32.
-//!   Each executable's graph runs one submission at a time (its own lock); two executables run
-//!   side by side.
+//!   synchronous) and returns a signalled event: a `Linear`'s `x` holds its `n_tokens` rows (in
+//!   f16 to the graph), `y` gets its output as f32. Each `Linear` executable's graph runs one
+//!   submission at a time (its own lock), two side by side; groups run one at a time (they
+//!   share the device's staging).
 //! - **Graphs together:** `prepare_all` builds its graphs in one context and, with a cache
 //!   directory ([`QnnDevice::with_cache_dir`]), keeps that context as one binary in the NPU's
 //!   graph cache (`super::cache`, shared with the W8A8 groups), keyed by the library, the chip
 //!   and every graph's name, shape and f16 weights: a second start loads it instead of
 //!   finalizing ([`QnnDevice::prepare_cached`] says which happened).
 //! - **Modelled time:** with llmd's emulator provider every execution is charged what a phone's
-//!   NPU would take ([`QnnDevice::modelled_ns`]); Qualcomm's x86 library runs for real and
-//!   models nothing.
-//!
+//!   NPU would take — a `Linear`'s in [`QnnDevice::modelled_ns`], a group's in its model's
+//!   `NpuLinears::stats`; Qualcomm's x86 library runs for real and models nothing.
 //! - **W8A8 groups:** llm.npu's linear groups ([`SubgraphKind::Group`]) — int8 weights and
 //!   8-bit activations, with shadow outlier execution beside the graph — are the second graph
 //!   kind. Their weights are loaded with the model's calibration: `crate::prefill::prepare`
@@ -58,6 +58,9 @@ fn linear_shape(shape: &BlockShape, role: WeightRole) -> Option<(usize, usize)> 
     })
 }
 use super::linears::NpuLinears;
+
+#[cfg(target_endian = "big")]
+compile_error!("llmd's device buffers are little-endian: a big-endian host is not supported");
 use llmd_device::GroupSite;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -338,6 +341,9 @@ impl QnnDevice {
         let y = bind.y.as_ref().ok_or_else(|| self.invalid("a Group subgraph without an output buffer"))?;
         let k = g.cols.max(1);
         let total: usize = g.rows.iter().map(|r| n * r).sum();
+        if std::ptr::eq(self.mem(&bind.x)?, self.mem(y)?) {
+            return Err(self.invalid("a Group subgraph bound to one buffer for its input and its outputs"));
+        }
         // The buffers' bytes are read and written as f32 in place where they are aligned for
         // it (the host's little-endian bytes), else through the device's staging.
         let mut staged = lock(&self.group_staging);
@@ -457,11 +463,22 @@ impl Device for QnnDevice {
     }
 
     fn prepare_all(&self, shape: &BlockShape, items: &[Preparation]) -> Result<Vec<Executable>, DeviceError> {
-        if items.iter().any(|i| matches!(i.subgraph.kind, SubgraphKind::Group(_))) {
-            // Groups' graphs are built with the model's calibration: each wraps its own.
-            return items.iter().map(|i| self.prepare(i.subgraph, shape, i.n_tokens, &i.weights)).collect();
-        }
-        Ok(self.prepare_cached(shape, items)?.0)
+        // A group wraps the graph its model's calibration built; the rest are built together in
+        // one context (and the graph cache).
+        let is_group = |i: &Preparation| matches!(i.subgraph.kind, SubgraphKind::Group(_));
+        let linears: Vec<Preparation> = items.iter().filter(|i| !is_group(i)).cloned().collect();
+        let mut built =
+            if linears.is_empty() { Vec::new() } else { self.prepare_cached(shape, &linears)?.0 }.into_iter();
+        items
+            .iter()
+            .map(|i| {
+                if is_group(i) {
+                    self.prepare(i.subgraph, shape, i.n_tokens, &i.weights)
+                } else {
+                    built.next().ok_or_else(|| self.invalid("fewer executables than graphs prepared"))
+                }
+            })
+            .collect()
     }
 
     /// A `Linear` subgraph's modelled time on the profile's NPU ([`QnnDevice::with_profile`])

@@ -6,11 +6,12 @@
 //! - [`device`]: [`QnnDevice`], the library and its HTP backend for one chip, opened one way
 //!   for the daemon and llmctl; [`NpuContext`], a context of it.
 //! - [`contract`]: `QnnDevice` as a device of the contract (`llmd_device::Device`): a
-//!   projection's rows (`SubgraphKind::Linear`) as an fp16 graph per static token count.
+//!   projection's rows (`SubgraphKind::Linear`) as an fp16 graph per static token count, and
+//!   a model's W8A8 linear groups (`SubgraphKind::Group`).
 //! - [`quant`]: the W8A8 arithmetic and its reference.
 //! - [`graph`]: a layer's linear groups as QNN graphs, with every shape checked first.
-//! - [`linears`]: a model's groups as finalized graphs, run in place of the CPU's matmuls
-//!   during prefill, with shadow outlier execution beside them. Calibrating and quantizing a
+//! - [`linears`]: a model's groups as finalized graphs, run chunk by chunk (the `Group`
+//!   executables' body), with shadow outlier execution beside them. Calibrating and quantizing a
 //!   model is [`crate::prefill`] (outside `backend`: it reads the model).
 //! - [`f16`]: HeteroLLM's fp16 `FullyConnected` graphs over row ranges of a matrix.
 //! - [`shadow`]: llm.npu's outliers, extracted and multiplied on the CPU.
