@@ -977,10 +977,11 @@ fn rss_kb(pid: u32) -> u64 {
 /// one left: the worker threads' reusable buffers, sized for the largest chunk. Measured on the
 /// default model with a ~1,500-token prompt: 1.4–1.5 MB kept with the trim on return to idle
 /// (three runs); 9.0, 9.0 and 19.7 MB without it (the issue saw 42–68 MB on its machine). On a
-/// loaded machine (CI runs these tests side by side) about one run in ten keeps 6.2 MB, and
-/// waiting 3 s longer does not give it back (measured in session 30 with two busy loops beside
-/// it, on `bba8431` and after: 6,160 to 6,296 kB): a second thread's chunk buffers, not a leak.
-/// The bound sits above that and well below the untrimmed figures.
+/// loaded machine (CI runs these tests side by side) about one run in ten keeps 6.2 MB (session
+/// 30, with two busy loops beside the test: 6,160 kB once in ten runs of `bba8431`, 6,208 kB
+/// once in eight runs after it, still there after 3 s more of idle checks; 6,296 kB in one CI
+/// run): memory still held, most likely another thread's chunk buffers, not the idle trim's
+/// timing. The bound sits above that and below the untrimmed figures.
 const RSS_KEPT_AFTER_BURST_KB: u64 = 8 * 1024;
 
 /// #27 J: memory a big request takes is given back to the system when the daemon goes idle.

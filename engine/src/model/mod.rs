@@ -148,7 +148,18 @@ impl Transformer {
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let out = self.forward_placed(devs, batch, which, None);
+        self.forward_batch_on_until(devs, batch, which, None)
+    }
+
+    /// [`Self::forward_batch_on`] that, given `stop`, asks it before each host linear group.
+    pub(crate) fn forward_batch_on_until(
+        &self,
+        devs: &Devices,
+        batch: &mut [(&mut KvCache, &[u32])],
+        which: Logits,
+        stop: Option<&(dyn Fn() -> bool + Sync)>,
+    ) -> Result<Vec<Vec<f32>>, BackendError> {
+        let out = self.forward_placed(devs, batch, which, stop);
         self.weights.check_files()?;
         out
     }

@@ -78,13 +78,10 @@ impl Transformer {
     ) -> Result<Vec<f32>, BackendError> {
         let before = kv.len();
         let r = if tokens.len() <= chunk.max(1) {
-            self.forward_placed(devs, &mut [(&mut *kv, tokens)], Logits::Last, stop).and_then(|mut l| {
-                self.weights.check_files()?;
-                Ok(l.pop().unwrap_or_default())
-            })
+            self.forward_batch_on_until(devs, &mut [(&mut *kv, tokens)], Logits::Last, stop)
+                .map(|mut l| l.pop().unwrap_or_default())
         } else {
-            let never = || false;
-            let linears = self.split_linears_until(devs, stop.unwrap_or(&never))?;
+            let linears = self.split_linears_until(devs, stop)?;
             let times = self.prefill_times(before, tokens.len(), chunk);
             self.chunks_out_of_order(kv, tokens, chunk, &linears, Policy::OutOfOrder, &times).map(|(l, _)| l)
         };

@@ -192,11 +192,8 @@ impl Transformer {
         let descs: Vec<&DeviceDesc> = self.descs(devs)?;
         // The host's projections go through the splitter, where it divides any.
         // A stop flag is asked by the host's projections too, whatever the splitter.
-        let splits = match (devs.splitter.splits(), stop) {
-            (_, Some(stop)) => Some(self.split_linears_until(devs, stop)?),
-            (true, None) => Some(self.split_linears(devs)?),
-            (false, None) => None,
-        };
+        let splits =
+            if devs.splitter.splits() || stop.is_some() { Some(self.split_linears_until(devs, stop)?) } else { None };
         let p = Pass { c: &self.shape, planner: &self.planner, linears: splits.as_ref().map(|s| s as &dyn Linears) };
         let w = &self.weights;
         let Some(mut st) = p.state(batch)? else {

@@ -341,16 +341,16 @@ impl Transformer {
     /// The host's projections run as `devs`' splitter divides them, for a pass over host
     /// caches (the daemon's prompt chunks and decode steps on HeteroLLM's plan).
     pub fn split_linears<'a>(&'a self, devs: &'a Devices) -> Result<SplitLinears<'a>, BackendError> {
-        Ok(SplitLinears { t: self, devs, descs: self.descs(devs)?, stop: None })
+        self.split_linears_until(devs, None)
     }
 
-    /// [`Self::split_linears`] that stops before the first group after `stop` says so.
+    /// [`Self::split_linears`] that, given `stop`, stops before the first group after it says so.
     pub fn split_linears_until<'a>(
         &'a self,
         devs: &'a Devices,
-        stop: &'a (dyn Fn() -> bool + Sync),
+        stop: Option<&'a (dyn Fn() -> bool + Sync)>,
     ) -> Result<SplitLinears<'a>, BackendError> {
-        Ok(SplitLinears { t: self, devs, descs: self.descs(devs)?, stop: Some(stop) })
+        Ok(SplitLinears { t: self, devs, descs: self.descs(devs)?, stop })
     }
 
     /// Linear group `site` of layer `li` over `n` rows of `x`, whole on device `d` (≥ 1), into

@@ -55,28 +55,25 @@ pub struct Work {
 pub fn work(sg: Subgraph, s: &BlockShape, n_tokens: usize, context: usize) -> Work {
     let (n, d) = (n_tokens as f64, s.d_model as f64);
     let (qd, kvd, f, v) = (s.q_dim() as f64, s.kv_dim() as f64, s.ffn_dim as f64, s.vocab as f64);
+    // A whole projection of its role.
+    let projection = |role: llmd_device::WeightRole| {
+        use llmd_device::WeightRole::*;
+        match role {
+            Wq | Wo => d * qd,
+            Wk | Wv => d * kvd,
+            Gate | Up | Down => d * f,
+            Output | TokenEmbd => d * v,
+            _ => d,
+        }
+    };
     let weights = match sg.kind {
         SubgraphKind::Embed => n * d,
         SubgraphKind::Attention => d * (qd + 2.0 * kvd) + qd * d,
         SubgraphKind::Ffn => 3.0 * d * f,
         SubgraphKind::Head => d * v,
-        // A whole projection of its role (a split's pieces are priced by the splitter).
-        SubgraphKind::Linear(role) => {
-            use llmd_device::WeightRole::*;
-            match role {
-                Wq | Wo => d * qd,
-                Wk | Wv => d * kvd,
-                Gate | Up | Down => d * f,
-                Output | TokenEmbd => d * v,
-                _ => d,
-            }
-        }
-        SubgraphKind::Group(site) => match site {
-            llmd_device::GroupSite::Qkv => d * (qd + 2.0 * kvd),
-            llmd_device::GroupSite::O => d * qd,
-            llmd_device::GroupSite::GateUp => 2.0 * d * f,
-            llmd_device::GroupSite::Down => d * f,
-        },
+        // A split's pieces are priced by the splitter.
+        SubgraphKind::Linear(role) => projection(role),
+        SubgraphKind::Group(site) => site.roles().iter().map(|&r| projection(r)).sum(),
     };
     let attn = if sg.kind == SubgraphKind::Attention { 2.0 * n * context as f64 * qd } else { 0.0 };
     let macs = if sg.kind == SubgraphKind::Embed { 0.0 } else { n * weights + attn };
