@@ -23,9 +23,10 @@
 //! 7. `policy` (pure rules, clock injected), then the leaves: `error` (the one error → code
 //!    map), `config`, `permission`, `residency`, `integrity` (model files against their
 //!    fingerprints), `models`, `connections` (the socket's accept loop and its per-uid
-//!    connection caps), `npu` (the `llmd-npu` thread: the QNN library, each resident model's
-//!    graphs, the prompt chunks the worker hands it), `gpu` (the `llmd-gpu` thread: the OpenCL
-//!    device, each resident model's weights on it, the decode passes the engine hands it).
+//!    connection caps), `processor` (one thread type for the NPU and the GPU: each owns its
+//!    devices and every resident model's device set, and runs the jobs the engine hands it —
+//!    the NPU's prompt chunks, the GPU's decode passes; `processor::npu` and `processor::gpu`
+//!    say what each opens and prepares).
 //!
 //! Above them all, `fuzzing` holds the fuzz targets' bodies (`fuzz/`, and the replay of their
 //! corpora in `daemon/tests/fuzz_replay.rs`): parcels into the generated AIDL stubs with the
@@ -41,13 +42,12 @@ pub mod connections;
 pub mod conversation;
 pub mod error;
 pub mod fuzzing;
-pub mod gpu;
 pub mod integrity;
 pub mod models;
-pub mod npu;
 pub mod permission;
 pub mod policy;
 pub mod pressure;
+pub mod processor;
 pub mod residency;
 pub mod scheduler;
 pub mod service;

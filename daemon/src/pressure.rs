@@ -104,7 +104,7 @@ impl Pressure {
                 std::thread::spawn(move || {
                     for id in back {
                         if let Ok(m) = me.residency.acquire(&id, "back after memory pressure", me.kv_bytes()) {
-                            me.npu.prepare(&m);
+                            me.processors.prepare(&m);
                         }
                     }
                 });
@@ -133,7 +133,7 @@ impl Pressure {
                     std::thread::spawn(move || {
                         let why = format!("predicted for hour {hour}");
                         match me.residency.acquire(&id, &why, me.kv_bytes()) {
-                            Ok(m) => me.npu.prepare(&m),
+                            Ok(m) => me.processors.prepare(&m),
                             Err(e) => me.residency.event(format!("prefetch of {id} failed: {e}")),
                         }
                     });

@@ -234,7 +234,7 @@ impl LlmAdmin {
         self.shared.probe(model_id)?;
         // Loads it now (or waits for a load under way); not recorded as a use.
         let m = self.shared.residency.acquire(model_id, "prefetch (admin)", self.shared.kv_bytes())?;
-        self.shared.npu.prepare(&m);
+        self.shared.processors.prepare(&m);
         Ok(())
     }
 }
@@ -396,8 +396,7 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
         ps.step,
         ps.evicted
     );
-    out.push_str(&shared.npu.dump());
-    out.push_str(&shared.gpu.dump());
+    out.push_str(&shared.processors.dump());
     let _ = writeln!(out, "\nRESIDENCY EVENTS (most recent last)");
     for e in shared.residency.events() {
         let secs = e.at.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

@@ -27,10 +27,8 @@ pub struct Shared {
     pub scheduler: Scheduler<Turn>,
     /// The socket's open connections per uid and their caps (the accept loop's gate).
     pub connections: Arc<crate::connections::Gate>,
-    /// The NPU (`backend = "npu"`), or off.
-    pub npu: Arc<crate::npu::Npu>,
-    /// The GPU (`backend = "gpu"`), or off.
-    pub gpu: Arc<crate::gpu::Gpu>,
+    /// The NPU and the GPU (each on its thread, or off).
+    pub processors: crate::processor::Processors,
 }
 
 impl Shared {
@@ -43,9 +41,8 @@ impl Shared {
             quota_tokens: sc.quota_tokens_per_uid,
             quota_window_ms: sc.quota_window_s * 1000,
         }));
-        let npu = crate::npu::Npu::from_config(&config);
-        let gpu = crate::gpu::Gpu::from_config(&config);
-        let engine = ModelEngine::new(config.prefill_chunk, config.limits.max_prompt_tokens, npu.clone(), gpu.clone());
+        let processors = crate::processor::Processors::from_config(&config);
+        let engine = ModelEngine::new(config.prefill_chunk, config.limits.max_prompt_tokens, processors.clone());
         let scheduler = Scheduler::start(
             admission,
             engine,
@@ -70,8 +67,7 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             next_session: AtomicU64::new(1),
             scheduler,
-            npu,
-            gpu,
+            processors,
         });
         shared.spawn_idle_sweep()?;
         shared.spawn_model_check()?;
@@ -159,7 +155,7 @@ impl Shared {
                 continue;
             }
             match self.residency.acquire(&id, if pinned { "pinned" } else { "loaded at start" }, self.kv_bytes()) {
-                Ok(m) => self.npu.prepare(&m),
+                Ok(m) => self.processors.prepare(&m),
                 Err(e) => tracing::error!(model = %id, "model not loaded: {e}"),
             }
         }
@@ -202,7 +198,7 @@ impl Shared {
             Some(m) => m,
             None => self.residency.acquire(id, &format!("request (uid {uid})"), self.kv_bytes())?,
         };
-        self.npu.prepare(&m);
+        self.processors.prepare(&m);
         if !record {
             return Ok(m);
         }

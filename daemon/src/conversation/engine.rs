@@ -5,8 +5,7 @@
 
 use super::{forward_batch, forward_batch_on, SessionCore, SessionInner, TurnInput};
 use crate::error::ServiceError;
-use crate::gpu::Gpu;
-use crate::npu::Npu;
+use crate::processor::{epoch_ms, Job, JobKind, Processor, Processors};
 use crate::scheduler::{Engine, Fed};
 use llmd_engine::generate::{GenerateRequest, Generation, GenerationStats, StepOutput};
 use llmd_engine::Model;
@@ -36,28 +35,28 @@ pub struct Started {
     context: Vec<u32>,
 }
 
-/// How an NPU chunk ended.
+/// How a prompt chunk on a processor ended.
 enum ChunkOutcome {
     /// The logits after its last token.
     Logits(Vec<f32>),
     /// Withdrawn (its request ended meanwhile): stopped at a graph, or never started.
     Withdrawn,
-    /// The NPU could not run it: why.
+    /// The processor could not run it: why.
     Failed(String),
 }
 
-/// A prompt chunk back from the NPU: how many tokens, the cache's length before it (where a
+/// A prompt chunk back from a processor: how many tokens, the cache's length before it (where a
 /// chunk that did not complete leaves it), and how it ended.
-pub struct NpuChunk {
+pub struct ChunkDone {
     tokens: usize,
     before: usize,
     outcome: ChunkOutcome,
 }
 
-/// A request's chunk back from the NPU.
-type Finished = (u64, NpuChunk);
+/// A request's chunk back from a processor.
+type Finished = (u64, ChunkDone);
 
-/// Sends an NPU job's result to the worker exactly once: a job that never sends it (it
+/// Sends a prompt job's result to the worker exactly once: a job that never sends it (it
 /// panicked) still reports, from `Drop`, so its request is not left waiting.
 struct Reply {
     id: u64,
@@ -69,14 +68,14 @@ struct Reply {
 impl Reply {
     fn send(&mut self, outcome: ChunkOutcome) {
         if let Some(tx) = self.tx.take() {
-            let _ = tx.send((self.id, NpuChunk { tokens: self.tokens, before: self.before, outcome }));
+            let _ = tx.send((self.id, ChunkDone { tokens: self.tokens, before: self.before, outcome }));
         }
     }
 }
 
 impl Drop for Reply {
     fn drop(&mut self) {
-        self.send(ChunkOutcome::Failed("the NPU job ended without a result".into()));
+        self.send(ChunkOutcome::Failed("the prompt job ended without a result".into()));
     }
 }
 
@@ -86,24 +85,24 @@ pub struct ModelEngine {
     pub prefill_chunk: usize,
     /// Most new prompt tokens a turn may feed.
     pub max_prompt_tokens: usize,
-    /// The NPU (prompt chunks of models whose graphs are ready), or off.
-    npu: Arc<Npu>,
-    npu_done: (Sender<Finished>, Receiver<Finished>),
-    /// The GPU (decode steps, while prompt chunks run on the CPU), or off.
-    gpu: Arc<Gpu>,
+    /// The NPU and the GPU: prompt chunks and decode passes of models prepared on them.
+    processors: Processors,
+    prompts_done: (Sender<Finished>, Receiver<Finished>),
 }
 
 impl ModelEngine {
-    pub fn new(prefill_chunk: usize, max_prompt_tokens: usize, npu: Arc<Npu>, gpu: Arc<Gpu>) -> Self {
-        Self { prefill_chunk, max_prompt_tokens, npu, npu_done: std::sync::mpsc::channel(), gpu }
+    pub fn new(prefill_chunk: usize, max_prompt_tokens: usize, processors: Processors) -> Self {
+        Self { prefill_chunk, max_prompt_tokens, processors, prompts_done: std::sync::mpsc::channel() }
     }
 
-    /// The pass's decode steps (`decode`, indices into `batch`) on the GPU, beside its prompt
-    /// chunks on the CPU on this thread. Returns the decode steps' logits, or None when the
-    /// GPU did not run them (unavailable, or the pass failed there: it is then unavailable,
-    /// and the caller runs them on the CPU). The prompt chunks' logits go into `cpu_logits`.
-    fn forward_on_gpu(
+    /// The pass's decode steps (`decode`, indices into `batch`) on processor `proc`, beside its
+    /// prompt chunks on the CPU on this thread. Returns the decode steps' logits, or None when
+    /// the processor did not run them (the model, or the processor, is then off it, and the
+    /// caller runs them on the CPU, every cache as before the pass). The prompt chunks' logits
+    /// go into `cpu_logits`.
+    fn forward_beside(
         &self,
+        proc: &Processor,
         model: &Arc<Model>,
         batch: &[Fed<'_, Turn, Started>],
         decode: &[usize],
@@ -112,32 +111,55 @@ impl ModelEngine {
         let work = decode_work(batch, decode);
         let (tx, rx) = std::sync::mpsc::channel();
         let m = model.clone();
-        let job: crate::gpu::Job = Box::new(move |devs| {
+        let one_at_a_time = proc.takes().one_sequence_at_a_time;
+        let job: Job = Box::new(move |devs| {
+            // The worker planned nothing else of these sessions this pass: their locks are
+            // free; it holds only the prompt chunks' sessions, none of these.
             let r = devs.and_then(|devs| {
-                // The worker planned nothing else of these sessions this pass: their locks are
-                // free; it holds only the prompt chunks' sessions, none of these.
                 let mut guards: Vec<_> = work.iter().map(|(s, _)| s.lock()).collect();
                 let mut seqs: Vec<(&mut SessionInner, &[u32])> =
                     guards.iter_mut().zip(&work).map(|(g, (_, t))| (&mut **g, &t[..])).collect();
-                forward_batch_on(&m, devs, &mut seqs)
+                if !one_at_a_time {
+                    // One pass: on an error no cache has taken the step.
+                    return forward_batch_on(&m, devs, &mut seqs);
+                }
+                // Each step alone; unless every one succeeds, every cache goes back to where
+                // it was, since the CPU then reruns every step.
+                let before: Vec<usize> = seqs.iter().map(|(s, _)| s.kv_len()).collect();
+                let r: Result<Vec<Vec<f32>>, String> = seqs
+                    .iter_mut()
+                    .map(|(s, t)| {
+                        forward_batch_on(&m, devs, &mut [(&mut **s, *t)]).map(|mut l| l.pop().unwrap_or_default())
+                    })
+                    .collect();
+                if r.is_err() {
+                    for ((s, _), b) in seqs.iter_mut().zip(before) {
+                        s.truncate_kv(b);
+                    }
+                }
+                r
             });
             let outcome = r.as_ref().map(|_| ()).map_err(String::clone);
             let _ = tx.send(r);
             outcome
         });
-        let Some(id) = self.gpu.submit(model, decode.len(), job) else { return Ok(None) };
+        let kind = JobKind { request: 0, tokens: decode.len(), sequences: decode.len() };
+        let Ok(id) = proc.submit(model, kind, job) else { return Ok(None) };
         // Meanwhile, the prompt chunks on the CPU.
         let prefill: Vec<usize> = (0..batch.len()).filter(|i| !decode.contains(i)).collect();
         if !prefill.is_empty() {
-            let start_ms = crate::gpu::epoch_ms();
+            let start_ms = epoch_ms();
             let logits = forward_on_cpu(model, batch, &prefill);
             let tokens = prefill.iter().map(|&i| batch[i].tokens.len()).sum();
-            self.gpu.beside(id, tokens, start_ms, crate::gpu::epoch_ms());
-            // The GPU's steps are awaited even when the CPU's failed: their sessions are in use.
-            let gpu = rx.recv();
+            proc.beside(id, tokens, start_ms, epoch_ms());
+            // The processor's steps are awaited even when the CPU's failed: their sessions are
+            // in use.
+            let done = rx.recv();
             cpu_logits.extend(prefill.iter().copied().zip(logits?));
-            return Ok(gpu.ok().and_then(Result::ok));
+            return Ok(done.ok().and_then(Result::ok));
         }
+        // A job that failed took its model off the processor (its thread saw the error); one
+        // the thread dropped without running (it stopped) left the processor unavailable.
         Ok(rx.recv().ok().and_then(Result::ok))
     }
 }
@@ -159,93 +181,15 @@ fn forward_on_cpu(
     forward_batch(model, &mut seqs)
 }
 
-impl ModelEngine {
-    /// The pass's decode steps on the NPU thread's HeteroLLM plan (each session's step through
-    /// the partitioned linears, one after another), beside its prompt chunks on the CPU on this
-    /// thread. None when the plan did not run them (the model is then off it: the caller runs
-    /// them on the CPU).
-    fn forward_on_plan(
-        &self,
-        model: &Arc<Model>,
-        batch: &[Fed<'_, Turn, Started>],
-        decode: &[usize],
-        cpu_logits: &mut Vec<(usize, Vec<f32>)>,
-    ) -> Result<Option<Vec<Vec<f32>>>, ServiceError> {
-        let work = decode_work(batch, decode);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let m = model.clone();
-        let job: crate::npu::Job = Box::new(move |devs| {
-            // The worker planned nothing else of these sessions this pass: their locks are free.
-            // Unless every step succeeds, every cache goes back to where it was — on an error or a
-            // panic alike (the guard) — since the CPU then reruns every step.
-            struct Rollback<'w> {
-                work: &'w [(Arc<SessionCore>, Vec<u32>)],
-                before: Vec<usize>,
-                armed: bool,
-            }
-            impl Drop for Rollback<'_> {
-                fn drop(&mut self) {
-                    if self.armed {
-                        for ((s, _), &b) in self.work.iter().zip(&self.before) {
-                            s.lock().truncate_kv(b);
-                        }
-                    }
-                }
-            }
-            let mut guard =
-                Rollback { work: &work, before: work.iter().map(|(s, _)| s.lock().kv_len()).collect(), armed: true };
-            let r: Result<Vec<Vec<f32>>, String> = devs.and_then(|d| {
-                work.iter().map(|(s, t)| s.lock().forward_on(&m, t, d).map_err(|e| e.to_string())).collect()
-            });
-            guard.armed = r.is_err();
-            drop(guard);
-            let ok = r.is_ok();
-            let _ = tx.send(r);
-            ok
-        });
-        if self.npu.submit(model, 0, decode.len(), job).is_err() {
-            return Ok(None);
-        }
-        let prefill: Vec<usize> = (0..batch.len()).filter(|i| !decode.contains(i)).collect();
-        if !prefill.is_empty() {
-            let logits = forward_on_cpu(model, batch, &prefill);
-            // The plan's outcome first: a failed plan is marked even if the CPU's pass failed too.
-            let planned = self.planned(model, rx.recv());
-            cpu_logits.extend(prefill.iter().copied().zip(logits?));
-            return Ok(planned);
-        }
-        let planned = rx.recv();
-        Ok(self.planned(model, planned))
-    }
-
-    fn planned(
-        &self,
-        model: &Arc<Model>,
-        r: Result<Result<Vec<Vec<f32>>, String>, std::sync::mpsc::RecvError>,
-    ) -> Option<Vec<Vec<f32>>> {
-        match r {
-            Ok(Ok(l)) => Some(l),
-            Ok(Err(reason)) => {
-                self.npu.fail(model, &reason);
-                None
-            }
-            Err(_) => {
-                self.npu.fail(model, "the NPU thread dropped a decode job");
-                None
-            }
-        }
-    }
-}
-
 impl Engine for ModelEngine {
     type Turn = Turn;
     type Seq = Started;
-    type Offloaded = NpuChunk;
+    type Offloaded = ChunkDone;
 
     fn start(&mut self, t: &Turn) -> Result<Started, ServiceError> {
-        // A model that came back after an eviction gets its NPU graphs again (no-op when it
-        // has them, or when there is no NPU).
-        self.npu.prepare(&t.model);
+        // A model that came back after an eviction is prepared on the processors again (no-op
+        // where it is, or where they are off).
+        self.processors.prepare(&t.model);
         let mut inner = t.session.lock();
         // A cache spilled or dropped under memory pressure comes back first.
         inner.restore(&t.model);
@@ -285,21 +229,16 @@ impl Engine for ModelEngine {
     fn forward(&mut self, batch: &mut [Fed<'_, Turn, Started>]) -> Result<(), ServiceError> {
         let Some(model) = batch.first().map(|f| f.turn.model.clone()) else { return Ok(()) };
         let decode: Vec<usize> = (0..batch.len()).filter(|&i| !batch[i].prefill).collect();
-        let on_plan = !decode.is_empty() && self.npu.decodes(&model);
-        if on_plan || (!decode.is_empty() && self.gpu.takes(&model)) {
+        let decoder = if decode.is_empty() { None } else { self.processors.decoder(&model) };
+        if let Some(proc) = decoder {
             let mut cpu = Vec::new();
-            let on_gpu = if on_plan {
-                self.forward_on_plan(&model, batch, &decode, &mut cpu)?
-            } else {
-                self.forward_on_gpu(&model, batch, &decode, &mut cpu)?
-            };
-            let gpu = match on_gpu {
+            let stepped = match self.forward_beside(proc, &model, batch, &decode, &mut cpu)? {
                 Some(l) => l,
-                // The GPU failed these steps (this model, or the GPU, is off it now): the CPU
-                // runs them, each session's cache brought home from the device.
+                // The processor failed these steps (this model, or the processor, is off it
+                // now): the CPU runs them, each session's cache brought home from the device.
                 None => forward_on_cpu(&model, batch, &decode)?,
             };
-            for (i, l) in decode.iter().copied().zip(gpu).chain(cpu) {
+            for (i, l) in decode.iter().copied().zip(stepped).chain(cpu) {
                 let f = &mut batch[i];
                 if f.prefill {
                     f.seq.gen.accept_prefill(f.tokens.len(), l);
@@ -326,18 +265,20 @@ impl Engine for ModelEngine {
     }
 
     fn offload_chunk(&self, t: &Turn) -> Option<usize> {
-        self.npu.ready(&t.model)
+        self.processors.prompts(&t.model).map(|(_, n)| n)
     }
 
     fn offload(&mut self, id: u64, t: &Turn, tokens: Vec<u32>, withdraw: Arc<AtomicBool>) -> Result<(), ServiceError> {
         let (session, model) = (t.session.clone(), t.model.clone());
-        let (n, chunk) = (tokens.len(), self.npu.chunk());
+        let no_thread = || ServiceError::Internal("no processor reads this model's prompts".into());
+        let (proc, _) = self.processors.prompts(&t.model).ok_or_else(no_thread)?;
+        let (n, chunk) = (tokens.len(), proc.takes().chunk.ok_or_else(no_thread)?);
         let before = session.lock().kv_len();
-        let mut reply = Reply { id, tokens: n, before, tx: Some(self.npu_done.0.clone()) };
-        let job: crate::npu::Job = Box::new(move |devs| {
+        let mut reply = Reply { id, tokens: n, before, tx: Some(self.prompts_done.0.clone()) };
+        let job: Job = Box::new(move |devs| {
             if withdraw.load(Ordering::Acquire) {
                 reply.send(ChunkOutcome::Withdrawn);
-                return true;
+                return Ok(());
             }
             let outcome = match devs {
                 Err(e) => ChunkOutcome::Failed(e),
@@ -352,20 +293,27 @@ impl Engine for ModelEngine {
                     }
                 }
             };
-            let ok = !matches!(outcome, ChunkOutcome::Failed(_));
+            // A failure takes the model off the processor (its thread sees the error).
+            let r = match &outcome {
+                ChunkOutcome::Failed(e) => Err(e.clone()),
+                _ => Ok(()),
+            };
             reply.send(outcome);
-            ok
+            r
         });
-        self.npu.submit(&t.model, id, n, job).map_err(|_| ServiceError::Internal("the NPU thread has stopped".into()))
+        let kind = JobKind { request: id, tokens: n, sequences: 1 };
+        proc.submit(&t.model, kind, job)
+            .map(|_| ())
+            .map_err(|_| ServiceError::Internal(format!("the {} thread has stopped", proc.label().name())))
     }
 
     fn offloaded(&mut self, wait: Duration) -> Vec<Finished> {
-        let rx = &self.npu_done.1;
+        let rx = &self.prompts_done.1;
         let first = if wait.is_zero() { rx.try_recv().ok() } else { rx.recv_timeout(wait).ok() };
         first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())).collect()
     }
 
-    fn accept_offloaded(&mut self, t: &Turn, s: &mut Started, done: NpuChunk) -> Result<usize, ServiceError> {
+    fn accept_offloaded(&mut self, t: &Turn, s: &mut Started, done: ChunkDone) -> Result<usize, ServiceError> {
         match done.outcome {
             ChunkOutcome::Logits(logits) => {
                 s.gen.accept_prefill(done.tokens, logits);
@@ -375,11 +323,11 @@ impl Engine for ModelEngine {
                 t.session.lock().truncate_kv(done.before);
                 Ok(0)
             }
-            ChunkOutcome::Failed(reason) => {
-                // The chunk is still to read: the CPU reads it (and the model's later prompts),
-                // after whatever of it the cache took (none, unless the job panicked) is cut off.
+            ChunkOutcome::Failed(_) => {
+                // The chunk is still to read: the CPU reads it (and, the processor's thread
+                // having taken the model off it, the model's later prompts), after whatever of
+                // it the cache took (none, unless the job panicked) is cut off.
                 t.session.lock().truncate_kv(done.before);
-                self.npu.fail(&t.model, &reason);
                 Ok(0)
             }
         }

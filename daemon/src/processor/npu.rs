@@ -1,0 +1,351 @@
+//! The NPU processor's backends: what its thread opens (the QNN library's HTP backend, as
+//! `llmd_engine`'s `QnnDevice`) and prepares per model —
+//! - [`Int8`] (`backend = "npu"`, or `"auto"` with a library): llm.npu's path. The model is
+//!   calibrated, its weights requantized, and its W8A8 linear groups' graphs loaded from the
+//!   context cache or built and finalized (`[npu]`: chip, chunk, cache directory); the groups
+//!   are the QNN device's `Group` subgraphs, norms, RoPE and attention stay on the CPU.
+//! - [`Hetero`] (`backend = "hetero"`): HeteroLLM's plan — every projection cut between the
+//!   QNN device's fp16 graphs (in the same context cache) and the GPU, both opened by this
+//!   thread, which owns the plan's pieces on both.
+
+use super::thread::{Backend, Counters, Label, Prepared, Processor, Refusal, Takes};
+use crate::config::{Backend as ConfigBackend, Config};
+use llmd_device::Device as _;
+use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
+use llmd_engine::backend::npu::cache::CacheOutcome;
+use llmd_engine::backend::npu::QnnDevice;
+use llmd_engine::hetero::plan::{even_cut, solver_cut, HeteroPlan};
+use llmd_engine::hetero::solver::Op;
+use llmd_engine::model::Devices;
+use llmd_engine::prefill::{self, NpuLinears, CALIBRATION_TEXT};
+use llmd_engine::Model;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// The `[hetero]` settings the thread needs (`backend = "hetero"`).
+#[derive(Clone, Debug)]
+pub struct HeteroSettings {
+    pub gpu: GpuOptions,
+    pub soc: llmd_engine::hetero::soc::Soc,
+    pub plan: crate::config::HeteroPlan,
+    pub sizes: Vec<usize>,
+    pub row_align: usize,
+    pub weight_bits: f64,
+    /// Where each model's plan is stored (`<state_dir>/hetero`), if anywhere.
+    pub plan_dir: Option<PathBuf>,
+}
+
+/// What the NPU thread needs from the config.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub library: PathBuf,
+    pub soc: u32,
+    pub chunk: usize,
+    /// Prompt chunks one job prefills out of order (1: in order).
+    pub ooe_chunks: usize,
+    pub cache_dir: Option<PathBuf>,
+    pub calibration: Option<PathBuf>,
+    pub quant: llmd_engine::prefill::NpuQuant,
+    /// HeteroLLM's partitioned execution instead of llm.npu's INT8 graphs.
+    pub hetero: Option<HeteroSettings>,
+}
+
+/// The QNN library when the config names none: on Android the system's `libQnnHtp.so` (found
+/// by the dynamic linker in the vendor's library paths); elsewhere llmd's emulator provider
+/// beside the llmd binary.
+pub fn default_library() -> PathBuf {
+    if cfg!(target_os = "android") {
+        return PathBuf::from("libQnnHtp.so");
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("libllmd_qnn_emu.so")))
+        .unwrap_or_else(|| PathBuf::from("libllmd_qnn_emu.so"))
+}
+
+/// Writes `bytes` to `file` through a temporary name in its directory (made if missing).
+fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(d) = file.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, file)
+}
+
+/// The NPU the config asks for: off unless the backend uses it, else started over `[npu]`'s
+/// library (see [`default_library`] when it names none; `llmd` puts `--qnn-lib` or
+/// `LLMD_QNN_LIB` there).
+pub fn from_config(config: &Config) -> Arc<Processor> {
+    let n = &config.npu;
+    let library = match (config.backend, &n.library) {
+        (ConfigBackend::Npu | ConfigBackend::Hetero, l) => l.clone().unwrap_or_else(default_library),
+        (ConfigBackend::Auto, Some(l)) => l.clone(),
+        // Automatic placement uses a phone's NPU, not llmd's emulator of one (no faster than
+        // the CPU here).
+        (ConfigBackend::Auto, None) if cfg!(target_os = "android") => default_library(),
+        (ConfigBackend::Auto, None) => {
+            return Processor::refused(
+                Label::Npu,
+                Refusal {
+                    reason: "backend \"auto\" found no NPU library (off Android, set [npu] library; llmd's emulator runs with backend = \"npu\")".into(),
+                    expected: true,
+                },
+            )
+        }
+        _ => return Processor::off(Label::Npu),
+    };
+    let cache_dir = n.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("npu")));
+    let hetero = match config.backend {
+        ConfigBackend::Hetero => {
+            let h = &config.hetero;
+            let file = h.soc_file.as_ref().and_then(|p| std::fs::read_to_string(p).ok());
+            let soc = match llmd_engine::hetero::soc::find(file.as_deref(), &h.soc) {
+                Ok(s) => s,
+                Err(e) => return Processor::refused(Label::Npu, Refusal::unexpected(format!("[hetero] soc: {e}"))),
+            };
+            let g = &config.gpu;
+            Some(HeteroSettings {
+                gpu: GpuOptions {
+                    library: g.library.clone(),
+                    device: g.device,
+                    cache_dir: g
+                        .cache_dir
+                        .clone()
+                        .or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("gpu"))),
+                    ..GpuOptions::default()
+                },
+                soc,
+                plan: h.plan,
+                sizes: h.sizes.clone(),
+                row_align: h.row_align,
+                weight_bits: h.weight_bits,
+                plan_dir: config.residency.state_dir.as_ref().map(|d| d.join("hetero")),
+            })
+        }
+        _ => None,
+    };
+    let chunk = match &hetero {
+        Some(h) => h.sizes.iter().copied().max().unwrap_or(n.chunk),
+        None => n.chunk,
+    };
+    // HeteroLLM's plan cuts each chunk's matmuls; only llm.npu's INT8 path runs chunks out
+    // of order.
+    let ooe_chunks = if hetero.is_some() { 1 } else { n.ooe_chunks.max(1) };
+    start(Settings {
+        hetero,
+        library,
+        soc: n.soc,
+        chunk,
+        ooe_chunks,
+        cache_dir,
+        calibration: n.calibration.clone(),
+        quant: n.quant(),
+    })
+}
+
+/// Starts the NPU's thread over `settings`.
+pub fn start(settings: Settings) -> Arc<Processor> {
+    let takes = Takes {
+        chunk: Some(settings.chunk),
+        chunks_per_job: settings.ooe_chunks.max(1),
+        decode: settings.hetero.is_some(),
+        one_sequence_at_a_time: settings.hetero.is_some(),
+    };
+    let backend: Box<dyn Backend> = match settings.hetero.clone() {
+        Some(h) => Box::new(Hetero { settings, hetero: h, opened: None }),
+        None => Box::new(Int8 { settings, device: None }),
+    };
+    Processor::start(Label::Npu, takes, backend)
+}
+
+/// Opens the QNN device over `s.library`; what `dump` says of it.
+fn open_qnn(s: &Settings, d: QnnDevice) -> (Arc<QnnDevice>, String) {
+    let what = format!(
+        "provider {} ({}), build {:?}, chip {}, chunk {} rows",
+        d.provider().name,
+        s.library.display(),
+        d.build_id(),
+        s.soc,
+        s.chunk
+    );
+    (Arc::new(d), what)
+}
+
+/// llm.npu's INT8 path (see the module doc).
+struct Int8 {
+    settings: Settings,
+    device: Option<Arc<QnnDevice>>,
+}
+
+impl Backend for Int8 {
+    fn open(&mut self) -> Result<String, Refusal> {
+        let d = QnnDevice::open(&self.settings.library, self.settings.soc)
+            .map_err(|e| Refusal::unexpected(e.to_string()))?;
+        let (d, what) = open_qnn(&self.settings, d);
+        self.device = Some(d);
+        Ok(what)
+    }
+
+    /// Calibrates `model`, requantizes it, and loads its graphs from the cache or builds them.
+    fn prepare(&mut self, model: &Arc<Model>) -> Result<Prepared, String> {
+        let (s, device) = (&self.settings, self.device.clone().ok_or("the NPU is not open")?);
+        let text = match &s.calibration {
+            Some(f) => std::fs::read_to_string(f).map_err(|e| format!("calibration text {}: {e}", f.display()))?,
+            None => CALIBRATION_TEXT.to_owned(),
+        };
+        let tokens = model.tokenizer.encode(&text, false, false).map_err(|e| format!("calibration text: {e}"))?;
+        if tokens.is_empty() {
+            return Err("the calibration text has no tokens".into());
+        }
+        let prefill::PreparedNpu { context, groups, ids, shadow, report: p } =
+            prefill::prepare(&device, &model.transformer, &tokens, s.chunk, &s.quant, s.cache_dir.as_deref())
+                .map_err(|e| e.to_string())?;
+        let how = match &p.cache {
+            CacheOutcome::Loaded => format!(
+                "loaded from {}",
+                p.cache_file.as_ref().map_or_else(|| "the cache".to_owned(), |f| f.display().to_string())
+            ),
+            CacheOutcome::Built { reason } => format!("built and finalized ({reason})"),
+        };
+        let mut graphs = NpuLinears::from_context(&context, groups, &ids, s.chunk).map_err(|e| e.to_string())?;
+        graphs.set_shadow(shadow).map_err(|e| e.to_string())?;
+        let groups = Arc::new(graphs);
+        let count = groups.graph_names().len();
+        let devs = prefill::devices(device, &groups);
+        // The groups' modelled time (the emulator's SoC model) and shadow outlier execution's
+        // counters.
+        let counters = Box::new(move |_: &Devices, name: &str| {
+            let st = groups.shadow_stats();
+            Counters {
+                modelled_ns: Some(groups.stats().1),
+                lines: vec![format!(
+                    "shadow {name}: {} of {} sites; {} of {} chunk runs found outliers ({} values); {} saturated outputs recomputed; rows {} hot, {} cold read ({} B); {} of {} B held in memory",
+                    st.sites,
+                    st.all_sites,
+                    st.chunks_with_outliers,
+                    st.chunks,
+                    st.outlier_elements,
+                    st.saturated_outputs,
+                    st.hot_rows_used,
+                    st.cold_rows_read,
+                    st.cold_bytes_read,
+                    st.resident_bytes,
+                    st.total_bytes
+                )],
+            }
+        });
+        Ok(Prepared { devs, graphs: count, how, counters })
+    }
+}
+
+/// HeteroLLM's plan (see the module doc).
+struct Hetero {
+    settings: Settings,
+    hetero: HeteroSettings,
+    opened: Option<(Arc<QnnDevice>, Arc<GpuDevice>)>,
+}
+
+/// The token counts HeteroLLM's plan is made for: `[hetero] sizes` and one (decode).
+fn hetero_counts(h: &HeteroSettings) -> Vec<usize> {
+    let mut counts = h.sizes.clone();
+    counts.push(1);
+    counts
+}
+
+impl Backend for Hetero {
+    fn open(&mut self) -> Result<String, Refusal> {
+        let (s, h) = (&self.settings, &self.hetero);
+        let d = QnnDevice::open(&s.library, s.soc).map_err(|e| Refusal::unexpected(e.to_string()))?;
+        // HeteroLLM's graphs through the device contract: static at the plan's token counts and
+        // the SoC's standard sizes the solver pads pieces to, in the NPU's graph cache.
+        let mut counts = hetero_counts(h);
+        counts.extend_from_slice(h.soc.sizes().all());
+        let d = d.with_token_counts(&counts).with_cache_dir(s.cache_dir.clone()).with_profile(h.soc.clone());
+        let (npu, what) = open_qnn(s, d);
+        let gpu = GpuDevice::open(&h.gpu)
+            .map_err(|e| Refusal::unexpected(format!("backend \"hetero\" needs an OpenCL device: {e}")))?;
+        let what = format!("{what}; GPU {} for HeteroLLM's plan", gpu.info().name);
+        self.opened = Some((npu, Arc::new(gpu)));
+        Ok(what)
+    }
+
+    /// Every projection's cut for each of `[hetero] sizes` and one token, the NPU's fp16 graphs
+    /// prepared together through the device contract — loaded from the NPU's graph cache (the
+    /// same cache as the INT8 graphs', keyed by the library, chip, graphs and weights) when a
+    /// sound one is there, else built, finalized and stored.
+    fn prepare(&mut self, model: &Arc<Model>) -> Result<Prepared, String> {
+        let h = &self.hetero;
+        let (device, gpu) = self.opened.clone().ok_or("the NPU is not open")?;
+        let counts = hetero_counts(h);
+        let plan = |op: &Op| match h.plan {
+            crate::config::HeteroPlan::Solver => solver_cut(&h.soc, h.weight_bits, op),
+            crate::config::HeteroPlan::Even => even_cut(op, h.row_align),
+        };
+        let planned = HeteroPlan::new(model.transformer.projections(), &counts, &plan).map_err(|e| e.to_string())?;
+        let missing: Vec<usize> =
+            planned.npu_token_counts().into_iter().filter(|&m| !device.desc().static_shapes.allows(m)).collect();
+        if !missing.is_empty() {
+            return Err(format!(
+                "the plan runs NPU graphs of {missing:?} tokens, which {} was not opened for",
+                device.desc().name
+            ));
+        }
+        let cuts = planned.to_json();
+        // Every block on the host (the CPU: norms, RoPE, attention, SwiGLU, the head); each
+        // projection's parts on the NPU and the GPU as the plan cuts it.
+        let host = model.transformer.planner().backends().next().map(|d| d.name.clone()).unwrap_or_default();
+        let devs = Devices::new(
+            vec![device.clone() as Arc<dyn llmd_device::Device>, gpu.clone() as Arc<dyn llmd_device::Device>],
+            Arc::new(llmd_engine::sched::Pinned { names: vec![host], pick: |_| 0 }),
+        )
+        .with_splitter(Arc::new(planned));
+        let graphs = model.transformer.prepare_splits(&devs).map_err(|e| e.to_string())?;
+        let mut how =
+            format!("planned ({:?} on {}, token counts {:?}; GPU {})", h.plan, h.soc.key, counts, gpu.info().name);
+        // The plan's NPU graphs were prepared in one `prepare_all` just now (a fresh set of
+        // devices), which set the outcome; a plan with none prepared nothing.
+        match device.last_cache_outcome() {
+            _ if graphs == 0 => how.push_str(", no NPU graphs in the plan"),
+            Some(CacheOutcome::Loaded) => how.push_str(", fp16 graphs loaded from the cache"),
+            Some(CacheOutcome::Built { reason }) => {
+                how.push_str(&format!(", fp16 graphs built and finalized ({reason})"))
+            }
+            None => how.push_str(", fp16 graphs built (no cache directory)"),
+        }
+        // The plan kept per model, SoC and token count, for `dump`'s readers and OEM tooling.
+        if let Some(dir) = &h.plan_dir {
+            let file = dir.join(format!("{}.{}.{:?}.json", model.name, h.soc.key, h.plan).to_lowercase());
+            let body = serde_json::json!({"model": model.name, "soc": h.soc.key, "plan": format!("{:?}", h.plan), "token_counts": counts, "cuts": cuts});
+            match write_atomically(&file, body.to_string().as_bytes()) {
+                Ok(()) => how.push_str(&format!(", stored in {}", file.display())),
+                Err(e) => tracing::warn!("the hetero plan was not stored in {}: {e}", file.display()),
+            }
+        }
+        // The NPU's parts' modelled time (the emulator's), HeteroLLM's counters and its fast
+        // sync's.
+        let counters = Box::new(move |devs: &Devices, name: &str| {
+            let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            let (st, sync) = (&devs.stats, &devs.sync);
+            Counters {
+                modelled_ns: Some(device.modelled_ns()),
+                lines: vec![
+                    format!(
+                        "hetero {name}: {} matmuls, {} cut between the NPU and the GPU; {} NPU pieces, {} GPU pieces",
+                        c(&st.matmuls),
+                        c(&st.split_matmuls),
+                        c(&st.npu_parts),
+                        c(&st.gpu_parts)
+                    ),
+                    format!(
+                        "fast sync {name}: {} waits for the GPU, {:.1} ms polling",
+                        c(&sync.waits),
+                        c(&sync.polled_ns) as f64 / 1e6
+                    ),
+                ],
+            }
+        });
+        Ok(Prepared { devs, graphs, how, counters })
+    }
+}
