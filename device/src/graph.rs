@@ -57,8 +57,10 @@ pub enum SubgraphKind {
     /// gate and up; down), llm.npu's unit of NPU work. It reads one row of the group's input
     /// from [`crate::Bindings::x`] per position its bindings name, and writes to
     /// [`crate::Bindings::y`] each projection's rows in turn, in [`GroupSite::roles`] order
-    /// (f32, before any bias). A device that holds a model's groups (quantized and calibrated
-    /// when it loaded them) takes it; its executable may run any number of rows.
+    /// (f32, before any bias). Every device takes it — the CPU and the GPU run its
+    /// projections in turn, the NPU as one W8A8 graph of the weights it quantized and
+    /// calibrated when it loaded them — and its executable runs the rows it is bound to,
+    /// whatever count it was prepared for.
     Group(GroupSite),
 }
 

@@ -340,3 +340,98 @@ fn a_whole_pass_runs_on_every_device_with_the_cpus_greedy_tokens() {
     }
     assert!(runs >= 3, "{runs} devices: the CPU, an OpenCL device and the NPU at least");
 }
+
+/// A layer's linear groups (`Subgraph::group`: Q, K and V; O; gate and up; down — one input,
+/// each projection's rows in turn) through the contract on every device: prepared once (for
+/// no particular count, as the executor does) and run at each of the body's token counts, which
+/// a group's executable takes from its bindings. The CPU device gives the host's matmuls bit for
+/// bit, an OpenCL device each projection within its tolerance of the definition. The NPU's
+/// groups are the W8A8 graphs of the weights it calibrated and quantized (`QnnDevice::
+/// group_weights`, run through the contract in `npu_qnn`'s body against their integer
+/// reference); given a file's plain rows it refuses the group with a typed error.
+#[test]
+fn a_layers_linear_groups_run_through_the_contract_on_every_device() {
+    use llmd_device::{DeviceError, GroupSite};
+    let m = common::default_model();
+    let t = &m.transformer;
+    let cpu = CpuBackend::new(2);
+    let mut rng = check::Rng(0x6a0_00b5);
+    let (mut ran, mut refused) = (0, 0);
+    for (name, dev, expect) in devices() {
+        let mut worst = 0f64;
+        for layer in [0, t.weights.layers.len() - 1] {
+            let l = &t.weights.layers[layer];
+            for site in GroupSite::ALL {
+                let mats: Vec<(WeightRole, &WeightMatrix)> =
+                    site.roles().iter().map(|&r| (r, l.matrix(r).expect("the layer's projection"))).collect();
+                let weights: Vec<_> = mats
+                    .iter()
+                    .map(|(role, w)| {
+                        let data = w.source_bytes().expect("the model's rows are mapped");
+                        let hw = HostWeight { role: *role, ty: w.ty, rows: w.rows, cols: w.cols, data, host: None };
+                        dev.load_weight(&hw, 0..w.rows).expect("load_weight")
+                    })
+                    .collect();
+                let sg = Subgraph::group(layer, site);
+                let exe = match (dev.prepare(sg, &t.shape, 0, &weights), expect) {
+                    (Ok(e), _) => e,
+                    // The NPU (its tolerance is the fp16 linears'): plain rows are not its groups.
+                    (Err(DeviceError::Invalid { .. } | DeviceError::Unsupported { .. }), Expect::Within(tol))
+                        if tol == F16_LINEAR_REL_TOL =>
+                    {
+                        refused += 1;
+                        continue;
+                    }
+                    (Err(e), _) => panic!("{name}: {sg:?} refused: {e}"),
+                };
+                let k = mats[0].1.cols;
+                let total_rows: usize = mats.iter().map(|(_, w)| w.rows).sum();
+                for tokens in TOKEN_COUNTS {
+                    let x = rng.vec(tokens * k);
+                    let xb = dev.alloc(BufferUsage::Activations, x.len() * 4).expect("alloc x");
+                    let yb = dev.alloc(BufferUsage::Activations, tokens * total_rows * 4).expect("alloc y");
+                    let wrote = dev.write(&xb, 0, &f32_bytes(&x), &[]).expect("write");
+                    let zeros: Arc<[u32]> = vec![0u32; tokens].into();
+                    let bind = Bindings {
+                        x: xb,
+                        tokens: zeros.clone(),
+                        positions: zeros,
+                        seqs: Arc::new([]),
+                        logit_rows: Arc::new([]),
+                        logits: None,
+                        y: Some(yb.clone()),
+                    };
+                    let ev = dev.submit(&exe, &bind, &[wrote]).expect("submit");
+                    let mut raw = vec![0u8; tokens * total_rows * 4];
+                    dev.read(&yb, 0, &mut raw, &[ev]).expect("read");
+                    let y: Vec<f32> =
+                        raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    let mut at = 0;
+                    for (role, w) in &mats {
+                        let part = &y[at..at + tokens * w.rows];
+                        at += tokens * w.rows;
+                        let all = 0..w.rows;
+                        let where_ =
+                            format!("{name}: layer {layer}'s {site:?} group, {role:?} ({}), {tokens} tokens", w.ty);
+                        match expect {
+                            Expect::HostBits => {
+                                let want = host_matmul(&cpu, w, &all, &x, tokens);
+                                let same = part.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                                assert!(same, "{where_}: not the host's bits");
+                            }
+                            Expect::Within(tol) => {
+                                let e = worst_against_definition(w, &all, &x, tokens, part);
+                                assert!(e <= tol, "{where_}: off by {e:.2e}, past {tol:.0e}");
+                                worst = worst.max(e);
+                            }
+                        }
+                    }
+                    ran += 1;
+                }
+            }
+        }
+        eprintln!("{name:<70} groups: worst {worst:.2e}");
+    }
+    assert!(ran >= 2 * 2 * 4 * TOKEN_COUNTS.len(), "{ran} group runs: the CPU and an OpenCL device at least");
+    assert_eq!(refused, 2 * 2 * 4, "each NPU library refuses every group of plain rows");
+}

@@ -113,6 +113,31 @@ pub fn run_subgraph(
         let (x, y) = (&io.x[..n * w.cols], &mut io.y[..n * w.rows]);
         return planner.place(&op).and_then(|b| b.matmul(w, x, n, y)).map_err(|e| e.to_string());
     }
+    if let SubgraphKind::Group(site) = sg.kind {
+        // Each projection's rows in turn, over one input row per bound position.
+        let n = io.positions.len();
+        let mut at = 0;
+        for (i, role) in site.roles().iter().enumerate() {
+            let Some(HostCopy::Matrix(w)) = weights.get(i) else {
+                return Err(format!("{sg:?}: its {role:?} weight is not a matrix"));
+            };
+            if io.x.len() < n * w.cols || io.y.len() < at + n * w.rows {
+                return Err(format!(
+                    "{sg:?}: {} inputs and {} outputs for {n} rows of its {}×{} {role:?}",
+                    io.x.len(),
+                    io.y.len(),
+                    w.rows,
+                    w.cols
+                ));
+            }
+            let op =
+                crate::backend::OpDesc { kind: crate::backend::OpKind::MatMul, weight_type: Some(w.ty), n_tokens: n };
+            let (x, y) = (&io.x[..n * w.cols], &mut io.y[at..at + n * w.rows]);
+            planner.place(&op).and_then(|b| b.matmul(w, x, n, y)).map_err(|e| e.to_string())?;
+            at += n * w.rows;
+        }
+        return Ok(());
+    }
     let pass = Pass { c: shape, planner, linears: None };
     check_bindings(io.tokens, io.positions, io.seqs)?;
     let spans: Vec<_> = io.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
@@ -198,8 +223,7 @@ pub fn run_subgraph(
                 io.logits.copy_from_slice(&out);
                 Ok(())
             }
-            SubgraphKind::Linear(_) => Err("a linear subgraph past its own path".into()),
-            SubgraphKind::Group(_) => Err("a linear group (the host runs groups in its own blocks)".into()),
+            SubgraphKind::Linear(_) | SubgraphKind::Group(_) => Err("a projection past its own path".into()),
         }
     })();
     std::mem::swap(&mut st.x, io.x);

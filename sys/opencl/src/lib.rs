@@ -133,6 +133,7 @@ entry_points! {
     enqueue_nd_range_kernel: clEnqueueNDRangeKernel_t = "clEnqueueNDRangeKernel",
     enqueue_read_buffer: clEnqueueReadBuffer_t = "clEnqueueReadBuffer",
     enqueue_write_buffer: clEnqueueWriteBuffer_t = "clEnqueueWriteBuffer",
+    enqueue_copy_buffer: clEnqueueCopyBuffer_t = "clEnqueueCopyBuffer",
     enqueue_marker_with_wait_list: clEnqueueMarkerWithWaitList_t = "clEnqueueMarkerWithWaitList",
     set_event_callback: clSetEventCallback_t = "clSetEventCallback",
     release_event: clReleaseEvent_t = "clReleaseEvent",
@@ -591,6 +592,47 @@ impl Context {
         })?;
         self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
         self.counters.from_device.fetch_add(dst.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Enqueues a copy of `bytes` bytes at `src_offset` of `src` to `dst_offset` of `dst`, after
+    /// the queue's earlier work. Does not wait.
+    pub fn copy(
+        &self,
+        src: &Mem,
+        src_offset: usize,
+        dst: &Mem,
+        dst_offset: usize,
+        bytes: usize,
+    ) -> Result<(), ClError> {
+        self.same(src)?;
+        self.same(dst)?;
+        let past = |off: usize, len: usize| off.checked_add(bytes).is_none_or(|e| e > len);
+        if past(src_offset, src.len) || past(dst_offset, dst.len) {
+            return Err(ClError::Invalid(format!(
+                "copy of {bytes} bytes from {src_offset} of a {}-byte buffer to {dst_offset} of a {}-byte one",
+                src.len, dst.len
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both buffers belong to this queue's context (checked) and outlive the call
+        // (the runtime retains what it enqueues); both ranges were checked against their sizes.
+        check("clEnqueueCopyBuffer", unsafe {
+            (self.lib.f.enqueue_copy_buffer)(
+                self.queue,
+                src.mem,
+                dst.mem,
+                src_offset,
+                dst_offset,
+                bytes,
+                0,
+                ptr::null(),
+                ptr::null_mut(),
+            )
+        })?;
+        self.counters.kernels.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 

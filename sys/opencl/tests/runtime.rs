@@ -124,3 +124,21 @@ fn a_buffer_over_host_memory_is_read_in_place_and_holds_it_until_released() {
     // Nothing was copied to the device for it.
     assert_eq!(before.bytes_to_device, 4000, "only y's 4000 bytes went up");
 }
+
+#[test]
+fn a_copy_between_buffers_lands_at_its_offset_and_a_range_past_either_end_is_refused() {
+    let Some(ctx) = context() else { return };
+    let src = ctx.buffer_from(Access::ReadOnly, &(0u8..64).collect::<Vec<_>>(), false).unwrap();
+    let dst = ctx.buffer_from(Access::ReadWrite, &[0xffu8; 48], false).unwrap();
+    // Unaligned offsets on both sides (a group's projections land at any float).
+    ctx.copy(&src, 5, &dst, 7, 20).unwrap();
+    let mut out = vec![0u8; 48];
+    ctx.read(&dst, 0, &mut out).unwrap();
+    let mut want = vec![0xffu8; 48];
+    want[7..27].copy_from_slice(&(5u8..25).collect::<Vec<_>>());
+    assert_eq!(out, want);
+    for (so, dof, n) in [(50, 0, 20), (0, 40, 20), (usize::MAX, 0, 2), (0, 0, 65)] {
+        assert!(matches!(ctx.copy(&src, so, &dst, dof, n), Err(ClError::Invalid(_))), "{so} {dof} {n}");
+    }
+    ctx.copy(&src, 64, &dst, 48, 0).unwrap();
+}

@@ -110,18 +110,12 @@ impl Device for CpuDevice {
         n: usize,
         weights: &[Weight],
     ) -> Result<Executable, DeviceError> {
-        if let llmd_device::SubgraphKind::Group(_) = sg.kind {
-            return Err(DeviceError::Unsupported {
-                device: self.desc.name.clone(),
-                what: format!("{sg:?} (the CPU runs a group's projections as Linear subgraphs)"),
-            });
-        }
         let roles = sg.weight_roles(shape);
         if weights.len() != roles.len() || weights.iter().zip(&roles).any(|(w, r)| w.role != *r) {
             return Err(self.err(format!("{sg:?} takes the weights {roles:?}")));
         }
-        // A block runs on whole weights; a row range is a linear subgraph's (a split matmul's
-        // piece).
+        // A block (or a group) runs on whole weights; a row range is a linear subgraph's (a
+        // split matmul's piece).
         let whole = !matches!(sg.kind, llmd_device::SubgraphKind::Linear(_));
         if let Some(w) = weights.iter().find(|w| whole && w.rows.start != 0) {
             return Err(self.err(format!("{sg:?}: {:?} holds rows {:?}, not all of them", w.role, w.rows)));
@@ -136,7 +130,9 @@ impl Device for CpuDevice {
     fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
         let p = exe.get::<Prepared>(self.id).ok_or_else(|| self.err("an executable of another device"))?;
         Event::wait_all(after)?;
-        if bind.positions.len() != exe.n_tokens {
+        // A group runs the rows it is bound to (the contract's rule); the rest their count.
+        let group = matches!(exe.subgraph.kind, llmd_device::SubgraphKind::Group(_));
+        if !group && bind.positions.len() != exe.n_tokens {
             return Err(self.err(format!("prepared for {} tokens, {} bound", exe.n_tokens, bind.positions.len())));
         }
         let fail = |detail: String| DeviceError::Execution { device: self.desc.name.clone(), detail };
@@ -198,8 +194,8 @@ impl Device for CpuDevice {
         }
         drop(caches);
         drop(guards);
-        // A linear subgraph only reads `x`: nothing to write back.
-        let reads_only = matches!(exe.subgraph.kind, llmd_device::SubgraphKind::Linear(_));
+        // A projection only reads `x`: nothing to write back.
+        let reads_only = matches!(exe.subgraph.kind, llmd_device::SubgraphKind::Linear(_)) || group;
         if let (false, Mem::Bytes(b)) = (reads_only, &mut *lock(x_cell)) {
             let src: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
             if b.len() == src.len() {

@@ -784,7 +784,7 @@ impl GpuDevice {
     /// Enqueues one subgraph's kernels (the state locked: one submission at a time).
     fn enqueue_subgraph(&self, st: &mut State, p: &Plan, b: &Bindings) -> Result<(), DeviceError> {
         let s = &p.shape;
-        let n = p.n;
+        let n = b.positions.len();
         let opt = |role: WeightRole| {
             p.weights.iter().find(|(r, _)| *r == role).and_then(|(_, w)| w.get::<GpuWeight>(self.id))
         };
@@ -803,6 +803,34 @@ impl GpuDevice {
                 )));
             }
             return self.matmul(wt, x, y, n, false, None);
+        }
+        if let SubgraphKind::Group(site) = p.sg.kind {
+            // Each projection's rows in turn: the first straight into y, the others through a
+            // scratch buffer copied to their place (the matmul kernels write from y's start).
+            let y = self.buf(b.y.as_ref().ok_or_else(|| self.err("a linear group bound without y"))?)?;
+            let mut at = 0;
+            for (i, &role) in site.roles().iter().enumerate() {
+                let wt = w(role)?;
+                let bytes = n * wt.rows * 4;
+                if x.len() < n * wt.cols * 4 || y.len() < at + bytes {
+                    return Err(self.err(format!(
+                        "{:?} of {n} rows bound to x of {} bytes and y of {}",
+                        p.sg,
+                        x.len(),
+                        y.len()
+                    )));
+                }
+                if i == 0 {
+                    self.matmul(wt, x, y, n, false, None)?;
+                } else {
+                    self.ensure(st, "group", bytes)?;
+                    let g = st.scratch.get("group").ok_or_else(|| self.err("scratch"))?;
+                    self.matmul(wt, x, g, n, false, None)?;
+                    self.ctx.copy(g, 0, y, at, bytes).map_err(self.exec())?;
+                }
+                at += bytes;
+            }
+            return Ok(());
         }
         if x.len() < n * s.d_model * 4 {
             return Err(self.err(format!("x holds {} bytes, {n} rows need {}", x.len(), n * s.d_model * 4)));
@@ -890,8 +918,7 @@ impl GpuDevice {
                 self.rms_norm(x, h, norm, rows, s.norm_eps, Some(&map))?;
                 self.matmul(out, h, logits, rows, false, None)
             }
-            SubgraphKind::Linear(_) => Err(self.err("a linear subgraph past its own path")),
-            SubgraphKind::Group(_) => Err(self.err("a linear group (the GPU runs projections as Linear subgraphs)")),
+            SubgraphKind::Linear(_) | SubgraphKind::Group(_) => Err(self.err("a projection past its own path")),
         }
     }
 
@@ -1014,12 +1041,6 @@ impl Device for GpuDevice {
         n_tokens: usize,
         weights: &[Weight],
     ) -> Result<Executable, DeviceError> {
-        if let SubgraphKind::Group(_) = subgraph.kind {
-            return Err(DeviceError::Unsupported {
-                device: self.desc.name.clone(),
-                what: format!("{subgraph:?} (the GPU runs a group's projections as Linear subgraphs)"),
-            });
-        }
         let roles = subgraph.weight_roles(shape);
         if roles.len() != weights.len() {
             return Err(self.err(format!("{subgraph:?} takes {} weights, {} given", roles.len(), weights.len())));
@@ -1048,7 +1069,9 @@ impl Device for GpuDevice {
 
     fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
         let plan = exe.get::<Plan>(self.id).ok_or_else(|| self.err("an executable of another device"))?;
-        if bind.positions.len() != plan.n || bind.tokens.len() != plan.n {
+        // A group runs the rows it is bound to (the contract's rule); the rest their count.
+        let group = matches!(plan.sg.kind, SubgraphKind::Group(_));
+        if bind.positions.len() != bind.tokens.len() || !(group || bind.positions.len() == plan.n) {
             return Err(self.err(format!("prepared for {} tokens, bound {}", plan.n, bind.positions.len())));
         }
         self.wait_foreign(after)?;
