@@ -263,6 +263,30 @@ fn the_npu_device_estimates_its_graphs_from_the_soc_profile() {
     // Past its largest graph, and kinds it does not run: no figure.
     assert_eq!(npu.estimate(up, &shape, 257), None);
     assert_eq!(npu.estimate(Subgraph::attention(0), &shape, 32), None);
+    // A W8A8 group: one INT8 graph of its projections over the rows asked (llm.npu's model:
+    // the launch, then per node the slower of its int8 weight bytes and its operations, at
+    // the profile's INT8 figures — written out here from that definition).
+    let gate_up = Subgraph::group(0, llmd_device::GroupSite::GateUp);
+    let want = |p: &llmd_engine::hetero::soc::Soc, m: usize| {
+        let n = &p.npu;
+        let node = ((d * f) as f64 / (n.int8_weight_gb_per_s * 1e9 * p.npu_speed))
+            .max(2.0 * (m * d * f) as f64 / (n.int8_tops * 1e12 * p.npu_speed));
+        n.int8_launch_ms * 1e-3 / p.npu_speed + 2.0 * node
+    };
+    for m in [1, 20, 300] {
+        let got = npu.estimate(gate_up, &shape, m).expect("priced").compute_s;
+        assert!((got - want(&soc, m)).abs() <= 1e-15, "{m} rows: {got} vs {}", want(&soc, m));
+    }
+    // The chip's own profile (QNN's SoC model 43, 57, 69): the 8 Gen 2's NPU is the slower.
+    let by_chip = |chip| {
+        QnnDevice::open(&common::emulator_library(), chip)
+            .expect("opens")
+            .with_chip_profile()
+            .estimate(gate_up, &shape, 256)
+    };
+    let (gen2, gen3) = (by_chip(43).expect("8 Gen 2"), by_chip(SM8650).expect("8 Gen 3"));
+    assert!(gen2.compute_s > gen3.compute_s, "{gen2:?} {gen3:?}");
+    assert_eq!(by_chip(30), None, "SM8350 has no built-in profile");
 }
 
 /// llm.npu's W8A8 groups as the NPU device's second graph kind: a model's groups (calibrated,

@@ -115,7 +115,8 @@ pub struct NpuPrefill {
 /// standard error.
 pub fn prepare(model: &llmd_engine::Model, args: &NpuArgs) -> Result<NpuPrefill, String> {
     let path = library_path(args)?;
-    let device = std::sync::Arc::new(QnnDevice::open(&path, args.soc).map_err(|e| e.to_string())?);
+    // The chip's profile prices each group for the job graph's order (llm.npu's T(G)).
+    let device = std::sync::Arc::new(QnnDevice::open(&path, args.soc).map_err(|e| e.to_string())?.with_chip_profile());
     let text = match &args.calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
         None => CALIBRATION_TEXT.to_owned(),

@@ -98,15 +98,9 @@ impl Default for Int8Costs {
 
 impl Int8Costs {
     /// The NPU's time for one graph of `m` rows holding FullyConnected nodes `k × n` (the
-    /// emulator's `cost::fc_ns` with these rates).
+    /// emulator's `cost::fc_ns` with these rates: `soc::int8_graph_s`).
     fn npu_s(&self, m: usize, fcs: &[(usize, usize)]) -> f64 {
-        self.launch_s
-            + fcs
-                .iter()
-                .map(|&(k, n)| {
-                    ((k * n) as f64 / self.weight_bytes_per_s).max(2.0 * (m * k * n) as f64 / self.ops_per_s)
-                })
-                .sum::<f64>()
+        llmd_engine::hetero::soc::int8_graph_s(self.launch_s, self.weight_bytes_per_s, self.ops_per_s, m, fcs)
     }
 }
 

@@ -131,6 +131,29 @@ pub fn find(file: Option<&str>, name: &str) -> Result<Soc, SocError> {
     resolve(&tables, name, 0)
 }
 
+/// The built-in profile of the chip QNN knows as `chip` (`QNN_HTP_DEVICE_CONFIG_OPTION_SOC`:
+/// 43, 57, 69 = SM8550, SM8650, SM8750), if there is one.
+pub fn for_qnn_chip(chip: u32) -> Option<Soc> {
+    let key = match chip {
+        43 => "snapdragon_8gen2",
+        57 => "snapdragon_8gen3",
+        69 => "snapdragon_8elite",
+        _ => return None,
+    };
+    find(None, key).ok()
+}
+
+/// One INT8 graph's time by llm.npu's cost model (the emulator's, `qnn-emu`'s `cost`): the
+/// launch, then per FullyConnected node of `k` inputs and `n` outputs the slower of streaming
+/// its `k·n` weight bytes and its `2·m·k·n` operations, for `m` rows; seconds.
+pub fn int8_graph_s(launch_s: f64, weight_bytes_per_s: f64, ops_per_s: f64, m: usize, fcs: &[(usize, usize)]) -> f64 {
+    launch_s
+        + fcs
+            .iter()
+            .map(|&(k, n)| ((k * n) as f64 / weight_bytes_per_s).max(2.0 * (m * k * n) as f64 / ops_per_s))
+            .sum::<f64>()
+}
+
 /// The keys of the built-in profiles.
 pub fn builtin_names() -> Vec<String> {
     parse(BUILTIN).map(|t| t.into_keys().collect()).unwrap_or_default()
@@ -180,6 +203,20 @@ fn resolve(tables: &BTreeMap<String, toml::Value>, name: &str, depth: usize) -> 
 }
 
 impl Soc {
+    /// One INT8 graph of `m` rows over the FullyConnected nodes `fcs` (`k` inputs, `n`
+    /// outputs each) on this profile's NPU ([`int8_graph_s`] at its INT8 figures, scaled by
+    /// its NPU speed), seconds.
+    pub fn npu_int8_graph_s(&self, m: usize, fcs: &[(usize, usize)]) -> f64 {
+        let n = &self.npu;
+        int8_graph_s(
+            n.int8_launch_ms * 1e-3 / self.npu_speed,
+            n.int8_weight_gb_per_s * 1e9 * self.npu_speed,
+            n.int8_tops * 1e12 * self.npu_speed,
+            m,
+            fcs,
+        )
+    }
+
     fn check(&self) -> Result<(), String> {
         let pos = [
             ("npu.fp16_tflops", self.npu.fp16_tflops),

@@ -20,6 +20,7 @@ use crate::backend::blocks::{Linears, Logits, Pass, PassState};
 use crate::backend::kv::KvCache;
 use crate::error::BackendError;
 use crate::sched::{run_threads, Dag, Job, Policy, Processor, Timeline};
+use llmd_device::{GroupSite, Subgraph};
 use std::sync::Mutex;
 
 /// The three subgraphs of a layer, in order.
@@ -38,24 +39,54 @@ impl Transformer {
     }
 
     /// llm.npu's profiled time T(G) of each job of [`Self::prefill_dag`] for `tokens` prompt
-    /// tokens after `base` in chunks of `chunk`, estimated from the shapes: an NPU subgraph's
-    /// multiply-accumulates (its linear groups), attention's over its context. Decision: the
-    /// scheduler's scores compare only NPU times (Eq. 6), whose ratios the shapes fix; a device's
-    /// measured rate would scale them all alike. Any legal order gives the same bits
-    /// (`engine/tests/npu_ooe.rs`), so an estimate costs speed at most, never results.
-    pub fn prefill_times(&self, base: usize, tokens: usize, chunk: usize) -> impl Fn(Job) -> f64 + Sync {
+    /// tokens after `base` in chunks of `chunk`. An NPU-lane subgraph's is the modelled time of
+    /// its linear groups on the device `devs`' splitter places them on ([`Device::estimate`]:
+    /// llm.npu's INT8 cost model over a SoC profile, `QnnDevice::with_chip_profile`) when that
+    /// device prices every group; else all are estimated from the shapes, an NPU subgraph by its
+    /// multiply-accumulates, attention by its own over its context. Decision: the scheduler's
+    /// scores compare only NPU times (Eq. 6), so the CPU's jobs keep the shapes' figure either
+    /// way; and any legal order gives the same bits (`engine/tests/npu_ooe.rs`), so an estimate
+    /// costs speed at most, never results.
+    pub fn prefill_times(
+        &self,
+        devs: &Devices,
+        base: usize,
+        tokens: usize,
+        chunk: usize,
+    ) -> impl Fn(Job) -> f64 + Sync {
         let s = &self.shape;
         let (d, q, kv, ff) =
             (s.d_model as f64, (s.n_heads * s.head_dim) as f64, (s.n_kv_heads * s.head_dim) as f64, s.ffn_dim as f64);
         let (qkv, o_ffn) = (d * (q + 2.0 * kv), d * q + 3.0 * d * ff);
         let chunk = chunk.max(1);
+        // The devices' figures for a chunk of `n` rows: (QKV, O + gate/up + down), seconds.
+        let descs = self.descs(devs).unwrap_or_default();
+        let group_s = |site: GroupSite, n: usize| -> Option<f64> {
+            let dev = devs.list.get(devs.splitter.group(0, site, n, &descs)?.checked_sub(1)?)?;
+            dev.estimate(Subgraph::group(0, site), &self.shape, n).map(|c| c.total())
+        };
+        let priced = |n: usize| -> Option<(f64, f64)> {
+            Some((
+                group_s(GroupSite::Qkv, n)?,
+                group_s(GroupSite::O, n)? + group_s(GroupSite::GateUp, n)? + group_s(GroupSite::Down, n)?,
+            ))
+        };
+        let last = match tokens % chunk {
+            0 => chunk,
+            r => r,
+        };
+        let modelled = priced(chunk).zip(priced(last));
         move |j: Job| {
             let start = j.chunk * chunk;
-            let n = tokens.saturating_sub(start).min(chunk) as f64;
-            match j.step % SUBGRAPHS_PER_LAYER {
-                0 => n * qkv,
+            let rows = tokens.saturating_sub(start).min(chunk);
+            let n = rows as f64;
+            let npu = modelled.map(|(full, tail)| if rows == chunk { full } else { tail });
+            match (j.step % SUBGRAPHS_PER_LAYER, npu) {
+                (0, Some((qkv_s, _))) => qkv_s,
+                (2, Some((_, rest_s))) => rest_s,
+                (0, None) => n * qkv,
                 // Queries × the keys and values they see (the chunk's own, half on average).
-                1 => n * q * 2.0 * ((base + start) as f64 + n / 2.0),
+                (1, _) => n * q * 2.0 * ((base + start) as f64 + n / 2.0),
                 _ => n * o_ffn,
             }
         }
@@ -82,7 +113,7 @@ impl Transformer {
                 .map(|mut l| l.pop().unwrap_or_default())
         } else {
             let linears = self.split_linears_until(devs, stop)?;
-            let times = self.prefill_times(before, tokens.len(), chunk);
+            let times = self.prefill_times(devs, before, tokens.len(), chunk);
             self.chunks_out_of_order(kv, tokens, chunk, &linears, Policy::OutOfOrder, &times).map(|(l, _)| l)
         };
         if r.is_err() {

@@ -187,6 +187,16 @@ impl QnnDevice {
         self
     }
 
+    /// [`Self::with_profile`] with the built-in profile of the chip it was opened for
+    /// ([`crate::hetero::soc::for_qnn_chip`]), unless it has a profile or the chip has none:
+    /// llm.npu's groups then have a modelled time for the job graph's order.
+    pub fn with_chip_profile(self) -> Self {
+        match (&self.profile, crate::hetero::soc::for_qnn_chip(self.soc())) {
+            (None, Some(p)) => self.with_profile(p),
+            _ => self,
+        }
+    }
+
     /// Where the last [`Device::prepare_all`] with a cache directory got its context (None:
     /// none has run, or there is no cache directory).
     pub fn last_cache_outcome(&self) -> Option<CacheOutcome> {
@@ -481,11 +491,21 @@ impl Device for QnnDevice {
             .collect()
     }
 
-    /// A `Linear` subgraph's modelled time on the profile's NPU ([`QnnDevice::with_profile`])
-    /// at the smallest static count holding `n_tokens`, weights in f16: None without a profile,
-    /// for other kinds, and past its largest count.
+    /// A subgraph's modelled time on the profile's NPU ([`QnnDevice::with_profile`]): a
+    /// `Linear` at the smallest static count holding `n_tokens`, weights in f16 (HeteroLLM's
+    /// model); a `Group` as one W8A8 graph of its projections over `n_tokens` rows (llm.npu's
+    /// model, [`crate::hetero::soc::int8_graph_s`]). None without a profile, for other kinds,
+    /// and past a `Linear`'s largest count.
     fn estimate(&self, sg: Subgraph, shape: &BlockShape, n_tokens: usize) -> Option<Cost> {
         let soc = self.profile.as_ref()?;
+        if let SubgraphKind::Group(site) = sg.kind {
+            let fcs: Vec<(usize, usize)> = site
+                .roles()
+                .iter()
+                .map(|&r| linear_shape(shape, r).map(|(rows, cols)| (cols, rows)))
+                .collect::<Option<_>>()?;
+            return Some(Cost { compute_s: soc.npu_int8_graph_s(n_tokens, &fcs), transfer_s: 0.0 });
+        }
         let SubgraphKind::Linear(role) = sg.kind else { return None };
         let (rows, cols) = linear_shape(shape, role)?;
         let m = match &self.desc.static_shapes {
