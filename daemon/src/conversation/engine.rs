@@ -88,11 +88,19 @@ pub struct ModelEngine {
     /// The NPU and the GPU: prompt chunks and decode passes of models prepared on them.
     processors: Processors,
     prompts_done: (Sender<Finished>, Receiver<Finished>),
+    /// Requests whose prompt unit is on a processor and not yet back.
+    prompts_in_flight: Vec<u64>,
 }
 
 impl ModelEngine {
     pub fn new(prefill_chunk: usize, max_prompt_tokens: usize, processors: Processors) -> Self {
-        Self { prefill_chunk, max_prompt_tokens, processors, prompts_done: std::sync::mpsc::channel() }
+        Self {
+            prefill_chunk,
+            max_prompt_tokens,
+            processors,
+            prompts_done: std::sync::mpsc::channel(),
+            prompts_in_flight: Vec::new(),
+        }
     }
 
     /// The pass's decode steps (`decode`, indices into `batch`) on processor `proc`, beside its
@@ -184,7 +192,7 @@ fn forward_on_cpu(
 impl Engine for ModelEngine {
     type Turn = Turn;
     type Seq = Started;
-    type Offloaded = ChunkDone;
+    type Finished = ChunkDone;
 
     fn start(&mut self, t: &Turn) -> Result<Started, ServiceError> {
         // A model that came back after an eviction is prepared on the processors again (no-op
@@ -211,10 +219,6 @@ impl Engine for ModelEngine {
 
     fn prompt_chunk(&self, s: &Started, n: usize) -> Option<Vec<u32>> {
         s.gen.prefill_chunk_at_most(n).map(<[u32]>::to_vec)
-    }
-
-    fn offload_tokens(&self, s: &Started, n: usize) -> Option<Vec<u32>> {
-        s.gen.prefill_at_most(n).map(<[u32]>::to_vec)
     }
 
     fn sample(&mut self, t: &Turn, s: &mut Started) -> Result<(StepOutput, Option<u32>), ServiceError> {
@@ -264,15 +268,17 @@ impl Engine for ModelEngine {
         Ok(())
     }
 
-    fn offload_chunk(&self, t: &Turn) -> Option<usize> {
-        self.processors.prompts(&t.model).map(|(_, n)| n)
-    }
-
-    fn offload(&mut self, id: u64, t: &Turn, tokens: Vec<u32>, withdraw: Arc<AtomicBool>) -> Result<(), ServiceError> {
+    fn place_prompt(&mut self, id: u64, t: &Turn, s: &Started, withdraw: Arc<AtomicBool>) -> Option<usize> {
+        // One unit at a time: a processor runs one job at a time, and a prompt's next unit
+        // waits for its last (see `processor`'s decision).
+        if !self.prompts_in_flight.is_empty() {
+            return None;
+        }
+        let (proc, most) = self.processors.prompts(&t.model)?;
+        let chunk = proc.takes().chunk?;
+        let tokens = s.gen.prefill_at_most(most)?.to_vec();
         let (session, model) = (t.session.clone(), t.model.clone());
-        let no_thread = || ServiceError::Internal("no processor reads this model's prompts".into());
-        let (proc, _) = self.processors.prompts(&t.model).ok_or_else(no_thread)?;
-        let (n, chunk) = (tokens.len(), proc.takes().chunk.ok_or_else(no_thread)?);
+        let n = tokens.len();
         let before = session.lock().kv_len();
         let mut reply = Reply { id, tokens: n, before, tx: Some(self.prompts_done.0.clone()) };
         let job: Job = Box::new(move |devs| {
@@ -302,18 +308,30 @@ impl Engine for ModelEngine {
             r
         });
         let kind = JobKind { request: id, tokens: n, sequences: 1 };
-        proc.submit(&t.model, kind, job)
-            .map(|_| ())
-            .map_err(|_| ServiceError::Internal(format!("the {} thread has stopped", proc.label().name())))
+        match proc.submit(&t.model, kind, job) {
+            Ok(_) => {
+                self.prompts_in_flight.push(id);
+                Some(n)
+            }
+            Err(job) => {
+                // No thread to take it (it stopped): the prompt stays with the CPU. (The
+                // dropped job's reply comes back as failed, for a unit not in flight.)
+                tracing::debug!(request = id, "the {} did not take a prompt unit", proc.label().name());
+                drop(job);
+                None
+            }
+        }
     }
 
-    fn offloaded(&mut self, wait: Duration) -> Vec<Finished> {
+    fn finished(&mut self, wait: Duration) -> Vec<Finished> {
         let rx = &self.prompts_done.1;
         let first = if wait.is_zero() { rx.try_recv().ok() } else { rx.recv_timeout(wait).ok() };
-        first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())).collect()
+        let done: Vec<Finished> = first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())).collect();
+        self.prompts_in_flight.retain(|id| !done.iter().any(|(d, _)| d == id));
+        done
     }
 
-    fn accept_offloaded(&mut self, t: &Turn, s: &mut Started, done: ChunkDone) -> Result<usize, ServiceError> {
+    fn accept_finished(&mut self, t: &Turn, s: &mut Started, done: ChunkDone) -> Result<usize, ServiceError> {
         match done.outcome {
             ChunkOutcome::Logits(logits) => {
                 s.gen.accept_prefill(done.tokens, logits);

@@ -3,8 +3,11 @@
 //! model batched into one forward pass, plus prompt chunks — so many sessions stream at once,
 //! a foreground prompt preempts background work at the next pass, and a cancel, a deadline or a
 //! client that has left a callback untaken for the stall timeout (`stream_stall_timeout_s`)
-//! takes effect within one pass. The worker serves the CPU's queue; a GPU or NPU backend adds a
-//! worker of its own over the same policy.
+//! takes effect within one pass. Where a unit runs is the engine's: its forward pass may send
+//! the decode steps to a processor of its own (the GPU) beside the prompt chunks, and each pass
+//! the worker offers the waiting prompts, best first, to the engine's scheduler, which places
+//! one on a processor (the NPU) when one is free for it; that request then waits for the unit
+//! to come back ([`Engine::place_prompt`], [`Engine::finished`]).
 //!
 //! The worker knows no model and no session. Its context is narrow: an [`Engine`] (the
 //! daemon's, `conversation::engine::ModelEngine`, runs turns of sessions on `llmd_engine`
@@ -46,11 +49,6 @@ pub trait Engine {
     /// The next at most `n` prompt tokens to feed, if the prompt is not all fed.
     fn prompt_chunk(&self, seq: &Self::Seq, n: usize) -> Option<Vec<u32>>;
 
-    /// The next `n` prompt tokens at most for an accelerator's job ([`Self::offload_chunk`]'s
-    /// size, which may span several of the CPU's chunks).
-    fn offload_tokens(&self, seq: &Self::Seq, n: usize) -> Option<Vec<u32>> {
-        self.prompt_chunk(seq, n)
-    }
     /// Samples the next token from the last logits: what to stream, and the token to feed
     /// (none when the generation ended: then `done` is set).
     fn sample(&mut self, turn: &Self::Turn, seq: &mut Self::Seq) -> Result<(StepOutput, Option<u32>), ServiceError>;
@@ -62,44 +60,40 @@ pub trait Engine {
     /// session on success, roll it back otherwise, and free the session for its next turn.
     fn end(&mut self, turn: &Self::Turn, seq: Option<Self::Seq>, outcome: &Result<GenerationStats, ServiceError>);
 
-    // An accelerator (the NPU) that reads prompt chunks on a thread of its own while the
-    // worker runs other requests' units: one chunk at a time. An engine without one keeps the
-    // defaults.
+    // Processors of the engine's own (the NPU) that read prompt units on threads of their own
+    // while the worker runs other requests' units. The worker offers a request's prompt; the
+    // engine's scheduler places it or not. An engine without processors keeps the defaults.
 
-    /// The most prompt tokens of `turn` the accelerator takes in one job, when it can take
-    /// this turn's prompt now (its model's graphs are ready); else None.
-    fn offload_chunk(&self, _turn: &Self::Turn) -> Option<usize> {
-        None
-    }
-    /// Hands `tokens` (the turn's next prompt tokens) of request `id` to the accelerator; it
-    /// returns at once. An error leaves the chunk to the CPU. Once `withdraw` is set the
-    /// accelerator stops the chunk at its next graph and reports it withdrawn (the turn's
-    /// cache as before the chunk).
-    fn offload(
+    /// Offers request `id`'s next prompt unit to the engine's scheduler: when a processor of
+    /// its own is free for the turn's model, the unit goes there and the prompt tokens it took
+    /// are returned (the request then waits for [`Self::finished`]); None leaves the prompt to
+    /// the worker's own passes. Once `withdraw` is set the processor stops the unit at its next
+    /// graph, and it comes back having fed nothing (the turn's cache as before it).
+    fn place_prompt(
         &mut self,
         _id: u64,
         _turn: &Self::Turn,
-        _tokens: Vec<u32>,
+        _seq: &Self::Seq,
         _withdraw: Arc<AtomicBool>,
-    ) -> Result<(), ServiceError> {
-        Err(ServiceError::Internal("no accelerator".into()))
+    ) -> Option<usize> {
+        None
     }
-    /// Chunks the accelerator finished, by request id, waiting up to `wait` for the first.
-    fn offloaded(&mut self, _wait: Duration) -> Vec<(u64, Self::Offloaded)> {
+    /// Units the processors finished, by request id, waiting up to `wait` for the first.
+    fn finished(&mut self, _wait: Duration) -> Vec<(u64, Self::Finished)> {
         Vec::new()
     }
-    /// Takes a finished chunk into the request's generation; returns how many prompt tokens
-    /// it fed (0: the accelerator failed and the chunk is still to feed, on the CPU).
-    fn accept_offloaded(
+    /// Takes a finished unit into the request's generation; returns how many prompt tokens it
+    /// fed (0: withdrawn, or the processor failed and the tokens are still to feed, on the CPU).
+    fn accept_finished(
         &mut self,
         _turn: &Self::Turn,
         _seq: &mut Self::Seq,
-        _done: Self::Offloaded,
+        _done: Self::Finished,
     ) -> Result<usize, ServiceError> {
         Ok(0)
     }
-    /// What a finished accelerator job hands back.
-    type Offloaded: Send;
+    /// What a finished unit hands back.
+    type Finished: Send;
 }
 
 /// One sequence's share of a forward pass.
@@ -120,11 +114,11 @@ struct Running<E: Engine> {
     last_served_ms: u64,
     /// When it first got a unit (its queue wait ends there).
     first_served: Option<Instant>,
-    /// A prompt chunk of it is on the accelerator (the request waits for it: it is neither
-    /// planned nor ended until the chunk comes back).
-    offloaded: bool,
-    /// Set to withdraw that chunk (the request was cancelled, its session closed, its
-    /// deadline passed or its client stalled): the accelerator stops it at its next graph.
+    /// A prompt unit of it is on a processor of the engine's (the request waits for it: it is
+    /// neither planned nor ended until the unit comes back).
+    placed: bool,
+    /// Set to withdraw that unit (the request was cancelled, its session closed, its deadline
+    /// passed or its client stalled): the processor stops it at its next graph.
     withdraw: Arc<AtomicBool>,
 }
 
@@ -211,9 +205,9 @@ impl<E: Engine> Worker<E> {
             worked = true;
             if !self.pass() {
                 // Nothing could run (requests waiting on their clients or on the
-                // accelerator): wait a little for new work rather than spin.
-                if self.active.values().any(|r| r.offloaded) {
-                    self.take_offloaded(Duration::from_millis(2));
+                // engine's processors): wait a little for new work rather than spin.
+                if self.active.values().any(|r| r.placed) {
+                    self.take_finished(Duration::from_millis(2));
                 } else if let Ok(job) = self.rx.recv_timeout(Duration::from_millis(2)) {
                     self.start(job);
                 }
@@ -243,7 +237,7 @@ impl<E: Engine> Worker<E> {
                         arrived_ms,
                         last_served_ms: arrived_ms,
                         first_served: None,
-                        offloaded: false,
+                        placed: false,
                         withdraw: Arc::new(AtomicBool::new(false)),
                     },
                 );
@@ -258,12 +252,12 @@ impl<E: Engine> Worker<E> {
     /// batched forward. Returns whether it fed any (none: every request is waiting).
     fn pass(&mut self) -> bool {
         let t0 = Instant::now();
-        self.take_offloaded(Duration::ZERO);
+        self.take_finished(Duration::ZERO);
         let now_ms = self.admission.now_ms();
         let ids: Vec<u64> = self.active.keys().copied().collect();
         for id in ids {
             let Some(r) = self.active.get(&id) else { continue };
-            if r.offloaded && r.withdraw.load(Ordering::Acquire) {
+            if r.placed && r.withdraw.load(Ordering::Acquire) {
                 // Withdrawn already: it ends once its chunk is back.
                 continue;
             }
@@ -283,12 +277,12 @@ impl<E: Engine> Worker<E> {
                 None
             };
             if let Some(e) = ending {
-                if r.offloaded {
-                    // Its chunk is on the accelerator, its session in use there: the chunk is
+                if r.placed {
+                    // Its unit is on a processor, its session in use there: the unit is
                     // withdrawn (it stops at its next graph, its KV positions cut off) and the
                     // request ends once it is back, as whatever ends it now.
                     r.withdraw.store(true, Ordering::Release);
-                    tracing::debug!(request = id, "withdrawing its chunk from the accelerator: {e}");
+                    tracing::debug!(request = id, "withdrawing its unit from the processor: {e}");
                     continue;
                 }
                 let r = self.active.remove(&id).expect("present");
@@ -299,18 +293,13 @@ impl<E: Engine> Worker<E> {
             return false;
         }
         // A request whose client is not taking its callbacks waits (see the outbox), and one
-        // whose chunk is on the accelerator.
-        let mut entries: Vec<Entry> = self
-            .active
-            .values()
-            .filter(|r| !r.job.outbox.backlogged() && !r.offloaded)
-            .map(|r| self.entry(r))
-            .collect();
-        let offloaded = self.offload(now_ms, &entries);
-        entries.retain(|e| Some(e.id) != offloaded);
-        let fg_on_accelerator =
-            self.active.values().any(|r| r.offloaded && r.job.class == crate::policy::Class::Foreground);
-        let plan = self.policy.plan_beside(now_ms, &entries, fg_on_accelerator);
+        // whose unit is on a processor.
+        let mut entries: Vec<Entry> =
+            self.active.values().filter(|r| !r.job.outbox.backlogged() && !r.placed).map(|r| self.entry(r)).collect();
+        let placed = self.place_prompt(now_ms, &entries);
+        entries.retain(|e| Some(e.id) != placed);
+        let fg_on_processor = self.active.values().any(|r| r.placed && r.job.class == crate::policy::Class::Foreground);
+        let plan = self.policy.plan_beside(now_ms, &entries, fg_on_processor);
         let mut feeds: Vec<Feed> = Vec::new();
         for id in plan.decode {
             let Some(r) = self.active.get_mut(&id) else { continue };
@@ -366,54 +355,40 @@ impl<E: Engine> Worker<E> {
         self.passes += 1;
         self.avg_pass_us = if self.avg_pass_us == 0 { us } else { (self.avg_pass_us * 7 + us) / 8 };
         self.publish(batch);
-        batch > 0 || offloaded.is_some()
+        batch > 0 || placed.is_some()
     }
 
-    /// Gives the accelerator, when it is idle, the best waiting prompt it can take (the
-    /// policy's choice among them, as for the CPU's prefill): its next chunk goes there.
-    /// Returns that request's id.
-    fn offload(&mut self, now_ms: u64, entries: &[Entry]) -> Option<u64> {
-        if self.active.values().any(|r| r.offloaded) {
-            return None;
-        }
-        let able: Vec<(u64, usize)> = entries
-            .iter()
-            .filter(|e| e.prefill_left > 0)
-            .filter_map(|e| {
-                let r = self.active.get(&e.id)?;
-                self.engine.offload_chunk(&r.job.turn).map(|n| (e.id, n))
-            })
-            .collect();
-        let id = self.policy.best_prompt(now_ms, entries, |e| able.iter().any(|a| a.0 == e.id))?;
-        let n = able.iter().find(|a| a.0 == id).map(|a| a.1)?;
-        let r = self.active.get_mut(&id)?;
-        let tokens = self.engine.offload_tokens(&r.seq, n)?;
-        let fed = tokens.len();
-        let withdraw = Arc::new(AtomicBool::new(false));
-        match self.engine.offload(id, &r.job.turn, tokens, withdraw.clone()) {
-            Ok(()) => {
-                r.offloaded = true;
-                r.withdraw = withdraw;
-                r.last_served_ms = now_ms;
-                r.first_served.get_or_insert_with(Instant::now);
-                self.policy.charge(r.job.uid, fed);
-                Some(id)
-            }
-            Err(e) => {
-                tracing::debug!(request = id, "the accelerator did not take a chunk: {e}");
-                None
+    /// Offers the engine's scheduler the waiting prompts, best first (the policy's order, as
+    /// for the CPU's prefill), until it places one on a processor of its own: that request's
+    /// next unit goes there. Returns that request's id.
+    fn place_prompt(&mut self, now_ms: u64, entries: &[Entry]) -> Option<u64> {
+        let mut declined: Vec<u64> = Vec::new();
+        loop {
+            let id = self.policy.best_prompt(now_ms, entries, |e| !declined.contains(&e.id))?;
+            let r = self.active.get_mut(&id)?;
+            let withdraw = Arc::new(AtomicBool::new(false));
+            match self.engine.place_prompt(id, &r.job.turn, &r.seq, withdraw.clone()) {
+                Some(fed) => {
+                    r.placed = true;
+                    r.withdraw = withdraw;
+                    r.last_served_ms = now_ms;
+                    r.first_served.get_or_insert_with(Instant::now);
+                    self.policy.charge(r.job.uid, fed);
+                    return Some(id);
+                }
+                None => declined.push(id),
             }
         }
     }
 
-    /// Takes back the chunks the accelerator finished (waiting up to `wait` for one): each
-    /// goes into its request's generation, which is planned again from the next pass.
-    fn take_offloaded(&mut self, wait: Duration) {
-        for (id, done) in self.engine.offloaded(wait) {
-            // (A job the accelerator never took reports too: it is not this request's.)
-            let Some(r) = self.active.get_mut(&id).filter(|r| r.offloaded) else { continue };
-            r.offloaded = false;
-            match self.engine.accept_offloaded(&r.job.turn, &mut r.seq, done) {
+    /// Takes back the units the processors finished (waiting up to `wait` for one): each goes
+    /// into its request's generation, which is planned again from the next pass.
+    fn take_finished(&mut self, wait: Duration) {
+        for (id, done) in self.engine.finished(wait) {
+            // (A unit whose request is no longer waiting for it reports too: ignored.)
+            let Some(r) = self.active.get_mut(&id).filter(|r| r.placed) else { continue };
+            r.placed = false;
+            match self.engine.accept_finished(&r.job.turn, &mut r.seq, done) {
                 Ok(n) => self.admission.charge(r.job.uid, n),
                 Err(e) => {
                     let r = self.active.remove(&id).expect("present");
@@ -690,40 +665,33 @@ mod tests {
             self.log().ended.push((t.name, seq.is_some(), o));
         }
 
-        type Offloaded = (usize, bool);
+        type Finished = (usize, bool);
 
-        fn offload_chunk(&self, t: &FakeTurn) -> Option<usize> {
-            t.script.accel.filter(|_| !self.log().accel_failed)
-        }
-
-        fn offload(
-            &mut self,
-            id: u64,
-            t: &FakeTurn,
-            tokens: Vec<u32>,
-            withdraw: Arc<AtomicBool>,
-        ) -> Result<(), ServiceError> {
+        fn place_prompt(&mut self, id: u64, t: &FakeTurn, s: &FakeSeq, withdraw: Arc<AtomicBool>) -> Option<usize> {
             let mut log = self.log();
-            assert!(log.on_accel.is_empty(), "one chunk at a time on the accelerator");
-            log.offloads.push((t.name, tokens.len()));
-            log.on_accel.push((id, tokens.len(), withdraw));
-            Ok(())
+            // One unit at a time on its one processor, which takes this turn's model unless it
+            // failed.
+            let n = t.script.accel.filter(|_| !log.accel_failed && log.on_accel.is_empty())?;
+            let n = s.prompt_left.min(n);
+            log.offloads.push((t.name, n));
+            log.on_accel.push((id, n, withdraw));
+            Some(n)
         }
 
-        fn offloaded(&mut self, _wait: Duration) -> Vec<(u64, (usize, bool))> {
+        fn finished(&mut self, _wait: Duration) -> Vec<(u64, (usize, bool))> {
             let mut log = self.log();
             if log.accel_hold {
                 return Vec::new();
             }
             let ok = !log.accel_fails;
-            // A withdrawn chunk comes back having fed nothing.
+            // A withdrawn unit comes back having fed nothing.
             log.on_accel
                 .drain(..)
                 .map(|(id, n, w)| (id, if w.load(Ordering::Acquire) { (0, true) } else { (n, ok) }))
                 .collect()
         }
 
-        fn accept_offloaded(
+        fn accept_finished(
             &mut self,
             _t: &FakeTurn,
             s: &mut FakeSeq,
