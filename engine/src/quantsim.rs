@@ -22,7 +22,7 @@
 //!   W8A8 over their whole range (the authors' code) or clipped ([`Pruned`]). An NPU output
 //!   that saturates its 16-bit range is recomputed in float (the authors' output-side rule).
 
-use crate::backend::blocks::{CaptureSite, Linears};
+use crate::backend::blocks::CaptureSite;
 use crate::backend::cpu::sgemm::{sgemm, BLayout};
 use crate::backend::npu::graph::LinearGroup;
 use crate::backend::npu::linears::dequantize;
@@ -32,7 +32,12 @@ use crate::backend::npu::shadow::ShadowWeights;
 use crate::error::{BackendError, NpuError};
 use crate::model::Transformer;
 use crate::prefill::{projections, quantized_groups, Calibration, WeightQuant, SITES};
+use llmd_device::{
+    Bindings, BlockShape, Buffer, BufferUsage, Device, DeviceDesc, DeviceError, DeviceId, Event, Executable, GgmlType,
+    HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight,
+};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What pruned sites do with their outliers.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -476,16 +481,21 @@ impl SimLinears {
     }
 }
 
-impl Linears for SimLinears {
-    fn group(
+impl SimLinears {
+    /// Group `site` of layer `li` over `n` rows of `x` into `outs` (one per projection, `n`
+    /// rows each), under the scheme: the body of [`SimDevice`]'s `Group` executables.
+    pub fn run_group(
         &self,
         li: usize,
         site: CaptureSite,
         x: &[f32],
         n: usize,
         outs: &mut [&mut [f32]],
-    ) -> Result<bool, BackendError> {
-        let Some(g) = self.layers.get(li).map(|l| &l[site as usize]) else { return Ok(false) };
+    ) -> Result<(), BackendError> {
+        let g = self.layers.get(li).map(|l| &l[site as usize]).ok_or_else(|| BackendError::Shape {
+            op: "simulated linear group",
+            detail: format!("no layer {li} in {} simulated layers", self.layers.len()),
+        })?;
         if x.len() != n * g.k || outs.len() != g.segs.len() || outs.iter().zip(&g.segs).any(|(o, &r)| o.len() != n * r)
         {
             return Err(BackendError::Shape {
@@ -503,6 +513,265 @@ impl Linears for SimLinears {
                 at += len;
             }
         }
-        Ok(true)
+        Ok(())
+    }
+
+    /// Group `site` of layer `li`'s input width and its projections' rows.
+    pub fn group_shape(&self, li: usize, site: CaptureSite) -> Option<(usize, Vec<usize>)> {
+        self.layers.get(li).map(|l| &l[site as usize]).map(|g| (g.k, g.segs.clone()))
+    }
+
+    /// Layers simulated.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+/// A scheme's simulated groups as a device of the contract: it takes only `Group` subgraphs,
+/// each over the weights [`SimDevice::group_weights`] hands out (its simulation of that group),
+/// in host memory — so a pass under a scheme is a placement like any other (every group on
+/// this device, every block on the host: [`devices`]), run by the engine's executor.
+pub struct SimDevice {
+    id: DeviceId,
+    desc: DeviceDesc,
+    sim: Arc<SimLinears>,
+}
+
+/// A group's weights on a [`SimDevice`]: which group of its simulation.
+struct SimGroup {
+    layer: usize,
+    site: CaptureSite,
+}
+
+type HostMem = Mutex<Vec<u8>>;
+
+fn lock(m: &HostMem) -> MutexGuard<'_, Vec<u8>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl SimDevice {
+    /// The device running `sim`'s groups; `label` names its scheme.
+    pub fn new(sim: Arc<SimLinears>, label: &str) -> Self {
+        let desc = DeviceDesc {
+            name: format!("quantsim ({label})"),
+            // It stands in for the NPU's arithmetic: the splitter gives it the groups.
+            processor: Processor::Npu,
+            available: true,
+            ops: vec![OpKind::MatMul],
+            weight_types: GgmlType::ALL.to_vec(),
+            max_tokens: None,
+            static_shapes: StaticShapes::Any,
+            memory: MemoryDesc { kind: MemoryKind::Unified, capacity: None },
+            threads: sim.threads,
+        };
+        Self { id: DeviceId::fresh(), desc, sim }
+    }
+
+    /// Each group of the simulation as this device's weights of its `Group` subgraph.
+    pub fn group_weights(&self) -> Vec<(Subgraph, Vec<Weight>)> {
+        let mut out = Vec::with_capacity(self.sim.layers() * 4);
+        for layer in 0..self.sim.layers() {
+            for site in CaptureSite::ALL {
+                let Some((cols, rows)) = self.sim.group_shape(layer, site) else { continue };
+                let ws = site
+                    .roles()
+                    .iter()
+                    .zip(&rows)
+                    .map(|(&role, &n)| Weight::new(self.id, role, 0..n, cols, 0, Arc::new(SimGroup { layer, site })))
+                    .collect();
+                out.push((Subgraph::group(layer, site), ws));
+            }
+        }
+        out
+    }
+
+    fn invalid(&self, detail: impl Into<String>) -> DeviceError {
+        DeviceError::Invalid { device: self.desc.name.clone(), detail: detail.into() }
+    }
+
+    fn mem<'a>(&self, b: &'a Buffer) -> Result<&'a HostMem, DeviceError> {
+        b.get::<HostMem>(self.id).ok_or_else(|| self.invalid("a buffer of another device"))
+    }
+}
+
+impl Device for SimDevice {
+    fn id(&self) -> DeviceId {
+        self.id
+    }
+
+    fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    fn alloc(&self, usage: BufferUsage, bytes: usize) -> Result<Buffer, DeviceError> {
+        let mem = llmd_device::host::zeroed(&self.desc.name, usage, bytes)?;
+        Ok(Buffer::new(self.id, usage, bytes, Arc::new(Mutex::new(mem))))
+    }
+
+    fn write(&self, dst: &Buffer, offset: usize, src: &[u8], after: &[Event]) -> Result<Event, DeviceError> {
+        Event::wait_all(after)?;
+        llmd_device::host::copy_in(&self.desc.name, &mut lock(self.mem(dst)?), offset, src)?;
+        Ok(Event::ready(Ok(())))
+    }
+
+    fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
+        Event::wait_all(after)?;
+        llmd_device::host::copy_out(&self.desc.name, &lock(self.mem(src)?), offset, dst)
+    }
+
+    fn load_weight(&self, w: &HostWeight<'_>, _rows: std::ops::Range<usize>) -> Result<Weight, DeviceError> {
+        Err(DeviceError::Unsupported {
+            device: self.desc.name.clone(),
+            what: format!("{:?} from a file (its weights are its scheme's groups: group_weights)", w.role),
+        })
+    }
+
+    fn prepare(&self, sg: Subgraph, _: &BlockShape, n: usize, weights: &[Weight]) -> Result<Executable, DeviceError> {
+        let SubgraphKind::Group(site) = sg.kind else {
+            return Err(DeviceError::Unsupported { device: self.desc.name.clone(), what: format!("{sg:?}") });
+        };
+        let roles = site.roles();
+        if weights.len() != roles.len() || weights.iter().zip(roles).any(|(w, r)| w.role != *r) {
+            return Err(self.invalid(format!("{sg:?} takes the weights {roles:?}")));
+        }
+        for w in weights {
+            let g = w.get::<SimGroup>(self.id).ok_or_else(|| self.invalid("a weight of another device"))?;
+            if (g.layer, g.site) != (sg.layer, site) {
+                return Err(self.invalid(format!("{sg:?} given layer {}'s {:?} group", g.layer, g.site)));
+            }
+        }
+        Ok(Executable::new(self.id, sg, n, Arc::new(SimGroup { layer: sg.layer, site })))
+    }
+
+    fn submit(&self, exe: &Executable, bind: &Bindings, after: &[Event]) -> Result<Event, DeviceError> {
+        let g = exe.get::<SimGroup>(self.id).ok_or_else(|| self.invalid("an executable of another device"))?;
+        Event::wait_all(after)?;
+        let y = bind.y.as_ref().ok_or_else(|| self.invalid("a Group subgraph without an output buffer"))?;
+        let (xm, ym) = (self.mem(&bind.x)?, self.mem(y)?);
+        if std::ptr::eq(xm, ym) {
+            return Err(self.invalid("a Group subgraph bound to one buffer for its input and its outputs"));
+        }
+        // A group runs the rows it is bound to (the contract's rule).
+        let n = bind.positions.len();
+        let (k, rows) = self.sim.group_shape(g.layer, g.site).ok_or_else(|| self.invalid("no such group"))?;
+        let total: usize = rows.iter().map(|r| n * r).sum();
+        let fail = |e: BackendError| DeviceError::Execution { device: self.desc.name.clone(), detail: e.to_string() };
+        // The buffers' bytes as f32 in place (the host's little-endian bytes; a `Vec<u8>` of
+        // f32 rows is aligned in practice), else through copies.
+        let xb = lock(xm);
+        let src = xb.get(..n * k * 4).ok_or_else(|| self.invalid(format!("x is shorter than {n} rows of {k}")))?;
+        let copied: Vec<f32>;
+        let x: &[f32] = match bytemuck::try_cast_slice(src) {
+            Ok(x) => x,
+            Err(_) => {
+                copied = src.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                &copied
+            }
+        };
+        let mut yb = lock(ym);
+        let dst = yb.get_mut(..total * 4).ok_or_else(|| self.invalid(format!("y is shorter than {total} outputs")))?;
+        let mut staged: Vec<f32> = Vec::new();
+        let in_place = bytemuck::try_cast_slice_mut::<u8, f32>(&mut dst[..]).is_ok();
+        let out: &mut [f32] = if in_place {
+            bytemuck::cast_slice_mut(&mut dst[..])
+        } else {
+            staged.resize(total, 0.0);
+            &mut staged
+        };
+        let mut views: Vec<&mut [f32]> = Vec::with_capacity(rows.len());
+        let mut rest = out;
+        for &r in &rows {
+            let (v, tail) = std::mem::take(&mut rest).split_at_mut(n * r);
+            views.push(v);
+            rest = tail;
+        }
+        self.sim.run_group(g.layer, g.site, x, n, &mut views).map_err(fail)?;
+        if !in_place {
+            for (d, v) in dst.chunks_exact_mut(4).zip(&staged) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Ok(Event::ready(Ok(())))
+    }
+}
+
+/// The devices a pass under a simulated scheme runs on: `device` holding every group of its
+/// simulation, every group placed on it ([`crate::sched::GroupsOnNpu`]) and every block on the
+/// host ([`crate::sched::HostBlocks`]) — llm.npu's split, with the scheme's arithmetic.
+pub fn devices(device: Arc<SimDevice>) -> crate::model::Devices {
+    let held = device.group_weights();
+    let devs = crate::model::Devices::new(vec![device], Arc::new(crate::sched::HostBlocks))
+        .with_splitter(Arc::new(crate::sched::GroupsOnNpu));
+    for (sg, ws) in held {
+        devs.hold(1, sg, ws);
+    }
+    devs
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::backend::blocks::Logits;
+
+    /// A scheme on the executor: every group of every layer runs on the `SimDevice` (its own
+    /// counter and the executor's agree), the float scheme's logits stay within the quantized
+    /// kernels' distance of the plain pass, and the device refuses what is not its groups with
+    /// typed errors.
+    #[test]
+    fn a_scheme_runs_as_the_group_device_of_a_placed_pass_and_refuses_other_work() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-qwen2.gguf");
+        let m = crate::Model::load(std::path::Path::new(path), &Default::default()).unwrap();
+        let t = &m.transformer;
+        let tokens: Vec<u32> = (1..40).collect();
+        let cal = crate::prefill::calibrate(t, &tokens).unwrap();
+        let sim = Arc::new(SimLinears::new(t, &cal, Scheme::Float, SimOptions::default(), 1).unwrap());
+        let dev = Arc::new(SimDevice::new(sim.clone(), "float"));
+        let devs = devices(dev.clone());
+        let mut kv = t.new_kv();
+        let got = t.forward_on(&mut kv, &tokens[..9], &devs, Logits::Last).unwrap();
+        let groups = (t.config.n_layers * 4) as u64;
+        assert_eq!(sim.stats.groups.load(Ordering::Relaxed), groups);
+        assert_eq!(devs.stats.groups.load(Ordering::Relaxed), groups);
+        assert_eq!(kv.len(), 9);
+        let want = t.forward(&mut t.new_kv(), &tokens[..9], Logits::Last).unwrap();
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        // The float scheme multiplies the dequantized weights in f32 (sgemm); the fixture's
+        // weights are float, so the CPU's kernels differ from it only in summation order
+        // (measured here: 3.8e-6).
+        const FLOAT_VS_KERNELS: f32 = 1e-4;
+        eprintln!("float scheme vs the kernels: worst logit difference {worst:.2e}");
+        assert!(worst < FLOAT_VS_KERNELS, "{worst}");
+        // Typed refusals.
+        let shape = t.shape;
+        let w = &t.weights.layers[0].wq;
+        let hw = HostWeight {
+            role: llmd_device::WeightRole::Wq,
+            ty: w.ty,
+            rows: w.rows,
+            cols: w.cols,
+            data: &[],
+            host: None,
+        };
+        assert!(matches!(dev.load_weight(&hw, 0..1), Err(DeviceError::Unsupported { .. })));
+        assert!(matches!(dev.prepare(Subgraph::attention(0), &shape, 4, &[]), Err(DeviceError::Unsupported { .. })));
+        let held = dev.group_weights();
+        let (sg0, w0) = &held[0];
+        let other = Subgraph::group(1, CaptureSite::Qkv);
+        assert!(matches!(dev.prepare(other, &shape, 4, w0), Err(DeviceError::Invalid { .. })));
+        assert!(matches!(dev.prepare(*sg0, &shape, 4, &w0[..1]), Err(DeviceError::Invalid { .. })));
+        let exe = dev.prepare(*sg0, &shape, 4, w0).unwrap();
+        let one = dev.alloc(BufferUsage::Activations, 1 << 16).unwrap();
+        let rows: Arc<[u32]> = vec![0u32; 4].into();
+        let both = Bindings {
+            x: one.clone(),
+            tokens: rows.clone(),
+            positions: rows,
+            seqs: Arc::from(Vec::new()),
+            logit_rows: Arc::from(Vec::new()),
+            logits: None,
+            y: Some(one),
+        };
+        assert!(matches!(dev.submit(&exe, &both, &[]), Err(DeviceError::Invalid { .. })));
     }
 }

@@ -322,7 +322,7 @@ fn scheme_of(name: &str) -> Result<Option<llmd_engine::quantsim::Scheme>, String
 /// `llmctl npu-accuracy`: llm.npu's Table 6 in kind — perplexity and next-token agreement with
 /// the float model, per quantization scheme, on one evaluation text.
 pub fn npu_accuracy(a: &NpuAccuracyArgs) -> Result<(), String> {
-    use llmd_engine::quantsim::{Scheme, SimLinears};
+    use llmd_engine::quantsim::{Scheme, SimDevice, SimLinears};
     use std::sync::atomic::Ordering;
     if a.ctx < 2 || a.chunk == 0 {
         return Err("--ctx must be at least 2 and --chunk at least 1".into());
@@ -387,9 +387,10 @@ pub fn npu_accuracy(a: &NpuAccuracyArgs) -> Result<(), String> {
     );
     let vocab = model.transformer.weights.output.rows;
     // One scheme over every window: (perplexity, argmax per scored position).
-    let eval = |lin: Option<&dyn llmd_engine::backend::blocks::Linears>,
-                label: &str|
-     -> Result<(f64, Vec<u32>), String> {
+    // A scheme runs as a placement: its simulated groups a device's (`quantsim::SimDevice`),
+    // every block on the host, through the engine's executor.
+    let eval = |sim: Option<&std::sync::Arc<SimLinears>>, label: &str| -> Result<(f64, Vec<u32>), String> {
+        let devs = sim.map(|s| llmd_engine::quantsim::devices(std::sync::Arc::new(SimDevice::new(s.clone(), label))));
         let pb = bar(windows as u64, label);
         let (mut total, mut count, mut top) = (0f64, 0usize, Vec::new());
         for w in 0..windows {
@@ -397,8 +398,8 @@ pub fn npu_accuracy(a: &NpuAccuracyArgs) -> Result<(), String> {
             win.extend_from_slice(&toks[w * per..(w + 1) * per]);
             let mut kv = model.transformer.new_kv();
             for (ci, chunk) in win.chunks(a.chunk).enumerate() {
-                let logits = match lin {
-                    Some(l) => model.transformer.forward_with(&mut kv, chunk, l, Logits::All),
+                let logits = match &devs {
+                    Some(d) => model.transformer.forward_on(&mut kv, chunk, d, Logits::All),
                     None => model.transformer.forward(&mut kv, chunk, Logits::All),
                 }
                 .map_err(|e| e.to_string())?;
@@ -430,6 +431,7 @@ pub fn npu_accuracy(a: &NpuAccuracyArgs) -> Result<(), String> {
     };
     let t0 = Instant::now();
     let float = SimLinears::new(&model.transformer, &cal, Scheme::Float, opts, threads).map_err(|e| e.to_string())?;
+    let float = std::sync::Arc::new(float);
     let (float_ppl, float_top) = eval(Some(&float), "float")?;
     drop(float);
     let mut rows = vec![serde_json::json!({
@@ -445,6 +447,7 @@ pub fn npu_accuracy(a: &NpuAccuracyArgs) -> Result<(), String> {
             None => (eval(None, name)?, serde_json::json!({})),
             Some(s) => {
                 let sim = SimLinears::new(&model.transformer, &cal, *s, opts, threads).map_err(|e| e.to_string())?;
+                let sim = std::sync::Arc::new(sim);
                 let r = eval(Some(&sim), name)?;
                 let st = &sim.stats;
                 let stats = serde_json::json!({

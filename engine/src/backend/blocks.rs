@@ -154,13 +154,14 @@ pub struct Pass<'a> {
     pub planner: &'a Planner,
     /// Runs the layers' linear groups instead of the planner, where it takes them: the
     /// executor's `SplitLinears` (groups and projections where the devices' splitter places
-    /// them), or `quantsim`'s simulation.
-    pub linears: Option<&'a dyn Linears>,
+    /// them: a simulated scheme's too, `quantsim::SimDevice`).
+    pub(crate) linears: Option<&'a dyn Linears>,
 }
 
 /// A runner of a layer's linear groups — QKV, O, gate/up, down, without biases — in place of the
-/// planner's matmuls: the executor's `SplitLinears`, or `quantsim`'s simulated schemes.
-pub trait Linears: Sync {
+/// planner's matmuls: the executor's way into the host blocks (its `SplitLinears` is the one
+/// implementation; a trait only because the blocks sit below the executor).
+pub(crate) trait Linears: Sync {
     /// Computes group `site` of layer `li` over `n` rows of `x` into `outs` (one per projection,
     /// `n` rows each, f32), or returns false to leave it to the planner.
     fn group(

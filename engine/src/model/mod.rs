@@ -246,34 +246,6 @@ impl Transformer {
         Some(p.finish(joined, batch, &w.output_norm, &w.output, which))
     }
 
-    /// [`Self::forward`] for one sequence with its linear groups run by `linears` where it takes
-    /// them (`quantsim`'s simulated schemes); the rest — norms, RoPE, attention into `kv`,
-    /// SwiGLU, the head — on the planner, so `kv` is the host cache the CPU decodes from next.
-    pub fn forward_with(
-        &self,
-        kv: &mut KvCache,
-        tokens: &[u32],
-        linears: &dyn crate::backend::blocks::Linears,
-        which: Logits,
-    ) -> Result<Vec<f32>, BackendError> {
-        if self.devices.is_some() {
-            return Err(BackendError::Device(
-                "a pass with substituted linear groups runs on the host's caches: detach the devices first".into(),
-            ));
-        }
-        kv.move_all_home()?;
-        let p = Pass { linears: Some(linears), ..self.pass() };
-        let w = &self.weights;
-        let batch = &mut [(kv, tokens)];
-        let Some(mut st) = p.begin(batch, &w.token_embd)? else { return Ok(Vec::new()) };
-        for (li, l) in w.layers.iter().enumerate() {
-            p.layer(&mut st, batch, li, l.blocks(w.rope_freqs.as_deref()), None)?;
-        }
-        let out = p.finish(st, batch, &w.output_norm, &w.output, which)?.pop().unwrap_or_default();
-        w.check_files()?;
-        Ok(out)
-    }
-
     /// [`Self::forward_batch_on`] for one sequence (as [`Self::forward`] is
     /// [`Self::forward_batch`] for one): llm.npu's prompt chunk with its linear groups on the
     /// NPU, or a pass on HeteroLLM's cuts — every block where `devs`' cost model places it, each
