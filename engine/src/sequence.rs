@@ -99,22 +99,4 @@ impl Transformer {
     ) -> Result<Vec<f32>, BackendError> {
         self.prefill_chunks(&mut seq.kv, tokens, chunk, devs, stop)
     }
-
-    /// Runs `tokens` after what `seq` holds with the projections and linear groups where
-    /// `devs`' splitter places them (the NPU's W8A8 groups, HeteroLLM's cuts) and everything
-    /// else where their cost model places the blocks (the host, for llm.npu's and HeteroLLM's
-    /// devices: the cache the CPU decodes from); returns the last token's logits. On an error the sequence is cut back to what it held before.
-    pub fn forward_sequence_on(
-        &self,
-        seq: &mut Sequence,
-        tokens: &[u32],
-        devs: &crate::model::Devices,
-    ) -> Result<Vec<f32>, BackendError> {
-        let before = seq.kv.len();
-        let r = self.forward_on(&mut seq.kv, tokens, devs, Logits::Last);
-        if r.is_err() {
-            seq.kv.truncate(before);
-        }
-        r
-    }
 }

@@ -121,6 +121,10 @@ impl ModelEngine {
         let m = model.clone();
         let one_at_a_time = proc.takes().one_sequence_at_a_time;
         let job: Job = Box::new(move |devs| {
+            // Unless every step succeeds, every cache goes back to where it was — on an error
+            // or a panic alike (the guard, made before the locks below so that it runs after
+            // they are released) — since the CPU then reruns every step.
+            let mut rollback = Rollback::new(&work);
             // The worker planned nothing else of these sessions this pass: their locks are
             // free; it holds only the prompt chunks' sessions, none of these.
             let r = devs.and_then(|devs| {
@@ -128,34 +132,33 @@ impl ModelEngine {
                 let mut seqs: Vec<(&mut SessionInner, &[u32])> =
                     guards.iter_mut().zip(&work).map(|(g, (_, t))| (&mut **g, &t[..])).collect();
                 if !one_at_a_time {
-                    // One pass: on an error no cache has taken the step.
                     return forward_batch_on(&m, devs, &mut seqs);
                 }
-                // Each step alone; unless every one succeeds, every cache goes back to where
-                // it was, since the CPU then reruns every step.
-                let before: Vec<usize> = seqs.iter().map(|(s, _)| s.kv_len()).collect();
-                let r: Result<Vec<Vec<f32>>, String> = seqs
-                    .iter_mut()
+                seqs.iter_mut()
                     .map(|(s, t)| {
                         forward_batch_on(&m, devs, &mut [(&mut **s, *t)]).map(|mut l| l.pop().unwrap_or_default())
                     })
-                    .collect();
-                if r.is_err() {
-                    for ((s, _), b) in seqs.iter_mut().zip(before) {
-                        s.truncate_kv(b);
-                    }
-                }
-                r
+                    .collect()
             });
+            rollback.armed = r.is_err();
+            drop(rollback);
             let outcome = r.as_ref().map(|_| ()).map_err(String::clone);
             let _ = tx.send(r);
             outcome
         });
         let kind = JobKind { request: 0, tokens: decode.len(), sequences: decode.len() };
-        let Ok(id) = proc.submit(model, kind, job) else { return Ok(None) };
-        // Meanwhile, the prompt chunks on the CPU.
         let prefill: Vec<usize> = (0..batch.len()).filter(|i| !decode.contains(i)).collect();
-        if !prefill.is_empty() {
+        let Ok(id) = proc.submit(model, kind, job) else {
+            // No thread to take it (it stopped): the pass's prompt chunks on the CPU, and the
+            // caller runs its decode steps there too.
+            let logits = forward_on_cpu(model, batch, &prefill)?;
+            cpu_logits.extend(prefill.iter().copied().zip(logits));
+            return Ok(None);
+        };
+        // Meanwhile, the prompt chunks on the CPU.
+        let done = if prefill.is_empty() {
+            rx.recv()
+        } else {
             let start_ms = epoch_ms();
             let logits = forward_on_cpu(model, batch, &prefill);
             let tokens = prefill.iter().map(|&i| batch[i].tokens.len()).sum();
@@ -164,11 +167,44 @@ impl ModelEngine {
             // in use.
             let done = rx.recv();
             cpu_logits.extend(prefill.iter().copied().zip(logits?));
-            return Ok(done.ok().and_then(Result::ok));
+            done
+        };
+        match done {
+            Ok(Ok(l)) => Ok(Some(l)),
+            // Its thread takes the model (or, after a panic, itself) off the processor once the
+            // job returns; said here too, so the next pass does not send it there meanwhile.
+            Ok(Err(reason)) => {
+                proc.take_off(model, &reason);
+                Ok(None)
+            }
+            Err(_) => {
+                proc.take_off(model, "a decode job ended without a result");
+                Ok(None)
+            }
         }
-        // A job that failed took its model off the processor (its thread saw the error); one
-        // the thread dropped without running (it stopped) left the processor unavailable.
-        Ok(rx.recv().ok().and_then(Result::ok))
+    }
+}
+
+/// Cuts the caches of a job's sessions back to their lengths before it, when dropped armed.
+struct Rollback<'w> {
+    work: &'w [(Arc<SessionCore>, Vec<u32>)],
+    before: Vec<usize>,
+    armed: bool,
+}
+
+impl<'w> Rollback<'w> {
+    fn new(work: &'w [(Arc<SessionCore>, Vec<u32>)]) -> Self {
+        Self { work, before: work.iter().map(|(s, _)| s.lock().kv_len()).collect(), armed: true }
+    }
+}
+
+impl Drop for Rollback<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            for ((s, _), &b) in self.work.iter().zip(&self.before) {
+                s.lock().truncate_kv(b);
+            }
+        }
     }
 }
 
@@ -341,11 +377,15 @@ impl Engine for ModelEngine {
                 t.session.lock().truncate_kv(done.before);
                 Ok(0)
             }
-            ChunkOutcome::Failed(_) => {
-                // The chunk is still to read: the CPU reads it (and, the processor's thread
-                // having taken the model off it, the model's later prompts), after whatever of
+            ChunkOutcome::Failed(reason) => {
+                // The chunk is still to read: the CPU reads it (and the model's later prompts:
+                // its processor's thread takes the model off once the job returns; said here
+                // too, so the next pass does not send it there meanwhile), after whatever of
                 // it the cache took (none, unless the job panicked) is cut off.
                 t.session.lock().truncate_kv(done.before);
+                if let Some((proc, _)) = self.processors.prompts(&t.model) {
+                    proc.take_off(&t.model, &reason);
+                }
                 Ok(0)
             }
         }

@@ -283,21 +283,6 @@ impl SessionInner {
         self.kv.truncate(len);
     }
 
-    /// Feeds `tokens` with the projections and linear groups where `devs` place them (the
-    /// NPU's graphs, HeteroLLM's cuts) and the rest on the CPU, into the cache the CPU decodes
-    /// from; the logits after the last token. On an error the cache is as it was.
-    pub fn forward_on(
-        &mut self,
-        model: &Model,
-        tokens: &[u32],
-        devs: &llmd_engine::model::Devices,
-    ) -> Result<Vec<f32>, ServiceError> {
-        model
-            .transformer
-            .forward_sequence_on(&mut self.kv, tokens, devs)
-            .map_err(|e| ServiceError::Internal(e.to_string()))
-    }
-
     /// Prefills `tokens` with the linear groups where `devs` place them (the NPU's graphs of
     /// `chunk` rows), several chunks out of order, `stop` asked before each group; the logits
     /// after the last token. On an error the cache is as it was.
@@ -482,10 +467,8 @@ impl SessionInner {
     }
 }
 
-/// One batched forward of `model` over several sessions' caches: each gets its tokens appended
-/// and the logits after its last token.
-/// [`forward_batch`] on a device set of the GPU thread's (each session's cache handed to the
-/// device as needed); the engine's error in words.
+/// [`forward_batch`] on a processor's device set (the GPU's; the NPU's HeteroLLM plan): each
+/// session's cache handed to a device as its layers need; the engine's error in words.
 pub fn forward_batch_on(
     model: &Model,
     devs: &llmd_engine::model::Devices,
@@ -495,6 +478,8 @@ pub fn forward_batch_on(
     model.transformer.forward_sequences_on(devs, &mut seqs, llmd_engine::model::Logits::Last).map_err(|e| e.to_string())
 }
 
+/// One batched forward of `model` over several sessions' caches: each gets its tokens appended
+/// and the logits after its last token.
 pub fn forward_batch(model: &Model, batch: &mut [(&mut SessionInner, &[u32])]) -> Result<Vec<Vec<f32>>, ServiceError> {
     let mut seqs: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
     model

@@ -10,7 +10,7 @@
 //! mission's: decode on the GPU, prefill on the NPU or CPU). A pass's decode steps all go to
 //! the GPU as one batch; its prompt chunks stay on the CPU, run while the GPU works.
 
-use super::thread::{Backend, Counters, Label, Prepared, Processor, Refusal, Takes};
+use super::thread::{Backend, Label, Prepared, Processor, Refusal, Takes};
 use crate::config::{Backend as ConfigBackend, Config, GpuMatmul};
 use llmd_engine::backend::gpu::{GpuDevice, GpuError, GpuOptions, MatmulVariant, OpenClError};
 use llmd_engine::model::Devices;
@@ -89,21 +89,18 @@ impl Backend for Gpu {
         let all_here = Pinned { names: vec![String::new(), name], pick: |_| 1 };
         let devs = Devices::new(vec![dev.clone() as Arc<dyn llmd_device::Device>], Arc::new(all_here));
         // The device's counters since it opened (one thread runs every job on it).
-        let counters = Box::new(move |_: &Devices, _: &str| {
+        let lines = Box::new(move |_: &Devices, _: &str| {
             let s = dev.stats();
             let (in_place, copied) = dev.weight_bytes();
-            Counters {
-                modelled_ns: None,
-                lines: vec![
-                    format!(
-                        "{} kernels, {} host waits, {} B up, {} B down",
-                        s.kernels, s.host_waits, s.bytes_to_device, s.bytes_from_device
-                    ),
-                    format!("weights {in_place} B read in place in the CPU's memory, {copied} B copied to the device"),
-                ],
-            }
+            vec![
+                format!(
+                    "{} kernels, {} host waits, {} B up, {} B down",
+                    s.kernels, s.host_waits, s.bytes_to_device, s.bytes_from_device
+                ),
+                format!("weights {in_place} B read in place in the CPU's memory, {copied} B copied to the device"),
+            ]
         });
-        Ok(Prepared { devs, graphs: 0, how: "weights uploaded at its first pass".into(), counters })
+        Ok(Prepared { devs, graphs: 0, how: "weights uploaded at its first pass".into(), modelled: None, lines })
     }
 }
 

@@ -1,7 +1,8 @@
 //! The daemon's processors beside the CPU: one thread type, [`Processor`], for the NPU and the
 //! GPU alike. Each owns its devices (opened on its own thread, so a library is only ever
 //! called from the thread that owns it) and, per resident model, the engine's device set its
-//! passes run on ([`Devices`]: the model's graphs prepared, its weights loaded); the engine
+//! passes run on (`Devices`: the model's graphs prepared, its weights loaded where the backend
+//! does that up front — the GPU's go up at the model's first pass); the engine
 //! worker hands it jobs — closures run with that device set — and goes on with other work.
 //! What differs between processors is only what they open and prepare (a [`Backend`]):
 //! - `npu`: llm.npu's W8A8 linear groups on the QNN device (`backend = "npu"`, or `"auto"`
@@ -19,8 +20,9 @@
 //!   beside it ([`Processor::beside`]) and the device's modelled time are kept for `dump` (the
 //!   last [`RECENT_JOBS`]).
 //! - **Failures:** a job that fails takes its model off the processor (its work runs on the
-//!   CPU from then on; other models keep it). A job that panics leaves the device in a state
-//!   nobody knows: the processor is let go, every model's work runs on the CPU.
+//!   CPU from then on; other models keep it). A job — or a model's preparation — that panics
+//!   leaves the device in a state nobody knows: the processor is let go, every model's work
+//!   runs on the CPU.
 //!
 //! **Decision:** one job at a time, on one thread per processor. An NPU runs one graph at a
 //! time, a prompt's chunks depend on each other through its KV cache, and a chunk (llm.npu's,
@@ -32,8 +34,8 @@ pub mod npu;
 mod thread;
 
 pub use thread::{
-    epoch_ms, Backend, Counters, CountersFn, Job, JobKind, JobSpan, Label, Prep, Prepared, Processor, Refusal, State,
-    Takes, RECENT_JOBS,
+    epoch_ms, Backend, Job, JobKind, Label, LinesFn, ModelledFn, Prepared, Processor, Refusal, State, Takes,
+    RECENT_JOBS,
 };
 
 use llmd_engine::Model;

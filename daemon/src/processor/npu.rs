@@ -8,7 +8,7 @@
 //!   QNN device's fp16 graphs (in the same context cache) and the GPU, both opened by this
 //!   thread, which owns the plan's pieces on both.
 
-use super::thread::{Backend, Counters, Label, Prepared, Processor, Refusal, Takes};
+use super::thread::{Backend, Label, Prepared, Processor, Refusal, Takes};
 use crate::config::{Backend as ConfigBackend, Config};
 use llmd_device::Device as _;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
@@ -217,27 +217,26 @@ impl Backend for Int8 {
         let devs = prefill::devices(device, &groups);
         // The groups' modelled time (the emulator's SoC model) and shadow outlier execution's
         // counters.
-        let counters = Box::new(move |_: &Devices, name: &str| {
+        let g = groups.clone();
+        let modelled = Box::new(move || g.stats().1);
+        let lines = Box::new(move |_: &Devices, name: &str| {
             let st = groups.shadow_stats();
-            Counters {
-                modelled_ns: Some(groups.stats().1),
-                lines: vec![format!(
-                    "shadow {name}: {} of {} sites; {} of {} chunk runs found outliers ({} values); {} saturated outputs recomputed; rows {} hot, {} cold read ({} B); {} of {} B held in memory",
-                    st.sites,
-                    st.all_sites,
-                    st.chunks_with_outliers,
-                    st.chunks,
-                    st.outlier_elements,
-                    st.saturated_outputs,
-                    st.hot_rows_used,
-                    st.cold_rows_read,
-                    st.cold_bytes_read,
-                    st.resident_bytes,
-                    st.total_bytes
-                )],
-            }
+            vec![format!(
+                "shadow {name}: {} of {} sites; {} of {} chunk runs found outliers ({} values); {} saturated outputs recomputed; rows {} hot, {} cold read ({} B); {} of {} B held in memory",
+                st.sites,
+                st.all_sites,
+                st.chunks_with_outliers,
+                st.chunks,
+                st.outlier_elements,
+                st.saturated_outputs,
+                st.hot_rows_used,
+                st.cold_rows_read,
+                st.cold_bytes_read,
+                st.resident_bytes,
+                st.total_bytes
+            )]
         });
-        Ok(Prepared { devs, graphs: count, how, counters })
+        Ok(Prepared { devs, graphs: count, how, modelled: Some(modelled), lines })
     }
 }
 
@@ -326,27 +325,25 @@ impl Backend for Hetero {
         }
         // The NPU's parts' modelled time (the emulator's), HeteroLLM's counters and its fast
         // sync's.
-        let counters = Box::new(move |devs: &Devices, name: &str| {
+        let modelled = Box::new(move || device.modelled_ns());
+        let lines = Box::new(move |devs: &Devices, name: &str| {
             let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
             let (st, sync) = (&devs.stats, &devs.sync);
-            Counters {
-                modelled_ns: Some(device.modelled_ns()),
-                lines: vec![
-                    format!(
-                        "hetero {name}: {} matmuls, {} cut between the NPU and the GPU; {} NPU pieces, {} GPU pieces",
-                        c(&st.matmuls),
-                        c(&st.split_matmuls),
-                        c(&st.npu_parts),
-                        c(&st.gpu_parts)
-                    ),
-                    format!(
-                        "fast sync {name}: {} waits for the GPU, {:.1} ms polling",
-                        c(&sync.waits),
-                        c(&sync.polled_ns) as f64 / 1e6
-                    ),
-                ],
-            }
+            vec![
+                format!(
+                    "hetero {name}: {} matmuls, {} cut between the NPU and the GPU; {} NPU pieces, {} GPU pieces",
+                    c(&st.matmuls),
+                    c(&st.split_matmuls),
+                    c(&st.npu_parts),
+                    c(&st.gpu_parts)
+                ),
+                format!(
+                    "fast sync {name}: {} waits for the GPU, {:.1} ms polling",
+                    c(&sync.waits),
+                    c(&sync.polled_ns) as f64 / 1e6
+                ),
+            ]
         });
-        Ok(Prepared { devs, graphs, how, counters })
+        Ok(Prepared { devs, graphs, how, modelled: Some(modelled), lines })
     }
 }

@@ -73,7 +73,7 @@ pub enum State {
 
 /// A model's device set on a processor.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Prep {
+enum Prep {
     Preparing,
     Ready { graphs: usize, how: String, seconds: f64 },
     Failed { reason: String },
@@ -92,17 +92,13 @@ impl Refusal {
     }
 }
 
-/// What a processor's counters say after a job: the device's modelled time so far (a
-/// library's model of the chip: the emulator's; None from devices that model nothing) and
-/// `dump`'s lines of the backend's own counters.
-#[derive(Default)]
-pub struct Counters {
-    pub modelled_ns: Option<u64>,
-    pub lines: Vec<String>,
-}
+/// The device's modelled time so far, nanoseconds (a library's model of the chip: the
+/// emulator's), read before and after each job.
+pub type ModelledFn = Box<dyn Fn() -> u64 + Send>;
 
-/// Reads a device set's counters (given the model's name).
-pub type CountersFn = Box<dyn Fn(&Devices, &str) -> Counters + Send>;
+/// `dump`'s lines of a backend's own counters of a device set (given the model's name), read
+/// after each job.
+pub type LinesFn = Box<dyn Fn(&Devices, &str) -> Vec<String> + Send>;
 
 /// A model's device set, prepared by a [`Backend`].
 pub struct Prepared {
@@ -111,8 +107,10 @@ pub struct Prepared {
     pub graphs: usize,
     /// How (loaded from a cache, built, planned …), for `dump`.
     pub how: String,
-    /// The backend's counters of this device set (given the model's name).
-    pub counters: CountersFn,
+    /// Its devices' modelled time, where they model one.
+    pub modelled: Option<ModelledFn>,
+    /// The backend's counters of this device set.
+    pub lines: LinesFn,
 }
 
 /// What one processor opens and prepares; run on its thread.
@@ -134,13 +132,13 @@ pub struct JobKind {
 /// One job a processor ran (wall-clock milliseconds since the Unix epoch, so another process
 /// can compare them with its own clock).
 #[derive(Clone, Debug)]
-pub struct JobSpan {
+struct JobSpan {
     pub id: u64,
     pub kind: JobKind,
     pub start_ms: u64,
     pub end_ms: u64,
     pub ok: bool,
-    /// The device's modelled time of the job (see [`Counters::modelled_ns`]), nanoseconds.
+    /// The device's modelled time of the job (see [`ModelledFn`]), nanoseconds.
     pub modelled_ns: u64,
     /// Prompt tokens the worker read on the CPU meanwhile, and when.
     pub beside: Option<(usize, u64, u64)>,
@@ -371,6 +369,13 @@ impl Processor {
         }
     }
 
+    /// Takes `model` off the processor (a job on it failed): its work runs on the CPU from now
+    /// on. Its thread does the same when the job returns; this closes the window between a
+    /// job's result reaching the engine and that. A no-op when it is off already.
+    pub fn take_off(&self, model: &Arc<Model>, reason: &str) {
+        fail_model(self.label, &mut self.status(), key_of(model), reason);
+    }
+
     /// This processor's section of `dump` (and `llmctl status`).
     pub fn dump(&self) -> String {
         let s = self.status();
@@ -472,13 +477,7 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
         }
         Err(r) => {
             lock(status).unavailable(label, r);
-            // Every job is answered: its work runs on the CPU.
-            while let Ok(m) = rx.recv() {
-                if let Msg::Run { job, .. } = m {
-                    let _ = job(Err(format!("the {} is unavailable", label.name())));
-                }
-            }
-            return;
+            return drain(label, rx);
         }
     }
     let mut resident: Vec<Resident> = Vec::new();
@@ -499,10 +498,22 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                 }
                 let t = Instant::now();
                 lock(status).preparing = true;
-                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prepare(&m)))
-                    .unwrap_or_else(|p| Err(format!("preparing it panicked: {}", panic_text(&*p))));
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.prepare(&m)));
                 let mut s = lock(status);
                 s.preparing = false;
+                let outcome = match outcome {
+                    Ok(o) => o,
+                    // Preparing drives the device (graphs built, finalized, loaded): after a
+                    // panic nobody knows its state, as after a job's.
+                    Err(p) => {
+                        s.unavailable(
+                            label,
+                            Refusal::unexpected(format!("preparing a model panicked: {}", panic_text(&*p))),
+                        );
+                        drop(s);
+                        return drain(label, rx);
+                    }
+                };
                 let entry = s.models.iter_mut().find(|e| e.key == key && e.model.ptr_eq(&model));
                 match outcome {
                     Ok(prepared) => {
@@ -525,7 +536,7 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                 }
             }
             Some(Msg::Run { id, key, kind, job }) => {
-                // A model taken off the processor since (a job's failure) lets its set go.
+                // A model taken off the processor since (`Processor::take_off`) lets its set go.
                 {
                     let s = lock(status);
                     resident.retain(|r| {
@@ -534,26 +545,28 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                 }
                 let r = resident.iter().find(|r| r.key == key);
                 let name = r.and_then(|r| r.model.upgrade()).map(|m| m.name.clone()).unwrap_or_default();
-                let before = r.map(|r| (r.prepared.counters)(&r.prepared.devs, &name).modelled_ns);
+                let modelled_now = || r.and_then(|r| r.prepared.modelled.as_ref()).map(|f| f());
+                let before = modelled_now();
                 let (t0, start_ms) = (Instant::now(), epoch_ms());
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match r {
                     Some(r) => job(Ok(&r.prepared.devs)),
                     None => job(Err(format!("the model is not prepared on the {}", label.name()))),
                 }));
                 let end_ms = epoch_ms();
-                let counters = r.map(|r| (r.prepared.counters)(&r.prepared.devs, &name));
+                let after = modelled_now();
+                let lines = r.map(|r| (r.prepared.lines)(&r.prepared.devs, &name));
                 let mut s = lock(status);
                 s.jobs += 1;
                 s.tokens += kind.tokens as u64;
                 s.sequences += kind.sequences as u64;
                 s.busy += t0.elapsed();
                 let mut modelled = 0;
-                if let Some(c) = counters {
-                    if let (Some(a), Some(b)) = (before.flatten(), c.modelled_ns) {
-                        modelled = b.saturating_sub(a);
-                        s.modelled_ns = Some(s.modelled_ns.unwrap_or(0) + modelled);
-                    }
-                    s.lines = c.lines;
+                if let (Some(a), Some(b)) = (before, after) {
+                    modelled = b.saturating_sub(a);
+                    s.modelled_ns = Some(s.modelled_ns.unwrap_or(0) + modelled);
+                }
+                if let Some(l) = lines {
+                    s.lines = l;
                 }
                 if s.recent.len() == RECENT_JOBS {
                     s.recent.pop_front();
@@ -573,17 +586,21 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                     Err(p) => {
                         let reason = format!("a job panicked: {}", panic_text(&*p));
                         s.unavailable(label, Refusal::unexpected(reason));
-                        resident.clear();
                         drop(s);
-                        while let Ok(m) = rx.recv() {
-                            if let Msg::Run { job, .. } = m {
-                                let _ = job(Err(format!("the {} is unavailable", label.name())));
-                            }
-                        }
-                        return;
+                        return drain(label, rx);
                     }
                 }
             }
+        }
+    }
+}
+
+/// Answers every job with the reason there is no processor (its work runs on the CPU), until
+/// the daemon drops its handle.
+fn drain(label: Label, rx: Receiver<Msg>) {
+    while let Ok(m) = rx.recv() {
+        if let Msg::Run { job, .. } = m {
+            let _ = job(Err(format!("the {} is unavailable", label.name())));
         }
     }
 }
