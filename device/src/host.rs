@@ -1,8 +1,57 @@
 //! Buffers in host memory, for the devices whose buffers are plain bytes on the host (the CPU
 //! device; the NPU, whose memory a phone shares with the CPU): one allocation rule and one
-//! bounds check for `alloc`, `write` and `read`.
+//! bounds check for `alloc`, `write` and `read`, and those three for a device whose buffers are
+//! [`HostBytes`].
 
-use crate::{BufferUsage, DeviceError};
+use crate::{Buffer, BufferUsage, DeviceError, DeviceId, Event};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A buffer's memory on such a device: its bytes.
+pub type HostBytes = Mutex<Vec<u8>>;
+
+/// A buffer of `bytes` zeroed host bytes of device `id` (named `device`): its `alloc`.
+pub fn alloc(id: DeviceId, device: &str, usage: BufferUsage, bytes: usize) -> Result<Buffer, DeviceError> {
+    let mem: HostBytes = Mutex::new(zeroed(device, usage, bytes)?);
+    Ok(Buffer::new(id, usage, bytes, Arc::new(mem)))
+}
+
+/// `b`'s bytes, if it is a host buffer of device `id`.
+pub fn bytes<'a>(id: DeviceId, device: &str, b: &'a Buffer) -> Result<&'a HostBytes, DeviceError> {
+    b.get::<HostBytes>(id)
+        .ok_or_else(|| DeviceError::Invalid { device: device.to_owned(), detail: "a buffer of another device".into() })
+}
+
+/// Locks a host buffer's bytes (a panicked holder's bytes are still the buffer's).
+pub fn lock(m: &HostBytes) -> MutexGuard<'_, Vec<u8>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A device's `write` to a host buffer: after `after`, synchronously.
+pub fn write(
+    id: DeviceId,
+    device: &str,
+    dst: &Buffer,
+    offset: usize,
+    src: &[u8],
+    after: &[Event],
+) -> Result<Event, DeviceError> {
+    Event::wait_all(after)?;
+    copy_in(device, &mut lock(bytes(id, device, dst)?), offset, src)?;
+    Ok(Event::ready(Ok(())))
+}
+
+/// A device's `read` of a host buffer: after `after`, synchronously.
+pub fn read(
+    id: DeviceId,
+    device: &str,
+    src: &Buffer,
+    offset: usize,
+    dst: &mut [u8],
+    after: &[Event],
+) -> Result<(), DeviceError> {
+    Event::wait_all(after)?;
+    copy_out(device, &lock(bytes(id, device, src)?), offset, dst)
+}
 
 /// `bytes` zeroed bytes, or [`DeviceError::OutOfMemory`] when the host cannot give them.
 pub fn zeroed(device: &str, usage: BufferUsage, bytes: usize) -> Result<Vec<u8>, DeviceError> {

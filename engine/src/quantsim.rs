@@ -37,7 +37,7 @@ use llmd_device::{
     HostWeight, MemoryDesc, MemoryKind, OpKind, Processor, StaticShapes, Subgraph, SubgraphKind, Weight,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 /// What pruned sites do with their outliers.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -543,12 +543,6 @@ struct SimGroup {
     site: CaptureSite,
 }
 
-type HostMem = Mutex<Vec<u8>>;
-
-fn lock(m: &HostMem) -> MutexGuard<'_, Vec<u8>> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl SimDevice {
     /// The device running `sim`'s groups; `label` names its scheme.
     pub fn new(sim: Arc<SimLinears>, label: &str) -> Self {
@@ -589,8 +583,8 @@ impl SimDevice {
         DeviceError::Invalid { device: self.desc.name.clone(), detail: detail.into() }
     }
 
-    fn mem<'a>(&self, b: &'a Buffer) -> Result<&'a HostMem, DeviceError> {
-        b.get::<HostMem>(self.id).ok_or_else(|| self.invalid("a buffer of another device"))
+    fn mem<'a>(&self, b: &'a Buffer) -> Result<&'a llmd_device::host::HostBytes, DeviceError> {
+        llmd_device::host::bytes(self.id, &self.desc.name, b)
     }
 }
 
@@ -604,19 +598,15 @@ impl Device for SimDevice {
     }
 
     fn alloc(&self, usage: BufferUsage, bytes: usize) -> Result<Buffer, DeviceError> {
-        let mem = llmd_device::host::zeroed(&self.desc.name, usage, bytes)?;
-        Ok(Buffer::new(self.id, usage, bytes, Arc::new(Mutex::new(mem))))
+        llmd_device::host::alloc(self.id, &self.desc.name, usage, bytes)
     }
 
     fn write(&self, dst: &Buffer, offset: usize, src: &[u8], after: &[Event]) -> Result<Event, DeviceError> {
-        Event::wait_all(after)?;
-        llmd_device::host::copy_in(&self.desc.name, &mut lock(self.mem(dst)?), offset, src)?;
-        Ok(Event::ready(Ok(())))
+        llmd_device::host::write(self.id, &self.desc.name, dst, offset, src, after)
     }
 
     fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
-        Event::wait_all(after)?;
-        llmd_device::host::copy_out(&self.desc.name, &lock(self.mem(src)?), offset, dst)
+        llmd_device::host::read(self.id, &self.desc.name, src, offset, dst, after)
     }
 
     fn load_weight(&self, w: &HostWeight<'_>, _rows: std::ops::Range<usize>) -> Result<Weight, DeviceError> {
@@ -658,7 +648,7 @@ impl Device for SimDevice {
         let fail = |e: BackendError| DeviceError::Execution { device: self.desc.name.clone(), detail: e.to_string() };
         // The buffers' bytes as f32 in place (the host's little-endian bytes; a `Vec<u8>` of
         // f32 rows is aligned in practice), else through copies.
-        let xb = lock(xm);
+        let xb = llmd_device::host::lock(xm);
         let src = xb.get(..n * k * 4).ok_or_else(|| self.invalid(format!("x is shorter than {n} rows of {k}")))?;
         let copied: Vec<f32>;
         let x: &[f32] = match bytemuck::try_cast_slice(src) {
@@ -668,7 +658,7 @@ impl Device for SimDevice {
                 &copied
             }
         };
-        let mut yb = lock(ym);
+        let mut yb = llmd_device::host::lock(ym);
         let dst = yb.get_mut(..total * 4).ok_or_else(|| self.invalid(format!("y is shorter than {total} outputs")))?;
         let mut staged: Vec<f32> = Vec::new();
         let in_place = bytemuck::try_cast_slice_mut::<u8, f32>(&mut dst[..]).is_ok();

@@ -150,8 +150,14 @@ fn linear_on(
     let hw = HostWeight { role, ty: w.ty, rows: w.rows, cols: w.cols, data, host: None };
     let weight = dev.load_weight(&hw, rows.clone()).expect("load_weight");
     let exe = dev.prepare(Subgraph::linear(0, role), shape, m, &[weight]).expect("prepare");
-    let xb = dev.alloc(BufferUsage::Activations, m * w.cols * 4).expect("alloc x");
-    let yb = dev.alloc(BufferUsage::Activations, m * rows.len() * 4).expect("alloc y");
+    submit_rows(dev, &exe, x, m, m * rows.len())
+}
+
+/// `m` rows of `x` through `exe` on `dev` (a projection's or a group's: no ids, positions or
+/// caches), `outputs` f32 values back.
+fn submit_rows(dev: &dyn Device, exe: &llmd_device::Executable, x: &[f32], m: usize, outputs: usize) -> Vec<f32> {
+    let xb = dev.alloc(BufferUsage::Activations, x.len() * 4).expect("alloc x");
+    let yb = dev.alloc(BufferUsage::Activations, outputs * 4).expect("alloc y");
     let wrote = dev.write(&xb, 0, &f32_bytes(x), &[]).expect("write");
     let zeros: Arc<[u32]> = vec![0u32; m].into();
     let bind = Bindings {
@@ -163,8 +169,8 @@ fn linear_on(
         logits: None,
         y: Some(yb.clone()),
     };
-    let ev = dev.submit(&exe, &bind, &[wrote]).expect("submit");
-    let mut raw = vec![0u8; m * rows.len() * 4];
+    let ev = dev.submit(exe, &bind, &[wrote]).expect("submit");
+    let mut raw = vec![0u8; outputs * 4];
     dev.read(&yb, 0, &mut raw, &[ev]).expect("read");
     raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
@@ -388,24 +394,7 @@ fn a_layers_linear_groups_run_through_the_contract_on_every_device() {
                 let total_rows: usize = mats.iter().map(|(_, w)| w.rows).sum();
                 for tokens in TOKEN_COUNTS {
                     let x = rng.vec(tokens * k);
-                    let xb = dev.alloc(BufferUsage::Activations, x.len() * 4).expect("alloc x");
-                    let yb = dev.alloc(BufferUsage::Activations, tokens * total_rows * 4).expect("alloc y");
-                    let wrote = dev.write(&xb, 0, &f32_bytes(&x), &[]).expect("write");
-                    let zeros: Arc<[u32]> = vec![0u32; tokens].into();
-                    let bind = Bindings {
-                        x: xb,
-                        tokens: zeros.clone(),
-                        positions: zeros,
-                        seqs: Arc::new([]),
-                        logit_rows: Arc::new([]),
-                        logits: None,
-                        y: Some(yb.clone()),
-                    };
-                    let ev = dev.submit(&exe, &bind, &[wrote]).expect("submit");
-                    let mut raw = vec![0u8; tokens * total_rows * 4];
-                    dev.read(&yb, 0, &mut raw, &[ev]).expect("read");
-                    let y: Vec<f32> =
-                        raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    let y = submit_rows(&*dev, &exe, &x, tokens, tokens * total_rows);
                     let mut at = 0;
                     for (role, w) in &mats {
                         let part = &y[at..at + tokens * w.rows];

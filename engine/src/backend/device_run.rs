@@ -94,30 +94,17 @@ pub fn run_subgraph(
     weights: &[&HostCopy],
     io: HostIo<'_, '_>,
 ) -> Result<(), String> {
-    if let SubgraphKind::Linear(role) = sg.kind {
-        // One projection: `x` holds `n_tokens` rows of the weight's columns, not the residual.
-        let Some(HostCopy::Matrix(w)) = weights.first() else {
-            return Err(format!("{sg:?}: its {role:?} weight is not a matrix"));
-        };
-        let n = io.positions.len();
-        if io.x.len() < n * w.cols || io.y.len() < n * w.rows {
-            return Err(format!(
-                "{sg:?}: {} inputs and {} outputs for {n} rows of a {}×{} weight",
-                io.x.len(),
-                io.y.len(),
-                w.rows,
-                w.cols
-            ));
-        }
-        let op = crate::backend::OpDesc { kind: crate::backend::OpKind::MatMul, weight_type: Some(w.ty), n_tokens: n };
-        let (x, y) = (&io.x[..n * w.cols], &mut io.y[..n * w.rows]);
-        return planner.place(&op).and_then(|b| b.matmul(w, x, n, y)).map_err(|e| e.to_string());
-    }
-    if let SubgraphKind::Group(site) = sg.kind {
-        // Each projection's rows in turn, over one input row per bound position.
+    // A projection (a weight's loaded rows) or a group (each projection's rows in turn): `x`
+    // holds one row of the weights' columns per bound position, not the residual.
+    let projections = match sg.kind {
+        SubgraphKind::Linear(role) => Some(vec![role]),
+        SubgraphKind::Group(site) => Some(site.roles().to_vec()),
+        _ => None,
+    };
+    if let Some(roles) = projections {
         let n = io.positions.len();
         let mut at = 0;
-        for (i, role) in site.roles().iter().enumerate() {
+        for (i, role) in roles.iter().enumerate() {
             let Some(HostCopy::Matrix(w)) = weights.get(i) else {
                 return Err(format!("{sg:?}: its {role:?} weight is not a matrix"));
             };

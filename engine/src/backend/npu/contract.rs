@@ -89,7 +89,7 @@ struct GroupExe {
 pub const F16_LINEAR_REL_TOL: f64 = 3e-3;
 
 /// A buffer: host bytes.
-type Mem = Mutex<Vec<u8>>;
+type Mem = llmd_device::host::HostBytes;
 
 /// A weight's rows in f16 (little-endian bytes), row-major.
 struct F16Rows {
@@ -143,7 +143,7 @@ impl QnnDevice {
     }
 
     fn mem<'a>(&self, b: &'a Buffer) -> Result<&'a Mem, DeviceError> {
-        b.get::<Mem>(self.id).ok_or_else(|| self.invalid("a buffer of another device"))
+        llmd_device::host::bytes(self.id, &self.desc.name, b)
     }
 }
 
@@ -414,19 +414,15 @@ impl Device for QnnDevice {
         if usage == BufferUsage::Kv {
             return Err(self.unsupported("a KV cache (attention is not an NPU op here)"));
         }
-        let v = llmd_device::host::zeroed(&self.desc.name, usage, bytes)?;
-        Ok(Buffer::new(self.id, usage, bytes, Arc::new(Mutex::new(v))))
+        llmd_device::host::alloc(self.id, &self.desc.name, usage, bytes)
     }
 
     fn write(&self, dst: &Buffer, offset: usize, src: &[u8], after: &[Event]) -> Result<Event, DeviceError> {
-        Event::wait_all(after)?;
-        llmd_device::host::copy_in(&self.desc.name, &mut lock(self.mem(dst)?), offset, src)?;
-        Ok(Event::ready(Ok(())))
+        llmd_device::host::write(self.id, &self.desc.name, dst, offset, src, after)
     }
 
     fn read(&self, src: &Buffer, offset: usize, dst: &mut [u8], after: &[Event]) -> Result<(), DeviceError> {
-        Event::wait_all(after)?;
-        llmd_device::host::copy_out(&self.desc.name, &lock(self.mem(src)?), offset, dst)
+        llmd_device::host::read(self.id, &self.desc.name, src, offset, dst, after)
     }
 
     fn load_weight(&self, w: &HostWeight<'_>, rows: Range<usize>) -> Result<Weight, DeviceError> {
