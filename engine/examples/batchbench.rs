@@ -27,7 +27,7 @@ fn main() -> Result<(), String> {
         for s in 0..steps {
             let toks: Vec<[u32; 1]> = (0..b).map(|i| [(200 + s + i) as u32]).collect();
             let mut batch: Vec<_> = kvs.iter_mut().zip(&toks).map(|(kv, t)| (kv, &t[..])).collect();
-            model.transformer.forward_batch(&mut batch, Logits::Last).map_err(|e| e.to_string())?;
+            model.transformer.run(&mut batch, llmd_engine::model::Run::LAST).map_err(|e| e.to_string())?;
         }
         let per = t0.elapsed().as_secs_f64() / steps as f64;
         println!("B={b}: {:.2} ms per pass, {:.1} tok/s in all", per * 1e3, b as f64 / per);

@@ -6,7 +6,6 @@
 use crate::chat::ChatMessage;
 use crate::error::GenerateError;
 use crate::model::kv::KvCache;
-use crate::model::Logits;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::Model;
 use std::time::{Duration, Instant};
@@ -464,26 +463,26 @@ impl Generation {
         if let Some(l) = prefill.filter(|_| self.out_of_order > 1) {
             if let Some(tokens) = self.prefill_at_most(self.prefill_unit()) {
                 let n = tokens.len();
-                let logits = model.transformer.prefill_chunks(kv, tokens, self.prefill_chunk, l, None)?;
+                let r = crate::model::Run::LAST.on(l).chunked(self.prefill_chunk);
+                let logits = model.transformer.run(&mut [(kv, tokens)], r)?.pop().unwrap_or_default();
                 self.accept_prefill(n, logits);
                 return Ok(StepOutput::default());
             }
         }
         if let Some(chunk) = self.prefill_chunk_tokens() {
             let n = chunk.len();
-            let logits = match prefill {
-                Some(l) => model.transformer.forward_on(kv, chunk, l, Logits::Last)?,
-                None => model.transformer.forward(kv, chunk, Logits::Last)?,
-            };
+            let r = prefill.map_or(crate::model::Run::LAST, |l| crate::model::Run::LAST.on(l));
+            let logits = model.transformer.run(&mut [(kv, chunk)], r)?.pop().unwrap_or_default();
             self.accept_prefill(n, logits);
             return Ok(StepOutput::default());
         }
         let (out, feed) = self.sample(model, kv.len())?;
         if let Some(tok) = feed {
-            let logits = match prefill {
-                Some(l) if self.decode_with_linears => model.transformer.forward_on(kv, &[tok], l, Logits::Last)?,
-                _ => model.transformer.forward(kv, &[tok], Logits::Last)?,
+            let r = match prefill {
+                Some(l) if self.decode_with_linears => crate::model::Run::LAST.on(l),
+                _ => crate::model::Run::LAST,
             };
+            let logits = model.transformer.run(&mut [(kv, &[tok])], r)?.pop().unwrap_or_default();
             self.accept_logits(logits);
         }
         Ok(out)

@@ -719,7 +719,7 @@ mod tests {
         let dev = Arc::new(SimDevice::new(sim.clone(), "float"));
         let devs = devices(dev.clone());
         let mut kv = t.new_kv();
-        let got = t.forward_on(&mut kv, &tokens[..9], &devs, Logits::Last).unwrap();
+        let got = t.run(&mut [(&mut kv, &tokens[..9])], crate::model::Run::LAST.on(&devs)).unwrap().pop().unwrap();
         let groups = (t.config.n_layers * 4) as u64;
         assert_eq!(sim.stats.groups.load(Ordering::Relaxed), groups);
         assert_eq!(devs.stats.groups.load(Ordering::Relaxed), groups);

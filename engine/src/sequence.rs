@@ -6,7 +6,7 @@
 
 use crate::error::BackendError;
 use crate::model::kv::KvCache;
-use crate::model::{Logits, Transformer};
+use crate::model::Transformer;
 
 /// One conversation's state in the engine (see the module doc).
 pub struct Sequence {
@@ -63,40 +63,13 @@ impl Transformer {
         Sequence { kv: self.new_kv() }
     }
 
-    /// [`Transformer::forward_batch`] over sequences: each runs its tokens after what it holds.
-    pub fn forward_sequences(
+    /// [`Transformer::run`] over sequences: each runs its tokens after what it holds.
+    pub fn run_sequences(
         &self,
         batch: &mut [(&mut Sequence, &[u32])],
-        which: Logits,
+        r: crate::model::Run<'_>,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
         let mut kvs: Vec<(&mut KvCache, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
-        self.forward_batch(&mut kvs, which)
-    }
-
-    /// [`Transformer::forward_batch_on`] over sequences: a pass on a device set of the caller's
-    /// (the daemon's GPU thread), each sequence's cache handed to the device as needed.
-    pub fn forward_sequences_on(
-        &self,
-        devs: &crate::model::Devices,
-        batch: &mut [(&mut Sequence, &[u32])],
-        which: Logits,
-    ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let mut kvs: Vec<(&mut KvCache, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
-        self.forward_batch_on(devs, &mut kvs, which)
-    }
-
-    /// [`Transformer::prefill_chunks`] on a sequence: `tokens` with the linear groups where
-    /// `devs` places them (the NPU's graphs of `chunk` rows), several chunks out of order,
-    /// `stop` asked before each group; on an error the sequence is cut back to what it held
-    /// before.
-    pub fn prefill_sequence_on(
-        &self,
-        seq: &mut Sequence,
-        tokens: &[u32],
-        chunk: usize,
-        devs: &crate::model::Devices,
-        stop: Option<&(dyn Fn() -> bool + Sync)>,
-    ) -> Result<Vec<f32>, BackendError> {
-        self.prefill_chunks(&mut seq.kv, tokens, chunk, devs, stop)
+        self.run(&mut kvs, r)
     }
 }

@@ -92,7 +92,7 @@ fn batched_decode_and_prefill_equal_one_sequence_at_a_time() {
             }
         }
         if !batch.is_empty() {
-            let logits = model.transformer.forward_batch(&mut batch, Logits::Last).expect("batch");
+            let logits = model.transformer.run(&mut batch, llmd_engine::model::Run::LAST).expect("batch");
             for ((i, n, prefill), l) in order.into_iter().zip(logits) {
                 let gen = gens[i].as_mut().expect("started");
                 if prefill {
@@ -184,7 +184,7 @@ fn split_decode_passes_equal_each_sequence_alone() {
         let next: Vec<[u32; 1]> = last.iter().map(|l| [llmd_engine::sampling::argmax(l)]).collect();
         let mut batch: Vec<(&mut llmd_engine::model::kv::KvCache, &[u32])> =
             kvs.iter_mut().zip(&next).map(|(kv, t)| (kv, &t[..])).collect();
-        last = model.transformer.forward_batch(&mut batch, Logits::Last).expect("batch");
+        last = model.transformer.run(&mut batch, llmd_engine::model::Run::LAST).expect("batch");
         for (i, l) in last.iter().enumerate() {
             assert!(l == &alone[i][step], "sequence {i}, step {step}: split batch logits differ from alone");
         }

@@ -273,7 +273,7 @@ fn run_batch(m: &Model, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<Vec<f32>>
     let mut out = vec![Vec::new(); prompts.len()];
     for _ in 0..=steps {
         let mut batch: Vec<(&mut KvCache, &[u32])> = caches.iter_mut().zip(&feed).map(|(c, f)| (c, &f[..])).collect();
-        let logits = t.forward_batch(&mut batch, Logits::Last).expect("the pass runs");
+        let logits = t.run(&mut batch, llmd_engine::model::Run::LAST).expect("the pass runs");
         for (i, l) in logits.into_iter().enumerate() {
             let next = llmd_engine::sampling::argmax(&l);
             out[i].push(l);

@@ -317,9 +317,9 @@ fn a_cpu_prefill_hands_its_cache_to_the_gpu_which_decodes_and_hands_it_back() {
         let pass = |kv: &mut llmd_engine::model::kv::KvCache, toks: &[u32]| {
             let mut b = [(kv, toks)];
             let l = if split {
-                t.forward_batch_on(&devs, &mut b, Logits::Last)
+                t.run(&mut b, llmd_engine::model::Run::LAST.on(&devs))
             } else {
-                t.forward_batch(&mut b, Logits::Last)
+                t.run(&mut b, llmd_engine::model::Run::LAST)
             };
             l.unwrap().pop().unwrap()
         };

@@ -38,7 +38,7 @@ fn greedy(
 ) -> (Vec<u32>, Vec<f32>) {
     let mut kv = m.transformer.new_kv();
     let pass = |kv: &mut llmd_engine::backend::kv::KvCache, toks: &[u32]| match devs {
-        Some(d) => m.transformer.forward_batch_on(d, &mut [(kv, toks)], Logits::Last).unwrap().pop().unwrap(),
+        Some(d) => m.transformer.run(&mut [(kv, toks)], llmd_engine::model::Run::LAST.on(d)).unwrap().pop().unwrap(),
         None => m.transformer.forward(kv, toks, Logits::Last).unwrap(),
     };
     let mut logits = pass(&mut kv, prompt);

@@ -6,7 +6,6 @@
 
 mod common;
 
-use llmd_engine::backend::blocks::Logits;
 use llmd_engine::prefill::{
     calibrate, quantized_groups, shadow_sites, NpuLinears, ShadowConfig, WeightQuant, CALIBRATION_TEXT, DEFAULT_PRUNE,
 };
@@ -86,11 +85,21 @@ fn chunked_prefill_equals_one_pass_for_random_lengths_and_chunk_sizes() {
             let p = 1 + next(text.len().min(WHOLE));
             let prompt = &text[..p];
             let mut kv1 = m.transformer.new_kv();
-            let one = m.transformer.forward_on(&mut kv1, prompt, &whole, Logits::Last).expect("one pass");
+            let one = m
+                .transformer
+                .run(&mut [(&mut kv1, prompt)], llmd_engine::model::Run::LAST.on(&whole))
+                .expect("one pass")
+                .pop()
+                .expect("its logits");
             let mut kv2 = m.transformer.new_kv();
             let mut last = Vec::new();
             for part in prompt.chunks(chunk) {
-                last = m.transformer.forward_on(&mut kv2, part, &chunked, Logits::Last).expect("a chunk");
+                last = m
+                    .transformer
+                    .run(&mut [(&mut kv2, part)], llmd_engine::model::Run::LAST.on(&chunked))
+                    .expect("a chunk")
+                    .pop()
+                    .expect("its logits");
             }
             let mean = one.iter().sum::<f32>() / one.len() as f32;
             let spread = (one.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / one.len() as f32).sqrt();

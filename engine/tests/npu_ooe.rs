@@ -54,8 +54,12 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
     let mut kv = fresh();
     let mut want = Vec::new();
     for part in prompt.chunks(CHUNK) {
-        want =
-            m.transformer.forward_on(&mut kv, part, &devs, llmd_engine::backend::blocks::Logits::Last).expect("chunk");
+        want = m
+            .transformer
+            .run(&mut [(&mut kv, part)], llmd_engine::model::Run::LAST.on(&devs))
+            .expect("chunk")
+            .pop()
+            .expect("its logits");
     }
     let want_kv = kv_bytes(&kv);
     // llm.npu's profiled times stand in as: NPU subgraphs 2, attention 1 plus the chunk index.

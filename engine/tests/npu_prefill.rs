@@ -119,7 +119,12 @@ fn a_prompt_prefilled_on_qualcomms_library_decodes_as_on_the_emulator() {
         let built = t.elapsed().as_secs_f64();
         let mut kv = m.transformer.new_kv();
         let t = std::time::Instant::now();
-        let logits = m.transformer.forward_on(&mut kv, &prompt, &devs, Logits::Last).expect("NPU prefill");
+        let logits = m
+            .transformer
+            .run(&mut [(&mut kv, &prompt)], llmd_engine::model::Run::LAST.on(&devs))
+            .expect("NPU prefill")
+            .pop()
+            .expect("its logits");
         let prefilled = t.elapsed().as_secs_f64();
         let (execs, modelled) = npu.stats();
         eprintln!(

@@ -3,7 +3,7 @@
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use llmd_engine::convert::{self, ConvertOptions};
-use llmd_engine::model::Logits;
+use llmd_engine::model::{Logits, Run};
 use llmd_engine::smooth::Smoothing;
 use llmd_engine::{LoadOptions, Model};
 use std::path::{Path, PathBuf};
@@ -197,7 +197,10 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
         let mut kv = model.transformer.new_kv();
         for (ci, chunk) in win.chunks(step).enumerate() {
             let logits = match &npu {
-                Some(n) => model.transformer.forward_on(&mut kv, chunk, &n.devs, Logits::All),
+                Some(n) => model
+                    .transformer
+                    .run(&mut [(&mut kv, chunk)], Run::ALL.on(&n.devs))
+                    .map(|mut l| l.pop().unwrap_or_default()),
                 None => model.transformer.forward(&mut kv, chunk, Logits::All),
             }
             .map_err(|e| e.to_string())?;
@@ -399,7 +402,10 @@ pub fn npu_accuracy(a: &NpuAccuracyArgs) -> Result<(), String> {
             let mut kv = model.transformer.new_kv();
             for (ci, chunk) in win.chunks(a.chunk).enumerate() {
                 let logits = match &devs {
-                    Some(d) => model.transformer.forward_on(&mut kv, chunk, d, Logits::All),
+                    Some(d) => model
+                        .transformer
+                        .run(&mut [(&mut kv, chunk)], Run::ALL.on(d))
+                        .map(|mut l| l.pop().unwrap_or_default()),
                     None => model.transformer.forward(&mut kv, chunk, Logits::All),
                 }
                 .map_err(|e| e.to_string())?;

@@ -21,6 +21,7 @@ use crate::error::ServiceError;
 use crate::permission::Caller;
 use llmd_engine::chat::ChatMessage;
 use llmd_engine::generate::{GenerateRequest, Generation};
+use llmd_engine::model::Run;
 use llmd_engine::sequence::Sequence;
 use llmd_engine::Model;
 use std::path::{Path, PathBuf};
@@ -296,7 +297,8 @@ impl SessionInner {
     ) -> Result<Vec<f32>, ServiceError> {
         model
             .transformer
-            .prefill_sequence_on(&mut self.kv, tokens, chunk, devs, Some(stop))
+            .run_sequences(&mut [(&mut self.kv, tokens)], Run::LAST.on(devs).chunked(chunk).until(stop))
+            .map(|mut l| l.pop().unwrap_or_default())
             .map_err(|e| ServiceError::Internal(e.to_string()))
     }
 
@@ -356,8 +358,7 @@ impl SessionInner {
             let mut kv = model.transformer.new_sequence();
             let mut ok = true;
             for chunk in self.tokens.chunks(llmd_engine::generate::DEFAULT_PREFILL_CHUNK) {
-                let step =
-                    model.transformer.forward_sequences(&mut [(&mut kv, chunk)], llmd_engine::model::Logits::Last);
+                let step = model.transformer.run_sequences(&mut [(&mut kv, chunk)], Run::LAST);
                 if step.is_err() {
                     ok = false;
                     break;
@@ -475,15 +476,12 @@ pub fn forward_batch_on(
     batch: &mut [(&mut SessionInner, &[u32])],
 ) -> Result<Vec<Vec<f32>>, String> {
     let mut seqs: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
-    model.transformer.forward_sequences_on(devs, &mut seqs, llmd_engine::model::Logits::Last).map_err(|e| e.to_string())
+    model.transformer.run_sequences(&mut seqs, Run::LAST.on(devs)).map_err(|e| e.to_string())
 }
 
 /// One batched forward of `model` over several sessions' caches: each gets its tokens appended
 /// and the logits after its last token.
 pub fn forward_batch(model: &Model, batch: &mut [(&mut SessionInner, &[u32])]) -> Result<Vec<Vec<f32>>, ServiceError> {
     let mut seqs: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().map(|(s, t)| (&mut s.kv, *t)).collect();
-    model
-        .transformer
-        .forward_sequences(&mut seqs, llmd_engine::model::Logits::Last)
-        .map_err(|e| ServiceError::Internal(e.to_string()))
+    model.transformer.run_sequences(&mut seqs, Run::LAST).map_err(|e| ServiceError::Internal(e.to_string()))
 }

@@ -147,7 +147,7 @@ pub fn ffn_token_block(ffn: usize, n: usize) -> usize {
 
 /// The forward pass in pieces (embedding, one layer, the head), so that a loader can run
 /// layers as their weights arrive (the cold-start pipeline) with the same code as
-/// `Transformer::forward_batch`.
+/// `Transformer::run`'s host pass.
 #[derive(Clone, Copy)]
 pub struct Pass<'a> {
     pub c: &'a BlockShape,

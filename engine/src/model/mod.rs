@@ -21,20 +21,63 @@ use llmd_device::BlockShape;
 use weights::ModelWeights;
 
 /// Decode tokens per part below which a pass split over the threads
-/// ([`Transformer::forward_batch`]) is slower than one pass over the whole batch. Measured on
+/// (a host pass of [`Transformer::run`]) is slower than one pass over the whole batch. Measured on
 /// the default model with 2 threads (`batchbench`, split and whole passes alternating, 300
 /// passes, ratio of median ms per pass): 4 and 8 sequences per part (B=8, B=16) 0.91–0.97;
 /// 3 and 4 (B=7) 0.95–0.99; 3 (B=6) 1.05–1.07 and 2 (B=4) 1.08–1.09, where each part reading
 /// all the layers' weights for itself costs more than the barriers it saves.
 pub const SPLIT_MIN_TOKENS_PER_PART: usize = 4;
 
-/// The parts [`Transformer::forward_batch`] runs a batch in, given each sequence's token count
+/// The parts a host pass of [`Transformer::run`] runs a batch in, given each sequence's token count
 /// and how many parts the backend can run at once: `Some(parts)` (every thread one part) for a
 /// batch of decode steps (one token each) with at least [`SPLIT_MIN_TOKENS_PER_PART`] per part,
 /// else `None` (one pass). Prompt chunks are not split: a chunk is one sequence's tokens, so
 /// parts would be uneven, and its matmuls already keep every thread busy.
 pub fn split_plan(tokens: &[usize], parts: usize) -> Option<usize> {
     (parts >= 2 && tokens.iter().all(|&t| t == 1) && tokens.len() >= SPLIT_MIN_TOKENS_PER_PART * parts).then_some(parts)
+}
+
+/// How one pass runs ([`Transformer::run`]): which logits it returns, the devices it is placed
+/// across, how a prompt is cut, and what may stop it.
+#[derive(Clone, Copy)]
+pub struct Run<'a> {
+    /// Which tokens' logits (per sequence).
+    pub which: Logits,
+    /// The devices besides the host it is placed across — a set of the caller's (a daemon
+    /// processor's, llmctl's NPU), not attached to the model, so the model's other passes stay
+    /// where they were; None: the model's own placement (its attached devices, else the host).
+    pub on: Option<&'a Devices>,
+    /// One sequence's prompt in chunks of this many tokens, run out of order across the chunks
+    /// (llm.npu's job graph, ordered by its score over [`Transformer::prefill_times`]; the
+    /// same bits as in order) with the last token's logits; needs `on`. None: one pass.
+    pub chunk: Option<usize>,
+    /// Asked before each of the host subgraphs' linear groups: true ends the pass with an
+    /// error, every cache as before it (a withdrawn job); needs `on`.
+    pub stop: Option<&'a (dyn Fn() -> bool + Sync)>,
+}
+
+impl Run<'static> {
+    /// The last token's logits, on the model's own placement, in one pass.
+    pub const LAST: Self = Self { which: Logits::Last, on: None, chunk: None, stop: None };
+    /// Every token's logits, on the model's own placement, in one pass.
+    pub const ALL: Self = Self { which: Logits::All, on: None, chunk: None, stop: None };
+}
+
+impl<'a> Run<'a> {
+    /// Placed across `devs`.
+    pub fn on(self, devs: &'a Devices) -> Self {
+        Self { on: Some(devs), ..self }
+    }
+
+    /// In chunks of `chunk` tokens, out of order across them.
+    pub fn chunked(self, chunk: usize) -> Self {
+        Self { chunk: Some(chunk), ..self }
+    }
+
+    /// Stopped when `stop` says so.
+    pub fn until(self, stop: &'a (dyn Fn() -> bool + Sync)) -> Self {
+        Self { stop: Some(stop), ..self }
+    }
 }
 
 /// The network: configuration, weights and the backends that run it.
@@ -107,8 +150,44 @@ impl Transformer {
         Pass { c: &self.shape, planner: &self.planner, linears: None }
     }
 
-    /// Runs `tokens` at the positions after what `kv` holds, appends their keys and values, and
-    /// returns logits (`vocab` per returned token).
+    /// The forward pass: sequence `i` of `batch` runs `batch[i].1` at the positions after what
+    /// its cache `batch[i].0` holds (appending their keys and values) and gets its logits
+    /// (`vocab` per returned token), as `r` asks — on the model's own placement or a set of
+    /// devices, in one pass or one prompt's chunks out of order, stoppable. A placement on
+    /// devices leaves every cache as it was on an error.
+    pub fn run(&self, batch: &mut [(&mut KvCache, &[u32])], r: Run<'_>) -> Result<Vec<Vec<f32>>, BackendError> {
+        let Some(devs) = r.on else {
+            if r.chunk.is_some() || r.stop.is_some() {
+                return Err(BackendError::Device(
+                    "a pass in chunks, or one that can be stopped, is placed on a set of devices (Run::on)".into(),
+                ));
+            }
+            return self.forward_batch(batch, r.which);
+        };
+        let before: Vec<usize> = batch.iter().map(|(kv, _)| kv.len()).collect();
+        let out = match (r.chunk, &mut *batch) {
+            (None, _) => self.forward_batch_on_until(devs, batch, r.which, r.stop),
+            (Some(chunk), [(kv, tokens)]) if r.which == Logits::Last => {
+                self.prefill_chunks(kv, tokens, chunk, devs, r.stop).map(|l| vec![l])
+            }
+            (Some(_), _) => Err(BackendError::Shape {
+                op: "prefill",
+                detail: format!(
+                    "a prompt in chunks is one sequence's, with its last token's logits ({} sequences, {:?})",
+                    batch.len(),
+                    r.which
+                ),
+            }),
+        };
+        if out.is_err() {
+            for ((kv, _), &b) in batch.iter_mut().zip(&before) {
+                kv.truncate(b);
+            }
+        }
+        out
+    }
+
+    /// [`Self::run`] for one sequence on the model's own placement, in one pass: its logits.
     pub fn forward(&self, kv: &mut KvCache, tokens: &[u32], which: Logits) -> Result<Vec<f32>, BackendError> {
         let mut out = self.forward_batch(&mut [(kv, tokens)], which)?;
         Ok(out.pop().unwrap_or_default())
@@ -127,7 +206,7 @@ impl Transformer {
     /// Each part reads the layers' weights for itself, which only a compute-bound batch can
     /// afford; the output head then runs once over every sequence, on all threads (B=8 pass
     /// 0.968–0.982 of the head run per part, alternated in `batchbench`).
-    pub fn forward_batch(
+    fn forward_batch(
         &self,
         batch: &mut [(&mut KvCache, &[u32])],
         which: Logits,
@@ -137,21 +216,10 @@ impl Transformer {
         out
     }
 
-    /// One pass over `batch` placed across the host and `devs` — a set not attached to the
-    /// model (a daemon thread driving a device keeps its own, with the weights it loaded), so
-    /// the model's other passes stay on the host meanwhile. A sequence's KV cache of a layer
-    /// is handed to the device running that layer's attention (and comes back for a host
-    /// pass).
-    pub fn forward_batch_on(
-        &self,
-        devs: &Devices,
-        batch: &mut [(&mut KvCache, &[u32])],
-        which: Logits,
-    ) -> Result<Vec<Vec<f32>>, BackendError> {
-        self.forward_batch_on_until(devs, batch, which, None)
-    }
-
-    /// [`Self::forward_batch_on`] that, given `stop`, asks it before each host linear group.
+    /// One pass over `batch` placed across the host and `devs` (a set not attached to the
+    /// model: a sequence's KV cache of a layer is handed to the device running that layer's
+    /// attention, and comes back for a host pass); `stop`, when given, is asked before each host
+    /// linear group.
     pub(crate) fn forward_batch_on_until(
         &self,
         devs: &Devices,
@@ -246,20 +314,6 @@ impl Transformer {
         Some(p.finish(joined, batch, &w.output_norm, &w.output, which))
     }
 
-    /// [`Self::forward_batch_on`] for one sequence (as [`Self::forward`] is
-    /// [`Self::forward_batch`] for one): llm.npu's prompt chunk with its linear groups on the
-    /// NPU, or a pass on HeteroLLM's cuts — every block where `devs`' cost model places it, each
-    /// host block's projections and groups where their splitter does.
-    pub fn forward_on(
-        &self,
-        kv: &mut KvCache,
-        tokens: &[u32],
-        devs: &Devices,
-        which: Logits,
-    ) -> Result<Vec<f32>, BackendError> {
-        Ok(self.forward_batch_on(devs, &mut [(kv, tokens)], which)?.pop().unwrap_or_default())
-    }
-
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`
     /// (calibration); returns the last token's logits.
     pub fn forward_capture(
@@ -284,6 +338,43 @@ impl Transformer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `run`'s shapes of a pass on the tiny fixture: a host pass, the same on an empty set of
+    /// devices (every subgraph on the host), one prompt in chunks out of order — all the same
+    /// bits — and the passes it refuses, every cache as before them.
+    #[test]
+    fn run_takes_every_shape_of_pass_and_refuses_what_does_not_fit() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-qwen2.gguf");
+        let m = crate::Model::load(std::path::Path::new(path), &Default::default()).expect("loads");
+        let t = &m.transformer;
+        let devs = Devices::new(Vec::new(), std::sync::Arc::new(crate::sched::HostBlocks));
+        let prompt: Vec<u32> = (1..30).collect();
+        let mut kv = t.new_kv();
+        let host = t.run(&mut [(&mut kv, &prompt)], Run::LAST).expect("host pass");
+        for r in [Run::LAST.on(&devs), Run::LAST.on(&devs).chunked(8), Run::LAST.on(&devs).chunked(8).until(&|| false)]
+        {
+            let mut kv2 = t.new_kv();
+            let got = t.run(&mut [(&mut kv2, &prompt)], r).expect("runs");
+            assert!(got == host, "a pass on an empty set of devices, or in chunks, gives the host's bits");
+            assert_eq!(kv2.len(), prompt.len());
+        }
+        let refused = |r: Run<'_>, two: bool| {
+            let (mut a, mut b) = (t.new_kv(), t.new_kv());
+            t.forward(&mut a, &prompt[..3], Logits::Last).expect("a start");
+            let out = if two {
+                t.run(&mut [(&mut a, &prompt[3..9]), (&mut b, &prompt[..2])], r)
+            } else {
+                t.run(&mut [(&mut a, &prompt[3..9])], r)
+            };
+            assert!(out.is_err());
+            assert_eq!((a.len(), b.len()), (3, 0), "the caches as before");
+        };
+        refused(Run::LAST.chunked(4), false);
+        refused(Run::LAST.until(&|| false), false);
+        refused(Run::ALL.on(&devs).chunked(4), false);
+        refused(Run::LAST.on(&devs).chunked(4), true);
+        refused(Run::LAST.on(&devs).until(&|| true), false);
+    }
 
     #[test]
     fn only_large_batches_of_decode_steps_are_split() {

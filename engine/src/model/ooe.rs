@@ -98,8 +98,9 @@ impl Transformer {
     /// ([`Self::prefill_out_of_order`], llm.npu's score over [`Self::prefill_times`]) — the same
     /// bits either way. `stop`, asked before each group, ends the prefill with an error when it
     /// says so (a withdrawn job). On an error `kv` is cut back to what it held. The product
-    /// path's one way in: llmctl's generation and the daemon's NPU jobs.
-    pub fn prefill_chunks(
+    /// path's one way in ([`Transformer::run`] with [`super::Run::chunked`]): llmctl's generation and
+    /// the daemon's NPU jobs.
+    pub(crate) fn prefill_chunks(
         &self,
         kv: &mut KvCache,
         tokens: &[u32],

@@ -16,7 +16,7 @@
 //!   not resident twice.
 //! * **Compute**: the caller's thread; with a prompt, it runs the forward pass one layer at a
 //!   time as each layer's weights arrive ([`crate::model::Pass`], the same code as
-//!   [`crate::model::Transformer::forward_batch`], so the logits are the same bit for bit).
+//!   [`crate::model::Transformer::run`]'s host pass, so the logits are the same bit for bit).
 //!
 //! The whole-data checksum is known only when the last region has been read; a mismatch there
 //! fails the load even though earlier layers were already used (their own CRCs had matched).

@@ -12,7 +12,7 @@
 
 use super::{BenchArgs, Peer, BENCH_TEXT};
 use llmd_engine::generate::DEFAULT_PREFILL_CHUNK;
-use llmd_engine::model::Logits;
+use llmd_engine::model::{Logits, Run};
 use llmd_engine::{LoadOptions, Model};
 use serde_json::{json, Value};
 use std::time::Instant;
@@ -83,7 +83,7 @@ fn ours_prefill(model: &Model, tokens: &[u32], npu: Option<&crate::npu::NpuPrefi
         }
         Some(n) => {
             for c in tokens.chunks(n.chunk) {
-                model.transformer.forward_on(&mut kv, c, &n.devs, Logits::Last).map_err(|e| e.to_string())?;
+                model.transformer.run(&mut [(&mut kv, c)], Run::LAST.on(&n.devs)).map_err(|e| e.to_string())?;
             }
         }
     }
@@ -105,7 +105,7 @@ fn ours_decode(model: &Model, prompt: &[u32], steps: &[u32]) -> Result<f64, Stri
 }
 
 /// Seconds for the steps of `prompts.len()` sequences decoding together: each prompt is
-/// prefilled alone, then every pass runs one token of every sequence (`forward_batch`).
+/// prefilled alone, then every pass runs one token of every sequence (one `run`).
 fn ours_batch_decode(model: &Model, prompts: &[&[u32]], steps: &[&[u32]]) -> Result<f64, String> {
     let mut kvs: Vec<_> = prompts.iter().map(|_| model.transformer.new_kv()).collect();
     for (kv, p) in kvs.iter_mut().zip(prompts) {
@@ -118,7 +118,7 @@ fn ours_batch_decode(model: &Model, prompts: &[&[u32]], steps: &[&[u32]]) -> Res
     for k in 0..n {
         let toks: Vec<[u32; 1]> = steps.iter().map(|s| [s[k]]).collect();
         let mut batch: Vec<_> = kvs.iter_mut().zip(&toks).map(|(kv, t)| (kv, &t[..])).collect();
-        model.transformer.forward_batch(&mut batch, Logits::Last).map_err(|e| e.to_string())?;
+        model.transformer.run(&mut batch, Run::LAST).map_err(|e| e.to_string())?;
     }
     Ok(t0.elapsed().as_secs_f64())
 }
