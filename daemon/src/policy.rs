@@ -149,7 +149,8 @@ impl Policy {
         self.plan_beside(now_ms, entries, false)
     }
 
-    /// [`Self::plan`] while an accelerator reads a prompt of another request: when that one is
+    /// [`Self::plan`] while a processor of the engine's (the NPU) reads a prompt of another
+    /// request: when that one is
     /// foreground (`foreground_elsewhere`), the pass is planned as if it carried that prompt —
     /// only foreground decode steps and prompts — since the accelerator's chunk also needs the
     /// CPU (llm.npu's norms and attention) and a foreground prompt's time to first token is
@@ -224,8 +225,9 @@ impl Policy {
     }
 
     /// The prompt among `entries` for which `eligible` holds that a pass would read first
-    /// (rank, class, fair share, arrival: the order [`Self::plan`] uses) — the one an
-    /// accelerator takes when it is idle. Uids join the fair share over all of `entries`.
+    /// (rank, class, fair share, arrival: the order [`Self::plan`] uses) — the worker offers the
+    /// engine's scheduler the waiting prompts in this order. Uids join the fair share over all
+    /// of `entries`.
     pub fn best_prompt(&mut self, now_ms: u64, entries: &[Entry], eligible: impl Fn(&Entry) -> bool) -> Option<u64> {
         self.join_uids(entries);
         let key = |e: &Entry| (self.rank(e, now_ms), e.class, self.vtime[&e.uid], e.arrived_ms, e.id);

@@ -287,7 +287,8 @@ pub trait Device: Send + Sync {
 
     /// The device's own estimate of `subgraph` at `n_tokens` (None: it has no figures). The
     /// engine's placement prices subgraphs with its `CostModel` (figures per device); this is
-    /// for a model that asks the devices themselves (HeteroLLM's solver, measured costs).
+    /// for a model that asks the devices themselves (llm.npu's job times, `prefill_times`;
+    /// HeteroLLM's solver; measured costs).
     fn estimate(&self, _subgraph: Subgraph, _shape: &BlockShape, _n_tokens: usize) -> Option<Cost> {
         None
     }

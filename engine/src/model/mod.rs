@@ -153,8 +153,8 @@ impl Transformer {
     /// The forward pass: sequence `i` of `batch` runs `batch[i].1` at the positions after what
     /// its cache `batch[i].0` holds (appending their keys and values) and gets its logits
     /// (`vocab` per returned token), as `r` asks — on the model's own placement or a set of
-    /// devices, in one pass or one prompt's chunks out of order, stoppable. A placement on
-    /// devices leaves every cache as it was on an error.
+    /// devices, in one pass or one prompt's chunks out of order, stoppable. A pass on
+    /// [`Run::on`]'s devices leaves every cache as it was on an error.
     pub fn run(&self, batch: &mut [(&mut KvCache, &[u32])], r: Run<'_>) -> Result<Vec<Vec<f32>>, BackendError> {
         let Some(devs) = r.on else {
             if r.chunk.is_some() || r.stop.is_some() {

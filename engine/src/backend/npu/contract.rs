@@ -30,8 +30,8 @@
 //!   graph out as this device's `Weight`s of that group (the graph holds the int8 weights). A
 //!   group's executable, whatever count it was prepared for, runs the rows its bindings name
 //!   (one position per row of `x`): its graphs' chunk size at a time, a short last chunk
-//!   padded. `estimate` prices only the fp16 `Linear` kind (the SoC profiles carry no
-//!   int8 rate).
+//!   padded. `estimate` prices a `Linear` by HeteroLLM's fp16 model at its static count and a
+//!   `Group` by llm.npu's INT8 model at the rows asked (not yet rounded up to its chunks).
 
 use super::cache::{key_with, load_or_build_with, CacheOutcome, GraphIds};
 use super::device::{describe, QnnDevice};
