@@ -484,7 +484,7 @@ impl SimLinears {
 impl SimLinears {
     /// Group `site` of layer `li` over `n` rows of `x` into `outs` (one per projection, `n`
     /// rows each), under the scheme: the body of [`SimDevice`]'s `Group` executables.
-    pub fn run_group(
+    pub(crate) fn run_group(
         &self,
         li: usize,
         site: CaptureSite,
@@ -517,12 +517,12 @@ impl SimLinears {
     }
 
     /// Group `site` of layer `li`'s input width and its projections' rows.
-    pub fn group_shape(&self, li: usize, site: CaptureSite) -> Option<(usize, Vec<usize>)> {
+    pub(crate) fn group_shape(&self, li: usize, site: CaptureSite) -> Option<(usize, Vec<usize>)> {
         self.layers.get(li).map(|l| &l[site as usize]).map(|g| (g.k, g.segs.clone()))
     }
 
     /// Layers simulated.
-    pub fn layers(&self) -> usize {
+    pub(crate) fn layers(&self) -> usize {
         self.layers.len()
     }
 }

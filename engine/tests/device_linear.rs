@@ -395,6 +395,22 @@ fn a_layers_linear_groups_run_through_the_contract_on_every_device() {
                 for tokens in TOKEN_COUNTS {
                     let x = rng.vec(tokens * k);
                     let y = submit_rows(&*dev, &exe, &x, tokens, tokens * total_rows);
+                    if dev.desc().processor == llmd_device::Processor::Gpu && tokens == 1 {
+                        // One buffer as input and outputs: refused (its later projections would
+                        // read what the first wrote).
+                        let one = dev.alloc(BufferUsage::Activations, total_rows.max(k) * 4).expect("alloc");
+                        let rows: Arc<[u32]> = vec![0u32; 1].into();
+                        let both = Bindings {
+                            x: one.clone(),
+                            tokens: rows.clone(),
+                            positions: rows,
+                            seqs: Arc::new([]),
+                            logit_rows: Arc::new([]),
+                            logits: None,
+                            y: Some(one),
+                        };
+                        assert!(dev.submit(&exe, &both, &[]).is_err(), "{name}: a group on one buffer ran");
+                    }
                     let mut at = 0;
                     for (role, w) in &mats {
                         let part = &y[at..at + tokens * w.rows];

@@ -97,7 +97,7 @@ impl Transformer {
     /// chunk as an in-order pass, more out of order across the chunks
     /// ([`Self::prefill_out_of_order`], llm.npu's score over [`Self::prefill_times`]) — the same
     /// bits either way. `stop`, asked before each group, ends the prefill with an error when it
-    /// says so (a withdrawn job). On an error `kv` is cut back to what it held. The product
+    /// says so (a withdrawn job); [`Transformer::run`] cuts `kv` back on an error. The product
     /// path's one way in ([`Transformer::run`] with [`super::Run::chunked`]): llmctl's generation and
     /// the daemon's NPU jobs.
     pub(crate) fn prefill_chunks(
@@ -109,18 +109,14 @@ impl Transformer {
         stop: Option<&(dyn Fn() -> bool + Sync)>,
     ) -> Result<Vec<f32>, BackendError> {
         let before = kv.len();
-        let r = if tokens.len() <= chunk.max(1) {
+        if tokens.len() <= chunk.max(1) {
             self.forward_batch_on_until(devs, &mut [(&mut *kv, tokens)], Logits::Last, stop)
                 .map(|mut l| l.pop().unwrap_or_default())
         } else {
             let linears = self.split_linears_until(devs, stop)?;
             let times = self.prefill_times(devs, before, tokens.len(), chunk);
             self.chunks_out_of_order(kv, tokens, chunk, &linears, Policy::OutOfOrder, &times).map(|(l, _)| l)
-        };
-        if r.is_err() {
-            kv.truncate(before);
         }
-        r
     }
 
     /// Prefills `tokens` after what `kv` holds in chunks of `chunk` tokens, their subgraphs

@@ -808,6 +808,10 @@ impl GpuDevice {
             // Each projection's rows in turn: the first straight into y, the others through a
             // scratch buffer copied to their place (the matmul kernels write from y's start).
             let y = self.buf(b.y.as_ref().ok_or_else(|| self.err("a linear group bound without y"))?)?;
+            if std::ptr::eq(x, y) {
+                // Its later projections would read what the first one wrote.
+                return Err(self.err("a linear group bound to one buffer for its input and its outputs"));
+            }
             let mut at = 0;
             for (i, &role) in site.roles().iter().enumerate() {
                 let wt = w(role)?;
