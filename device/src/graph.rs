@@ -62,6 +62,25 @@ pub enum SubgraphKind {
     /// calibrated when it loaded them — and its executable runs the rows it is bound to,
     /// whatever count it was prepared for.
     Group(GroupSite),
+    /// A layer's attention, first part: the input RMSNorm, then Q, K and V (+ biases). Reads
+    /// the residual stream [`crate::Bindings::x`]; writes to [`crate::Bindings::y`] the
+    /// queries, keys and values, each projection's `n_tokens` rows in turn (a QKV group's
+    /// layout, biases added). The five layer parts ([`Subgraph::layer_parts`]) are llm.npu's
+    /// and HeteroLLM's unit of placement: the attention and FFN blocks cut where their
+    /// processors change.
+    AttnQkv,
+    /// Attention, middle part: RoPE, each sequence's KV append and causal attention. Reads
+    /// [`crate::Bindings::h`] (the queries, keys and values [`SubgraphKind::AttnQkv`] wrote,
+    /// left as they are) and the sequences' caches; writes the attention output to `y`
+    /// (`n_tokens × q_dim`).
+    AttnCore,
+    /// Attention, last part: O over `h` (the attention output), added to `x`.
+    AttnOut,
+    /// The FFN's first part: the RMSNorm, gate and up, SwiGLU. Reads `x`; writes to `y`
+    /// `silu(gate) · up` (`n_tokens × ffn_dim`).
+    FfnGateUp,
+    /// The FFN's last part: down over `h` (the SwiGLU output), added to `x`.
+    FfnDown,
 }
 
 /// A layer's linear groups: the projections that share an input.
@@ -93,8 +112,7 @@ impl GroupSite {
     }
 }
 
-/// One subgraph of a pass: a kind, and the layer for [`SubgraphKind::Attention`] and
-/// [`SubgraphKind::Ffn`] (0 for the others).
+/// One subgraph of a pass: a kind, and its layer (0 for the embedding and the head).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Subgraph {
     pub kind: SubgraphKind,
@@ -183,6 +201,58 @@ impl Subgraph {
         Self { kind: SubgraphKind::Group(site), layer }
     }
 
+    /// Part `kind` of layer `layer` (one of [`Self::LAYER_PARTS`]).
+    pub fn part(layer: usize, kind: SubgraphKind) -> Self {
+        Self { kind, layer }
+    }
+
+    /// A layer's parts, in order: the attention and FFN blocks cut where llm.npu's and
+    /// HeteroLLM's processors change (the matmul groups apart from attention's core).
+    pub const LAYER_PARTS: [SubgraphKind; 5] = [
+        SubgraphKind::AttnQkv,
+        SubgraphKind::AttnCore,
+        SubgraphKind::AttnOut,
+        SubgraphKind::FfnGateUp,
+        SubgraphKind::FfnDown,
+    ];
+
+    /// Layer `layer`'s parts, in order.
+    pub fn layer_parts(layer: usize) -> [Self; 5] {
+        Self::LAYER_PARTS.map(|kind| Self { kind, layer })
+    }
+
+    /// Values per token a layer part reads from [`crate::Bindings::h`] and writes to
+    /// [`crate::Bindings::y`] (0 for what it does not bind); `(0, 0)` for every other kind.
+    pub fn part_widths(&self, shape: &BlockShape) -> (usize, usize) {
+        let qkv = shape.q_dim() + 2 * shape.kv_dim();
+        match self.kind {
+            SubgraphKind::AttnQkv => (0, qkv),
+            SubgraphKind::AttnCore => (qkv, shape.q_dim()),
+            SubgraphKind::AttnOut => (shape.q_dim(), 0),
+            SubgraphKind::FfnGateUp => (0, shape.ffn_dim),
+            SubgraphKind::FfnDown => (shape.ffn_dim, 0),
+            _ => (0, 0),
+        }
+    }
+
+    /// The linear group whose projections it runs: its own for a [`SubgraphKind::Group`], a
+    /// layer part's (QKV, O, gate/up, down); None for the others.
+    pub fn group_site(&self) -> Option<GroupSite> {
+        match self.kind {
+            SubgraphKind::Group(site) => Some(site),
+            SubgraphKind::AttnQkv => Some(GroupSite::Qkv),
+            SubgraphKind::AttnOut => Some(GroupSite::O),
+            SubgraphKind::FfnGateUp => Some(GroupSite::GateUp),
+            SubgraphKind::FfnDown => Some(GroupSite::Down),
+            _ => None,
+        }
+    }
+
+    /// Whether it is one of a layer's parts ([`Self::LAYER_PARTS`]).
+    pub fn is_part(&self) -> bool {
+        Self::LAYER_PARTS.contains(&self.kind)
+    }
+
     /// A pass in order: the embedding, each layer's attention then FFN, the head.
     pub fn pass(n_layers: usize) -> Vec<Self> {
         let mut v = Vec::with_capacity(2 * n_layers + 2);
@@ -204,6 +274,9 @@ impl Subgraph {
             SubgraphKind::Ffn => &[RmsNorm, MatMul, SwiGlu],
             SubgraphKind::Head => &[RmsNorm, MatMul],
             SubgraphKind::Linear(_) | SubgraphKind::Group(_) => &[MatMul],
+            SubgraphKind::AttnQkv | SubgraphKind::FfnGateUp => &[RmsNorm, MatMul],
+            SubgraphKind::AttnCore => &[Rope, Attention],
+            SubgraphKind::AttnOut | SubgraphKind::FfnDown => &[MatMul],
         }
     }
 
@@ -226,12 +299,29 @@ impl Subgraph {
             SubgraphKind::Head => vec![OutputNorm, Output],
             SubgraphKind::Linear(role) => vec![role],
             SubgraphKind::Group(site) => site.roles().to_vec(),
+            SubgraphKind::AttnQkv => {
+                let mut v = vec![AttnNorm, Wq, Wk, Wv];
+                if shape.qkv_bias {
+                    v.extend([Bq, Bk, Bv]);
+                }
+                v
+            }
+            SubgraphKind::AttnCore => {
+                if shape.rope_freqs {
+                    vec![RopeFreqs]
+                } else {
+                    vec![]
+                }
+            }
+            SubgraphKind::AttnOut => vec![Wo],
+            SubgraphKind::FfnGateUp => vec![FfnNorm, Gate, Up],
+            SubgraphKind::FfnDown => vec![Down],
         }
     }
 
     /// Whether it reads or writes a KV cache.
     pub fn uses_kv(&self) -> bool {
-        self.kind == SubgraphKind::Attention
+        matches!(self.kind, SubgraphKind::Attention | SubgraphKind::AttnCore)
     }
 }
 
@@ -254,5 +344,41 @@ mod tests {
                 Subgraph::HEAD
             ]
         );
+    }
+
+    #[test]
+    fn a_layers_parts_chain_their_intermediates_and_read_its_weights_once() {
+        let shape = BlockShape {
+            n_layers: 2,
+            d_model: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            ffn_dim: 96,
+            vocab: 100,
+            context_length: 128,
+            norm_eps: 1e-5,
+            rope_dims: 16,
+            rope_theta: 1e4,
+            rope_freq_scale: 1.0,
+            rope_style: RopeStyle::Neox,
+            qkv_bias: true,
+            rope_freqs: true,
+        };
+        let parts = Subgraph::layer_parts(1);
+        assert!(parts.iter().all(|p| p.layer == 1 && p.is_part()));
+        // Each part reads what the one before it wrote; the first reads the residual only.
+        let widths: Vec<_> = parts.iter().map(|p| p.part_widths(&shape)).collect();
+        assert_eq!(widths, [(0, 64 + 2 * 32), (64 + 2 * 32, 64), (64, 0), (0, 96), (96, 0)]);
+        // The parts read the whole blocks' weights between them, each once.
+        let mut roles: Vec<_> = parts.iter().flat_map(|p| p.weight_roles(&shape)).collect();
+        let mut whole: Vec<_> =
+            [Subgraph::attention(1), Subgraph::ffn(1)].iter().flat_map(|s| s.weight_roles(&shape)).collect();
+        roles.sort();
+        whole.sort();
+        assert_eq!(roles, whole);
+        assert_eq!(parts.iter().filter(|p| p.uses_kv()).count(), 1);
+        let sites: Vec<_> = parts.iter().filter_map(|p| p.group_site()).collect();
+        assert_eq!(sites, GroupSite::ALL);
     }
 }

@@ -214,8 +214,13 @@ pub struct Bindings {
     pub logit_rows: Arc<[u32]>,
     pub logits: Option<Buffer>,
     /// A [`SubgraphKind::Linear`]'s output: `n_tokens` rows of its weight's loaded rows, f32;
-    /// a [`SubgraphKind::Group`]'s: each projection's `n_tokens` rows, one after the other.
+    /// a [`SubgraphKind::Group`]'s: each projection's `n_tokens` rows, one after the other; a
+    /// layer part's output ([`Subgraph::part_widths`]).
     pub y: Option<Buffer>,
+    /// A layer part's input besides `x`: what the part before it wrote to its `y`
+    /// ([`Subgraph::part_widths`]), f32. It is read only; it may not be the buffer of `x` or
+    /// `y`.
+    pub h: Option<Buffer>,
 }
 
 /// One executable for [`Device::prepare_all`] to prepare.

@@ -761,6 +761,7 @@ mod tests {
             logit_rows: Arc::from(Vec::new()),
             logits: None,
             y: Some(one),
+            h: None,
         };
         assert!(matches!(dev.submit(&exe, &both, &[]), Err(DeviceError::Invalid { .. })));
     }

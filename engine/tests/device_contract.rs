@@ -135,6 +135,10 @@ fn run(mem: &mut Mem, planner: &Planner, p: &Prepared, b: &Bindings, id: DeviceI
         Some(i) => vec![0f32; bufs.get(&i).ok_or("y was freed")?.len() / 4],
         None => Vec::new(),
     };
+    let h = match &b.h {
+        Some(h) => bytes_f32(bufs.get(h.get::<u64>(id).ok_or("h of another device")?).ok_or("h was freed")?),
+        None => Vec::new(),
+    };
     let r = {
         let mut refs: Vec<&mut KvCache> = caches.iter_mut().map(|(_, c)| c).collect();
         let io = HostIo {
@@ -146,6 +150,7 @@ fn run(mem: &mut Mem, planner: &Planner, p: &Prepared, b: &Bindings, id: DeviceI
             logit_rows: &b.logit_rows,
             logits: &mut logits,
             y: &mut y,
+            h: &h,
         };
         run_subgraph(planner, &p.shape, p.sg, &ws, io)
     };
@@ -299,7 +304,7 @@ fn subgraphs_on_a_device_with_its_own_memory_give_the_cpu_alone_logits() {
         SubgraphKind::Embed | SubgraphKind::Head => true,
         SubgraphKind::Attention => sg.layer == 1 || sg.layer == 4,
         SubgraphKind::Ffn => sg.layer == 1 || sg.layer == 7,
-        SubgraphKind::Linear(_) | SubgraphKind::Group(_) => false,
+        _ => false,
     };
     let pick = move |sg: Subgraph| usize::from(on_device(sg));
     let names = vec!["cpu".to_string(), "discrete-test".to_string()];
@@ -480,4 +485,87 @@ fn the_prefill_chunk_is_agreed_with_the_devices_static_shapes() {
     assert_eq!(m.transformer.prefill_chunk(256), 128);
     assert_eq!(m.transformer.prefill_chunk(100), 32);
     assert_eq!(m.transformer.prefill_chunk(16), 16, "no graph that small: the CPU's chunk");
+}
+
+/// A prompt in chunks, out of order, with layer parts on a device of its own: the engine's one
+/// executor runs each chunk's parts where the placement puts them — the norm and QKV of
+/// layer 1, the O and gate/up of layer 2 (the SwiGLU output crossing back for the host's
+/// down), the down of layer 3, the embedding and the head on the device, the rest on the host
+/// — each in its processor's lane of the job graph. Under llm.npu's policy and pseudo-random
+/// legal orders the logits and the KV cache equal an in-order prefill on the host, bit for
+/// bit, and every part on the device went through the contract. Attention's core on the
+/// device is refused with a typed error, the cache as it was.
+#[test]
+fn a_prompt_in_chunks_with_layer_parts_on_a_device_gives_the_in_order_bits() {
+    use llmd_engine::model::Run;
+    use llmd_engine::sched::{Job, Policy};
+    let m = load();
+    let t = &m.transformer;
+    const CHUNK: usize = 16;
+    let prompt: Vec<u32> = m
+        .tokenizer
+        .encode(
+            "Chunked prefill reads a long prompt in pieces: each piece's layers run as their weights \
+             allow, and a later piece's projections may run before an earlier piece's attention.",
+            false,
+            false,
+        )
+        .expect("encodes");
+    assert!(prompt.len() > 2 * CHUNK && !prompt.len().is_multiple_of(CHUNK), "{} tokens", prompt.len());
+    let kv_bytes = |kv: &KvCache| {
+        let mut b = Vec::new();
+        kv.write_to(&mut b).unwrap();
+        b
+    };
+    // In order on the host, chunk after chunk.
+    let mut kv = t.new_kv();
+    let mut want = Vec::new();
+    for part in prompt.chunks(CHUNK) {
+        want = t.forward(&mut kv, part, Logits::Last).expect("a chunk");
+    }
+    let want_kv = kv_bytes(&kv);
+    let on_device = |sg: Subgraph| {
+        matches!(
+            (sg.kind, sg.layer),
+            (SubgraphKind::Embed | SubgraphKind::Head, _)
+                | (SubgraphKind::AttnQkv, 1)
+                | (SubgraphKind::AttnOut | SubgraphKind::FfnGateUp, 2)
+                | (SubgraphKind::FfnDown, 3)
+        )
+    };
+    let dev = Arc::new(DiscreteTestDevice::new());
+    let counts = dev.counts.clone();
+    let names = vec!["cpu".to_string(), "discrete-test".to_string()];
+    let devs =
+        Devices::new(vec![dev], Arc::new(Pinned { names: names.clone(), pick: move |sg| usize::from(on_device(sg)) }));
+    let chunks = prompt.len().div_ceil(CHUNK);
+    // The job graph's lanes: the device's parts in the GPU's (its processor), the rest the CPU's.
+    let dag = t.prefill_dag(&devs, chunks, CHUNK).expect("the job graph");
+    let on_gpu = dag.specs.iter().filter(|s| s.proc == Processor::Gpu).count();
+    assert_eq!(on_gpu, 4, "{:?}", dag.specs.iter().map(|s| (&s.name, s.proc)).collect::<Vec<_>>());
+    let mut kv = t.new_kv();
+    let got = t.run(&mut [(&mut kv, &prompt)], Run::LAST.on(&devs).chunked(CHUNK)).expect("prefills").pop().unwrap();
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "llm.npu's order: logits differ");
+    assert!(kv_bytes(&kv) == want_kv, "llm.npu's order: KV caches differ");
+    // Every chunk's four parts, its embedding, and the last chunk's head on the device.
+    assert_eq!(counts.submits.load(Ordering::Relaxed), chunks * 5 + 1);
+    let times = |j: Job| 1.0 + (j.step % 5) as f64 + j.chunk as f64;
+    for policy in [Policy::InOrder, Policy::Random(7), Policy::Random(8)] {
+        let mut kv = t.new_kv();
+        let (got, tl) = t.prefill_out_of_order(&mut kv, &prompt, CHUNK, &devs, policy, &times).expect("prefills");
+        assert_eq!(tl.runs.len(), dag.jobs());
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{policy:?}: logits differ");
+        assert!(kv_bytes(&kv) == want_kv, "{policy:?}: KV caches differ");
+    }
+    // Attention's core of a chunk on the device: refused, the cache as it was.
+    let core = Devices::new(
+        vec![Arc::new(DiscreteTestDevice::new())],
+        Arc::new(Pinned { names, pick: |sg: Subgraph| usize::from(sg == Subgraph::part(0, SubgraphKind::AttnCore)) }),
+    );
+    let mut kv = t.new_kv();
+    t.forward(&mut kv, &prompt[..5], Logits::Last).expect("a turn before");
+    let before = kv_bytes(&kv);
+    let e = t.run(&mut [(&mut kv, &prompt)], Run::LAST.on(&core).chunked(CHUNK)).unwrap_err().to_string();
+    assert!(e.contains("appends to its cache on the host"), "{e}");
+    assert!(kv_bytes(&kv) == before, "the refused prefill changed the cache");
 }

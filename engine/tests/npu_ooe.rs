@@ -2,7 +2,8 @@
 //! default model's chunks on the NPU path (emulator provider, shadow execution) with their
 //! subgraphs run by an NPU thread and a CPU thread in the scheduler's order — llm.npu's
 //! contribution score, the in-order baseline, and pseudo-random legal orders — all give the
-//! in-order chunked prefill's logits and KV cache bit for bit. Every linear group runs through
+//! in-order chunked prefill's logits and KV cache bit for bit, run by the engine's executor
+//! over each layer's five parts (`Subgraph::layer_parts`). Every linear group runs through
 //! the engine's executor as the NPU device's `Group` subgraph (`prefill::devices`), and the
 //! product's job times (llm.npu's T(G), `Transformer::prefill_times`) are the device's estimates
 //! of its groups.
@@ -63,7 +64,14 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
     }
     let want_kv = kv_bytes(&kv);
     // llm.npu's profiled times stand in as: NPU subgraphs 2, attention 1 plus the chunk index.
-    let dag = m.transformer.prefill_dag(prompt.len().div_ceil(CHUNK));
+    let dag = m.transformer.prefill_dag(&devs, prompt.len().div_ceil(CHUNK), CHUNK).expect("the job graph");
+    // Every layer's four parts with a linear group in the NPU's lane, attention's core in the
+    // CPU's (the splitter places the groups on the NPU device).
+    let lanes: Vec<Processor> = dag.specs.iter().map(|s| s.proc).collect();
+    assert_eq!(lanes.len(), 5 * m.config().n_layers);
+    assert!(lanes
+        .chunks(5)
+        .all(|l| l == [Processor::Npu, Processor::Cpu, Processor::Npu, Processor::Npu, Processor::Npu]));
     let times = |j: Job| if dag.specs[j.step].proc == Processor::Npu { 2.0 } else { 1.0 + j.chunk as f64 };
     let mut orders = std::collections::HashSet::new();
     let policies = [Policy::OutOfOrder, Policy::InOrder, Policy::Random(1), Policy::Random(2), Policy::Random(3)];
@@ -103,12 +111,20 @@ fn every_legal_out_of_order_schedule_gives_the_in_order_bits() {
                 .sum::<f64>()
     };
     let qkv_s = |rows| graph_s(rows, &[(d, q), (d, kv), (d, kv)]);
-    let rest_s = |rows| graph_s(rows, &[(q, d)]) + graph_s(rows, &[(d, f), (d, f)]) + graph_s(rows, &[(f, d)]);
+    // The parts' groups in order (attention's core, step 1, has none).
+    let part_s = |rows, step: usize| match step {
+        0 => qkv_s(rows),
+        2 => graph_s(rows, &[(q, d)]),
+        3 => graph_s(rows, &[(d, f), (d, f)]),
+        _ => graph_s(rows, &[(f, d)]),
+    };
     let t = m.transformer.prefill_times(&devs, 0, prompt.len(), CHUNK);
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.max(1e-12);
     for (chunk, rows) in [(0, CHUNK), (3, 11)] {
-        let (a, c) = (t(Job { chunk, step: 0 }), t(Job { chunk, step: 2 }));
-        assert!(close(a, qkv_s(rows)) && close(c, rest_s(rows)), "chunk {chunk}: {a} {c}");
+        for step in [0, 2, 3, 4, 5 + 3] {
+            let got = t(Job { chunk, step });
+            assert!(close(got, part_s(rows, step % 5)), "chunk {chunk}, step {step}: {got}");
+        }
     }
     let before = npu.stats().1;
     let x = vec![0.5f32; CHUNK * d];

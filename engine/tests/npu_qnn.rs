@@ -355,6 +355,7 @@ fn a_models_w8a8_groups_run_as_the_npu_devices_group_subgraphs() {
                 logit_rows: Arc::from(Vec::new()),
                 logits: None,
                 y: Some(yb.clone()),
+                h: None,
             };
             let ran = dev.submit(&exe, &bind, &[wrote]).expect("submits");
             let mut raw = vec![0u8; total * 4];
@@ -384,6 +385,7 @@ fn a_models_w8a8_groups_run_as_the_npu_devices_group_subgraphs() {
             logit_rows: Arc::from(Vec::new()),
             logits: None,
             y: Some(one),
+            h: None,
         };
         assert!(invalid(dev.submit(&exe, &both, &[]).expect_err("refused")));
         eprintln!("{}: {checked} groups through the contract equal the groups' own run", lib.display());

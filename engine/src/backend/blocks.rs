@@ -32,6 +32,25 @@ pub struct AttnWeights<'a> {
     pub rope_freqs: Option<&'a [f32]>,
 }
 
+/// The weights of attention's first part ([`Pass::attn_qkv`]).
+#[derive(Clone, Copy)]
+pub struct QkvWeights<'a> {
+    pub norm: &'a [f32],
+    pub wq: &'a WeightMatrix,
+    pub wk: &'a WeightMatrix,
+    pub wv: &'a WeightMatrix,
+    pub bq: Option<&'a [f32]>,
+    pub bk: Option<&'a [f32]>,
+    pub bv: Option<&'a [f32]>,
+}
+
+impl<'a> AttnWeights<'a> {
+    /// Those of attention's first part.
+    pub fn qkv(&self) -> QkvWeights<'a> {
+        QkvWeights { norm: self.norm, wq: self.wq, wk: self.wk, wv: self.wv, bq: self.bq, bk: self.bk, bv: self.bv }
+    }
+}
+
 /// The weights of one layer's FFN block.
 #[derive(Clone, Copy)]
 pub struct FfnWeights<'a> {
@@ -100,6 +119,36 @@ impl PassState {
             j.n += st.n;
         }
         j
+    }
+}
+
+impl PassState {
+    /// The intermediate tensors layer part `kind` reads besides the residual stream (what
+    /// [`Self::part_outputs`] of the part before it holds): the queries, keys and values for
+    /// attention's core, the attention output for O, the SwiGLU output for down; none for the
+    /// others. In the contract's order ([`llmd_device::Subgraph::part_widths`]).
+    pub fn part_inputs(&mut self, kind: llmd_device::SubgraphKind) -> Vec<&mut [f32]> {
+        use llmd_device::SubgraphKind as K;
+        let Scratch { q, k, v, attn, g, .. } = &mut self.buf;
+        match kind {
+            K::AttnCore => vec![q, k, v],
+            K::AttnOut => vec![attn],
+            K::FfnDown => vec![g],
+            _ => vec![],
+        }
+    }
+
+    /// The intermediate tensors layer part `kind` writes: the queries, keys and values, the
+    /// attention output, the SwiGLU output; none for the parts that add to the residual.
+    pub fn part_outputs(&self, kind: llmd_device::SubgraphKind) -> Vec<&[f32]> {
+        use llmd_device::SubgraphKind as K;
+        let Scratch { q, k, v, attn, g, .. } = &self.buf;
+        match kind {
+            K::AttnQkv => vec![q, k, v],
+            K::AttnCore => vec![attn],
+            K::FfnGateUp => vec![g],
+            _ => vec![],
+        }
     }
 }
 
@@ -304,14 +353,14 @@ impl Pass<'_> {
         Self::prepare_append(st, batch, kv_layer);
         match capture {
             Some(f) => {
-                self.attn_qkv(st, li, w, Some(&mut *f))?;
-                self.attn_core(st, batch, kv_layer, w)?;
-                self.attn_out(st, li, w, Some(f))
+                self.attn_qkv(st, li, w.qkv(), Some(&mut *f))?;
+                self.attn_core(st, batch, kv_layer, w.rope_freqs)?;
+                self.attn_out(st, li, w.wo, Some(f))
             }
             None => {
-                self.attn_qkv(st, li, w, None)?;
-                self.attn_core(st, batch, kv_layer, w)?;
-                self.attn_out(st, li, w, None)
+                self.attn_qkv(st, li, w.qkv(), None)?;
+                self.attn_core(st, batch, kv_layer, w.rope_freqs)?;
+                self.attn_out(st, li, w.wo, None)
             }
         }
     }
@@ -331,7 +380,7 @@ impl Pass<'_> {
         &self,
         st: &mut PassState,
         li: usize,
-        w: AttnWeights,
+        w: QkvWeights,
         mut capture: Option<Capture>,
     ) -> Result<(), BackendError> {
         let c = self.c;
@@ -361,7 +410,7 @@ impl Pass<'_> {
         st: &mut PassState,
         batch: &mut Batch,
         kv_layer: usize,
-        w: AttnWeights,
+        rope_freqs: Option<&[f32]>,
     ) -> Result<(), BackendError> {
         let c = self.c;
         let n = st.n;
@@ -369,8 +418,8 @@ impl Pass<'_> {
         let PassState { buf, positions, spans, .. } = st;
         let Scratch { q, k, v, attn, .. } = buf;
         let rope_op = self.op(OpKind::Rope, n)?;
-        rope_op.rope(q, positions, &c.rope(c.n_heads), w.rope_freqs)?;
-        rope_op.rope(k, positions, &c.rope(c.n_kv_heads), w.rope_freqs)?;
+        rope_op.rope(q, positions, &c.rope(c.n_heads), rope_freqs)?;
+        rope_op.rope(k, positions, &c.rope(c.n_kv_heads), rope_freqs)?;
         let mut items = Vec::with_capacity(batch.len());
         let mut rest: &mut [f32] = attn;
         for ((kv, _), &(off, len, start)) in batch.iter_mut().zip(spans.iter()) {
@@ -403,7 +452,7 @@ impl Pass<'_> {
         &self,
         st: &mut PassState,
         li: usize,
-        w: AttnWeights,
+        wo: &WeightMatrix,
         mut capture: Option<Capture>,
     ) -> Result<(), BackendError> {
         let c = self.c;
@@ -413,25 +462,45 @@ impl Pass<'_> {
         if let Some(f) = capture.as_mut() {
             f(li, CaptureSite::O, attn, c.q_dim());
         }
-        self.group(li, CaptureSite::O, [w.wo], attn, n, [&mut o[..]])?;
+        self.group(li, CaptureSite::O, [wo], attn, n, [&mut o[..]])?;
         x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
         Ok(())
     }
 
-    /// The FFN subgraph of layer `li`.
+    /// The FFN subgraph of layer `li`: [`Self::ffn_gate_up`], then [`Self::ffn_down`].
     pub fn ffn(
         &self,
         st: &mut PassState,
         li: usize,
         w: FfnWeights,
+        capture: Option<Capture>,
+    ) -> Result<(), BackendError> {
+        match capture {
+            Some(f) => {
+                self.ffn_gate_up(st, li, (w.norm, w.gate, w.up), Some(&mut *f))?;
+                self.ffn_down(st, li, w.down, Some(f))
+            }
+            None => {
+                self.ffn_gate_up(st, li, (w.norm, w.gate, w.up), None)?;
+                self.ffn_down(st, li, w.down, None)
+            }
+        }
+    }
+
+    /// The FFN's first part: the norm, gate and up, SwiGLU (into the pass's hidden state).
+    pub fn ffn_gate_up(
+        &self,
+        st: &mut PassState,
+        li: usize,
+        (norm, gate, up): (&[f32], &WeightMatrix, &WeightMatrix),
         mut capture: Option<Capture>,
     ) -> Result<(), BackendError> {
         let c = self.c;
         let n = st.n;
         let PassState { x, buf, .. } = st;
-        let Scratch { h, g, u, down, .. } = buf;
+        let Scratch { h, g, u, .. } = buf;
         h.copy_from_slice(x);
-        self.op(OpKind::RmsNorm, n)?.rms_norm(h, w.norm, c.norm_eps)?;
+        self.op(OpKind::RmsNorm, n)?.rms_norm(h, norm, c.norm_eps)?;
         if let Some(f) = capture.as_mut() {
             f(li, CaptureSite::GateUp, h, c.d_model);
         }
@@ -444,21 +513,29 @@ impl Pass<'_> {
         while t0 < n {
             let m = block.min(n - t0);
             let (gs, us) = (&mut g[t0 * f..(t0 + m) * f], &mut u[t0 * f..(t0 + m) * f]);
-            self.group(
-                li,
-                CaptureSite::GateUp,
-                [w.gate, w.up],
-                &h[t0 * d..(t0 + m) * d],
-                m,
-                [&mut gs[..], &mut us[..]],
-            )?;
+            self.group(li, CaptureSite::GateUp, [gate, up], &h[t0 * d..(t0 + m) * d], m, [&mut gs[..], &mut us[..]])?;
             self.op(OpKind::SwiGlu, m)?.swiglu(gs, us)?;
             t0 += m;
         }
+        Ok(())
+    }
+
+    /// The FFN's last part: down over the hidden state, and the residual.
+    pub fn ffn_down(
+        &self,
+        st: &mut PassState,
+        li: usize,
+        down_w: &WeightMatrix,
+        mut capture: Option<Capture>,
+    ) -> Result<(), BackendError> {
+        let c = self.c;
+        let n = st.n;
+        let PassState { x, buf, .. } = st;
+        let Scratch { g, down, .. } = buf;
         if let Some(f) = capture.as_mut() {
             f(li, CaptureSite::Down, g, c.ffn_dim);
         }
-        self.group(li, CaptureSite::Down, [w.down], g, n, [&mut down[..]])?;
+        self.group(li, CaptureSite::Down, [down_w], g, n, [&mut down[..]])?;
         x.iter_mut().zip(down.iter()).for_each(|(x, o)| *x += o);
         Ok(())
     }

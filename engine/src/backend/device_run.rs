@@ -5,7 +5,7 @@
 //! arithmetic is the CPU's can too; the results equal the engine's own host pass bit for bit
 //! (the same blocks, the same kernels).
 
-use super::blocks::{AttnWeights, FfnWeights, Logits, Pass, PassState};
+use super::blocks::{AttnWeights, Batch, FfnWeights, Logits, Pass, PassState, QkvWeights};
 use super::kv::KvCache;
 use super::weight::WeightMatrix;
 use super::Planner;
@@ -55,8 +55,11 @@ pub struct HostIo<'a, 'k> {
     /// The head: `logit_rows` of `x` get logits, `vocab` each, into `logits`.
     pub logit_rows: &'a [u32],
     pub logits: &'a mut [f32],
-    /// A linear subgraph's output (`n_tokens` rows of its weight's rows); empty otherwise.
+    /// A linear subgraph's output (`n_tokens` rows of its weight's rows), a layer part's
+    /// ([`Subgraph::part_widths`]); empty otherwise.
     pub y: &'a mut [f32],
+    /// A layer part's input besides `x` ([`Subgraph::part_widths`]); empty otherwise.
+    pub h: &'a [f32],
 }
 
 /// Checks a pass's bindings: the sequences' spans back to back from row 0 and covering every
@@ -162,24 +165,52 @@ pub fn run_subgraph(
                 };
                 let rope_freqs = if shape.rope_freqs { Some(v(next())?) } else { None };
                 let w = AttnWeights { norm: v(0)?, wq: m(1)?, wk: m(2)?, wv: m(3)?, wo: m(4)?, bq, bk, bv, rope_freqs };
-                if io.kv.len() != io.seqs.len() {
-                    return Err(format!("{} KV caches for {} sequences", io.kv.len(), io.seqs.len()));
+                with_caches(io.kv, io.seqs, |batch| pass.attention(&mut st, batch, sg.layer, 0, w, None).map_err(e))
+            }
+            SubgraphKind::AttnQkv
+            | SubgraphKind::AttnCore
+            | SubgraphKind::AttnOut
+            | SubgraphKind::FfnGateUp
+            | SubgraphKind::FfnDown => {
+                let (hw, yw) = sg.part_widths(shape);
+                let n = st.n;
+                if io.h.len() < n * hw || io.y.len() < n * yw {
+                    return Err(format!(
+                        "{sg:?} of {n} rows bound to h of {} values and y of {} (it takes {hw} and {yw} a row)",
+                        io.h.len(),
+                        io.y.len()
+                    ));
                 }
-                for (c, s) in io.kv.iter_mut().zip(io.seqs) {
-                    if c.len() < s.start {
-                        return Err(format!("a KV cache holds {} positions, its pass starts at {}", c.len(), s.start));
-                    }
-                    // Positions a rolled-back turn left are overwritten (a truncation frees
-                    // memory, so only when there is something to cut).
-                    if c.len() > s.start {
-                        c.truncate(s.start);
-                    }
+                let mut at = 0;
+                for t in st.part_inputs(sg.kind) {
+                    let len = t.len();
+                    t.copy_from_slice(&io.h[at..at + len]);
+                    at += len;
                 }
-                let empty: &[u32] = &[];
-                let mut batch: Vec<(&mut KvCache, &[u32])> = io.kv.iter_mut().map(|c| (&mut **c, empty)).collect();
-                pass.attention(&mut st, &mut batch, sg.layer, 0, w, None).map_err(e)?;
-                for ((c, _), s) in batch.iter_mut().zip(io.seqs) {
-                    c.advance(s.len);
+                match sg.kind {
+                    SubgraphKind::AttnQkv => {
+                        let (bq, bk, bv) =
+                            if shape.qkv_bias { (Some(v(4)?), Some(v(5)?), Some(v(6)?)) } else { (None, None, None) };
+                        let w = QkvWeights { norm: v(0)?, wq: m(1)?, wk: m(2)?, wv: m(3)?, bq, bk, bv };
+                        pass.attn_qkv(&mut st, sg.layer, w, None).map_err(e)?
+                    }
+                    SubgraphKind::AttnCore => {
+                        let rope_freqs = if shape.rope_freqs { Some(v(0)?) } else { None };
+                        with_caches(io.kv, io.seqs, |batch| {
+                            Pass::prepare_append(&st, batch, 0);
+                            pass.attn_core(&mut st, batch, 0, rope_freqs).map_err(e)
+                        })?
+                    }
+                    SubgraphKind::AttnOut => pass.attn_out(&mut st, sg.layer, m(0)?, None).map_err(e)?,
+                    SubgraphKind::FfnGateUp => {
+                        pass.ffn_gate_up(&mut st, sg.layer, (v(0)?, m(1)?, m(2)?), None).map_err(e)?
+                    }
+                    _ => pass.ffn_down(&mut st, sg.layer, m(0)?, None).map_err(e)?,
+                }
+                let mut at = 0;
+                for t in st.part_outputs(sg.kind) {
+                    io.y[at..at + t.len()].copy_from_slice(t);
+                    at += t.len();
                 }
                 Ok(())
             }
@@ -215,4 +246,34 @@ pub fn run_subgraph(
     })();
     std::mem::swap(&mut st.x, io.x);
     r
+}
+
+/// Runs `f` over each sequence's cache of the layer (one per sequence, holding at least its
+/// `start` positions; what a rolled-back turn left past it cut first), then counts the
+/// pass's positions in each.
+fn with_caches(
+    kv: &mut [&mut KvCache],
+    seqs: &[SeqBinding],
+    f: impl FnOnce(&mut Batch) -> Result<(), String>,
+) -> Result<(), String> {
+    if kv.len() != seqs.len() {
+        return Err(format!("{} KV caches for {} sequences", kv.len(), seqs.len()));
+    }
+    for (c, s) in kv.iter_mut().zip(seqs) {
+        if c.len() < s.start {
+            return Err(format!("a KV cache holds {} positions, its pass starts at {}", c.len(), s.start));
+        }
+        // Positions a rolled-back turn left are overwritten (a truncation frees memory, so
+        // only when there is something to cut).
+        if c.len() > s.start {
+            c.truncate(s.start);
+        }
+    }
+    let empty: &[u32] = &[];
+    let mut batch: Vec<(&mut KvCache, &[u32])> = kv.iter_mut().map(|c| (&mut **c, empty)).collect();
+    f(&mut batch)?;
+    for ((c, _), s) in batch.iter_mut().zip(seqs) {
+        c.advance(s.len);
+    }
+    Ok(())
 }

@@ -3,8 +3,8 @@
 
 pub use crate::backend::kv;
 pub use crate::config;
+mod chunks;
 mod devices;
-mod ooe;
 mod placed;
 pub mod split;
 pub use devices::{Devices, SplitStats};

@@ -11,28 +11,21 @@ use super::devices::Devices;
 use super::kv::{DeviceKv, KvCache};
 use super::weights::WeightMatrix;
 use super::{Logits, Transformer};
-use crate::backend::blocks::{Linears, Pass, PassState};
+use crate::backend::blocks::{Batch, Linears, Pass, PassState};
 use crate::backend::{bytes_f32, f32_bytes};
 use crate::error::BackendError;
-use crate::sched::{self, Dag};
+use crate::sched::{self, run_threads, Dag, Job, Policy, Processor, Split, Timeline};
 use llmd_device::{
     Bindings, Buffer, BufferUsage, DeviceDesc, DeviceError, Event, Executable, GgmlType, HostLayout, HostWeight,
     MemoryKind, SeqBinding, Subgraph, SubgraphKind, Weight, WeightRole,
 };
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Positions of the smallest device KV cache (a sequence's buffer then doubles as it grows).
 const MIN_DEVICE_KV: usize = 256;
 
 fn dev_err(e: DeviceError) -> BackendError {
     BackendError::Device(e.to_string())
-}
-
-/// Where the residual stream is between two subgraphs.
-enum Loc {
-    Host,
-    /// On device `i` (index into the placement's list, ≥ 1) in `buf`, ready when `ev` signals.
-    Dev(usize, Buffer, Event),
 }
 
 impl Transformer {
@@ -60,10 +53,15 @@ impl Transformer {
                 },
                 |m| vec![(role, m)],
             ),
-            SubgraphKind::Group(site) => w
-                .layers
-                .get(sg.layer)
-                .map_or_else(Vec::new, |l| site.roles().iter().filter_map(|&r| l.matrix(r).map(|m| (r, m))).collect()),
+            SubgraphKind::Group(_)
+            | SubgraphKind::AttnQkv
+            | SubgraphKind::AttnOut
+            | SubgraphKind::FfnGateUp
+            | SubgraphKind::FfnDown => w.layers.get(sg.layer).map_or_else(Vec::new, |l| {
+                let roles = sg.group_site().map_or(&[][..], |s| s.roles());
+                roles.iter().filter_map(|&r| l.matrix(r).map(|m| (r, m))).collect()
+            }),
+            SubgraphKind::AttnCore => Vec::new(),
         }
     }
 
@@ -74,7 +72,7 @@ impl Transformer {
         match sg.kind {
             SubgraphKind::Embed => {}
             SubgraphKind::Head => v.push((WeightRole::OutputNorm, &w.output_norm)),
-            SubgraphKind::Attention => {
+            SubgraphKind::Attention | SubgraphKind::AttnQkv => {
                 if let Some(l) = w.layers.get(sg.layer) {
                     v.push((WeightRole::AttnNorm, &l.attn_norm));
                     for (r, b) in [(WeightRole::Bq, &l.bq), (WeightRole::Bk, &l.bk), (WeightRole::Bv, &l.bv)] {
@@ -83,16 +81,21 @@ impl Transformer {
                         }
                     }
                 }
+                if let (Some(f), SubgraphKind::Attention) = (&w.rope_freqs, sg.kind) {
+                    v.push((WeightRole::RopeFreqs, f));
+                }
+            }
+            SubgraphKind::AttnCore => {
                 if let Some(f) = &w.rope_freqs {
                     v.push((WeightRole::RopeFreqs, f));
                 }
             }
-            SubgraphKind::Ffn => {
+            SubgraphKind::Ffn | SubgraphKind::FfnGateUp => {
                 if let Some(l) = w.layers.get(sg.layer) {
                     v.push((WeightRole::FfnNorm, &l.ffn_norm));
                 }
             }
-            SubgraphKind::Linear(_) | SubgraphKind::Group(_) => {}
+            SubgraphKind::Linear(_) | SubgraphKind::Group(_) | SubgraphKind::AttnOut | SubgraphKind::FfnDown => {}
         }
         v
     }
@@ -180,8 +183,44 @@ impl Transformer {
         Ok(exe)
     }
 
-    /// One pass over `batch` with its subgraphs placed across the host and `devs`; `stop`,
-    /// when given, is asked before each of the host subgraphs' linear groups (a withdrawn job).
+    /// Places `steps` (a pass's subgraphs) at `n` tokens across the host and `devs`: a device
+    /// index per step (0: the host). Placed by price alone: a sequence's KV cache of a layer
+    /// follows that layer's attention (handed to a device, or brought back, in the pass that
+    /// needs it), so no layer is pinned to where an earlier pass ran it. (Moving a cache is not
+    /// priced: a cost model that sends prompts to one device and decode steps to another — the
+    /// GPU decoding what the CPU read — moves each sequence's cache once per turn.)
+    fn place_steps(&self, devs: &Devices, steps: &[Subgraph], n: usize) -> Result<Vec<usize>, BackendError> {
+        let descs = self.descs(devs)?;
+        let no_homes = vec![None; self.config.n_layers];
+        sched::place(&descs, steps, &|sg| self.weight_types(sg), &self.shape, n, &no_homes, &*devs.cost)
+            .map_err(|e| BackendError::NoBackend(e.to_string()))
+    }
+
+    /// The processor whose work step `sg`, placed on `d`, is at `n` tokens — the job graph's
+    /// lane it runs in: its device's; for a step on the host whose linear group the devices'
+    /// splitter places on a device (llm.npu's W8A8 groups on the NPU, HeteroLLM's cuts), the
+    /// first such device's, the host thread only feeding it; else the host's CPU.
+    fn lane(&self, devs: &Devices, descs: &[&DeviceDesc], sg: Subgraph, d: usize, n: usize) -> Processor {
+        if d > 0 {
+            return descs[d].processor;
+        }
+        let Some(site) = sg.group_site() else { return descs[0].processor };
+        if let Some(g) = devs.splitter.group(sg.layer, site, n, descs) {
+            return descs.get(g).map_or(descs[0].processor, |d| d.processor);
+        }
+        let role = site.roles()[0];
+        let rows = self.subgraph_matrices(Subgraph::group(sg.layer, site)).first().map_or(0, |(_, m)| m.rows);
+        let on: Vec<usize> = match devs.splitter.split(sg.layer, role, rows, n, descs) {
+            Split::Whole => vec![],
+            Split::Rows(v) | Split::Tokens(v) => v.into_iter().map(|(d, _)| d).collect(),
+            Split::Hybrid(parts) => parts.into_iter().map(|p| p.dev).collect(),
+        };
+        on.into_iter().find(|&d| d > 0).and_then(|d| descs.get(d)).map_or(descs[0].processor, |d| d.processor)
+    }
+
+    /// One pass over `batch` with its subgraphs placed across the host and `devs`, run by the
+    /// executor in model order; `stop`, when given, is asked before each step and each of the
+    /// host steps' linear groups (a withdrawn job).
     pub(crate) fn forward_placed(
         &self,
         devs: &Devices,
@@ -189,86 +228,408 @@ impl Transformer {
         which: Logits,
         stop: Option<&(dyn Fn() -> bool + Sync)>,
     ) -> Result<Vec<Vec<f32>>, BackendError> {
-        let descs: Vec<&DeviceDesc> = self.descs(devs)?;
         // The host's projections go through the splitter, where it divides any.
         // A stop flag is asked by the host's projections too, whatever the splitter.
         let splits =
             if devs.splitter.splits() || stop.is_some() { Some(self.split_linears_until(devs, stop)?) } else { None };
-        let p = Pass { c: &self.shape, planner: &self.planner, linears: splits.as_ref().map(|s| s as &dyn Linears) };
-        let w = &self.weights;
-        let Some(mut st) = p.state(batch)? else {
+        let ex = Exec::new(self, devs, splits.as_ref().map(|s| s as &dyn Linears), which, stop);
+        let Some(st) = ex.p.state(batch)? else {
             return Ok(vec![Vec::new(); batch.len()]);
         };
         let pass = Subgraph::pass(self.config.n_layers);
-        // Placed by price alone: a sequence's KV cache of a layer follows that layer's
-        // attention (handed to a device, or brought back, in the pass that needs it), so no
-        // layer is pinned to where an earlier pass ran it. (Moving a cache is not priced: a
-        // cost model that sends prompts to one device and decode steps to another — the GPU
-        // decoding what the CPU read — moves each sequence's cache once per turn.)
-        let no_homes = vec![None; self.config.n_layers];
-        let placement =
-            sched::place(&descs, &pass, &|sg| self.weight_types(sg), &self.shape, st.n, &no_homes, &*devs.cost)
-                .map_err(|e| BackendError::NoBackend(e.to_string()))?;
-        let d_bytes = st.n * self.shape.d_model * 4;
-        let tokens: Arc<[u32]> = st.tokens.clone().into();
-        let positions: Arc<[u32]> = st.positions.iter().map(|&p| p as u32).collect();
-        let (rows, counts) = Pass::logit_rows(&st.spans, which);
-        let mut loc = Loc::Host;
-        let mut logits: Option<Vec<Vec<f32>>> = None;
+        let placement = self.place_steps(devs, &pass, st.n)?;
+        let mut ch = Chunk::new(st);
         // The pass as one chunk of the job graph, each step on its device's processor, run one
         // job at a time in model order (every dependency is an earlier step).
+        let descs = self.descs(devs)?;
         let procs: Vec<_> = placement.iter().map(|&d| descs[d].processor).collect();
-        let dag = Dag::from_pass(&pass, &procs, 1);
-        for job in dag.in_model_order() {
-            let sg = pass[job.step];
-            let d = placement[job.step];
-            if d == 0 {
-                to_host(devs, &mut loc, &mut st)?;
-                match sg.kind {
-                    SubgraphKind::Embed => p.embed(&mut st, &w.token_embd)?,
-                    SubgraphKind::Attention => {
-                        // A sequence whose layer is on a device (it decoded there) brings it back.
-                        for (kv, _) in batch.iter_mut() {
-                            kv.move_home(sg.layer)?;
-                        }
-                        let (a, _) = w.layers[sg.layer].blocks(w.rope_freqs.as_deref());
-                        p.attention(&mut st, batch, sg.layer, sg.layer, a, None)?
-                    }
-                    SubgraphKind::Ffn => {
-                        let (_, f) = w.layers[sg.layer].blocks(w.rope_freqs.as_deref());
-                        p.ffn(&mut st, sg.layer, f, None)?
-                    }
-                    SubgraphKind::Head => logits = Some(p.head(&st, &w.output_norm, &w.output, which)?),
-                    // A pass is made of whole blocks (`Subgraph::pass`); projections are the
-                    // pieces of a split.
-                    SubgraphKind::Linear(_) | SubgraphKind::Group(_) => {
-                        return Err(BackendError::Device(format!("{sg:?} in a pass of whole blocks")))
-                    }
-                }
-                continue;
+        for job in Dag::from_pass(&pass, &procs, 1).in_model_order() {
+            ex.step(&mut ch, batch, pass[job.step], placement[job.step])?;
+        }
+        ch.settle()?;
+        for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&ch.st.spans) {
+            kv.advance(len);
+        }
+        ch.logits.ok_or_else(|| BackendError::NoBackend("the pass had no head".into()))
+    }
+
+    /// The steps of a prompt in chunks ([`Self::prefill_placed`]): every layer's parts
+    /// ([`Subgraph::layer_parts`]), between the embedding and the head.
+    pub(super) fn chunk_steps(&self) -> Vec<Subgraph> {
+        let mut steps = vec![Subgraph::EMBED];
+        steps.extend((0..self.config.n_layers).flat_map(Subgraph::layer_parts));
+        steps.push(Subgraph::HEAD);
+        steps
+    }
+
+    /// The job graph of a prompt of `chunks` chunks of `chunk` tokens on `devs`: each layer
+    /// part of each chunk after the part before it, attention's core after the same layer's of
+    /// the previous chunk (the KV cache it appends to), each in the lane of the processor that
+    /// does its work ([`Self::lane`]). Its steps are [`Self::chunk_steps`] without the
+    /// embedding and the head (each chunk's embedding runs before the graph, the last chunk's
+    /// head after it).
+    pub fn prefill_dag(&self, devs: &Devices, chunks: usize, chunk: usize) -> Result<Dag, BackendError> {
+        let steps = self.chunk_steps();
+        let placement = self.place_steps(devs, &steps, chunk)?;
+        let descs = self.descs(devs)?;
+        let inner = 1..steps.len() - 1;
+        let procs: Vec<_> = inner.clone().map(|i| self.lane(devs, &descs, steps[i], placement[i], chunk)).collect();
+        Ok(Dag::from_pass(&steps[inner], &procs, chunks))
+    }
+
+    /// Prefills `tokens` after what `kv` holds in chunks of `chunk` tokens through the executor:
+    /// each chunk's layer parts placed across the host and `devs` ([`Self::prefill_dag`]), the
+    /// jobs taken by one thread per lane in the order `policy` picks over the job times `times`
+    /// (llm.npu's T(G)); returns the last token's logits and the timeline. Every legal order
+    /// gives the in-order bits, and `kv` ends as an in-order prefill leaves it; on an error it
+    /// is cut back to where it was. `stop` is asked before each job and each host linear group.
+    ///
+    /// Decision: the steps that read or append the KV cache run on the host here (the CPU
+    /// lane, as llm.npu's attention does): chunks that run out of order append to one cache
+    /// whose length the host keeps per layer as it goes. A placement that puts attention on a
+    /// device is refused (a whole-pass run takes it).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn prefill_placed(
+        &self,
+        devs: &Devices,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        chunk: usize,
+        policy: Policy,
+        times: &(dyn Fn(Job) -> f64 + Sync),
+        stop: Option<&(dyn Fn() -> bool + Sync)>,
+    ) -> Result<(Vec<f32>, Timeline), BackendError> {
+        if self.devices.is_some() {
+            return Err(BackendError::Device(
+                "a prompt in chunks runs on the host's caches: detach the devices first".into(),
+            ));
+        }
+        if chunk == 0 {
+            return Err(BackendError::Shape { op: "prefill", detail: "a chunk of 0 tokens".into() });
+        }
+        if tokens.is_empty() {
+            return Ok((Vec::new(), Timeline { runs: Vec::new(), makespan: 0.0 }));
+        }
+        let base = kv.len();
+        if base + tokens.len() > self.config.context_length {
+            return Err(BackendError::Shape {
+                op: "prefill",
+                detail: format!(
+                    "{} positions exceed the context of {}",
+                    base + tokens.len(),
+                    self.config.context_length
+                ),
+            });
+        }
+        let steps = self.chunk_steps();
+        let placement = self.place_steps(devs, &steps, chunk)?;
+        if let Some(i) = (0..steps.len()).find(|&i| steps[i].uses_kv() && placement[i] != 0) {
+            return Err(BackendError::Device(format!(
+                "{:?} placed on {}: a prompt in chunks appends to its cache on the host",
+                steps[i],
+                self.descs(devs)?[placement[i]].name
+            )));
+        }
+        kv.move_all_home()?;
+        let linears = self.split_linears_until(devs, stop)?;
+        let ex = Exec::new(self, devs, Some(&linears), Logits::Last, stop);
+        let parts: Vec<&[u32]> = tokens.chunks(chunk).collect();
+        let dag = self.prefill_dag(devs, parts.len(), chunk)?;
+        let mut run = || -> Result<(Vec<f32>, Timeline), BackendError> {
+            let mut chunks = Vec::with_capacity(parts.len());
+            for (i, part) in parts.iter().enumerate() {
+                let start = base + i * chunk;
+                let st = PassState::new(
+                    &self.shape,
+                    part.to_vec(),
+                    (start..start + part.len()).collect(),
+                    vec![(0, part.len(), start)],
+                );
+                let mut ch = Chunk::new(st);
+                ex.step(&mut ch, &mut [], steps[0], placement[0])?;
+                chunks.push(Mutex::new(ch));
             }
-            let dev = &devs.list[d - 1];
-            let exe = self.executable(devs, d, sg, st.n)?;
-            // The residual stream onto device d (the embedding writes it there: no upload).
-            let (x, after) = match std::mem::replace(&mut loc, Loc::Host) {
-                Loc::Dev(i, buf, ev) if i == d => (buf, vec![ev]),
-                other => {
-                    loc = other;
-                    to_host(devs, &mut loc, &mut st)?;
-                    let buf = dev.alloc(BufferUsage::Activations, d_bytes).map_err(dev_err)?;
-                    let ev = if sg.kind == SubgraphKind::Embed {
-                        Event::ready(Ok(()))
-                    } else {
-                        dev.write(&buf, 0, &f32_bytes(&st.x), &[]).map_err(dev_err)?
-                    };
-                    (buf, vec![ev])
+            let kvm = Mutex::new(&mut *kv);
+            let work = |j: Job| -> Result<(), BackendError> {
+                let i = j.step + 1;
+                let mut ch = chunks[j.chunk].lock().unwrap_or_else(|e| e.into_inner());
+                if !steps[i].uses_kv() {
+                    return ex.step(&mut ch, &mut [], steps[i], placement[i]);
                 }
+                let mut kv = kvm.lock().unwrap_or_else(|e| e.into_inner());
+                // This layer holds exactly the earlier chunks' positions (the graph's
+                // cross-chunk edge): the chunk appends after them.
+                kv.set_len(base + j.chunk * chunk);
+                ex.step(&mut ch, &mut [(&mut **kv, parts[j.chunk])], steps[i], placement[i])
             };
-            let mut seqs = Vec::with_capacity(st.spans.len());
-            for ((kv, _), &(offset, len, start)) in batch.iter_mut().zip(&st.spans) {
-                let kv_buf = if sg.uses_kv() {
+            let timeline = run_threads(&dag, policy, times, &work)?;
+            kv.set_len(base + tokens.len());
+            let mut last = chunks.pop().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
+            let last = last.as_mut().ok_or_else(|| BackendError::NoBackend("no chunks".into()))?;
+            let head = steps.len() - 1;
+            ex.step(last, &mut [], steps[head], placement[head])?;
+            last.settle()?;
+            let logits = last.logits.take().and_then(|mut l| l.pop()).unwrap_or_default();
+            self.weights.check_files()?;
+            Ok((logits, timeline))
+        };
+        let out = run();
+        if out.is_err() {
+            // Layers hold different numbers of the prompt's positions: cut every one back.
+            kv.set_len(base);
+            kv.truncate(base);
+        }
+        out
+    }
+}
+
+/// Where a chunk's tensor is between two steps.
+enum Loc {
+    /// In the chunk's host state.
+    Host,
+    /// On device `i` (index into the placement's list, ≥ 1) in a buffer, ready when the event
+    /// signals.
+    Dev(usize, Buffer, Event),
+}
+
+/// One chunk of a pass as the executor runs it: its host state, where its residual stream
+/// and its last layer part's output are, and its logits once the head ran.
+struct Chunk {
+    st: PassState,
+    x: Loc,
+    /// What the last step wrote for the next one to read ([`Subgraph::part_widths`]); on the
+    /// host, in `st`'s intermediate tensors ([`PassState::part_inputs`]).
+    mid: Loc,
+    tokens: Arc<[u32]>,
+    positions: Arc<[u32]>,
+    logits: Option<Vec<Vec<f32>>>,
+}
+
+impl Chunk {
+    fn new(st: PassState) -> Self {
+        let tokens: Arc<[u32]> = st.tokens.clone().into();
+        let positions: Arc<[u32]> = st.positions.iter().map(|&p| p as u32).collect();
+        Self { st, x: Loc::Host, mid: Loc::Host, tokens, positions, logits: None }
+    }
+
+    /// Waits for the chunk's last device work.
+    fn settle(&self) -> Result<(), BackendError> {
+        if let Loc::Dev(_, _, ev) = &self.x {
+            ev.wait().map_err(dev_err)?;
+        }
+        Ok(())
+    }
+
+    /// Brings the residual stream back to host memory if a device has it.
+    fn x_home(&mut self, devs: &Devices) -> Result<(), BackendError> {
+        if let Loc::Dev(i, buf, ev) = std::mem::replace(&mut self.x, Loc::Host) {
+            let mut raw = vec![0u8; self.st.x.len() * 4];
+            devs.list[i - 1].read(&buf, 0, &mut raw, std::slice::from_ref(&ev)).map_err(dev_err)?;
+            self.st.x = bytes_f32(&raw);
+        }
+        Ok(())
+    }
+
+    /// Brings the last part's output home, into the tensors part `kind` reads.
+    fn mid_home(&mut self, devs: &Devices, kind: SubgraphKind) -> Result<(), BackendError> {
+        if let Loc::Dev(i, buf, ev) = std::mem::replace(&mut self.mid, Loc::Host) {
+            let ins = self.st.part_inputs(kind);
+            let mut raw = vec![0u8; ins.iter().map(|t| t.len() * 4).sum()];
+            devs.list[i - 1].read(&buf, 0, &mut raw, std::slice::from_ref(&ev)).map_err(dev_err)?;
+            let vals = bytes_f32(&raw);
+            let mut at = 0;
+            for t in ins {
+                let len = t.len();
+                t.copy_from_slice(&vals[at..at + len]);
+                at += len;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The executor of one pass: every step of every chunk goes through [`Exec::step`], on the
+/// host's blocks (their linear groups where the devices' splitter places them) or through the
+/// device contract.
+struct Exec<'a> {
+    t: &'a Transformer,
+    devs: &'a Devices,
+    p: Pass<'a>,
+    which: Logits,
+    stop: Option<&'a (dyn Fn() -> bool + Sync)>,
+}
+
+impl<'a> Exec<'a> {
+    fn new(
+        t: &'a Transformer,
+        devs: &'a Devices,
+        linears: Option<&'a dyn Linears>,
+        which: Logits,
+        stop: Option<&'a (dyn Fn() -> bool + Sync)>,
+    ) -> Self {
+        Self { t, devs, p: Pass { c: &t.shape, planner: &t.planner, linears }, which, stop }
+    }
+
+    /// Runs step `sg` of chunk `ch` on `d` (0: the host), over `batch` (the chunk's sequences'
+    /// caches, for a step that reads them; else empty).
+    fn step(&self, ch: &mut Chunk, batch: &mut Batch, sg: Subgraph, d: usize) -> Result<(), BackendError> {
+        if self.stop.is_some_and(|stop| stop()) {
+            return Err(BackendError::Device(format!("stopped before {sg:?} of layer {}", sg.layer)));
+        }
+        if sg.uses_kv() && batch.len() != ch.st.spans.len() {
+            return Err(BackendError::Device(format!("{sg:?} without its sequences' caches")));
+        }
+        if d == 0 {
+            self.on_host(ch, batch, sg)
+        } else {
+            self.on_device(ch, batch, sg, d)
+        }
+    }
+
+    fn on_host(&self, ch: &mut Chunk, batch: &mut Batch, sg: Subgraph) -> Result<(), BackendError> {
+        let (p, w, l) = (&self.p, &self.t.weights, sg.layer);
+        ch.x_home(self.devs)?;
+        if sg.part_widths(&self.t.shape).0 > 0 {
+            ch.mid_home(self.devs, sg.kind)?;
+        }
+        let layer = || {
+            w.layers
+                .get(l)
+                .map(|x| x.blocks(w.rope_freqs.as_deref()))
+                .ok_or_else(|| BackendError::Device(format!("{sg:?}: the model has no layer {l}")))
+        };
+        let st = &mut ch.st;
+        if sg.uses_kv() {
+            // A sequence whose layer is on a device (it decoded there) brings it back.
+            for (kv, _) in batch.iter_mut() {
+                kv.move_home(l)?;
+            }
+        }
+        match sg.kind {
+            SubgraphKind::Embed => p.embed(st, &w.token_embd)?,
+            SubgraphKind::Attention => p.attention(st, batch, l, l, layer()?.0, None)?,
+            SubgraphKind::Ffn => p.ffn(st, l, layer()?.1, None)?,
+            SubgraphKind::Head => ch.logits = Some(p.head(st, &w.output_norm, &w.output, self.which)?),
+            SubgraphKind::AttnQkv => p.attn_qkv(st, l, layer()?.0.qkv(), None)?,
+            SubgraphKind::AttnCore => {
+                Pass::prepare_append(st, batch, l);
+                p.attn_core(st, batch, l, layer()?.0.rope_freqs)?
+            }
+            SubgraphKind::AttnOut => p.attn_out(st, l, layer()?.0.wo, None)?,
+            SubgraphKind::FfnGateUp => {
+                let f = layer()?.1;
+                p.ffn_gate_up(st, l, (f.norm, f.gate, f.up), None)?
+            }
+            SubgraphKind::FfnDown => p.ffn_down(st, l, layer()?.1.down, None)?,
+            // Projections are the pieces of a split, run by the splitter.
+            SubgraphKind::Linear(_) | SubgraphKind::Group(_) => {
+                return Err(BackendError::Device(format!("{sg:?} as a step of a pass")))
+            }
+        }
+        ch.mid = Loc::Host;
+        Ok(())
+    }
+
+    fn on_device(&self, ch: &mut Chunk, batch: &mut Batch, sg: Subgraph, d: usize) -> Result<(), BackendError> {
+        let (t, devs) = (self.t, self.devs);
+        let dev = &devs.list[d - 1];
+        let n = ch.st.n;
+        let exe = t.executable(devs, d, sg, n)?;
+        // The residual stream onto device d (the embedding writes it there: no upload).
+        let mut after = Vec::new();
+        let x = match std::mem::replace(&mut ch.x, Loc::Host) {
+            Loc::Dev(i, buf, ev) if i == d => {
+                after.push(ev);
+                buf
+            }
+            other => {
+                ch.x = other;
+                ch.x_home(devs)?;
+                let buf = dev.alloc(BufferUsage::Activations, n * t.shape.d_model * 4).map_err(dev_err)?;
+                if sg.kind != SubgraphKind::Embed {
+                    after.push(dev.write(&buf, 0, &f32_bytes(&ch.st.x), &[]).map_err(dev_err)?);
+                }
+                buf
+            }
+        };
+        // The last part's output, for a part that reads it.
+        let (hw, yw) = sg.part_widths(&t.shape);
+        let h = if hw == 0 {
+            None
+        } else {
+            Some(match std::mem::replace(&mut ch.mid, Loc::Host) {
+                Loc::Dev(i, buf, ev) if i == d => {
+                    after.push(ev);
+                    buf
+                }
+                other => {
+                    ch.mid = other;
+                    ch.mid_home(devs, sg.kind)?;
+                    let vals: Vec<f32> =
+                        ch.st.part_inputs(sg.kind).into_iter().flat_map(|v| v.iter().copied()).collect();
+                    let buf = dev.alloc(BufferUsage::Activations, vals.len() * 4).map_err(dev_err)?;
+                    after.push(dev.write(&buf, 0, &f32_bytes(&vals), &[]).map_err(dev_err)?);
+                    buf
+                }
+            })
+        };
+        let y = if yw == 0 { None } else { Some(dev.alloc(BufferUsage::Activations, n * yw * 4).map_err(dev_err)?) };
+        let seqs = self.seq_bindings(ch, batch, sg, dev)?;
+        let (rows, counts) = Pass::logit_rows(&ch.st.spans, self.which);
+        let logit_buf = if sg.kind == SubgraphKind::Head {
+            Some(dev.alloc(BufferUsage::Activations, rows.len() * t.shape.vocab * 4).map_err(dev_err)?)
+        } else {
+            None
+        };
+        let bind = Bindings {
+            x: x.clone(),
+            tokens: ch.tokens.clone(),
+            positions: ch.positions.clone(),
+            seqs: seqs.into(),
+            logit_rows: rows.iter().map(|&r| r as u32).collect(),
+            logits: logit_buf.clone(),
+            y: y.clone(),
+            h,
+        };
+        let ev = dev.submit(&exe, &bind, &after).map_err(dev_err)?;
+        if let Some(lb) = logit_buf {
+            let vocab = t.shape.vocab;
+            let mut raw = vec![0u8; rows.len() * vocab * 4];
+            dev.read(&lb, 0, &mut raw, std::slice::from_ref(&ev)).map_err(dev_err)?;
+            let all = bytes_f32(&raw);
+            let mut at = 0;
+            ch.logits = Some(
+                counts
+                    .iter()
+                    .map(|&c| {
+                        let v = all[at * vocab..(at + c) * vocab].to_vec();
+                        at += c;
+                        v
+                    })
+                    .collect(),
+            );
+        }
+        ch.mid = y.map_or(Loc::Host, |y| Loc::Dev(d, y, ev.clone()));
+        ch.x = Loc::Dev(d, x, ev);
+        Ok(())
+    }
+
+    /// The chunk's sequences as `sg` on `dev` binds them, each with its cache of the layer on
+    /// that device for a step that reads it (handed over, or grown, as needed).
+    fn seq_bindings(
+        &self,
+        ch: &Chunk,
+        batch: &mut Batch,
+        sg: Subgraph,
+        dev: &Arc<dyn llmd_device::Device>,
+    ) -> Result<Vec<SeqBinding>, BackendError> {
+        let shape = &self.t.shape;
+        let mut seqs = Vec::with_capacity(ch.st.spans.len());
+        for (i, &(offset, len, start)) in ch.st.spans.iter().enumerate() {
+            let kv_buf = match batch.get_mut(i) {
+                Some((kv, _)) if sg.uses_kv() => {
                     let here = kv.device_of_layer(sg.layer).is_some_and(|h| h.id() == dev.id());
-                    let kv_dim = self.shape.kv_dim();
+                    let kv_dim = shape.kv_dim();
                     let held = kv.device_layer(sg.layer).map_or(0, |b| b.len / (4 * kv_dim.max(1)));
                     if !here || start + len > held {
                         // A device cache holds a power of two of positions (at least
@@ -278,7 +639,7 @@ impl Transformer {
                             .max(MIN_DEVICE_KV)
                             .checked_next_power_of_two()
                             .unwrap_or(usize::MAX)
-                            .min(self.shape.context_length);
+                            .min(shape.context_length);
                         if start > 0 || kv.device_layer(sg.layer).is_some() {
                             // Its positions so far are in host memory (a CPU prefill), on
                             // another device, or in a smaller buffer here: handed over once.
@@ -289,60 +650,11 @@ impl Transformer {
                         }
                     }
                     kv.device_layer(sg.layer).cloned()
-                } else {
-                    None
-                };
-                seqs.push(SeqBinding { offset, len, start, kv: kv_buf });
-            }
-            let logit_buf = if sg.kind == SubgraphKind::Head {
-                Some(dev.alloc(BufferUsage::Activations, rows.len() * self.shape.vocab * 4).map_err(dev_err)?)
-            } else {
-                None
+                }
+                _ => None,
             };
-            let bind = Bindings {
-                x: x.clone(),
-                tokens: tokens.clone(),
-                positions: positions.clone(),
-                seqs: seqs.into(),
-                logit_rows: rows.iter().map(|&r| r as u32).collect(),
-                logits: logit_buf.clone(),
-                y: None,
-            };
-            let ev = dev.submit(&exe, &bind, &after).map_err(dev_err)?;
-            if let Some(lb) = logit_buf {
-                let mut raw = vec![0u8; rows.len() * self.shape.vocab * 4];
-                dev.read(&lb, 0, &mut raw, std::slice::from_ref(&ev)).map_err(dev_err)?;
-                let all = bytes_f32(&raw);
-                let mut at = 0;
-                logits = Some(
-                    counts
-                        .iter()
-                        .map(|&c| {
-                            let v = all[at * self.shape.vocab..(at + c) * self.shape.vocab].to_vec();
-                            at += c;
-                            v
-                        })
-                        .collect(),
-                );
-            }
-            loc = Loc::Dev(d, x, ev);
+            seqs.push(SeqBinding { offset, len, start, kv: kv_buf });
         }
-        if let Loc::Dev(_, _, ev) = &loc {
-            ev.wait().map_err(dev_err)?;
-        }
-        for ((kv, _), &(_, len, _)) in batch.iter_mut().zip(&st.spans) {
-            kv.advance(len);
-        }
-        logits.ok_or_else(|| BackendError::NoBackend("the pass had no head".into()))
+        Ok(seqs)
     }
-}
-
-/// Brings the residual stream back to host memory if a device has it.
-fn to_host(devs: &Devices, loc: &mut Loc, st: &mut PassState) -> Result<(), BackendError> {
-    if let Loc::Dev(i, buf, ev) = std::mem::replace(loc, Loc::Host) {
-        let mut raw = vec![0u8; st.x.len() * 4];
-        devs.list[i - 1].read(&buf, 0, &mut raw, std::slice::from_ref(&ev)).map_err(dev_err)?;
-        st.x = bytes_f32(&raw);
-    }
-    Ok(())
 }

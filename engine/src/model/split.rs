@@ -132,6 +132,7 @@ impl Devices {
             logit_rows: Arc::new([]),
             logits: None,
             y: Some(y.clone()),
+            h: None,
         };
         Ok(Slot { key, exe, bind, y })
     }
@@ -419,6 +420,7 @@ impl Transformer {
             logit_rows: Arc::from(Vec::new()),
             logits: None,
             y: Some(bufs.y.clone()),
+            h: None,
         };
         let ran = dev.submit(&exe, &bind, &[wrote]).map_err(e)?;
         let mut at = 0;

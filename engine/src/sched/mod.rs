@@ -10,8 +10,8 @@
 //!   holds its KV cache (`kv_home`), and is first placed only where one-token steps can follow.
 //! - **The job graph** ([`Dag`], `graph.rs`): chunk × step, each job waiting for its same-chunk
 //!   predecessors and, for a step that uses the KV cache, the same step of the previous chunk.
-//!   One job graph for every pass: the placed executor's (`model/placed.rs`) and llm.npu's
-//!   out-of-order chunked prefill's (`model/ooe.rs`).
+//!   One job graph for every pass, run by the one executor (`model/placed.rs`): a pass in
+//!   model order, or a prompt's chunks out of order (llm.npu), each layer then its five parts.
 //! - **Order** ([`Scheduler`], `order.rs`): which ready job an idle processor takes — llm.npu's
 //!   out-of-order score, in order, or random legal orders; [`simulate`] and [`optimum`] measure
 //!   it, [`run_threads`] (`threads.rs`) runs it on one thread per processor.
@@ -74,8 +74,17 @@ pub fn work(sg: Subgraph, s: &BlockShape, n_tokens: usize, context: usize) -> Wo
         // A split's pieces are priced by the splitter.
         SubgraphKind::Linear(role) => projection(role),
         SubgraphKind::Group(site) => site.roles().iter().map(|&r| projection(r)).sum(),
+        SubgraphKind::AttnQkv => d * (qd + 2.0 * kvd),
+        SubgraphKind::AttnCore => 0.0,
+        SubgraphKind::AttnOut => qd * d,
+        SubgraphKind::FfnGateUp => 2.0 * d * f,
+        SubgraphKind::FfnDown => d * f,
     };
-    let attn = if sg.kind == SubgraphKind::Attention { 2.0 * n * context as f64 * qd } else { 0.0 };
+    let attn = if matches!(sg.kind, SubgraphKind::Attention | SubgraphKind::AttnCore) {
+        2.0 * n * context as f64 * qd
+    } else {
+        0.0
+    };
     let macs = if sg.kind == SubgraphKind::Embed { 0.0 } else { n * weights + attn };
     Work { macs, weights }
 }

@@ -174,6 +174,13 @@ impl Device for CpuDevice {
             },
             None => Vec::new(),
         };
+        let h: Vec<f32> = match &bind.h {
+            Some(b) => match &*lock(self.cell(b)?) {
+                Mem::Bytes(b) => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+                Mem::Kv(_) => return Err(self.err("h is a KV buffer")),
+            },
+            None => Vec::new(),
+        };
         let io = HostIo {
             tokens: &bind.tokens,
             positions: &bind.positions,
@@ -183,6 +190,7 @@ impl Device for CpuDevice {
             logit_rows: &bind.logit_rows,
             logits: &mut logits,
             y: &mut y,
+            h: &h,
         };
         run_subgraph(&self.planner, &p.shape, exe.subgraph, &weights, io).map_err(fail)?;
         if let Some(b) = &bind.y {

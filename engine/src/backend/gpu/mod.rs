@@ -923,6 +923,92 @@ impl GpuDevice {
                 self.matmul(out, h, logits, rows, false, None)
             }
             SubgraphKind::Linear(_) | SubgraphKind::Group(_) => Err(self.err("a projection past its own path")),
+            SubgraphKind::AttnQkv
+            | SubgraphKind::AttnCore
+            | SubgraphKind::AttnOut
+            | SubgraphKind::FfnGateUp
+            | SubgraphKind::FfnDown => self.enqueue_part(st, p, b, x),
+        }
+    }
+
+    fn scratch<'a>(&self, st: &'a State, name: &str) -> Result<&'a Mem, DeviceError> {
+        st.scratch.get(name).ok_or_else(|| self.err(format!("no scratch buffer {name}")))
+    }
+
+    /// One of a layer's parts: the whole blocks' kernels, cut where the parts meet, the
+    /// intermediate tensors in the bound `h` and `y` (projections written into place through
+    /// scratch, as a group's are).
+    fn enqueue_part(&self, st: &mut State, p: &Plan, b: &Bindings, x: &Mem) -> Result<(), DeviceError> {
+        let s = &p.shape;
+        let n = b.positions.len();
+        let opt = |role: WeightRole| {
+            p.weights.iter().find(|(r, _)| *r == role).and_then(|(_, w)| w.get::<GpuWeight>(self.id))
+        };
+        let w = |role: WeightRole| opt(role).ok_or_else(|| self.err(format!("{:?} has no {role:?} weight", p.sg)));
+        let (hw, yw) = p.sg.part_widths(s);
+        let h = match (&b.h, hw) {
+            (_, 0) => None,
+            (Some(h), _) => Some(self.buf(h)?),
+            (None, _) => return Err(self.err(format!("{:?} bound without h", p.sg))),
+        };
+        let y = match (&b.y, yw) {
+            (_, 0) => None,
+            (Some(y), _) => Some(self.buf(y)?),
+            (None, _) => return Err(self.err(format!("{:?} bound without y", p.sg))),
+        };
+        if h.is_some_and(|h| h.len() < n * hw * 4 || std::ptr::eq(h, x) || y.is_some_and(|y| std::ptr::eq(h, y)))
+            || y.is_some_and(|y| y.len() < n * yw * 4 || std::ptr::eq(x, y))
+        {
+            return Err(self.err(format!("{:?} of {n} rows: h or y too small, or one buffer bound twice", p.sg)));
+        }
+        let (qd, kvd, f) = (s.q_dim(), s.kv_dim(), s.ffn_dim);
+        match (p.sg.kind, h, y) {
+            (SubgraphKind::AttnQkv, _, Some(y)) => {
+                self.ensure(st, "h", n * s.d_model * 4)?;
+                self.ensure(st, "group", n * kvd * 4)?;
+                let (hn, g) = (self.scratch(st, "h")?, self.scratch(st, "group")?);
+                self.rms_norm(x, hn, w(WeightRole::AttnNorm)?, n, s.norm_eps, None)?;
+                self.matmul(w(WeightRole::Wq)?, hn, y, n, false, opt(WeightRole::Bq))?;
+                for (i, (role, bias)) in
+                    [(WeightRole::Wk, WeightRole::Bk), (WeightRole::Wv, WeightRole::Bv)].into_iter().enumerate()
+                {
+                    self.matmul(w(role)?, hn, g, n, false, opt(bias))?;
+                    self.ctx.copy(g, 0, y, n * (qd + i * kvd) * 4, n * kvd * 4).map_err(self.exec())?;
+                }
+                Ok(())
+            }
+            (SubgraphKind::AttnCore, Some(h), Some(y)) => {
+                for (name, len) in [("q", qd), ("k", kvd), ("v", kvd), ("attn", qd)] {
+                    self.ensure(st, name, n * len * 4)?;
+                }
+                self.upload_ids(st, &b.positions, true)?;
+                // The queries, keys and values out of `h` (left as they are), rotated in scratch.
+                for (name, at, len) in [("q", 0, qd), ("k", qd, kvd), ("v", qd + kvd, kvd)] {
+                    self.ctx.copy(h, n * at * 4, self.scratch(st, name)?, 0, n * len * 4).map_err(self.exec())?;
+                }
+                let ff = opt(WeightRole::RopeFreqs);
+                let pos = &st.positions.as_ref().ok_or_else(|| self.err("no positions"))?.1;
+                self.rope(self.scratch(st, "q")?, pos, n, &s.rope(s.n_heads), ff)?;
+                self.rope(self.scratch(st, "k")?, pos, n, &s.rope(s.n_kv_heads), ff)?;
+                for seq in b.seqs.iter().filter(|q| q.len > 0) {
+                    let kv =
+                        seq.kv.as_ref().ok_or_else(|| self.err("an attention subgraph bound without a KV buffer"))?;
+                    self.attend_seq(st, s, self.buf(kv)?, seq.start, seq.len, seq.offset)?;
+                }
+                self.ctx.copy(self.scratch(st, "attn")?, 0, y, 0, n * qd * 4).map_err(self.exec())
+            }
+            (SubgraphKind::AttnOut, Some(h), _) => self.matmul(w(WeightRole::Wo)?, h, x, n, true, None),
+            (SubgraphKind::FfnGateUp, _, Some(y)) => {
+                self.ensure(st, "h", n * s.d_model * 4)?;
+                self.ensure(st, "u", n * f * 4)?;
+                let (hn, u) = (self.scratch(st, "h")?, self.scratch(st, "u")?);
+                self.rms_norm(x, hn, w(WeightRole::FfnNorm)?, n, s.norm_eps, None)?;
+                self.matmul(w(WeightRole::Gate)?, hn, y, n, false, None)?;
+                self.matmul(w(WeightRole::Up)?, hn, u, n, false, None)?;
+                self.swiglu(y, u, n * f)
+            }
+            (SubgraphKind::FfnDown, Some(h), _) => self.matmul(w(WeightRole::Down)?, h, x, n, true, None),
+            _ => Err(self.err(format!("{:?} is not a layer part", p.sg))),
         }
     }
 
@@ -1059,7 +1145,7 @@ impl Device for GpuDevice {
             }
             ws.push((*role, w.clone()));
         }
-        if subgraph.kind == SubgraphKind::Attention
+        if matches!(subgraph.kind, SubgraphKind::Attention | SubgraphKind::AttnCore)
             && (shape.n_kv_heads == 0
                 || !shape.n_heads.is_multiple_of(shape.n_kv_heads)
                 || shape.rope_dims > shape.head_dim
