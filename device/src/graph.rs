@@ -274,7 +274,8 @@ impl Subgraph {
             SubgraphKind::Ffn => &[RmsNorm, MatMul, SwiGlu],
             SubgraphKind::Head => &[RmsNorm, MatMul],
             SubgraphKind::Linear(_) | SubgraphKind::Group(_) => &[MatMul],
-            SubgraphKind::AttnQkv | SubgraphKind::FfnGateUp => &[RmsNorm, MatMul],
+            SubgraphKind::AttnQkv => &[RmsNorm, MatMul],
+            SubgraphKind::FfnGateUp => &[RmsNorm, MatMul, SwiGlu],
             SubgraphKind::AttnCore => &[Rope, Attention],
             SubgraphKind::AttnOut | SubgraphKind::FfnDown => &[MatMul],
         }

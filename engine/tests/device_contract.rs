@@ -487,14 +487,18 @@ fn the_prefill_chunk_is_agreed_with_the_devices_static_shapes() {
     assert_eq!(m.transformer.prefill_chunk(16), 16, "no graph that small: the CPU's chunk");
 }
 
-/// A prompt in chunks, out of order, with layer parts on a device of its own: the engine's one
-/// executor runs each chunk's parts where the placement puts them — the norm and QKV of
-/// layer 1, the O and gate/up of layer 2 (the SwiGLU output crossing back for the host's
-/// down), the down of layer 3, the embedding and the head on the device, the rest on the host
-/// — each in its processor's lane of the job graph. Under llm.npu's policy and pseudo-random
-/// legal orders the logits and the KV cache equal an in-order prefill on the host, bit for
-/// bit, and every part on the device went through the contract. Attention's core on the
-/// device is refused with a typed error, the cache as it was.
+/// A prompt in chunks, out of order, with layer parts on two devices of their own: the engine's
+/// one executor runs each chunk's parts where the placement puts them, each in its processor's
+/// lane of the job graph, on the first device the embedding, the head, the norm and QKV of
+/// layer 1 (its output crossing to the host's attention), the O and gate/up of layer 2 (the
+/// SwiGLU output crossing back for the host's down), gate/up and down of layer 3 (the SwiGLU
+/// output staying on the device), gate/up of layer 4 and O of layer 5; on the second device the
+/// down of layer 4 (the SwiGLU output crossing between devices) and gate/up of layer 5 (the
+/// residual stream crossing between them). Under llm.npu's policy and pseudo-random legal orders the logits
+/// and the KV cache equal an in-order prefill on the host, bit for bit, and every part on a
+/// device went through the contract. A prefill stopped part-way through its jobs, and one
+/// whose placement puts attention's core on a device (refused with a typed error), leave the
+/// cache as it was.
 #[test]
 fn a_prompt_in_chunks_with_layer_parts_on_a_device_gives_the_in_order_bits() {
     use llmd_engine::model::Run;
@@ -524,31 +528,34 @@ fn a_prompt_in_chunks_with_layer_parts_on_a_device_gives_the_in_order_bits() {
         want = t.forward(&mut kv, part, Logits::Last).expect("a chunk");
     }
     let want_kv = kv_bytes(&kv);
-    let on_device = |sg: Subgraph| {
-        matches!(
-            (sg.kind, sg.layer),
-            (SubgraphKind::Embed | SubgraphKind::Head, _)
-                | (SubgraphKind::AttnQkv, 1)
-                | (SubgraphKind::AttnOut | SubgraphKind::FfnGateUp, 2)
-                | (SubgraphKind::FfnDown, 3)
-        )
+    let pick = |sg: Subgraph| match (sg.kind, sg.layer) {
+        (SubgraphKind::Embed | SubgraphKind::Head, _)
+        | (SubgraphKind::AttnQkv, 1)
+        | (SubgraphKind::AttnOut | SubgraphKind::FfnGateUp, 2)
+        | (SubgraphKind::FfnGateUp | SubgraphKind::FfnDown, 3)
+        | (SubgraphKind::FfnGateUp, 4)
+        | (SubgraphKind::AttnOut, 5) => 1,
+        (SubgraphKind::FfnDown, 4) | (SubgraphKind::FfnGateUp, 5) => 2,
+        _ => 0,
     };
-    let dev = Arc::new(DiscreteTestDevice::new());
-    let counts = dev.counts.clone();
-    let names = vec!["cpu".to_string(), "discrete-test".to_string()];
-    let devs =
-        Devices::new(vec![dev], Arc::new(Pinned { names: names.clone(), pick: move |sg| usize::from(on_device(sg)) }));
+    let (dev, mut second) = (Arc::new(DiscreteTestDevice::new()), DiscreteTestDevice::new());
+    second.desc.name = "discrete-test-2".into();
+    let (counts, counts2) = (dev.counts.clone(), second.counts.clone());
+    let names = vec!["cpu".to_string(), "discrete-test".to_string(), "discrete-test-2".to_string()];
+    let devs = Devices::new(vec![dev, Arc::new(second)], Arc::new(Pinned { names: names.clone(), pick }));
     let chunks = prompt.len().div_ceil(CHUNK);
-    // The job graph's lanes: the device's parts in the GPU's (its processor), the rest the CPU's.
+    // The job graph's lanes: the devices' parts in the GPU's (their processor), the rest the CPU's.
     let dag = t.prefill_dag(&devs, chunks, CHUNK).expect("the job graph");
     let on_gpu = dag.specs.iter().filter(|s| s.proc == Processor::Gpu).count();
-    assert_eq!(on_gpu, 4, "{:?}", dag.specs.iter().map(|s| (&s.name, s.proc)).collect::<Vec<_>>());
+    assert_eq!(on_gpu, 9, "{:?}", dag.specs.iter().map(|s| (&s.name, s.proc)).collect::<Vec<_>>());
     let mut kv = t.new_kv();
     let got = t.run(&mut [(&mut kv, &prompt)], Run::LAST.on(&devs).chunked(CHUNK)).expect("prefills").pop().unwrap();
     assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "llm.npu's order: logits differ");
     assert!(kv_bytes(&kv) == want_kv, "llm.npu's order: KV caches differ");
-    // Every chunk's four parts, its embedding, and the last chunk's head on the device.
-    assert_eq!(counts.submits.load(Ordering::Relaxed), chunks * 5 + 1);
+    // Every chunk's seven parts and its embedding on the first device, two parts on the second,
+    // and the last chunk's head.
+    assert_eq!(counts.submits.load(Ordering::Relaxed), chunks * 8 + 1);
+    assert_eq!(counts2.submits.load(Ordering::Relaxed), chunks * 2);
     let times = |j: Job| 1.0 + (j.step % 5) as f64 + j.chunk as f64;
     for policy in [Policy::InOrder, Policy::Random(7), Policy::Random(8)] {
         let mut kv = t.new_kv();
@@ -557,6 +564,16 @@ fn a_prompt_in_chunks_with_layer_parts_on_a_device_gives_the_in_order_bits() {
         assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{policy:?}: logits differ");
         assert!(kv_bytes(&kv) == want_kv, "{policy:?}: KV caches differ");
     }
+    // Stopped part-way (at its 100th check of the flag): an error, the cache as it was.
+    let mut kv = t.new_kv();
+    t.forward(&mut kv, &prompt[..5], Logits::Last).expect("a turn before");
+    let before = kv_bytes(&kv);
+    let asked = AtomicUsize::new(0);
+    let stop = || asked.fetch_add(1, Ordering::Relaxed) >= 100;
+    let r = t.run(&mut [(&mut kv, &prompt)], Run::LAST.on(&devs).chunked(CHUNK).until(&stop));
+    assert!(r.is_err(), "a stopped prefill gave logits");
+    assert!(asked.load(Ordering::Relaxed) > 100, "stopped at the flag");
+    assert!(kv_bytes(&kv) == before, "the stopped prefill changed the cache");
     // Attention's core of a chunk on the device: refused, the cache as it was.
     let core = Devices::new(
         vec![Arc::new(DiscreteTestDevice::new())],

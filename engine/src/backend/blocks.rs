@@ -338,7 +338,7 @@ impl Pass<'_> {
     /// The attention subgraph of layer `li` (`li` names it to `capture`); the keys and values go
     /// to layer `kv_layer` of each sequence's cache (a device holding one layer per cache
     /// passes 0). Its three parts — [`Self::attn_qkv`], [`Self::attn_core`], [`Self::attn_out`]
-    /// — are also run apart, as llm.npu's subgraphs (`crate::model::ooe`).
+    /// — are also run apart, as the contract's layer parts (the executor's prompt chunks).
     pub fn attention(
         &self,
         st: &mut PassState,

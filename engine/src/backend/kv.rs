@@ -372,7 +372,8 @@ impl KvCache {
         }
     }
 
-    /// Sets how many positions the cache holds: the out-of-order prefill (`model::ooe`) sets
+    /// Sets how many positions the cache holds: the out-of-order prefill (the executor's
+    /// `prefill_placed`) sets
     /// it to a chunk's first position before that chunk's attention in a layer, whose earlier
     /// chunks (and only they) have appended their keys and values there.
     pub(crate) fn set_len(&mut self, len: usize) {

@@ -198,24 +198,33 @@ impl Transformer {
 
     /// The processor whose work step `sg`, placed on `d`, is at `n` tokens — the job graph's
     /// lane it runs in: its device's; for a step on the host whose linear group the devices'
-    /// splitter places on a device (llm.npu's W8A8 groups on the NPU, HeteroLLM's cuts), the
-    /// first such device's, the host thread only feeding it; else the host's CPU.
+    /// splitter places on devices (llm.npu's W8A8 groups on the NPU, HeteroLLM's cuts of each
+    /// projection), the NPU's if any piece of the group is on one — QNN is called from the NPU
+    /// lane's thread only (`sched::run_threads`) — else the first such device's, the host
+    /// thread only feeding it; else the host's CPU.
     fn lane(&self, devs: &Devices, descs: &[&DeviceDesc], sg: Subgraph, d: usize, n: usize) -> Processor {
         if d > 0 {
             return descs[d].processor;
         }
         let Some(site) = sg.group_site() else { return descs[0].processor };
-        if let Some(g) = devs.splitter.group(sg.layer, site, n, descs) {
-            return descs.get(g).map_or(descs[0].processor, |d| d.processor);
-        }
-        let role = site.roles()[0];
-        let rows = self.subgraph_matrices(Subgraph::group(sg.layer, site)).first().map_or(0, |(_, m)| m.rows);
-        let on: Vec<usize> = match devs.splitter.split(sg.layer, role, rows, n, descs) {
-            Split::Whole => vec![],
-            Split::Rows(v) | Split::Tokens(v) => v.into_iter().map(|(d, _)| d).collect(),
-            Split::Hybrid(parts) => parts.into_iter().map(|p| p.dev).collect(),
+        let mut on: Vec<usize> = match devs.splitter.group(sg.layer, site, n, descs) {
+            Some(g) => vec![g],
+            None => self
+                .subgraph_matrices(Subgraph::group(sg.layer, site))
+                .into_iter()
+                .flat_map(|(role, m)| match devs.splitter.split(sg.layer, role, m.rows, n, descs) {
+                    Split::Whole => vec![],
+                    Split::Rows(v) | Split::Tokens(v) => v.into_iter().map(|(d, _)| d).collect(),
+                    Split::Hybrid(parts) => parts.into_iter().map(|p| p.dev).collect(),
+                })
+                .collect(),
         };
-        on.into_iter().find(|&d| d > 0).and_then(|d| descs.get(d)).map_or(descs[0].processor, |d| d.processor)
+        on.retain(|&d| d > 0 && d < descs.len());
+        let procs: Vec<Processor> = on.into_iter().map(|d| descs[d].processor).collect();
+        if procs.contains(&Processor::Npu) {
+            return Processor::Npu;
+        }
+        procs.first().copied().unwrap_or(descs[0].processor)
     }
 
     /// One pass over `batch` with its subgraphs placed across the host and `devs`, run by the
@@ -363,6 +372,9 @@ impl Transformer {
                 ex.step(&mut ch, &mut [(&mut **kv, parts[j.chunk])], steps[i], placement[i])
             };
             let timeline = run_threads(&dag, policy, times, &work)?;
+            for ch in &chunks {
+                ch.lock().unwrap_or_else(|e| e.into_inner()).settle()?;
+            }
             kv.set_len(base + tokens.len());
             let mut last = chunks.pop().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
             let last = last.as_mut().ok_or_else(|| BackendError::NoBackend("no chunks".into()))?;
@@ -412,10 +424,12 @@ impl Chunk {
         Self { st, x: Loc::Host, mid: Loc::Host, tokens, positions, logits: None }
     }
 
-    /// Waits for the chunk's last device work.
+    /// Waits for the chunk's last device work (its first failure, if any).
     fn settle(&self) -> Result<(), BackendError> {
-        if let Loc::Dev(_, _, ev) = &self.x {
-            ev.wait().map_err(dev_err)?;
+        for loc in [&self.x, &self.mid] {
+            if let Loc::Dev(_, _, ev) = loc {
+                ev.wait().map_err(dev_err)?;
+            }
         }
         Ok(())
     }
@@ -537,12 +551,14 @@ impl<'a> Exec<'a> {
         let exe = t.executable(devs, d, sg, n)?;
         // The residual stream onto device d (the embedding writes it there: no upload).
         let mut after = Vec::new();
+        let mut x_on_host = false;
         let x = match std::mem::replace(&mut ch.x, Loc::Host) {
             Loc::Dev(i, buf, ev) if i == d => {
                 after.push(ev);
                 buf
             }
             other => {
+                x_on_host = true;
                 ch.x = other;
                 ch.x_home(devs)?;
                 let buf = dev.alloc(BufferUsage::Activations, n * t.shape.d_model * 4).map_err(dev_err)?;
@@ -610,7 +626,17 @@ impl<'a> Exec<'a> {
             );
         }
         ch.mid = y.map_or(Loc::Host, |y| Loc::Dev(d, y, ev.clone()));
-        ch.x = Loc::Dev(d, x, ev);
+        // A step that only reads the residual stream leaves the host's copy current: it stays
+        // there (no download for a host step after it).
+        let writes_x = matches!(
+            sg.kind,
+            SubgraphKind::Embed
+                | SubgraphKind::Attention
+                | SubgraphKind::Ffn
+                | SubgraphKind::AttnOut
+                | SubgraphKind::FfnDown
+        );
+        ch.x = if x_on_host && !writes_x { Loc::Host } else { Loc::Dev(d, x, ev) };
         Ok(())
     }
 
