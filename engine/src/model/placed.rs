@@ -280,6 +280,18 @@ impl Transformer {
     pub fn prefill_dag(&self, devs: &Devices, chunks: usize, chunk: usize) -> Result<Dag, BackendError> {
         let steps = self.chunk_steps();
         let placement = self.place_steps(devs, &steps, chunk)?;
+        self.dag_of(devs, &steps, &placement, chunks, chunk)
+    }
+
+    /// [`Self::prefill_dag`] of `steps` already placed.
+    fn dag_of(
+        &self,
+        devs: &Devices,
+        steps: &[Subgraph],
+        placement: &[usize],
+        chunks: usize,
+        chunk: usize,
+    ) -> Result<Dag, BackendError> {
         let descs = self.descs(devs)?;
         let inner = 1..steps.len() - 1;
         let procs: Vec<_> = inner.clone().map(|i| self.lane(devs, &descs, steps[i], placement[i], chunk)).collect();
@@ -343,7 +355,7 @@ impl Transformer {
         let linears = self.split_linears_until(devs, stop)?;
         let ex = Exec::new(self, devs, Some(&linears), Logits::Last, stop);
         let parts: Vec<&[u32]> = tokens.chunks(chunk).collect();
-        let dag = self.prefill_dag(devs, parts.len(), chunk)?;
+        let dag = self.dag_of(devs, &steps, &placement, parts.len(), chunk)?;
         let mut run = || -> Result<(Vec<f32>, Timeline), BackendError> {
             let mut chunks = Vec::with_capacity(parts.len());
             for (i, part) in parts.iter().enumerate() {
@@ -591,7 +603,9 @@ impl<'a> Exec<'a> {
         };
         let y = if yw == 0 { None } else { Some(dev.alloc(BufferUsage::Activations, n * yw * 4).map_err(dev_err)?) };
         let seqs = self.seq_bindings(ch, batch, sg, dev)?;
-        let (rows, counts) = Pass::logit_rows(&ch.st.spans, self.which);
+        // Only the head binds logit rows (every other step of a decode pass skips working them out).
+        let (rows, counts) =
+            if sg.kind == SubgraphKind::Head { Pass::logit_rows(&ch.st.spans, self.which) } else { Default::default() };
         let logit_buf = if sg.kind == SubgraphKind::Head {
             Some(dev.alloc(BufferUsage::Activations, rows.len() * t.shape.vocab * 4).map_err(dev_err)?)
         } else {
