@@ -39,10 +39,11 @@ impl KvCacheType {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// The NPU reads prompts and the GPU decodes where the system has them — a QNN library
-    /// other than llmd's emulator (on Android the system's `libQnnHtp.so`, or `[npu] library`),
-    /// an OpenCL device that is a GPU — and the CPU does what they do not. On a host with
-    /// neither (PoCL is a CPU device; the emulator is no faster than the CPU), the CPU alone.
+    /// The NPU reads prompts and the GPU decodes where the system has them — a phone's QNN
+    /// library (the system's `libQnnHtp.so` on Android, or `[npu] library`), an OpenCL device
+    /// that is a GPU — and the CPU does what they do not. Emulated devices (llmd's QNN
+    /// emulator, any QNN library off a phone, OpenCL on the host's CPU) only with `[devices]
+    /// allow_emulated`.
     #[default]
     Auto,
     /// Everything on the CPU.
@@ -63,7 +64,7 @@ pub enum Backend {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HeteroPlan {
-    /// HeteroLLM's solver over `[hetero] soc`'s profile (a small model may stay GPU-only).
+    /// HeteroLLM's solver over `[devices] soc`'s profile (a small model may stay GPU-only).
     #[default]
     Solver,
     /// Every matmul cut in two by rows (NPU about half, at multiples of `row_align`): the
@@ -75,11 +76,6 @@ pub enum HeteroPlan {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HeteroConfig {
-    /// The SoC profile the solver plans for (built in: snapdragon_8gen3, snapdragon_8gen2,
-    /// snapdragon_8elite; or a table of `soc_file`).
-    pub soc: String,
-    /// A TOML file of SoC profiles in the form of `engine/data/socs.toml` (an OEM's own).
-    pub soc_file: Option<PathBuf>,
     pub plan: HeteroPlan,
     /// Prompt token counts each projection is planned for (a prompt chunk is cut into blocks of
     /// these, the rest on the GPU; with `plan = "solver"` each count's cut decides the NPU's
@@ -93,14 +89,63 @@ pub struct HeteroConfig {
 
 impl Default for HeteroConfig {
     fn default() -> Self {
-        Self {
-            soc: "snapdragon_8gen3".into(),
-            soc_file: None,
-            plan: HeteroPlan::Solver,
-            sizes: vec![32, 256],
-            row_align: 64,
-            weight_bits: 4.5,
+        Self { plan: HeteroPlan::Solver, sizes: vec![32, 256], row_align: 64, weight_bits: 4.5 }
+    }
+}
+
+/// The SoC the processors are planned for, and what `backend = "auto"` may take (`[devices]`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DevicesConfig {
+    /// The SoC profile the planners use (built in: snapdragon_8gen3, snapdragon_8gen2,
+    /// snapdragon_8elite; or a table of `soc_file`). Unset: on Android the profile of the
+    /// chip the system names (`/sys/devices/soc0/machine`), else snapdragon_8gen3. **Decision:**
+    /// a key set here wins over the detected chip (an OEM's word on its own device).
+    pub soc: Option<String>,
+    /// A TOML file of SoC profiles in the form of `engine/data/socs.toml` (an OEM's own).
+    pub soc_file: Option<PathBuf>,
+    /// Let `backend = "auto"` take emulated devices: llmd's QNN emulator (or any QNN library
+    /// off a phone) and OpenCL runtimes on the host's CPU (PoCL, Intel's CPU runtime). They
+    /// are no faster than the CPU path; tests use them.
+    pub allow_emulated: bool,
+}
+
+/// The built-in profile of a Snapdragon the system names by its part number (`SM8650`).
+pub fn soc_of_machine(machine: &str) -> Option<&'static str> {
+    match machine.trim().to_ascii_uppercase().as_str() {
+        "SM8650" | "SM8650P" => Some("snapdragon_8gen3"),
+        "SM8550" | "SM8550P" => Some("snapdragon_8gen2"),
+        "SM8750" | "SM8750P" => Some("snapdragon_8elite"),
+        _ => None,
+    }
+}
+
+impl DevicesConfig {
+    /// The profile's name: `soc`, else the chip Android names, else snapdragon_8gen3.
+    pub fn soc_name(&self) -> String {
+        if let Some(s) = &self.soc {
+            return s.clone();
         }
+        if cfg!(target_os = "android") {
+            if let Some(s) = std::fs::read_to_string("/sys/devices/soc0/machine").ok().and_then(|m| soc_of_machine(&m))
+            {
+                return s.into();
+            }
+        }
+        "snapdragon_8gen3".into()
+    }
+
+    /// The SoC profile (see [`Self::soc_name`]), from the built-in ones and `soc_file`'s.
+    pub fn profile(&self) -> Result<llmd_engine::hetero::soc::Soc, ConfigError> {
+        let file = match &self.soc_file {
+            Some(p) => Some(
+                std::fs::read_to_string(p)
+                    .map_err(|e| ConfigError::Invalid(format!("devices: soc_file {}: {e}", p.display())))?,
+            ),
+            None => None,
+        };
+        llmd_engine::hetero::soc::find(file.as_deref(), &self.soc_name())
+            .map_err(|e| ConfigError::Invalid(format!("devices: {e}")))
     }
 }
 
@@ -239,6 +284,7 @@ pub struct Config {
     pub npu: NpuConfig,
     pub gpu: GpuConfig,
     pub hetero: HeteroConfig,
+    pub devices: DevicesConfig,
     pub limits: Limits,
     pub permissions: Permissions,
     pub scheduler: SchedulerConfig,
@@ -464,6 +510,7 @@ impl Default for Config {
             npu: NpuConfig::default(),
             gpu: GpuConfig::default(),
             hetero: HeteroConfig::default(),
+            devices: DevicesConfig::default(),
             limits: Limits::default(),
             permissions: Permissions::default(),
             scheduler: SchedulerConfig::default(),
@@ -518,16 +565,8 @@ impl Config {
         if !(h.weight_bits.is_finite() && h.weight_bits > 0.0 && h.weight_bits <= 32.0) {
             return bad(format!("hetero: weight_bits {} must be above 0 and at most 32", h.weight_bits));
         }
-        if self.backend == Backend::Hetero {
-            let file = match &h.soc_file {
-                Some(p) => Some(
-                    std::fs::read_to_string(p)
-                        .map_err(|e| ConfigError::Invalid(format!("hetero: soc_file {}: {e}", p.display())))?,
-                ),
-                None => None,
-            };
-            llmd_engine::hetero::soc::find(file.as_deref(), &h.soc)
-                .map_err(|e| ConfigError::Invalid(format!("hetero: {e}")))?;
+        if self.backend != Backend::Cpu {
+            self.devices.profile()?;
         }
         self.socket_mode_bits()?;
         if self.permissions.open && !self.permissions.allowed_uids.is_empty() {
@@ -651,6 +690,29 @@ mod tests {
             toml::from_str("models = [\"m.gguf\"]\n[permissions]\nopen = true\nallowed_uids = [10001]\n")
                 .expect("parses");
         assert!(both.validate().is_err());
+    }
+
+    #[test]
+    fn the_devices_section_names_a_profile_and_keeps_emulated_devices_out_of_auto_by_default() {
+        let parse =
+            |extra: &str| -> Config { toml::from_str(&format!("models = [\"m.gguf\"]\n{extra}")).expect("parses") };
+        let c = parse("");
+        assert!(!c.devices.allow_emulated);
+        assert_eq!(c.devices.profile().expect("the default profile").key, "snapdragon_8gen3");
+        let c = parse("[devices]\nsoc = \"snapdragon_8elite\"\nallow_emulated = true\n");
+        assert!(c.devices.allow_emulated);
+        assert_eq!(c.devices.profile().expect("built in").key, "snapdragon_8elite");
+        assert!(matches!(parse("[devices]\nsoc = \"no_such_chip\"\n").validate(), Err(ConfigError::Invalid(_))));
+        let missing = parse("[devices]\nsoc_file = \"/nonexistent/socs.toml\"\n").validate();
+        assert!(matches!(&missing, Err(ConfigError::Invalid(m)) if m.contains("soc_file")), "{missing:?}");
+        // The CPU alone plans nothing: a bad profile does not keep it from starting.
+        parse("backend = \"cpu\"\n[devices]\nsoc = \"no_such_chip\"\n").validate().expect("valid");
+        // The keys moved from [hetero] are refused there, not ignored.
+        assert!(toml::from_str::<Config>("models = [\"m\"]\n[hetero]\nsoc = \"snapdragon_8gen3\"\n").is_err());
+        assert_eq!(soc_of_machine("SM8650\n"), Some("snapdragon_8gen3"));
+        assert_eq!(soc_of_machine("sm8550"), Some("snapdragon_8gen2"));
+        assert_eq!(soc_of_machine("SM8750"), Some("snapdragon_8elite"));
+        assert_eq!(soc_of_machine("MT6989"), None);
     }
 
     #[test]

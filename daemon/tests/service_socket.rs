@@ -1522,6 +1522,22 @@ fn without_opencl_the_daemon_serves_on_the_cpu_and_status_says_why() {
     assert_eq!(d.log().matches("GPU unavailable").count(), 1, "logged once:\n{}", d.log());
 }
 
+/// The daemon's `DEVICES` section (what `llmctl status` shows of it), once neither processor
+/// is starting.
+fn devices_settled(conn: &Connection) -> String {
+    let t = Instant::now();
+    loop {
+        let d = conn.admin().expect("admin").dumpState().expect("dump");
+        let start = d.find("\nDEVICES\n").expect("dump has a DEVICES section");
+        let rest = &d[start + 1..];
+        let s = rest[..rest.find("\n\n").unwrap_or(rest.len())].to_owned();
+        if !s.contains(" starting") || t.elapsed() > NPU_READY {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn by_default_work_goes_to_the_accelerators_this_system_has_and_here_that_is_the_cpu() {
     // backend = "auto" (the default): a phone's NPU library and an OpenCL GPU. This host is not
@@ -1529,19 +1545,56 @@ fn by_default_work_goes_to_the_accelerators_this_system_has_and_here_that_is_the
     // would only add its runtime's memory).
     let d = Daemon::start("");
     let conn = d.connect();
+    let devices = devices_settled(&conn);
+    assert!(devices.contains("npu not taken: backend \"auto\" takes a phone's NPU"), "{devices}");
+    assert!(devices.contains("gpu not taken: backend \"auto\" looks for a GPU on Android"), "{devices}");
+    assert!(devices.contains("cpu taken"), "{devices}");
     let gpu = gpu_settled(&conn);
-    assert!(
-        gpu.contains("state unavailable: decode runs on the CPU: backend \"auto\" looks for a GPU on Android"),
-        "{gpu}"
-    );
-    let npu = npu_dump(&conn);
-    assert!(npu.contains("state unavailable") && npu.contains("backend \"auto\" found no NPU library"), "{npu}");
+    assert!(gpu.contains("state unavailable: decode runs on the CPU"), "{gpu}");
     let o = run(&session(&conn), &greedy("The capital of France is", 8));
     assert_eq!(o.ids, golden_capital_ids(8), "served on the CPU");
     assert_eq!(gpu_dump(&conn).matches("gpu_job").count(), 0, "no GPU job");
+    assert_eq!(npu_dump(&conn).matches("npu_job").count(), 0, "no NPU job");
     // Expected absences are said at info, not as warnings.
     let log = d.log();
     assert!(!log.contains("GPU unavailable") && !log.contains("NPU unavailable"), "{log}");
+}
+
+#[test]
+fn auto_takes_the_emulator_and_a_cpu_opencl_device_only_when_emulated_devices_are_allowed() {
+    if opencl_missing() {
+        return;
+    }
+    let emulator = common::emulator_library().display().to_string();
+    // Named, but not allowed: the emulator is opened and refused, and an OpenCL device on the
+    // host's CPU too, even one `[gpu] device` picks.
+    let d = Daemon::start(&format!("[npu]\nlibrary = {emulator:?}\nchunk = {NPU_CHUNK}\n[gpu]\ndevice = 0\n"));
+    let conn = d.connect();
+    let devices = devices_settled(&conn);
+    assert!(
+        devices.contains("npu not taken: backend \"auto\" does not take llmd's QNN emulator")
+            && devices.contains("set [devices] allow_emulated = true"),
+        "{devices}"
+    );
+    assert!(devices.contains("gpu not taken: backend \"auto\" does not take"), "{devices}");
+    let o = run(&session(&conn), &greedy("The capital of France is", 8));
+    assert_eq!(o.ids, golden_capital_ids(8), "served on the CPU");
+    assert_eq!(npu_dump(&conn).matches("npu_job").count() + gpu_dump(&conn).matches("gpu_job").count(), 0);
+    assert!(!d.log().contains("NPU unavailable") && !d.log().contains("GPU unavailable"), "said at info");
+    drop(conn);
+    drop(d);
+    // Allowed: both taken, labelled as what they are.
+    let d = Daemon::start(&format!(
+        "[devices]\nallow_emulated = true\n[npu]\nlibrary = {emulator:?}\nchunk = {NPU_CHUNK}\n"
+    ));
+    let conn = d.connect();
+    let devices = devices_settled(&conn);
+    assert!(devices.contains("npu taken: provider LLMD_HTP_EMULATOR (llmd's QNN emulator)"), "{devices}");
+    assert!(devices.contains("gpu taken: device") && devices.contains("(on the host's CPU)"), "{devices}");
+    wait_npu(&conn, "ready:");
+    let o = run(&session(&conn), &greedy(&COUNTING.repeat(4), 4));
+    assert_eq!(o.error, None);
+    assert!(npu_dump(&conn).contains("npu_job"), "the prompt went to the NPU:\n{}", npu_dump(&conn));
 }
 
 // ---- HeteroLLM (`backend = "hetero"`: the emulator provider as NPU, OpenCL as GPU) ----

@@ -437,6 +437,7 @@ pub fn status(conn: &Connection) -> Result<(), String> {
                 if line.starts_with("MODELS")
                     || line.starts_with("MEMORY")
                     || line.starts_with("PRESSURE")
+                    || line.starts_with("DEVICES")
                     || line.starts_with("NPU")
                     || line.starts_with("GPU")
                     || line.starts_with("RESIDENCY")

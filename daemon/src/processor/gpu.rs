@@ -12,7 +12,7 @@
 
 use super::thread::{Backend, Label, Prepared, Processor, Refusal, Takes};
 use crate::config::{Backend as ConfigBackend, Config, GpuMatmul};
-use llmd_engine::backend::gpu::{GpuDevice, GpuError, GpuOptions, MatmulVariant, OpenClError};
+use llmd_engine::backend::gpu::{cpu_backed, GpuDevice, GpuError, GpuOptions, MatmulVariant, OpenClError};
 use llmd_engine::model::Devices;
 use llmd_engine::sched::Pinned;
 use llmd_engine::Model;
@@ -23,13 +23,15 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
     if !matches!(config.backend, ConfigBackend::Gpu | ConfigBackend::Auto) {
         return Processor::off(Label::Gpu);
     }
-    if config.backend == ConfigBackend::Auto && config.gpu.library.is_none() && !cfg!(target_os = "android") {
+    let auto = config.backend == ConfigBackend::Auto;
+    let allow_emulated = config.devices.allow_emulated;
+    let named = config.gpu.library.is_some() || config.gpu.device.is_some();
+    if auto && !named && !allow_emulated && !cfg!(target_os = "android") {
         // Automatic placement is for a phone's GPU. Off Android, probing the ICD loader's
         // platforms would load whatever runtimes are installed (PoCL brings LLVM; CI's
         // accounting test saw RSS 219 MB against 151 MB accounted) to find, most likely, no
-        // GPU; `[gpu] library` or backend = "gpu" asks.
-        let reason =
-            "backend \"auto\" looks for a GPU on Android (off Android, set [gpu] library or backend = \"gpu\")";
+        // GPU; `[gpu] library` or `device`, `[devices] allow_emulated` or backend = "gpu" asks.
+        let reason = "backend \"auto\" looks for a GPU on Android (off Android, set [gpu] library or device, [devices] allow_emulated = true or backend = \"gpu\")";
         return Processor::refused(Label::Gpu, Refusal { reason: reason.into(), expected: true });
     }
     if config.kv_cache_type == crate::config::KvCacheType::Q8 {
@@ -38,28 +40,34 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
         return Processor::refused(Label::Gpu, Refusal { reason, expected: config.backend == ConfigBackend::Auto });
     }
     let g = &config.gpu;
-    start(GpuOptions {
-        library: g.library.clone(),
-        device: g.device,
-        cache_dir: g.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("gpu"))),
-        matmul: match g.matmul {
-            GpuMatmul::Auto => MatmulVariant::Auto,
-            GpuMatmul::Rows => MatmulVariant::RowPerItem,
-            GpuMatmul::Groups => MatmulVariant::GroupPerRow,
+    start(
+        GpuOptions {
+            library: g.library.clone(),
+            device: g.device,
+            cache_dir: g.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("gpu"))),
+            matmul: match g.matmul {
+                GpuMatmul::Auto => MatmulVariant::Auto,
+                GpuMatmul::Rows => MatmulVariant::RowPerItem,
+                GpuMatmul::Groups => MatmulVariant::GroupPerRow,
+            },
+            fp16: g.fp16,
+            gpu_only: auto && !allow_emulated,
         },
-        fp16: g.fp16,
-        gpu_only: config.backend == ConfigBackend::Auto,
-    })
+        auto && !allow_emulated,
+    )
 }
 
-/// Starts the GPU's thread, which opens the device with `opts`.
-pub fn start(opts: GpuOptions) -> Arc<Processor> {
+/// Starts the GPU's thread, which opens the device with `opts` (refusing one on the host's CPU
+/// if `refuse_emulated`).
+pub fn start(opts: GpuOptions, refuse_emulated: bool) -> Arc<Processor> {
     let takes = Takes { decode: true, ..Takes::default() };
-    Processor::start(Label::Gpu, takes, Box::new(Gpu { opts, device: None }))
+    Processor::start(Label::Gpu, takes, Box::new(Gpu { opts, refuse_emulated, device: None }))
 }
 
 struct Gpu {
     opts: GpuOptions,
+    /// `backend = "auto"` without `[devices] allow_emulated`: no OpenCL device on the CPU.
+    refuse_emulated: bool,
     device: Option<Arc<GpuDevice>>,
 }
 
@@ -77,7 +85,18 @@ impl Backend for Gpu {
             Err(e) => return Err(Refusal::unexpected(e.to_string())),
         };
         let i = dev.info();
-        let what = format!("device {} ({}); kernels {}", i.name, i.platform, dev.program_origin());
+        match cpu_backed(i) {
+            // `[gpu] device` may pick one such; automatic placement still does not take it.
+            Some(why) if self.refuse_emulated => {
+                return Err(Refusal {
+                    reason: format!("backend \"auto\" does not take {why}: set [devices] allow_emulated = true"),
+                    expected: true,
+                })
+            }
+            _ => {}
+        }
+        let emulated = cpu_backed(i).map_or(String::new(), |_| " (on the host's CPU)".into());
+        let what = format!("device {} ({}){emulated}; kernels {}", i.name, i.platform, dev.program_origin());
         self.device = Some(Arc::new(dev));
         Ok(what)
     }
@@ -123,7 +142,7 @@ mod tests {
 
     #[test]
     fn a_model_whose_pass_fails_decodes_on_the_cpu_and_the_others_keep_the_gpu() {
-        let g = start(GpuOptions::default());
+        let g = start(GpuOptions::default(), false);
         let t = Instant::now();
         while matches!(g.state(), State::Starting) && t.elapsed() < Duration::from_secs(60) {
             std::thread::sleep(Duration::from_millis(20));

@@ -70,8 +70,14 @@ impl Processors {
         [&self.npu, &self.gpu].into_iter().find(|p| p.decodes(model)).map(|p| &**p)
     }
 
+    /// `dump`'s `DEVICES` section: each processor taken or not, and why (`llmctl status` shows
+    /// it).
+    pub fn devices(&self) -> String {
+        format!("\nDEVICES\n  {}\n  {}\n  cpu taken: what the others do not take\n", self.npu.taken(), self.gpu.taken())
+    }
+
     /// Their sections of `dump`.
     pub fn dump(&self) -> String {
-        self.npu.dump() + &self.gpu.dump()
+        self.devices() + &self.npu.dump() + &self.gpu.dump()
     }
 }

@@ -1,6 +1,7 @@
 //! The NPU processor's backends: what its thread opens (the QNN library's HTP backend, as
 //! `llmd_engine`'s `QnnDevice`) and prepares per model —
-//! - [`Int8`] (`backend = "npu"`, or `"auto"` with a library): llm.npu's path. The model is
+//! - [`Int8`] (`backend = "npu"`, or `"auto"` with a phone's NPU, or an emulated one that
+//!   `[devices] allow_emulated` lets it take): llm.npu's path. The model is
 //!   calibrated, its weights requantized, and its W8A8 linear groups' graphs loaded from the
 //!   context cache or built and finalized (`[npu]`: chip, chunk, cache directory); the groups
 //!   are the QNN device's `Group` subgraphs, norms, RoPE and attention stay on the CPU.
@@ -49,6 +50,8 @@ pub struct Settings {
     pub quant: llmd_engine::prefill::NpuQuant,
     /// HeteroLLM's partitioned execution instead of llm.npu's INT8 graphs.
     pub hetero: Option<HeteroSettings>,
+    /// Refuse an emulated NPU (`backend = "auto"` without `[devices] allow_emulated`).
+    pub refuse_emulated: bool,
 }
 
 /// The QNN library when the config names none: on Android the system's `libQnnHtp.so` (found
@@ -79,17 +82,18 @@ fn write_atomically(file: &std::path::Path, bytes: &[u8]) -> std::io::Result<()>
 /// `LLMD_QNN_LIB` there).
 pub fn from_config(config: &Config) -> Arc<Processor> {
     let n = &config.npu;
+    let allow_emulated = config.devices.allow_emulated;
     let library = match (config.backend, &n.library) {
         (ConfigBackend::Npu | ConfigBackend::Hetero, l) => l.clone().unwrap_or_else(default_library),
         (ConfigBackend::Auto, Some(l)) => l.clone(),
-        // Automatic placement uses a phone's NPU, not llmd's emulator of one (no faster than
-        // the CPU here).
-        (ConfigBackend::Auto, None) if cfg!(target_os = "android") => default_library(),
+        // Automatic placement uses a phone's NPU; llmd's emulator of one (no faster than the
+        // CPU here) only when the config allows emulated devices.
+        (ConfigBackend::Auto, None) if cfg!(target_os = "android") || allow_emulated => default_library(),
         (ConfigBackend::Auto, None) => {
             return Processor::refused(
                 Label::Npu,
                 Refusal {
-                    reason: "backend \"auto\" found no NPU library (off Android, set [npu] library; llmd's emulator runs with backend = \"npu\")".into(),
+                    reason: "backend \"auto\" takes a phone's NPU: off Android none is named, and llmd's emulator is taken only with [devices] allow_emulated = true".into(),
                     expected: true,
                 },
             )
@@ -100,10 +104,9 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
     let hetero = match config.backend {
         ConfigBackend::Hetero => {
             let h = &config.hetero;
-            let file = h.soc_file.as_ref().and_then(|p| std::fs::read_to_string(p).ok());
-            let soc = match llmd_engine::hetero::soc::find(file.as_deref(), &h.soc) {
+            let soc = match config.devices.profile() {
                 Ok(s) => s,
-                Err(e) => return Processor::refused(Label::Npu, Refusal::unexpected(format!("[hetero] soc: {e}"))),
+                Err(e) => return Processor::refused(Label::Npu, Refusal::unexpected(e.to_string())),
             };
             let g = &config.gpu;
             Some(HeteroSettings {
@@ -142,6 +145,7 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
         cache_dir,
         calibration: n.calibration.clone(),
         quant: n.quant(),
+        refuse_emulated: config.backend == ConfigBackend::Auto && !allow_emulated,
     })
 }
 
@@ -160,10 +164,26 @@ pub fn start(settings: Settings) -> Arc<Processor> {
     Processor::start(Label::Npu, takes, backend)
 }
 
+/// Opens the QNN library at `s.library` for `s.soc`, unless it is emulated and `s` refuses that.
+fn open_library(s: &Settings) -> Result<QnnDevice, Refusal> {
+    let d = QnnDevice::open(&s.library, s.soc).map_err(|e| Refusal::unexpected(e.to_string()))?;
+    match d.emulated() {
+        Some(what) if s.refuse_emulated => Err(Refusal {
+            reason: format!(
+                "backend \"auto\" does not take {what} ({}): set [devices] allow_emulated = true",
+                s.library.display()
+            ),
+            expected: true,
+        }),
+        _ => Ok(d),
+    }
+}
+
 /// Opens the QNN device over `s.library`; what `dump` says of it.
 fn open_qnn(s: &Settings, d: QnnDevice) -> (Arc<QnnDevice>, String) {
+    let emulated = d.emulated().map_or(String::new(), |w| format!(" ({w})"));
     let what = format!(
-        "provider {} ({}), build {:?}, chip {}, chunk {} rows",
+        "provider {}{emulated} ({}), build {:?}, chip {}, chunk {} rows",
         d.provider().name,
         s.library.display(),
         d.build_id(),
@@ -181,8 +201,7 @@ struct Int8 {
 
 impl Backend for Int8 {
     fn open(&mut self) -> Result<String, Refusal> {
-        let d = QnnDevice::open(&self.settings.library, self.settings.soc)
-            .map_err(|e| Refusal::unexpected(e.to_string()))?;
+        let d = open_library(&self.settings)?;
         // The chip's profile prices each group for the job graph's order (llm.npu's T(G)).
         let (d, what) = open_qnn(&self.settings, d.with_chip_profile());
         self.device = Some(d);
@@ -257,7 +276,7 @@ fn hetero_counts(h: &HeteroSettings) -> Vec<usize> {
 impl Backend for Hetero {
     fn open(&mut self) -> Result<String, Refusal> {
         let (s, h) = (&self.settings, &self.hetero);
-        let d = QnnDevice::open(&s.library, s.soc).map_err(|e| Refusal::unexpected(e.to_string()))?;
+        let d = open_library(s)?;
         // HeteroLLM's graphs through the device contract: static at the plan's token counts and
         // the SoC's standard sizes the solver pads pieces to, in the NPU's graph cache.
         let mut counts = hetero_counts(h);

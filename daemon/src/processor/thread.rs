@@ -376,6 +376,17 @@ impl Processor {
         fail_model(self.label, &mut self.status(), key_of(model), reason);
     }
 
+    /// Its line of `dump`'s `DEVICES` section: taken or not, and why.
+    pub fn taken(&self) -> String {
+        let name = self.label.name().to_lowercase();
+        match &self.status().state {
+            State::Off => format!("{name} not taken: the backend does not use it"),
+            State::Starting => format!("{name} starting"),
+            State::Serving { what } => format!("{name} taken: {what}"),
+            State::Unavailable { reason } => format!("{name} not taken: {reason}"),
+        }
+    }
+
     /// This processor's section of `dump` (and `llmctl status`).
     pub fn dump(&self) -> String {
         let s = self.status();

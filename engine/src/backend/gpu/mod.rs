@@ -211,6 +211,18 @@ pub enum GpuError {
     NoGpu { devices: String },
 }
 
+/// Why `dev` is not a GPU, if it is not: an OpenCL runtime on the host's CPU (PoCL, Intel's CPU
+/// runtime: no faster than llmd's CPU path). `backend = "auto"` takes none unless told to.
+pub fn cpu_backed(dev: &DeviceInfo) -> Option<String> {
+    if dev.kind != "GPU" {
+        Some(format!("{} is an OpenCL device of kind {} ({})", dev.name, dev.kind, dev.platform))
+    } else if dev.platform.contains("Portable Computing Language") {
+        Some(format!("{} is PoCL's, which runs its kernels on the host's CPU", dev.name))
+    } else {
+        None
+    }
+}
+
 /// Every device of the library's platforms.
 pub fn list_devices(library: Option<&Path>) -> Result<(Arc<Library>, Vec<DeviceInfo>), GpuError> {
     let lib = Library::open(library)?;

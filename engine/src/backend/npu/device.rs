@@ -150,6 +150,19 @@ impl QnnDevice {
         &self.build_id
     }
 
+    /// Why this is not a phone's NPU, if it is not: llmd's emulator (its provider, or its
+    /// build id), or any QNN library off Android (Qualcomm's x86-64 HTP library simulates the
+    /// HTP on the host's CPU). `backend = "auto"` takes neither unless told to.
+    pub fn emulated(&self) -> Option<&'static str> {
+        if self.provider.name == "LLMD_HTP_EMULATOR" || self.build_id.starts_with("llmd-qnn-emu") {
+            Some("llmd's QNN emulator")
+        } else if !cfg!(target_os = "android") {
+            Some("a QNN library off a phone (its HTP simulated on the host's CPU)")
+        } else {
+            None
+        }
+    }
+
     /// A new, empty context.
     pub fn context(&self) -> Result<NpuContext, NpuError> {
         Ok(NpuContext(self.backend()?.context()?))
