@@ -508,6 +508,11 @@ impl Generation {
         Some(&self.prompt[self.prefilled..end])
     }
 
+    /// Prompt tokens fed so far.
+    pub fn prefilled(&self) -> usize {
+        self.prefilled
+    }
+
     /// Prompt tokens not yet fed.
     pub fn prefill_left(&self) -> usize {
         self.prompt.len() - self.prefilled

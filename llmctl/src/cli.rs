@@ -463,7 +463,113 @@ pub fn prefetch(conn: &Connection, model: &str) -> Result<(), String> {
     Ok(())
 }
 
-pub fn dump(conn: &Connection) -> Result<(), String> {
-    crate::out_nonl!("{}", conn.admin()?.dumpState().map_err(|e| client::describe(&e))?);
+#[derive(clap::Args, Debug, Default)]
+pub struct DumpArgs {
+    /// Print a JSON document: `"sections"` (each section's lines) and `"jobs"` (the recent
+    /// jobs of every processor: request, processor, kind, chunk, tokens, start_ms, end_ms, ok).
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the recent jobs as a Gantt chart (SVG): one lane per processor.
+    #[arg(long, value_name = "FILE")]
+    pub timeline: Option<PathBuf>,
+    /// Only this request's jobs (in `--json` and `--timeline`).
+    #[arg(long, value_name = "ID")]
+    pub request: Option<u64>,
+}
+
+/// One job of the dump's `JOBS` section, as `dump --json` lists it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    pub request: u64,
+    pub processor: String,
+    pub kind: String,
+    pub chunk: Option<u64>,
+    pub tokens: u64,
+    pub start_ms: u64,
+    pub end_ms: u64,
+    pub ok: bool,
+}
+
+/// The dump's sections: each name (a line at the left margin) and its indented lines.
+pub fn sections(dump: &str) -> Vec<(String, Vec<String>)> {
+    let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    for line in dump.lines() {
+        if line.is_empty() {
+            continue;
+        }
+        match (line.starts_with(' '), out.last_mut()) {
+            (true, Some((_, lines))) => lines.push(line.trim().to_owned()),
+            _ => out.push((line.trim().to_owned(), Vec::new())),
+        }
+    }
+    out
+}
+
+/// The jobs of the dump's `JOBS` section (lines it cannot read are left out).
+pub fn jobs(dump: &str) -> Vec<Job> {
+    let section = sections(dump).into_iter().find(|(n, _)| n == "JOBS").map(|(_, l)| l).unwrap_or_default();
+    section
+        .iter()
+        .filter_map(|l| {
+            let l = l.strip_prefix("job ")?;
+            let field = |k: &str| l.split_whitespace().find_map(|w| w.strip_prefix(k)?.strip_prefix('='));
+            let num = |k: &str| field(k)?.parse::<u64>().ok();
+            Some(Job {
+                request: num("request")?,
+                processor: field("processor")?.to_owned(),
+                kind: field("kind")?.to_owned(),
+                chunk: num("chunk"),
+                tokens: num("tokens")?,
+                start_ms: num("start_ms")?,
+                end_ms: num("end_ms")?,
+                ok: field("ok")? == "true",
+            })
+        })
+        .collect()
+}
+
+/// The jobs as Gantt bars (milliseconds since the Unix epoch; the chart starts at the first).
+pub fn job_bars(jobs: &[Job]) -> Vec<crate::gantt::Bar> {
+    jobs.iter()
+        .map(|j| crate::gantt::Bar {
+            lane: j.processor.clone(),
+            label: match j.chunk {
+                Some(c) => format!("request {} prefill chunk {c} ({} tokens)", j.request, j.tokens),
+                None => format!("request {} decode", j.request),
+            },
+            group: Some(j.request),
+            start_ms: j.start_ms as f64,
+            end_ms: j.end_ms.max(j.start_ms) as f64,
+        })
+        .collect()
+}
+
+pub fn dump(conn: &Connection, a: &DumpArgs) -> Result<(), String> {
+    let text = conn.admin()?.dumpState().map_err(|e| client::describe(&e))?;
+    let mut all = jobs(&text);
+    if let Some(file) = &a.timeline {
+        all.retain(|j| a.request.is_none_or(|r| j.request == r));
+        let title = match a.request {
+            Some(r) => format!("llmd: request {r}'s jobs (measured)"),
+            None => "llmd: recent jobs (measured)".to_owned(),
+        };
+        let svg = crate::gantt::svg(&title, &["npu", "gpu", "cpu"], &job_bars(&all));
+        std::fs::write(file, svg).map_err(|e| format!("{}: {e}", file.display()))?;
+        eprintln!("{} jobs drawn in {}", all.len(), file.display());
+    }
+    if a.json {
+        let sections: serde_json::Map<String, serde_json::Value> =
+            sections(&text).into_iter().map(|(n, l)| (n, serde_json::json!(l))).collect();
+        let jobs: Vec<serde_json::Value> = all
+            .iter()
+            .map(|j| {
+                serde_json::json!({"request": j.request, "processor": j.processor, "kind": j.kind, "chunk": j.chunk,
+                    "tokens": j.tokens, "start_ms": j.start_ms, "end_ms": j.end_ms, "ok": j.ok})
+            })
+            .collect();
+        crate::out!("{}", serde_json::json!({"sections": sections, "jobs": jobs}));
+    } else if a.timeline.is_none() {
+        crate::out_nonl!("{text}");
+    }
     Ok(())
 }

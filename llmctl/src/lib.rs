@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod gantt;
 pub mod gpu;
 pub mod modeltools;
 pub mod npu;

@@ -35,8 +35,9 @@ enum Command {
         /// The model id.
         model: String,
     },
-    /// Print the daemon's state: models, sessions, queues, memory, config (admin).
-    Dump,
+    /// Print the daemon's state: models, sessions, queues, memory, devices, recent jobs,
+    /// config (admin); `--json` as a document, `--timeline FILE` the jobs as a Gantt chart.
+    Dump(cli::DumpArgs),
     /// Measure prefill and decode speed and peak memory (`--local`), optionally side by side
     /// with llama.cpp (`--compare-llamacpp`).
     Bench(bench::BenchArgs),
@@ -127,7 +128,7 @@ fn main() -> ExitCode {
             Command::Models(_) => cli::models(&conn),
             Command::Status => cli::status(&conn),
             Command::Prefetch { model } => cli::prefetch(&conn, model),
-            Command::Dump => cli::dump(&conn),
+            Command::Dump(args) => cli::dump(&conn, args),
             // Handled above, without this connection.
             Command::Bench(_)
             | Command::Convert(_)

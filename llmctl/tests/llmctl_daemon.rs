@@ -357,3 +357,59 @@ fn status_says_why_the_gpu_is_not_used_and_the_daemon_serves_on_the_cpu() {
     let conn = d.connect();
     assert_eq!(run_ids(&session(&conn), &greedy("The capital of France is", 4)), golden_capital_ids(4));
 }
+
+#[test]
+fn dump_json_lists_a_requests_jobs_per_processor_and_the_timeline_draws_them() {
+    // The NPU path over llmd's emulator (beside the llmd binary), chunks of 32 rows: a prompt
+    // of ~100 tokens is several NPU prefill jobs, then decode on the CPU.
+    let d = Daemon::start("backend = \"npu\"\n[npu]\nchunk = 32\nooe_chunks = 1\n");
+    let conn = d.connect();
+    let socket = d.socket.to_str().expect("path").to_owned();
+    let llmctl = |args: &[&str]| {
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_llmctl")).arg("--socket").arg(&socket).args(args).output().expect("runs");
+        assert!(out.status.success(), "llmctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let t = Instant::now();
+    while !llmctl(&["status"]).contains(" ready:") {
+        assert!(t.elapsed() < Duration::from_secs(180), "the NPU never got ready:\n{}", llmctl(&["status"]));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(7);
+    let ids = run_ids(&session(&conn), &greedy(&prompt, 4));
+    assert_eq!(ids.len(), 4);
+    let doc: serde_json::Value = serde_json::from_str(&llmctl(&["dump", "--json"])).expect("dump --json is JSON");
+    assert!(doc["sections"]["DEVICES"].is_array(), "{doc}");
+    let jobs = doc["jobs"].as_array().expect("jobs");
+    let request = jobs.iter().find(|j| j["kind"] == "prefill").expect("a prefill job")["request"].as_u64().expect("id");
+    let mine: Vec<&serde_json::Value> = jobs.iter().filter(|j| j["request"] == request).collect();
+    let of = |p: &str, k: &str| mine.iter().filter(|j| j["processor"] == p && j["kind"] == k).count();
+    assert!(of("npu", "prefill") >= 3, "the prompt ran as NPU chunks: {mine:?}");
+    assert_eq!(of("cpu", "decode"), 3, "three decode steps after the first token, on the CPU: {mine:?}");
+    let chunks: Vec<u64> =
+        mine.iter().filter(|j| j["kind"] == "prefill").map(|j| j["chunk"].as_u64().expect("chunk")).collect();
+    assert_eq!(chunks, (0..chunks.len() as u64).collect::<Vec<_>>(), "chunks in order, one job each");
+    for j in &mine {
+        assert!(j["start_ms"].as_u64() <= j["end_ms"].as_u64() && j["ok"] == true, "{j}");
+        for k in ["request", "processor", "kind", "chunk", "start_ms", "end_ms"] {
+            assert!(j.get(k).is_some(), "{k} in {j}");
+        }
+    }
+    // The timeline of that request: one lane per processor, a bar per job, in time order.
+    let svg_file = d.dir.join("timeline.svg");
+    llmctl(&["dump", "--timeline", svg_file.to_str().expect("path"), "--request", &request.to_string()]);
+    let svg = std::fs::read_to_string(&svg_file).expect("the timeline was written");
+    let lanes: Vec<&str> = svg
+        .match_indices("class=\"lane\" data-lane=\"")
+        .map(|(i, m)| svg[i + m.len()..].split('"').next().unwrap_or(""))
+        .collect();
+    assert_eq!(lanes, ["npu", "gpu", "cpu"], "one lane per processor");
+    let starts: Vec<f64> = svg
+        .match_indices("data-start-ms=\"")
+        .map(|(i, m)| svg[i + m.len()..].split('"').next().unwrap_or("").parse().expect("a number"))
+        .collect();
+    assert_eq!(starts.len(), mine.len(), "a bar per job");
+    assert!(starts.windows(2).all(|w| w[0] <= w[1]), "bars in time order: {starts:?}");
+    assert!(svg.contains("class=\"handoff\""), "the hand-off from the NPU to the CPU is drawn");
+}

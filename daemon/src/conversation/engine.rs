@@ -146,12 +146,17 @@ impl ModelEngine {
             let _ = tx.send(r);
             outcome
         });
-        let kind = JobKind { request: 0, tokens: decode.len(), sequences: decode.len() };
+        let kind = JobKind {
+            requests: decode.iter().map(|&i| batch[i].id).collect(),
+            tokens: decode.len(),
+            sequences: decode.len(),
+            prefill: None,
+        };
         let prefill: Vec<usize> = (0..batch.len()).filter(|i| !decode.contains(i)).collect();
         let Ok(id) = proc.submit(model, kind, job) else {
             // No thread to take it (it stopped): the pass's prompt chunks on the CPU, and the
             // caller runs its decode steps there too.
-            let logits = forward_on_cpu(model, batch, &prefill)?;
+            let logits = self.forward_on_cpu(model, batch, &prefill)?;
             cpu_logits.extend(prefill.iter().copied().zip(logits));
             return Ok(None);
         };
@@ -160,7 +165,7 @@ impl ModelEngine {
             rx.recv()
         } else {
             let start_ms = epoch_ms();
-            let logits = forward_on_cpu(model, batch, &prefill);
+            let logits = self.forward_on_cpu(model, batch, &prefill);
             let tokens = prefill.iter().map(|&i| batch[i].tokens.len()).sum();
             proc.beside(id, tokens, start_ms, epoch_ms());
             // The processor's steps are awaited even when the CPU's failed: their sessions are
@@ -213,16 +218,35 @@ fn decode_work(batch: &[Fed<'_, Turn, Started>], decode: &[usize]) -> Vec<(Arc<S
     decode.iter().map(|&i| (batch[i].turn.session.clone(), batch[i].tokens.to_vec())).collect()
 }
 
-/// The batch's entries `which` in one CPU pass (their sessions locked for it).
-fn forward_on_cpu(
-    model: &Arc<Model>,
-    batch: &[Fed<'_, Turn, Started>],
-    which: &[usize],
-) -> Result<Vec<Vec<f32>>, ServiceError> {
-    let mut guards: Vec<_> = which.iter().map(|&i| batch[i].turn.session.lock()).collect();
-    let mut seqs: Vec<(&mut SessionInner, &[u32])> =
-        guards.iter_mut().zip(which).map(|(g, &i)| (&mut **g, batch[i].tokens)).collect();
-    forward_batch(model, &mut seqs)
+impl ModelEngine {
+    /// The batch's entries `which` in one CPU pass (their sessions locked for it), recorded in
+    /// the CPU's jobs.
+    fn forward_on_cpu(
+        &self,
+        model: &Arc<Model>,
+        batch: &[Fed<'_, Turn, Started>],
+        which: &[usize],
+    ) -> Result<Vec<Vec<f32>>, ServiceError> {
+        let start_ms = epoch_ms();
+        let r = {
+            let mut guards: Vec<_> = which.iter().map(|&i| batch[i].turn.session.lock()).collect();
+            let mut seqs: Vec<(&mut SessionInner, &[u32])> =
+                guards.iter_mut().zip(which).map(|(g, &i)| (&mut **g, batch[i].tokens)).collect();
+            forward_batch(model, &mut seqs)
+        };
+        let end_ms = epoch_ms();
+        for &i in which {
+            let f = &batch[i];
+            let kind = JobKind {
+                requests: vec![f.id],
+                tokens: f.tokens.len(),
+                sequences: 1,
+                prefill: f.prefill.then(|| (f.seq.gen.prefilled(), self.prefill_chunk)),
+            };
+            self.processors.record_cpu(&kind, start_ms, end_ms, r.is_ok());
+        }
+        r
+    }
 }
 
 impl Engine for ModelEngine {
@@ -276,7 +300,7 @@ impl Engine for ModelEngine {
                 Some(l) => l,
                 // The processor failed these steps (this model, or the processor, is off it
                 // now): the CPU runs them, each session's cache brought home from the device.
-                None => forward_on_cpu(&model, batch, &decode)?,
+                None => self.forward_on_cpu(&model, batch, &decode)?,
             };
             for (i, l) in decode.iter().copied().zip(stepped).chain(cpu) {
                 let f = &mut batch[i];
@@ -288,12 +312,8 @@ impl Engine for ModelEngine {
             }
             return Ok(());
         }
-        let logits = {
-            let mut guards: Vec<_> = batch.iter().map(|f| f.turn.session.lock()).collect();
-            let mut seqs: Vec<(&mut SessionInner, &[u32])> =
-                guards.iter_mut().zip(batch.iter()).map(|(g, f)| (&mut **g, f.tokens)).collect();
-            forward_batch(&model, &mut seqs)?
-        };
+        let all: Vec<usize> = (0..batch.len()).collect();
+        let logits = self.forward_on_cpu(&model, batch, &all)?;
         for (f, l) in batch.iter_mut().zip(logits) {
             if f.prefill {
                 f.seq.gen.accept_prefill(f.tokens.len(), l);
@@ -343,7 +363,7 @@ impl Engine for ModelEngine {
             reply.send(outcome);
             r
         });
-        let kind = JobKind { request: id, tokens: n, sequences: 1 };
+        let kind = JobKind { requests: vec![id], tokens: n, sequences: 1, prefill: Some((s.gen.prefilled(), chunk)) };
         match proc.submit(&t.model, kind, job) {
             Ok(_) => {
                 self.prompts_in_flight.push(id);

@@ -167,7 +167,7 @@ mod tests {
             let _ = tx.send(devs.is_ok());
             Err("a weight type the kernels do not read".into())
         });
-        assert!(g.submit(&bad, JobKind { sequences: 1, tokens: 1, request: 0 }, job).is_ok());
+        assert!(g.submit(&bad, JobKind { sequences: 1, tokens: 1, requests: vec![0], prefill: None }, job).is_ok());
         assert!(rx.recv_timeout(Duration::from_secs(30)).expect("the job ran"), "it ran with the device set");
         let t = Instant::now();
         while g.decodes(&bad) && t.elapsed() < Duration::from_secs(10) {

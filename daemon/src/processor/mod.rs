@@ -34,24 +34,62 @@ pub mod npu;
 mod thread;
 
 pub use thread::{
-    epoch_ms, Backend, Job, JobKind, Label, LinesFn, ModelledFn, Prepared, Processor, Refusal, State, Takes,
+    epoch_ms, Backend, Job, JobKind, JobRecord, Label, LinesFn, ModelledFn, Prepared, Processor, Refusal, State, Takes,
     RECENT_JOBS,
 };
 
 use llmd_engine::Model;
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
-/// The daemon's processors beside the CPU.
+/// CPU jobs `dump`'s `JOBS` section keeps (the NPU's and the GPU's keep [`RECENT_JOBS`] each).
+pub const RECENT_CPU_JOBS: usize = 256;
+
+/// The daemon's processors beside the CPU, and the CPU's recent jobs.
 #[derive(Clone)]
 pub struct Processors {
     pub npu: Arc<Processor>,
     pub gpu: Arc<Processor>,
+    cpu_jobs: Arc<Mutex<VecDeque<JobRecord>>>,
 }
 
 impl Processors {
     /// The processors the config's backend uses, each started on its thread (or off).
     pub fn from_config(config: &crate::config::Config) -> Self {
-        Self { npu: npu::from_config(config), gpu: gpu::from_config(config) }
+        Self::new(npu::from_config(config), gpu::from_config(config))
+    }
+
+    pub fn new(npu: Arc<Processor>, gpu: Arc<Processor>) -> Self {
+        Self { npu, gpu, cpu_jobs: Arc::default() }
+    }
+
+    /// Records a job the worker ran on the CPU (see [`JobRecord::of`]).
+    pub fn record_cpu(&self, kind: &JobKind, start_ms: u64, end_ms: u64, ok: bool) {
+        let mut log = self.cpu_jobs.lock().unwrap_or_else(|p| p.into_inner());
+        for r in JobRecord::of("cpu", kind, start_ms, end_ms, ok) {
+            if log.len() == RECENT_CPU_JOBS {
+                log.pop_front();
+            }
+            log.push_back(r);
+        }
+    }
+
+    /// Every processor's recent jobs, in the order they started.
+    pub fn jobs(&self) -> Vec<JobRecord> {
+        let mut all = self.npu.records();
+        all.extend(self.gpu.records());
+        all.extend(self.cpu_jobs.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned());
+        all.sort_by_key(|r| (r.start_ms, r.end_ms));
+        all
+    }
+
+    /// `dump`'s `JOBS` section: [`Self::jobs`], a line each (`llmctl dump --json` reads it).
+    pub fn jobs_section(&self) -> String {
+        let mut out = String::from("\nJOBS\n");
+        for r in self.jobs() {
+            out.push_str(&format!("  {}\n", r.line()));
+        }
+        out
     }
 
     /// Has every processor prepare `model` (a no-op where it is prepared, or off).
@@ -78,6 +116,6 @@ impl Processors {
 
     /// Their sections of `dump`.
     pub fn dump(&self) -> String {
-        self.devices() + &self.npu.dump() + &self.gpu.dump()
+        self.devices() + &self.npu.dump() + &self.gpu.dump() + &self.jobs_section()
     }
 }

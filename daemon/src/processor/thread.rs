@@ -121,12 +121,57 @@ pub trait Backend: Send + 'static {
     fn prepare(&mut self, model: &Arc<Model>) -> Result<Prepared, String>;
 }
 
-/// What a job is, for `dump`: the request (0: a pass of several), its tokens and sequences.
-#[derive(Clone, Copy, Debug, Default)]
+/// What a job is, for `dump`: its requests, tokens and sequences, and which phase of them.
+#[derive(Clone, Debug, Default)]
 pub struct JobKind {
-    pub request: u64,
+    /// The requests it serves (a batched decode pass serves several).
+    pub requests: Vec<u64>,
     pub tokens: usize,
     pub sequences: usize,
+    /// A prompt's tokens from this offset in chunks of `rows` (`Some((offset, rows))`), else
+    /// decode steps.
+    pub prefill: Option<(usize, usize)>,
+}
+
+/// One job of `dump`'s `JOBS` section (and `llmctl dump --json`'s `"jobs"`): which request,
+/// where, what and when (wall-clock milliseconds since the Unix epoch).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobRecord {
+    pub request: u64,
+    /// "npu", "gpu" or "cpu".
+    pub processor: &'static str,
+    /// "prefill" or "decode".
+    pub kind: &'static str,
+    /// A prefill job's first chunk in its prompt (counted in the processor's own chunk size).
+    pub chunk: Option<usize>,
+    pub tokens: usize,
+    pub start_ms: u64,
+    pub end_ms: u64,
+    pub ok: bool,
+}
+
+impl JobRecord {
+    /// The records of one job: one per request it served.
+    pub fn of(processor: &'static str, kind: &JobKind, start_ms: u64, end_ms: u64, ok: bool) -> Vec<JobRecord> {
+        let (what, chunk) = match kind.prefill {
+            Some((offset, rows)) => ("prefill", Some(offset / rows.max(1))),
+            None => ("decode", None),
+        };
+        let per = if kind.prefill.is_some() { kind.tokens } else { 1 };
+        kind.requests
+            .iter()
+            .map(|&request| JobRecord { request, processor, kind: what, chunk, tokens: per, start_ms, end_ms, ok })
+            .collect()
+    }
+
+    /// Its line in `dump`'s `JOBS` section.
+    pub fn line(&self) -> String {
+        let chunk = self.chunk.map_or("-".to_owned(), |c| c.to_string());
+        format!(
+            "job request={} processor={} kind={} chunk={chunk} tokens={} start_ms={} end_ms={} ok={}",
+            self.request, self.processor, self.kind, self.tokens, self.start_ms, self.end_ms, self.ok
+        )
+    }
 }
 
 /// One job a processor ran (wall-clock milliseconds since the Unix epoch, so another process
@@ -356,6 +401,15 @@ impl Processor {
         })
     }
 
+    /// Its recent jobs, one record per request each served.
+    pub fn records(&self) -> Vec<JobRecord> {
+        let name = match self.label {
+            Label::Npu => "npu",
+            Label::Gpu => "gpu",
+        };
+        self.status().recent.iter().flat_map(|j| JobRecord::of(name, &j.kind, j.start_ms, j.end_ms, j.ok)).collect()
+    }
+
     /// Records the CPU work the worker ran beside job `id`: `tokens` prompt tokens from
     /// `start_ms` to `end_ms`.
     pub fn beside(&self, id: u64, tokens: usize, start_ms: u64, end_ms: u64) {
@@ -430,10 +484,14 @@ impl Processor {
             let beside = j
                 .beside
                 .map_or(String::new(), |(t, a, b)| format!(" cpu_prefill_tokens={t} cpu_start_ms={a} cpu_end_ms={b}"));
+            let request = match j.kind.requests[..] {
+                [one] => one,
+                _ => 0,
+            };
             out.push_str(&format!(
                 "  {} request={} tokens={} sequences={} start_ms={} end_ms={} ok={} modelled_ms={:.1}{beside}\n",
                 self.label.job_line(),
-                j.kind.request,
+                request,
                 j.kind.tokens,
                 j.kind.sequences,
                 j.start_ms,

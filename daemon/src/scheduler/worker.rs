@@ -98,6 +98,8 @@ pub trait Engine {
 
 /// One sequence's share of a forward pass.
 pub struct Fed<'a, T, S> {
+    /// The request's id.
+    pub id: u64,
     pub turn: &'a T,
     pub seq: &'a mut S,
     pub tokens: &'a [u32],
@@ -427,8 +429,13 @@ impl<E: Engine> Worker<E> {
                 for (id, r) in self.active.iter_mut() {
                     if let Some(i) = group.iter().position(|f| f.id == *id) {
                         let f = &group[i];
-                        slots[i] =
-                            Some(Fed { turn: &r.job.turn, seq: &mut r.seq, tokens: &f.tokens, prefill: f.prefill });
+                        slots[i] = Some(Fed {
+                            id: *id,
+                            turn: &r.job.turn,
+                            seq: &mut r.seq,
+                            tokens: &f.tokens,
+                            prefill: f.prefill,
+                        });
                     }
                 }
                 let mut batch: Vec<_> = slots.into_iter().flatten().collect();
