@@ -132,7 +132,7 @@ mod tests {
         assert_eq!(s.matches(r#"class="lane""#).count(), 3);
         let starts: Vec<f64> = s
             .match_indices("data-start-ms=\"")
-            .map(|(i, m)| s[i + m.len()..].split('"').next().unwrap().parse().unwrap())
+            .map(|(i, m)| s[i + m.len()..].split('"').next().expect("a value").parse().expect("a number"))
             .collect();
         assert_eq!(starts, vec![0.0, 10.0, 20.0]);
         assert_eq!(s.matches(r#"class="handoff""#).count(), 1, "npu to gpu once");
