@@ -223,9 +223,21 @@ fn shadow_by_depth(layers: usize, prune: f64) -> impl Fn(usize, usize) -> bool {
 /// llm.npu's INT8 chunked prefill of `prompt` tokens (chunks of `chunk`, out-of-order, shadow
 /// execution at pruning `prune` by depth), modelled with `costs`: seconds.
 pub fn int8_prefill_s(s: Shape, prompt: usize, chunk: usize, prune: f64, costs: Int8Costs) -> f64 {
+    int8_prefill_timeline(s, prompt, chunk, prune, costs).1.makespan
+}
+
+/// [`int8_prefill_s`]'s model and its schedule (every job's processor, start and end).
+pub fn int8_prefill_timeline(
+    s: Shape,
+    prompt: usize,
+    chunk: usize,
+    prune: f64,
+    costs: Int8Costs,
+) -> (Model, llmd_engine::sched::Timeline) {
     let chunk = chunk.max(1);
     let m = Model::with_costs(s, chunk, prompt.max(1).div_ceil(chunk), &shadow_by_depth(s.layers, prune), costs);
-    simulate(&m.dag, Policy::OutOfOrder, &|j| m.t(j)).makespan
+    let t = simulate(&m.dag, Policy::OutOfOrder, &|j| m.t(j));
+    (m, t)
 }
 
 pub fn run(a: &NpuModelArgs) -> Result<(), String> {

@@ -60,6 +60,80 @@ pub struct PlanArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Write the recommended prefill and the first decode steps as a Gantt chart (SVG, a lane
+    /// per processor; modelled).
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+}
+
+/// Decode steps `--svg` draws after the prefill.
+const SVG_DECODE_STEPS: usize = 4;
+
+fn lane(p: llmd_engine::sched::Processor) -> &'static str {
+    match p {
+        llmd_engine::sched::Processor::Npu => "npu",
+        llmd_engine::sched::Processor::Gpu => "gpu",
+        llmd_engine::sched::Processor::Cpu => "cpu",
+    }
+}
+
+/// llm.npu's INT8 prefill as the model schedules it: every subgraph of every chunk on its
+/// processor (bars of one chunk joined where they change processor: the hand-offs).
+fn int8_bars(shape: &Shape, prompt: usize, soc: &Soc) -> (Vec<crate::gantt::Bar>, f64) {
+    let (m, t) =
+        crate::npu_model::int8_prefill_timeline(int8_shape(shape), prompt, INT8_CHUNK, INT8_PRUNE, int8_costs(soc));
+    let bars = t
+        .runs
+        .iter()
+        .map(|&(j, p, a, b)| crate::gantt::Bar {
+            lane: lane(p).into(),
+            label: format!("{} chunk {}", m.dag.specs[j.step].name, j.chunk),
+            group: Some(j.chunk as u64),
+            start_ms: a * 1e3,
+            end_ms: b * 1e3,
+        })
+        .collect();
+    (bars, t.makespan * 1e3)
+}
+
+/// A HeteroLLM pass from `t0_ms`, layer after layer: each matmul on the processors its cut
+/// uses (both for the op's modelled time when it is cut: they run side by side and the slower
+/// one, with the sync, sets it), then the layer's other work (attention, norms, SwiGLU) on the
+/// GPU, and the head. `group` joins the bars of one pass.
+fn pass_bars(pass: &Pass, layers: usize, t0_ms: f64, what: &str, group: u64) -> (Vec<crate::gantt::Bar>, f64) {
+    let mut bars = Vec::new();
+    let matmuls: f64 = pass.ops.iter().map(|c| c.seconds).sum();
+    let other = ((pass.seconds - pass.prepare_s - pass.head.seconds) / layers.max(1) as f64 - matmuls).max(0.0);
+    let mut t = t0_ms;
+    let mut bar = |lane: &str, label: String, a: f64, b: f64| {
+        bars.push(crate::gantt::Bar { lane: lane.into(), label, group: Some(group), start_ms: a, end_ms: b })
+    };
+    if pass.prepare_s > 0.0 {
+        bar("npu", format!("{what}: graph preparation"), t, t + pass.prepare_s * 1e3);
+        t += pass.prepare_s * 1e3;
+    }
+    for l in 0..layers {
+        for c in &pass.ops {
+            let end = t + c.seconds * 1e3;
+            let label = format!("{what} l{l}.{} ({})", c.op.name, c.kind.name());
+            match c.kind {
+                CutKind::GpuOnly => bar("gpu", label, t, end),
+                CutKind::NpuOnly => bar("npu", label, t, end),
+                _ => {
+                    bar("npu", label.clone(), t, end);
+                    bar("gpu", label, t, end);
+                }
+            }
+            t = end;
+        }
+        if other > 0.0 {
+            bar("gpu", format!("{what} l{l} attention, norms, SwiGLU"), t, t + other * 1e3);
+            t += other * 1e3;
+        }
+    }
+    let end = t + pass.head.seconds * 1e3;
+    bar(if pass.head.kind == CutKind::NpuOnly { "npu" } else { "gpu" }, format!("{what} head"), t, end);
+    (bars, end)
 }
 
 fn shape_of(model: &str, bits: f64) -> Result<Shape, String> {
@@ -199,6 +273,28 @@ pub fn run(a: &PlanArgs) -> Result<(), String> {
     let mut graphs: Vec<String> = pre.graphs.iter().map(|g| format!("{g}")).collect();
     if !dec.graphs.is_empty() || pre.head.kind != CutKind::GpuOnly {
         graphs.push("1 (decode and the head)".into());
+    }
+    if let Some(file) = &a.svg {
+        let (mut bars, mut t) = if recommend.starts_with("INT8") {
+            int8_bars(&shape, a.prompt, &soc)
+        } else {
+            pass_bars(&pre, shape.layers, 0.0, "prefill", 0)
+        };
+        // Decode after an INT8 prefill runs on the GPU alone (llm.npu decodes elsewhere);
+        // after a float one, HeteroLLM's tensor-level plan.
+        let decode = if recommend.starts_with("INT8") { &rows[0].2 } else { &dec };
+        for step in 0..SVG_DECODE_STEPS {
+            let (b, end) = pass_bars(decode, shape.layers, t, &format!("decode {step}"), 1000 + step as u64);
+            bars.extend(b);
+            t = end;
+        }
+        let title = format!(
+            "MODELLED: {} on {}, {} prompt tokens, {recommend} prefill, then {SVG_DECODE_STEPS} decode steps",
+            shape.name, soc.key, a.prompt
+        );
+        let svg = crate::gantt::svg(&title, &["npu", "gpu", "cpu"], &bars);
+        std::fs::write(file, svg).map_err(|e| format!("{}: {e}", file.display()))?;
+        eprintln!("{} bars over {:.1} ms (modelled) in {}", bars.len(), t, file.display());
     }
     if a.json {
         let v = serde_json::json!({

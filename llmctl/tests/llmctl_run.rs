@@ -285,6 +285,71 @@ fn plan_models_a_soc_and_names_bad_input() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// The lanes of a Gantt chart `llmctl` wrote, and its bars' (lane, start ms) in file order.
+fn gantt(svg: &str) -> (Vec<String>, Vec<(String, f64)>) {
+    let attr = |at: &str, key: &str| -> Option<String> {
+        let i = at.find(&format!("{key}=\""))? + key.len() + 2;
+        Some(at[i..].split('"').next()?.to_owned())
+    };
+    let lanes = svg.split("<g class=\"lane\"").skip(1).filter_map(|g| attr(g, "data-lane")).collect();
+    let bars = svg
+        .split("<rect class=\"bar\"")
+        .skip(1)
+        .filter_map(|b| Some((attr(b, "data-lane")?, attr(b, "data-start-ms")?.parse().ok()?)))
+        .collect();
+    (lanes, bars)
+}
+
+/// `llmctl plan --svg`: the modelled schedule as a chart, a lane per processor and bars in
+/// time order — HeteroLLM's float prefill on the 8 Gen 3 profile (NPU and GPU), llm.npu's
+/// INT8 chunks on a profile whose INT8 graphs and CPU side are fast enough for the plan to
+/// choose them (NPU and CPU, then decode on the GPU).
+#[test]
+fn plan_draws_the_modelled_schedule_a_lane_per_processor() {
+    let dir = std::env::temp_dir().join(format!("llmctl-plan-svg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let builtin = std::fs::read_to_string(common::root().join("engine/data/socs.toml")).expect("profiles");
+    let gen3 = &builtin
+        [builtin.find("[snapdragon_8gen3]").expect("8 Gen 3")..builtin.find("[snapdragon_8gen2]").expect("8 Gen 2")];
+    let fast_int8: String = gen3
+        .replace("snapdragon_8gen3", "fast_int8")
+        .lines()
+        .map(|l| match l.split_whitespace().next() {
+            Some("int8_launch_ms") => "int8_launch_ms = 0.02".to_owned(),
+            Some("int8_tops") => "int8_tops = 16.0".to_owned(),
+            Some("int8_weight_gb_per_s") => "int8_weight_gb_per_s = 40.0".to_owned(),
+            // llm.npu's CPU side (attention, norms, hand-offs) bounds it otherwise.
+            Some("attention_gflops") => "attention_gflops = 500.0".to_owned(),
+            Some("elementwise_gelems_per_s") => "elementwise_gelems_per_s = 60.0".to_owned(),
+            Some("cpu_npu_handoff_us") => "cpu_npu_handoff_us = 20.0".to_owned(),
+            _ => l.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let socs = dir.join("socs.toml");
+    std::fs::write(&socs, fast_int8).expect("file");
+    for (soc, recommended, lanes_used) in
+        [("snapdragon_8gen3", "float", ["npu", "gpu"]), ("fast_int8", "INT8", ["npu", "cpu"])]
+    {
+        let file = dir.join(format!("{soc}.svg"));
+        let args = ["plan", "--soc-file", socs.to_str().expect("path"), "--soc", soc, "--model", "qwen1_5_1_8b"];
+        let o = llmctl(&[&args[..], &["--prompt", "520", "--svg", file.to_str().expect("path")]].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(text.contains(&format!("recommended: {recommended}")), "{soc}: {text}");
+        let svg = std::fs::read_to_string(&file).expect("written");
+        assert!(svg.contains("MODELLED"), "labelled modelled");
+        let (lanes, bars) = gantt(&svg);
+        assert_eq!(lanes, ["npu", "gpu", "cpu"], "{soc}: one lane per processor");
+        assert!(bars.windows(2).all(|w| w[0].1 <= w[1].1), "{soc}: bars in time order");
+        for l in lanes_used {
+            assert!(bars.iter().any(|(lane, _)| lane == l), "{soc}: nothing on the {l}");
+        }
+        assert!(bars.iter().any(|(lane, _)| lane == "gpu"), "{soc}: decode on the GPU");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// `llmctl sync-bench --json`: labelled measured, the three waiters at the wait asked for, each
 /// with its figures (no timing is asserted: the machine may be busy with other tests).
 #[test]
