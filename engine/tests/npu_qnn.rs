@@ -263,15 +263,17 @@ fn the_npu_device_estimates_its_graphs_from_the_soc_profile() {
     // Past its largest graph, and kinds it does not run: no figure.
     assert_eq!(npu.estimate(up, &shape, 257), None);
     assert_eq!(npu.estimate(Subgraph::attention(0), &shape, 32), None);
-    // A W8A8 group: one INT8 graph of its projections over the rows asked (llm.npu's model:
-    // the launch, then per node the slower of its int8 weight bytes and its operations, at
-    // the profile's INT8 figures — written out here from that definition).
+    // A W8A8 group: one INT8 graph of its projections over the rows asked, on the footing of
+    // the fp16 graphs: the launch, then per node the slower of its int8 weights and uint8
+    // activations at the NPU's bandwidth and its operations at the shape's fp16 rate times
+    // `int8_over_fp16` — written out here from that definition.
     let gate_up = Subgraph::group(0, llmd_device::GroupSite::GateUp);
     let want = |p: &llmd_engine::hetero::soc::Soc, m: usize| {
         let n = &p.npu;
-        let node = ((d * f) as f64 / (n.int8_weight_gb_per_s * 1e9 * p.npu_speed))
-            .max(2.0 * (m * d * f) as f64 / (n.int8_tops * 1e12 * p.npu_speed));
-        n.int8_launch_ms * 1e-3 / p.npu_speed + 2.0 * node
+        let bytes = (d * f + m * (d + f)) as f64;
+        let node = (bytes / (n.bandwidth_gb_per_s * 1e9 * p.npu_speed))
+            .max(2.0 * (m * d * f) as f64 / (p.npu_rate(m, d, f) * n.int8_over_fp16));
+        n.launch_us * 1e-6 + 2.0 * node
     };
     for m in [1, 20, 300] {
         let got = npu.estimate(gate_up, &shape, m).expect("priced").compute_s;

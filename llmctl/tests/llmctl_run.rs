@@ -249,8 +249,25 @@ fn plan_models_a_soc_and_names_bad_input() {
     let o = llmctl(&["plan", "--paper", "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
     let rows = v["rows"].as_array().expect("rows");
-    let within = rows.iter().filter(|r| (0.75..=1.25).contains(&r["ratio"].as_f64().unwrap_or(0.0))).count();
-    assert!(within + 2 >= rows.len(), "{v}");
+    // Fitted and held-out figures apart; every held-out one within ±25% or explained.
+    let held_out: Vec<_> = rows.iter().filter(|r| r["fitted"] == false).collect();
+    assert!(held_out.len() >= 6 && rows.iter().any(|r| r["fitted"] == true), "{v}");
+    for r in &held_out {
+        let ratio = r["ratio"].as_f64().unwrap_or(0.0);
+        let explained = r["explained"].as_str().unwrap_or("");
+        assert_eq!(r["within_tolerance"], (0.75..=1.25).contains(&ratio), "{r}");
+        assert!((0.75..=1.25).contains(&ratio) || explained.len() > 40, "held out, off and unexplained: {r}");
+    }
+    let o = llmctl(&["plan", "--paper"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("\nFitted:") && text.contains("\nHeld out:"), "{text}");
+    // The plan's decision and how each assumed figure moves it.
+    let o = llmctl(&["plan", "--model", "qwen1_5_1_8b", "--prompt", "512", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert!(["int8_chunked", "fp16_partitioned"].contains(&v["plan"]["prefill"].as_str().unwrap_or("")), "{v}");
+    let moves = v["sensitivity"].as_array().expect("sensitivity");
+    assert!(moves.iter().any(|m| m["figure"] == "npu.launch_us" && m["label"] == "assumption"), "{v}");
+    assert!(moves.iter().any(|m| m["flips_at"].is_number()), "some figure flips the decision: {v}");
     let dir = std::env::temp_dir().join(format!("llmctl-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let socs = dir.join("socs.toml");
@@ -315,10 +332,7 @@ fn plan_draws_the_modelled_schedule_a_lane_per_processor() {
         .replace("snapdragon_8gen3", "fast_int8")
         .lines()
         .map(|l| match l.split_whitespace().next() {
-            Some("int8_launch_ms") => "int8_launch_ms = 0.02".to_owned(),
-            Some("int8_tops") => "int8_tops = 16.0".to_owned(),
-            Some("int8_weight_gb_per_s") => "int8_weight_gb_per_s = 40.0".to_owned(),
-            // llm.npu's CPU side (attention, norms, hand-offs) bounds it otherwise.
+            // llm.npu's CPU side (attention, norms) bounds INT8 prefill on the 8 Gen 3.
             Some("attention_gflops") => "attention_gflops = 500.0".to_owned(),
             Some("elementwise_gelems_per_s") => "elementwise_gelems_per_s = 60.0".to_owned(),
             Some("cpu_npu_handoff_us") => "cpu_npu_handoff_us = 20.0".to_owned(),
