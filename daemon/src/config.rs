@@ -41,9 +41,10 @@ impl KvCacheType {
 pub enum Backend {
     /// The NPU reads prompts and the GPU decodes where the system has them — a phone's QNN
     /// library (the system's `libQnnHtp.so` on Android, or `[npu] library`), an OpenCL device
-    /// that is a GPU — and the CPU does what they do not. Emulated devices (llmd's QNN
-    /// emulator, any QNN library off a phone, OpenCL on the host's CPU) only with `[devices]
-    /// allow_emulated`.
+    /// that is a GPU — and the CPU does what they do not, each model as its plan says (INT8
+    /// chunked or HeteroLLM's partitioned prefill, decode on the GPU or cut; over `[devices]
+    /// soc`'s profile). Emulated devices (llmd's QNN emulator, any QNN library off a phone,
+    /// OpenCL on the host's CPU) only with `[devices] allow_emulated`.
     #[default]
     Auto,
     /// Everything on the CPU.

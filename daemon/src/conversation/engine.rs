@@ -119,7 +119,7 @@ impl ModelEngine {
         let work = decode_work(batch, decode);
         let (tx, rx) = std::sync::mpsc::channel();
         let m = model.clone();
-        let one_at_a_time = proc.takes().one_sequence_at_a_time;
+        let one_at_a_time = proc.takes_for(model).one_sequence_at_a_time;
         let job: Job = Box::new(move |devs| {
             // Unless every step succeeds, every cache goes back to where it was — on an error
             // or a panic alike (the guard, made before the locks below so that it runs after
@@ -331,7 +331,7 @@ impl Engine for ModelEngine {
             return None;
         }
         let (proc, most) = self.processors.prompts(&t.model)?;
-        let chunk = proc.takes().chunk?;
+        let chunk = proc.takes_for(&t.model).chunk?;
         let tokens = s.gen.prefill_at_most(most)?.to_vec();
         let (session, model) = (t.session.clone(), t.model.clone());
         let n = tokens.len();

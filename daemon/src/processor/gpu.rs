@@ -25,14 +25,8 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
     }
     let auto = config.backend == ConfigBackend::Auto;
     let allow_emulated = config.devices.allow_emulated;
-    let named = config.gpu.library.is_some() || config.gpu.device.is_some();
-    if auto && !named && !allow_emulated && !cfg!(target_os = "android") {
-        // Automatic placement is for a phone's GPU. Off Android, probing the ICD loader's
-        // platforms would load whatever runtimes are installed (PoCL brings LLVM; CI's
-        // accounting test saw RSS 219 MB against 151 MB accounted) to find, most likely, no
-        // GPU; `[gpu] library` or `device`, `[devices] allow_emulated` or backend = "gpu" asks.
-        let reason = "backend \"auto\" looks for a GPU on Android (off Android, set [gpu] library or device, [devices] allow_emulated = true or backend = \"gpu\")";
-        return Processor::refused(Label::Gpu, Refusal { reason: reason.into(), expected: true });
+    if let Some(r) = auto_refusal(config) {
+        return Processor::refused(Label::Gpu, r);
     }
     if config.kv_cache_type == crate::config::KvCacheType::Q8 {
         // The GPU's attention reads f16 caches, and an int8 one does not move to it.
@@ -55,6 +49,23 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
         },
         auto && !allow_emulated,
     )
+}
+
+/// Why `backend = "auto"` does not even look for a GPU, if it does not. Automatic placement is
+/// for a phone's GPU. Off Android, probing the ICD loader's platforms would load whatever
+/// runtimes are installed (PoCL brings LLVM; CI's accounting test saw RSS 219 MB against 151
+/// MB accounted) to find, most likely, no GPU; `[gpu] library` or `device`, `[devices]
+/// allow_emulated` or backend = "gpu" asks.
+pub fn auto_refusal(config: &Config) -> Option<Refusal> {
+    let named = config.gpu.library.is_some() || config.gpu.device.is_some();
+    (config.backend == ConfigBackend::Auto
+        && !named
+        && !config.devices.allow_emulated
+        && !cfg!(target_os = "android"))
+    .then(|| Refusal {
+        reason: "backend \"auto\" looks for a GPU on Android (off Android, set [gpu] library or device, [devices] allow_emulated = true or backend = \"gpu\")".into(),
+        expected: true,
+    })
 }
 
 /// Starts the GPU's thread, which opens the device with `opts` (refusing one on the host's CPU
@@ -119,7 +130,14 @@ impl Backend for Gpu {
                 format!("weights {in_place} B read in place in the CPU's memory, {copied} B copied to the device"),
             ]
         });
-        Ok(Prepared { devs, graphs: 0, how: "weights uploaded at its first pass".into(), modelled: None, lines })
+        Ok(Prepared {
+            devs,
+            graphs: 0,
+            how: "weights uploaded at its first pass".into(),
+            modelled: None,
+            lines,
+            takes: None,
+        })
     }
 }
 

@@ -12,9 +12,11 @@
 use super::thread::{Backend, Label, Prepared, Processor, Refusal, Takes};
 use crate::config::{Backend as ConfigBackend, Config};
 use llmd_device::Device as _;
+use llmd_engine::backend::gpu::cpu_backed;
 use llmd_engine::backend::gpu::{GpuDevice, GpuOptions};
 use llmd_engine::backend::npu::cache::CacheOutcome;
 use llmd_engine::backend::npu::QnnDevice;
+use llmd_engine::hetero::choose::{self, DecodePlan, Plan, PrefillPlan, Present};
 use llmd_engine::hetero::plan::{even_cut, solver_cut, HeteroPlan};
 use llmd_engine::hetero::solver::Op;
 use llmd_engine::model::Devices;
@@ -52,6 +54,22 @@ pub struct Settings {
     pub hetero: Option<HeteroSettings>,
     /// Refuse an emulated NPU (`backend = "auto"` without `[devices] allow_emulated`).
     pub refuse_emulated: bool,
+    /// `backend = "auto"`: each model's plan picks llm.npu's INT8 path or HeteroLLM's (whose
+    /// settings are then `hetero`'s).
+    pub planned: Option<PlanSettings>,
+}
+
+/// What `backend = "auto"` plans with (see [`Planned`]).
+#[derive(Clone, Debug)]
+pub struct PlanSettings {
+    /// `[devices]`'s profile.
+    pub soc: llmd_engine::hetero::soc::Soc,
+    /// Where each model's plan is stored (`<state_dir>/plans`), if anywhere.
+    pub dir: Option<PathBuf>,
+    /// The OpenCL device for the partitioned plan's GPU pieces, when `auto` may look for one.
+    pub gpu: Option<GpuOptions>,
+    /// Refuse an OpenCL device on the host's CPU there.
+    pub refuse_emulated_gpu: bool,
 }
 
 /// The QNN library when the config names none: on Android the system's `libQnnHtp.so` (found
@@ -102,7 +120,7 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
     };
     let cache_dir = n.cache_dir.clone().or_else(|| config.residency.state_dir.as_ref().map(|d| d.join("npu")));
     let hetero = match config.backend {
-        ConfigBackend::Hetero => {
+        ConfigBackend::Hetero | ConfigBackend::Auto => {
             let h = &config.hetero;
             let soc = match config.devices.profile() {
                 Ok(s) => s,
@@ -129,14 +147,26 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
         }
         _ => None,
     };
-    let chunk = match &hetero {
-        Some(h) => h.sizes.iter().copied().max().unwrap_or(n.chunk),
-        None => n.chunk,
+    let planned = match (config.backend, &hetero) {
+        (ConfigBackend::Auto, Some(h)) => Some(PlanSettings {
+            soc: h.soc.clone(),
+            dir: config.residency.state_dir.as_ref().map(|d| d.join("plans")),
+            // The GPU's own rules for `auto` decide whether OpenCL is probed at all.
+            gpu: super::gpu::auto_refusal(config)
+                .is_none()
+                .then(|| GpuOptions { gpu_only: !allow_emulated, ..h.gpu.clone() }),
+            refuse_emulated_gpu: !allow_emulated,
+        }),
+        _ => None,
     };
-    // HeteroLLM's plan cuts each chunk's matmuls; only llm.npu's INT8 path runs chunks out
-    // of order.
-    let ooe_chunks = if hetero.is_some() { 1 } else { n.ooe_chunks.max(1) };
+    let (chunk, ooe_chunks) = match (&hetero, &planned) {
+        // HeteroLLM's plan cuts each chunk's matmuls; only llm.npu's INT8 path runs chunks out
+        // of order.
+        (Some(h), None) => (h.sizes.iter().copied().max().unwrap_or(n.chunk), 1),
+        _ => (n.chunk, n.ooe_chunks.max(1)),
+    };
     start(Settings {
+        planned,
         hetero,
         library,
         soc: n.soc,
@@ -151,15 +181,22 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
 
 /// Starts the NPU's thread over `settings`.
 pub fn start(settings: Settings) -> Arc<Processor> {
+    let hetero_only = settings.hetero.is_some() && settings.planned.is_none();
     let takes = Takes {
         chunk: Some(settings.chunk),
         chunks_per_job: settings.ooe_chunks.max(1),
-        decode: settings.hetero.is_some(),
-        one_sequence_at_a_time: settings.hetero.is_some(),
+        decode: hetero_only,
+        one_sequence_at_a_time: hetero_only,
     };
-    let backend: Box<dyn Backend> = match settings.hetero.clone() {
-        Some(h) => Box::new(Hetero { settings, hetero: h, opened: None }),
-        None => Box::new(Int8 { settings, device: None }),
+    let backend: Box<dyn Backend> = match (settings.planned.clone(), settings.hetero.clone()) {
+        (Some(plan), Some(h)) => Box::new(Planned {
+            int8: Int8 { settings: settings.clone(), device: None },
+            hetero: Hetero { settings, hetero: h, opened: None },
+            plan,
+            gpu: Err("not looked for".into()),
+        }),
+        (None, Some(h)) => Box::new(Hetero { settings, hetero: h, opened: None }),
+        _ => Box::new(Int8 { settings, device: None }),
     };
     Processor::start(Label::Npu, takes, backend)
 }
@@ -255,7 +292,7 @@ impl Backend for Int8 {
                 st.total_bytes
             )]
         });
-        Ok(Prepared { devs, graphs: count, how, modelled: Some(modelled), lines })
+        Ok(Prepared { devs, graphs: count, how, modelled: Some(modelled), lines, takes: None })
     }
 }
 
@@ -275,6 +312,23 @@ fn hetero_counts(h: &HeteroSettings) -> Vec<usize> {
 
 impl Backend for Hetero {
     fn open(&mut self) -> Result<String, Refusal> {
+        let gpu = GpuDevice::open(&self.hetero.gpu)
+            .map_err(|e| Refusal::unexpected(format!("backend \"hetero\" needs an OpenCL device: {e}")))?;
+        self.open_with(Arc::new(gpu))
+    }
+
+    /// Every projection's cut for each of `[hetero] sizes` and one token, the NPU's fp16 graphs
+    /// prepared together through the device contract — loaded from the NPU's graph cache (the
+    /// same cache as the INT8 graphs', keyed by the library, chip, graphs and weights) when a
+    /// sound one is there, else built, finalized and stored.
+    fn prepare(&mut self, model: &Arc<Model>) -> Result<Prepared, String> {
+        self.prepare_plan(model)
+    }
+}
+
+impl Hetero {
+    /// Opens the QNN device for HeteroLLM's fp16 graphs, with `gpu` for the GPU's pieces.
+    fn open_with(&mut self, gpu: Arc<GpuDevice>) -> Result<String, Refusal> {
         let (s, h) = (&self.settings, &self.hetero);
         let d = open_library(s)?;
         // HeteroLLM's graphs through the device contract: static at the plan's token counts and
@@ -283,18 +337,13 @@ impl Backend for Hetero {
         counts.extend_from_slice(h.soc.sizes().all());
         let d = d.with_token_counts(&counts).with_cache_dir(s.cache_dir.clone()).with_profile(h.soc.clone());
         let (npu, what) = open_qnn(s, d);
-        let gpu = GpuDevice::open(&h.gpu)
-            .map_err(|e| Refusal::unexpected(format!("backend \"hetero\" needs an OpenCL device: {e}")))?;
         let what = format!("{what}; GPU {} for HeteroLLM's plan", gpu.info().name);
-        self.opened = Some((npu, Arc::new(gpu)));
+        self.opened = Some((npu, gpu));
         Ok(what)
     }
 
-    /// Every projection's cut for each of `[hetero] sizes` and one token, the NPU's fp16 graphs
-    /// prepared together through the device contract — loaded from the NPU's graph cache (the
-    /// same cache as the INT8 graphs', keyed by the library, chip, graphs and weights) when a
-    /// sound one is there, else built, finalized and stored.
-    fn prepare(&mut self, model: &Arc<Model>) -> Result<Prepared, String> {
+    /// See [`Backend::prepare`] above.
+    fn prepare_plan(&mut self, model: &Arc<Model>) -> Result<Prepared, String> {
         let h = &self.hetero;
         let (device, gpu) = self.opened.clone().ok_or("the NPU is not open")?;
         let counts = hetero_counts(h);
@@ -363,6 +412,127 @@ impl Backend for Hetero {
                 ),
             ]
         });
-        Ok(Prepared { devs, graphs, how, modelled: Some(modelled), lines })
+        Ok(Prepared { devs, graphs, how, modelled: Some(modelled), lines, takes: None })
     }
+}
+
+/// `backend = "auto"`'s NPU: each model's plan (`llmd_engine::hetero::choose` over `[devices]`'s
+/// profile and the processors present) picks llm.npu's INT8 chunked prefill ([`Int8`]) or
+/// HeteroLLM's fp16 partitioned prefill ([`Hetero`], its GPU pieces on an OpenCL device this
+/// thread opens), and whether decode runs here (HeteroLLM's cut) or on the GPU processor.
+/// The plan is stored under `<state_dir>/plans/` and made again when the profile, the model
+/// or the devices present change.
+struct Planned {
+    int8: Int8,
+    hetero: Hetero,
+    plan: PlanSettings,
+    /// The partitioned plan's GPU, or why there is none.
+    gpu: Result<Arc<GpuDevice>, String>,
+}
+
+impl Backend for Planned {
+    fn open(&mut self) -> Result<String, Refusal> {
+        let what = self.int8.open()?;
+        self.gpu = match &self.plan.gpu {
+            None => Err("auto looks for a GPU only on Android, with [gpu] library or device, or allow_emulated".into()),
+            Some(opts) => match GpuDevice::open(opts) {
+                Ok(g) => match cpu_backed(g.info()) {
+                    Some(why) if self.plan.refuse_emulated_gpu => Err(why),
+                    _ => Ok(Arc::new(g)),
+                },
+                Err(e) => Err(e.to_string()),
+            },
+        };
+        let gpu = match &self.gpu {
+            Ok(g) => format!("GPU {} for partitioned plans", g.info().name),
+            Err(e) => format!("no GPU for partitioned plans ({e})"),
+        };
+        Ok(format!("{what}; each model planned on the {} profile; {gpu}", self.plan.soc.key))
+    }
+
+    fn prepare(&mut self, model: &Arc<Model>) -> Result<Prepared, String> {
+        let present = Present { npu: true, gpu: self.gpu.is_ok() };
+        let (plan, told) = plan_for(&self.plan, model, present);
+        let said = format!("plan {:?} prefill, {:?} decode ({told}): {}", plan.prefill, plan.decode, plan.why);
+        tracing::info!(model = %model.name, plan = %said, "NPU plan");
+        let mut prepared = match plan.prefill {
+            PrefillPlan::Int8Chunked => {
+                let mut p = self.int8.prepare(model)?;
+                let s = &self.int8.settings;
+                p.takes = Some(Takes {
+                    chunk: Some(s.chunk),
+                    chunks_per_job: s.ooe_chunks.max(1),
+                    decode: false,
+                    one_sequence_at_a_time: false,
+                });
+                p
+            }
+            PrefillPlan::Fp16Partitioned => {
+                if self.hetero.opened.is_none() {
+                    let gpu = self.gpu.clone().map_err(|e| format!("the plan needs the GPU: {e}"))?;
+                    self.hetero.open_with(gpu).map_err(|r| r.reason)?;
+                }
+                let mut p = self.hetero.prepare_plan(model)?;
+                p.takes = Some(Takes {
+                    chunk: Some(self.hetero.hetero.sizes.iter().copied().max().unwrap_or(self.int8.settings.chunk)),
+                    chunks_per_job: 1,
+                    decode: plan.decode == DecodePlan::HeteroTensor,
+                    one_sequence_at_a_time: true,
+                });
+                p
+            }
+            PrefillPlan::Cpu => return Err(format!("the plan reads prompts on the CPU: {}", plan.why)),
+        };
+        prepared.how = format!("{said}; {}", prepared.how);
+        Ok(prepared)
+    }
+}
+
+/// `model`'s plan with the processors `present`: the stored one when its key (the profile, the
+/// model's shape and size, the processors, the prompt length planned for) is the same, else
+/// made and stored. Also says which, and why it was made.
+fn plan_for(p: &PlanSettings, model: &Arc<Model>, present: Present) -> (Plan, String) {
+    let shape = choose::shape_of(model, &model.name);
+    let key = serde_json::json!({
+        "profile": p.soc,
+        "model": {"name": model.name, "shape": shape, "weight_bytes": model.transformer.weights.size_bytes()},
+        "present": present,
+        "prompt": choose::PLAN_PROMPT,
+    });
+    let file = p.dir.as_ref().map(|d| d.join(format!("{}.{}.json", model.name, p.soc.key).to_lowercase()));
+    let stored: Option<serde_json::Value> =
+        file.as_ref().and_then(|f| std::fs::read(f).ok()).and_then(|b| serde_json::from_slice(&b).ok());
+    let why = match &stored {
+        None => "none stored".to_owned(),
+        Some(v) if v["key"] == key => match serde_json::from_value::<Plan>(v["plan"].clone()) {
+            Ok(plan) => {
+                return (
+                    plan,
+                    format!("loaded from {}", file.as_ref().map_or(String::new(), |f| f.display().to_string())),
+                )
+            }
+            Err(_) => "the stored one does not read".to_owned(),
+        },
+        Some(v) => ["profile", "model", "present", "prompt"]
+            .iter()
+            .filter(|k| v["key"][**k] != key[**k])
+            .map(|k| match *k {
+                "present" => "the devices present changed",
+                "model" => "the model changed",
+                "profile" => "the profile changed",
+                _ => "the prompt length planned for changed",
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+    };
+    let plan = choose::choose(&p.soc, &shape, choose::PLAN_PROMPT, present, true);
+    let mut told = format!("made: {why}");
+    if let Some(f) = &file {
+        let body = serde_json::json!({"key": key, "plan": plan});
+        match write_atomically(f, body.to_string().as_bytes()) {
+            Ok(()) => told.push_str(&format!(", stored in {}", f.display())),
+            Err(e) => tracing::warn!("the plan was not stored in {}: {e}", f.display()),
+        }
+    }
+    (plan, told)
 }

@@ -75,7 +75,7 @@ pub enum State {
 #[derive(Clone, Debug, PartialEq)]
 enum Prep {
     Preparing,
-    Ready { graphs: usize, how: String, seconds: f64 },
+    Ready { graphs: usize, how: String, seconds: f64, takes: Option<Takes> },
     Failed { reason: String },
 }
 
@@ -111,6 +111,9 @@ pub struct Prepared {
     pub modelled: Option<ModelledFn>,
     /// The backend's counters of this device set.
     pub lines: LinesFn,
+    /// What work the processor takes for this model, when the backend decides per model (a
+    /// plan); None: the processor's own.
+    pub takes: Option<Takes>,
 }
 
 /// What one processor opens and prepares; run on its thread.
@@ -222,7 +225,7 @@ enum Msg {
 }
 
 /// What work a processor takes.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Takes {
     /// Rows of its prompt graphs, if it reads prompts: a job's tokens run in chunks of this many.
     pub chunk: Option<usize>,
@@ -341,9 +344,13 @@ impl Processor {
         self.status().state.clone()
     }
 
-    /// What work it takes.
-    pub fn takes(&self) -> Takes {
-        self.takes
+    /// What work it takes for `model`: its plan's, once prepared with one, else its own.
+    pub fn takes_for(&self, model: &Arc<Model>) -> Takes {
+        let key = key_of(model);
+        match self.status().entry(key).map(|m| &m.prep) {
+            Some(Prep::Ready { takes: Some(t), .. }) => *t,
+            _ => self.takes,
+        }
     }
 
     /// Has the thread prepare `model`'s device set, unless it has it or is at it.
@@ -381,13 +388,14 @@ impl Processor {
 
     /// The prompt tokens one job for `model` takes, when it reads prompts and is ready for it.
     pub fn prompt_tokens(&self, model: &Arc<Model>) -> Option<usize> {
-        let chunk = self.takes.chunk?;
-        self.ready(model).then_some(chunk * self.takes.chunks_per_job.max(1))
+        let takes = self.takes_for(model);
+        let chunk = takes.chunk?;
+        self.ready(model).then_some(chunk * takes.chunks_per_job.max(1))
     }
 
     /// Whether `model`'s decode passes run here now.
     pub fn decodes(&self, model: &Arc<Model>) -> bool {
-        self.takes.decode && self.ready(model)
+        self.takes_for(model).decode && self.ready(model)
     }
 
     /// Queues `job` for `model`'s device set; returns its id, or gives the job back if there is
@@ -455,7 +463,7 @@ impl Processor {
         for m in s.models.iter().filter(|m| m.model.strong_count() > 0) {
             let what = match &m.prep {
                 Prep::Preparing => "preparing".to_owned(),
-                Prep::Ready { graphs, how, seconds } => format!("ready: {graphs} graphs, {how} in {seconds:.2} s"),
+                Prep::Ready { graphs, how, seconds, .. } => format!("ready: {graphs} graphs, {how} in {seconds:.2} s"),
                 Prep::Failed { reason } => format!("failed, on the CPU: {reason}"),
             };
             out.push_str(&format!("  model {} {what}\n", m.name));
@@ -592,6 +600,7 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                                 graphs: prepared.graphs,
                                 how: prepared.how.clone(),
                                 seconds: t.elapsed().as_secs_f64(),
+                                takes: prepared.takes,
                             };
                         }
                         resident.push(Resident { key, model, prepared });
