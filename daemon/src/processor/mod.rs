@@ -111,7 +111,12 @@ impl Processors {
     /// `dump`'s `DEVICES` section: each processor taken or not, and why (`llmctl status` shows
     /// it).
     pub fn devices(&self) -> String {
-        format!("\nDEVICES\n  {}\n  {}\n  cpu taken: what the others do not take\n", self.npu.taken(), self.gpu.taken())
+        format!(
+            "\nDEVICES\n  {}\n  {}\n  cpu taken: what the others do not take\n  threads spawned={} by the engine since start (its lanes, workers and helpers; none per operator)\n",
+            self.npu.taken(),
+            self.gpu.taken(),
+            llmd_engine::sched::threads_spawned()
+        )
     }
 
     /// Their sections of `dump`.

@@ -190,6 +190,50 @@ struct JobSpan {
     pub modelled_ns: u64,
     /// Prompt tokens the worker read on the CPU meanwhile, and when.
     pub beside: Option<(usize, u64, u64)>,
+    /// A prompt job's chunks as its schedule ran them, each chunk's work per processor (an
+    /// out-of-order prefill: the NPU's linear groups of one chunk beside the CPU's attention
+    /// of another); none: the job is one record.
+    pub parts: Vec<JobRecord>,
+}
+
+/// A prompt job's records from the schedules its prefill ran (`Devices::take_traces`): per
+/// chunk and processor, from its first job's start to its last one's end.
+fn trace_records(kind: &JobKind, traces: &[llmd_engine::model::Trace], ok: bool) -> Vec<JobRecord> {
+    let (Some((offset, rows)), Some(&request)) = (kind.prefill, kind.requests.first()) else { return Vec::new() };
+    let rows = rows.max(1);
+    let mut out: Vec<JobRecord> = Vec::new();
+    let mut first_chunk = offset / rows;
+    for t in traces {
+        let origin = t.origin.duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        let chunks = t.runs.iter().map(|r| r.0.chunk + 1).max().unwrap_or(0);
+        for (job, lane, a, b) in &t.runs {
+            let processor = match lane {
+                llmd_engine::sched::Processor::Npu => "npu",
+                llmd_engine::sched::Processor::Gpu => "gpu",
+                llmd_engine::sched::Processor::Cpu => "cpu",
+            };
+            let chunk = first_chunk + job.chunk;
+            let (start_ms, end_ms) = ((origin + a * 1e3) as u64, (origin + b * 1e3) as u64);
+            match out.iter_mut().find(|r| r.chunk == Some(chunk) && r.processor == processor) {
+                Some(r) => {
+                    r.start_ms = r.start_ms.min(start_ms);
+                    r.end_ms = r.end_ms.max(end_ms);
+                }
+                None => out.push(JobRecord {
+                    request,
+                    processor,
+                    kind: "prefill",
+                    chunk: Some(chunk),
+                    tokens: rows.min(kind.tokens.saturating_sub((chunk - offset / rows) * rows)),
+                    start_ms,
+                    end_ms,
+                    ok,
+                }),
+            }
+        }
+        first_chunk += chunks;
+    }
+    out
 }
 
 #[derive(Clone, Debug)]
@@ -415,7 +459,14 @@ impl Processor {
             Label::Npu => "npu",
             Label::Gpu => "gpu",
         };
-        self.status().recent.iter().flat_map(|j| JobRecord::of(name, &j.kind, j.start_ms, j.end_ms, j.ok)).collect()
+        self.status()
+            .recent
+            .iter()
+            .flat_map(|j| match j.parts.is_empty() {
+                true => JobRecord::of(name, &j.kind, j.start_ms, j.end_ms, j.ok),
+                false => j.parts.clone(),
+            })
+            .collect()
     }
 
     /// Records the CPU work the worker ran beside job `id`: `tokens` prompt tokens from
@@ -633,6 +684,8 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                 let end_ms = epoch_ms();
                 let after = modelled_now();
                 let lines = r.map(|r| (r.prepared.lines)(&r.prepared.devs, &name));
+                let traces = r.map(|r| r.prepared.devs.take_traces()).unwrap_or_default();
+                let parts = trace_records(&kind, &traces, matches!(ran, Ok(Ok(()))));
                 let mut s = lock(status);
                 s.jobs += 1;
                 s.tokens += kind.tokens as u64;
@@ -652,7 +705,7 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                 let beside =
                     s.pending_beside.iter().position(|(i, _)| *i == id).map(|at| s.pending_beside.remove(at).1);
                 let ok = matches!(ran, Ok(Ok(())));
-                s.recent.push_back(JobSpan { id, kind, start_ms, end_ms, ok, modelled_ns: modelled, beside });
+                s.recent.push_back(JobSpan { id, kind, start_ms, end_ms, ok, modelled_ns: modelled, beside, parts });
                 match ran {
                     Ok(Ok(())) => {}
                     Ok(Err(reason)) if r.is_some() => {

@@ -102,7 +102,12 @@ impl Transformer {
                 .map(|mut l| l.pop().unwrap_or_default())
         } else {
             let times = self.prefill_times(devs, kv.len(), tokens.len(), chunk);
-            self.prefill_placed(devs, kv, tokens, chunk, Policy::OutOfOrder, &times, stop).map(|(l, _)| l)
+            self.prefill_placed(devs, kv, tokens, chunk, Policy::OutOfOrder, &times, stop).map(|(l, t)| {
+                if let Some(origin) = t.origin {
+                    devs.push_trace(super::devices::Trace { origin, runs: t.runs });
+                }
+                l
+            })
         }
     }
 

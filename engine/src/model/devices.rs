@@ -24,7 +24,21 @@ pub struct Devices {
     pub stats: SplitStats,
     state: Mutex<DevState>,
     pub(super) parts: Mutex<PartState>,
+    /// The schedules of the chunked prefills run on these devices since last taken
+    /// ([`Self::take_traces`]).
+    traces: Mutex<Vec<Trace>>,
 }
+
+/// One chunked prefill's schedule as it ran: every job's lane, start and end (seconds from
+/// `origin`, the wall clock when its lanes started).
+#[derive(Clone, Debug)]
+pub struct Trace {
+    pub origin: std::time::SystemTime,
+    pub runs: Vec<(crate::sched::Job, crate::sched::Processor, f64, f64)>,
+}
+
+/// Traces kept at most between two takes (a caller that never takes them loses the oldest).
+const TRACES_KEPT: usize = 16;
 
 /// Counters of the split matmuls run.
 #[derive(Debug, Default)]
@@ -95,7 +109,22 @@ impl Devices {
             stats: SplitStats::default(),
             state: Mutex::new(DevState::default()),
             parts: Mutex::new(PartState::default()),
+            traces: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Keeps a chunked prefill's schedule for [`Self::take_traces`].
+    pub(super) fn push_trace(&self, t: Trace) {
+        let mut v = self.traces.lock().unwrap_or_else(|e| e.into_inner());
+        if v.len() == TRACES_KEPT {
+            v.remove(0);
+        }
+        v.push(t);
+    }
+
+    /// The schedules of the chunked prefills run since the last call (the daemon's job log).
+    pub fn take_traces(&self) -> Vec<Trace> {
+        std::mem::take(&mut *self.traces.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// These devices with `splitter` dividing the passes' projections between them.

@@ -7,7 +7,7 @@ mod chunks;
 mod devices;
 mod placed;
 pub mod split;
-pub use devices::{Devices, SplitStats};
+pub use devices::{Devices, SplitStats, Trace};
 pub mod stream;
 pub mod weights;
 

@@ -329,7 +329,7 @@ impl Transformer {
             return Err(BackendError::Shape { op: "prefill", detail: "a chunk of 0 tokens".into() });
         }
         if tokens.is_empty() {
-            return Ok((Vec::new(), Timeline { runs: Vec::new(), makespan: 0.0 }));
+            return Ok((Vec::new(), Timeline { runs: Vec::new(), makespan: 0.0, origin: None }));
         }
         let base = kv.len();
         if base + tokens.len() > self.config.context_length {

@@ -29,7 +29,8 @@ pub use graph::{Dag, Job, Spec};
 pub use llmd_device::Processor;
 pub use order::{optimum, simulate, Policy, Scheduler, Timeline, LANES};
 pub use split::{check, proportional, views, GroupsOnNpu, NoSplit, Part, Split, Splitter};
-pub use threads::run_threads;
+pub(crate) use threads::count_spawned;
+pub use threads::{run_threads, threads_spawned};
 
 use llmd_device::{BlockShape, Cost, DeviceDesc, GgmlType, MemoryKind, Subgraph, SubgraphKind};
 

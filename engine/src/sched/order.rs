@@ -163,6 +163,8 @@ pub struct Timeline {
     /// Every job with its processor, start and end (seconds from the start).
     pub runs: Vec<(Job, Processor, f64, f64)>,
     pub makespan: f64,
+    /// The wall clock at the start, when it ran (None: simulated).
+    pub origin: Option<std::time::SystemTime>,
 }
 
 impl Timeline {
@@ -214,7 +216,7 @@ pub fn simulate(dag: &Dag, policy: Policy, t: &dyn Fn(Job) -> f64) -> Timeline {
         s.complete(j);
         runs.push((j, p, start, end));
     }
-    Timeline { runs, makespan: now }
+    Timeline { runs, makespan: now, origin: None }
 }
 
 /// The best makespan over every schedule a non-idling dispatcher could produce (exhaustive

@@ -12,6 +12,20 @@ use std::sync::{Condvar, Mutex};
 /// job from one shared [`Scheduler`] (profiled times `t` for the scores) and running `work(job)`;
 /// returns the timeline measured. The first error stops every lane and is returned; a lane that
 /// panics stops the others, and the panic goes on in the caller.
+/// Threads the engine has spawned since the process started (its lanes, workers and helpers):
+/// `dump` shows it, so that a thread spawned per operator shows as this growing with every one.
+static SPAWNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// [`SPAWNED`] so far.
+pub fn threads_spawned() -> u64 {
+    SPAWNED.load(Ordering::Relaxed)
+}
+
+/// Counts `n` threads spawned.
+pub(crate) fn count_spawned(n: u64) {
+    SPAWNED.fetch_add(n, Ordering::Relaxed);
+}
+
 pub fn run_threads<E: Send>(
     dag: &Dag,
     policy: Policy,
@@ -33,7 +47,7 @@ pub fn run_threads<E: Send>(
     let shared = Mutex::new((Scheduler::new(dag, policy), Vec::new(), None::<E>));
     let cv = Condvar::new();
     let stopped = AtomicBool::new(false);
-    let t0 = std::time::Instant::now();
+    let (t0, origin) = (std::time::Instant::now(), std::time::SystemTime::now());
     let lane = |p: Processor| loop {
         let _guard = StopOthers(&shared, &cv, &stopped);
         let job = {
@@ -66,6 +80,7 @@ pub fn run_threads<E: Send>(
     std::thread::scope(|s| {
         let lane = &lane;
         for p in used.iter().copied().filter(|p| Some(*p) != here) {
+            count_spawned(1);
             s.spawn(move || lane(p));
         }
         if let Some(p) = here {
@@ -77,5 +92,5 @@ pub fn run_threads<E: Send>(
         return Err(e);
     }
     let makespan = runs.iter().map(|r: &(Job, Processor, f64, f64)| r.3).fold(0.0, f64::max);
-    Ok(Timeline { runs, makespan })
+    Ok(Timeline { runs, makespan, origin: Some(origin) })
 }

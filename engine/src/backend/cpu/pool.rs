@@ -61,6 +61,7 @@ impl Pool {
         let workers = (1..threads.max(1))
             .map(|i| {
                 let s = shared.clone();
+                crate::sched::count_spawned(1);
                 std::thread::Builder::new()
                     .name(format!("llmd-cpu-{i}"))
                     .spawn(move || worker(&s))

@@ -74,6 +74,7 @@ pub fn sgemm(
     }
     std::thread::scope(|s| {
         for (ai, ci) in a[..m * k].chunks(per * k).zip(c[..m * n].chunks_mut(per * n)) {
+            crate::sched::count_spawned(1);
             s.spawn(move || run(ai, ci));
         }
     });

@@ -90,7 +90,11 @@ fn write_cached(path: &Path, bin: &[u8]) -> std::io::Result<()> {
     out.extend_from_slice(&(bin.len() as u64).to_le_bytes());
     out.extend_from_slice(&crc32fast::hash(bin).to_le_bytes());
     out.extend_from_slice(bin);
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // Unique per writer: two devices of one process (the NPU thread's for HeteroLLM's pieces,
+    // the GPU thread's) may store the same program at once.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}.{n}", std::process::id()));
     std::fs::write(&tmp, &out)?;
     std::fs::rename(&tmp, path)
 }

@@ -11,7 +11,7 @@ use crate::backend::blocks::CaptureSite;
 use crate::backend::weight::WeightMatrix;
 use crate::error::{BackendError, NpuError};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A weight's rows as f32.
 pub(crate) fn dequantize(m: &WeightMatrix) -> Result<Vec<f32>, NpuError> {
@@ -45,7 +45,54 @@ fn without_weights(mut g: LinearGroup) -> LinearGroup {
 struct Built {
     group: LinearGroup,
     graph: Mutex<qnn_sys::api::Graph>,
-    shadow: Option<ShadowSite>,
+    shadow: Option<Arc<ShadowSite>>,
+}
+
+/// Work run beside an NPU graph.
+type BesideWork = Box<dyn FnOnce() + Send>;
+
+/// The thread the shadow product runs on beside each NPU graph (llm.npu: the CPU works while
+/// the NPU runs the graph): started at the first shadow site run and kept while the linears
+/// live, so no thread is spawned per group (`crate::sched::threads_spawned`).
+#[derive(Default)]
+struct Beside {
+    tx: Mutex<Option<std::sync::mpsc::Sender<BesideWork>>>,
+}
+
+impl Beside {
+    /// Runs `f` on the thread (started if it is not), or here if it cannot start; its result
+    /// comes on the receiver (none if `f` panicked).
+    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> std::sync::mpsc::Receiver<T> {
+        let (done, result) = std::sync::mpsc::channel();
+        let work: BesideWork = Box::new(move || {
+            let _ = done.send(f());
+        });
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (t, rx) = std::sync::mpsc::channel::<BesideWork>();
+            let spawned = std::thread::Builder::new().name("llmd-shadow".into()).spawn(move || {
+                // A panicking product drops its result's sender (its caller sees the error);
+                // the thread goes on with the next.
+                while let Ok(w) = rx.recv() {
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(w));
+                }
+            });
+            if spawned.is_ok() {
+                crate::sched::count_spawned(1);
+                *tx = Some(t);
+            }
+        }
+        let unsent = match tx.as_ref() {
+            Some(t) => t.send(work).err().map(|e| e.0),
+            None => Some(work),
+        };
+        if let Some(w) = unsent {
+            // No thread (it could not start, or it is gone): here.
+            *tx = None;
+            w();
+        }
+        result
+    }
 }
 
 /// Shadow outlier execution at one group: its int8 weights by input channel (hot in memory,
@@ -91,7 +138,8 @@ pub struct NpuLinears {
     layers: Vec<[Built; 4]>,
     executions: AtomicU64,
     modelled_ns: AtomicU64,
-    shadow: ShadowCounters,
+    shadow: Arc<ShadowCounters>,
+    beside: Beside,
 }
 
 #[derive(Debug, Default)]
@@ -129,7 +177,8 @@ impl NpuLinears {
             layers,
             executions: AtomicU64::new(0),
             modelled_ns: AtomicU64::new(0),
-            shadow: ShadowCounters::default(),
+            shadow: Arc::default(),
+            beside: Beside::default(),
         }
     }
 
@@ -211,7 +260,7 @@ impl NpuLinears {
                     });
                 }
             }
-            b.shadow = s;
+            b.shadow = s.map(Arc::new);
         }
         Ok(())
     }
@@ -306,26 +355,26 @@ impl NpuLinears {
                 }
                 Ok(ys)
             };
-            let shadow_part = |s: &ShadowSite| -> Result<Option<Vec<f32>>, BackendError> {
-                let o = extract(xs, k, &g.input);
-                self.shadow.chunks.fetch_add(1, Ordering::Relaxed);
-                if o.elements == 0 {
-                    return Ok(None);
-                }
-                self.shadow.chunks_with_outliers.fetch_add(1, Ordering::Relaxed);
-                self.shadow.elements.fetch_add(o.elements as u64, Ordering::Relaxed);
-                self.shadow.channels.fetch_add(o.channels.len() as u64, Ordering::Relaxed);
-                s.weights.product(&o, 1).map(Some).map_err(|e| BackendError::Device(e.to_string()))
-            };
             let (ys, shadow) = match &b.shadow {
-                Some(s) => std::thread::scope(|sc| {
-                    let beside = sc.spawn(|| shadow_part(s));
+                Some(s) => {
+                    let (site, counters, input, x) = (s.clone(), self.shadow.clone(), g.input, xs.to_vec());
+                    let beside = self.beside.run(move || -> Result<Option<Vec<f32>>, BackendError> {
+                        let o = extract(&x, k, &input);
+                        counters.chunks.fetch_add(1, Ordering::Relaxed);
+                        if o.elements == 0 {
+                            return Ok(None);
+                        }
+                        counters.chunks_with_outliers.fetch_add(1, Ordering::Relaxed);
+                        counters.elements.fetch_add(o.elements as u64, Ordering::Relaxed);
+                        counters.channels.fetch_add(o.channels.len() as u64, Ordering::Relaxed);
+                        site.weights.product(&o, 1).map(Some).map_err(|e| BackendError::Device(e.to_string()))
+                    });
                     let ys = run_graph();
                     let prod = beside
-                        .join()
+                        .recv()
                         .unwrap_or_else(|_| Err(BackendError::Device("the shadow product panicked".into())));
                     (ys, prod.map(|p| Some((s, p))))
-                }),
+                }
                 None => (run_graph(), Ok(None)),
             };
             let (ys, shadow) = (ys?, shadow?);
