@@ -1777,7 +1777,7 @@ fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cp
     let fast = npu.lines().find(|l| l.contains("fast sync ")).unwrap_or_else(|| panic!("no fast-sync line:\n{npu}"));
     assert!(fast.contains(&format!(": {split} waits for the GPU")), "a fast-sync wait per cut matmul: {fast}");
     assert!(
-        npu.lines().filter(|l| l.contains("npu_job request=0 tokens=1 ")).count() >= 10,
+        npu.lines().filter(|l| l.contains("npu_job request=") && l.contains(" tokens=1 sequences=1 ")).count() >= 10,
         "decode steps on the plan:\n{npu}"
     );
     // The second start loads the plan's fp16 graphs from the cache, and replies the same.
