@@ -1847,3 +1847,86 @@ fn an_npu_that_fails_mid_reply_leaves_the_request_to_the_cpu_with_the_same_token
     assert!(npu.contains("failed, on the CPU") && npu.contains("LLMD_QNN_EMU_FAIL_AFTER"), "{npu}");
     assert!(npu.contains("ok=false"), "the failed step is listed:\n{npu}");
 }
+
+/// A small deterministic generator for the SIGTERM storm's moments (xorshift64*).
+struct Moments(u64);
+
+impl Moments {
+    fn next_ms(&mut self, below: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % below.max(1)
+    }
+}
+
+/// Shutdown under load, every backend: SIGTERM at a random moment after the socket appears —
+/// while the processors open their libraries, calibrate and build NPU graphs, build OpenCL
+/// kernels, plan, or while a client's request is being prefilled or decoded. Each time llmd
+/// exits 0 (no crash, no signal) and a request it accepted gets its final callback.
+/// `LLMD_SIGTERM_ROUNDS` rounds per backend (CI: 3; the 200 of docs/RELIABILITY.md: 40),
+/// `LLMD_SIGTERM_SEED` repeats a run's moments.
+#[test]
+fn sigterm_at_random_moments_on_every_backend_exits_zero_and_every_client_hears_the_end() {
+    let rounds: usize = std::env::var("LLMD_SIGTERM_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let seed: u64 = std::env::var("LLMD_SIGTERM_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1
+    });
+    eprintln!("LLMD_SIGTERM_SEED={seed}, {rounds} rounds per backend");
+    let mut moments = Moments(seed);
+    let emulator = common::emulator_library().display().to_string();
+    let mut backends =
+        vec![("cpu", "backend = \"cpu\"\n".to_owned()), ("npu", npu_config(&common::emulator_library()))];
+    if !opencl_missing() {
+        backends.push(("gpu", "backend = \"gpu\"\n".to_owned()));
+        backends.push(("hetero", hetero_config()));
+        backends.push((
+            "auto",
+            format!("[devices]\nallow_emulated = true\n[npu]\nlibrary = {emulator:?}\nchunk = {NPU_CHUNK}\n"),
+        ));
+    }
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(4);
+    let mut tally = Vec::new();
+    for (name, config) in &backends {
+        let (mut finals, mut refused) = (0, 0);
+        for round in 0..rounds {
+            let mut d = Daemon::start(&format!("shutdown_grace_ms = 200\n{config}"));
+            let delay = moments.next_ms(3000);
+            let pid = d.child.id().to_string();
+            let killer = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(delay));
+                Command::new("kill").args(["-TERM", &pid]).status().map(|s| s.success()).unwrap_or(false)
+            });
+            // A client's request, accepted or refused depending on the moment.
+            let accepted = client::connect(&d.socket, "llmd").ok().and_then(|conn| {
+                let s = conn.service.openSession(MODEL_ID, &SessionOptions::default()).ok()?;
+                let (cb, _keep, rx) = client::callback();
+                s.generate(&greedy(&prompt, 48), &cb).ok()?;
+                let end = loop {
+                    match rx.recv_timeout(Duration::from_secs(60)) {
+                        Ok(Event::Completed(_)) | Ok(Event::Error(..)) => break true,
+                        Ok(_) => {}
+                        Err(_) => break false,
+                    }
+                };
+                Some((end, conn, s))
+            });
+            assert!(killer.join().unwrap_or(false), "{name} round {round}: kill -TERM failed");
+            let status = common::exit_status_within(&mut d.child, Duration::from_secs(60));
+            assert!(
+                status.success(),
+                "{name} round {round} (SIGTERM after {delay} ms, seed {seed}): llmd exited with {status:?}\n{}",
+                d.log()
+            );
+            match accepted {
+                Some((end, _, _)) => {
+                    assert!(end, "{name} round {round} (after {delay} ms, seed {seed}): no final callback");
+                    finals += 1;
+                }
+                None => refused += 1,
+            }
+        }
+        tally.push(format!("{name}: {rounds} SIGTERMs, exit 0 each; {finals} requests ended with their final callback, {refused} not accepted"));
+    }
+    eprintln!("{}", tally.join("\n"));
+}
