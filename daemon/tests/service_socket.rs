@@ -1930,3 +1930,46 @@ fn sigterm_at_random_moments_on_every_backend_exits_zero_and_every_client_hears_
     }
     eprintln!("{}", tally.join("\n"));
 }
+
+/// A device failing mid-request under `backend = "auto"`: the emulated NPU fails its 4th
+/// graph (`LLMD_QNN_EMU_FAIL_AFTER=3`) while an INT8 plan reads a 520-token prompt. The chunk
+/// is read again on the CPU, the request completes with the CPU's tokens (teacher-forced: each
+/// the CPU's own or a near tie), the model's later prompts stay off the NPU, and its plan is
+/// made again without the NPU (prompts on the CPU, decode on the GPU) and stored.
+#[test]
+fn an_npu_failing_at_its_4th_graph_under_auto_leaves_the_request_to_the_cpu_and_the_plan_is_made_again() {
+    if opencl_missing() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("llmd-npu-fault-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let socs = profile_file(&dir, "phone", true);
+    let config = format!(
+        "[devices]\nallow_emulated = true\nsoc = \"phone\"\nsoc_file = {:?}\n[npu]\nlibrary = {:?}\nchunk = {NPU_CHUNK}\n[residency]\nstate_dir = {:?}\n",
+        socs.display().to_string(),
+        common::emulator_library().display().to_string(),
+        dir.join("state").display().to_string()
+    );
+    let d = Daemon::start_after(&config, Some("export LLMD_QNN_EMU_FAIL_AFTER=3"));
+    let conn = d.connect();
+    let npu = wait_npu(&conn, "ready:");
+    assert!(npu.contains("plan Int8Chunked prefill"), "{npu}");
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(35);
+    let s = session(&conn);
+    let (cb, _keep, rx) = client::callback();
+    s.generate(&greedy(&prompt, 8), &cb).expect("submitted");
+    let got = collect_timed(rx, None);
+    let ids = got.ids();
+    assert_eq!(ids.len(), 8, "the request completed: {:?}", got.events.last());
+    let npu = npu_dump(&conn);
+    assert!(npu.contains("failed, on the CPU") && npu.contains("LLMD_QNN_EMU_FAIL_AFTER"), "{npu}");
+    assert!(
+        npu.contains("plan made again without the NPU: Cpu prefill, Gpu decode (made: the devices present changed"),
+        "{npu}"
+    );
+    let margins = cpu_margins(&prompt, &ids);
+    eprintln!("the CPU's margin over each token the daemon gave: {margins:?}");
+    assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

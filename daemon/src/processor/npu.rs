@@ -486,6 +486,18 @@ impl Backend for Planned {
         prepared.how = format!("{said}; {}", prepared.how);
         Ok(prepared)
     }
+
+    fn failed(&mut self, model: &Arc<Model>, _reason: &str) -> Option<String> {
+        Some(self.replan_without_npu(model))
+    }
+}
+
+impl Planned {
+    /// The plan of a model whose NPU job failed, made again without the NPU.
+    fn replan_without_npu(&mut self, model: &Arc<Model>) -> String {
+        let (plan, told) = plan_for(&self.plan, model, Present { npu: false, gpu: self.gpu.is_ok() });
+        format!("plan made again without the NPU: {:?} prefill, {:?} decode ({told})", plan.prefill, plan.decode)
+    }
 }
 
 /// `model`'s plan with the processors `present`: the stored one when its key (the profile, the

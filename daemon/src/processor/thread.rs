@@ -122,6 +122,11 @@ pub trait Backend: Send + 'static {
     fn open(&mut self) -> Result<String, Refusal>;
     /// `model`'s device set.
     fn prepare(&mut self, model: &Arc<Model>) -> Result<Prepared, String>;
+    /// A job of `model` failed (`reason`): the model's work now runs without this processor.
+    /// What the backend did about it, for `dump` (a plan made again without it).
+    fn failed(&mut self, _model: &Arc<Model>, _reason: &str) -> Option<String> {
+        None
+    }
 }
 
 /// What a job is, for `dump`: its requests, tokens and sequences, and which phase of them.
@@ -710,7 +715,22 @@ fn serve(label: Label, mut backend: Box<dyn Backend>, status: &Mutex<Status>, rx
                     Ok(Ok(())) => {}
                     Ok(Err(reason)) if r.is_some() => {
                         fail_model(label, &mut s, key, &reason);
+                        let model = r.and_then(|r| r.model.upgrade());
                         resident.retain(|r| r.key != key);
+                        drop(s);
+                        let said = model.and_then(|m| {
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.failed(&m, &reason)))
+                                .ok()
+                                .flatten()
+                        });
+                        if let Some(said) = said {
+                            tracing::warn!(model = %name, %said, "{}", label.name());
+                            let mut s = lock(status);
+                            if let Some(Prep::Failed { reason }) = s.entry(key).map(|m| &mut m.prep) {
+                                reason.push_str("; ");
+                                reason.push_str(&said);
+                            }
+                        }
                     }
                     // No device set: the job was told why; nothing to take off.
                     Ok(Err(_)) => {}
