@@ -1973,3 +1973,57 @@ fn an_npu_failing_at_its_4th_graph_under_auto_leaves_the_request_to_the_cpu_and_
     assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `backend = "auto"` under the built-in Snapdragon 8 Gen 3 profile (emulated devices
+/// allowed): the plan for the default model is HeteroLLM's fp16 partitioned prefill, so a
+/// 520-token prompt is read in three 256-token chunks out of order — one chunk's projections
+/// on the NPU's fp16 graphs (or, where the solver gives a layer part wholly to the GPU, that
+/// part on the GPU) while the CPU runs another's attention — decode runs on the GPU, and every
+/// token is the CPU's (teacher-forced) or a near tie there.
+#[test]
+fn under_the_8gen3_profile_auto_reads_a_prompt_across_processors_out_of_order_and_decodes_on_the_gpu() {
+    if opencl_missing() {
+        return;
+    }
+    let config = format!(
+        "[devices]\nallow_emulated = true\n[npu]\nlibrary = {:?}\n",
+        common::emulator_library().display().to_string()
+    );
+    let d = Daemon::start(&config);
+    let conn = d.connect();
+    let npu = wait_npu(&conn, "ready:");
+    assert!(npu.contains("plan Fp16Partitioned prefill, Gpu decode"), "{npu}");
+    let t = Instant::now();
+    while !gpu_dump(&conn).contains(" ready:") {
+        assert!(t.elapsed() < GPU_READY, "the GPU never got the model ready:\n{}", gpu_dump(&conn));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(35);
+    let s = session(&conn);
+    let (cb, _keep, rx) = client::callback();
+    s.generate(&greedy(&prompt, 8), &cb).expect("submitted");
+    let got = collect_timed(rx, None);
+    let ids = got.ids();
+    assert_eq!(ids.len(), 8, "{:?}", got.events.last());
+    let dump = conn.admin().expect("admin").dumpState().expect("dump");
+    let jobs: Vec<&str> = dump.lines().filter(|l| l.trim_start().starts_with("job request=")).collect();
+    let prefill: Vec<(String, u64, u64, u64)> = jobs
+        .iter()
+        .filter(|l| l.contains("kind=prefill"))
+        .filter_map(|l| {
+            let p = l.split_whitespace().find_map(|w| w.strip_prefix("processor="))?.to_owned();
+            Some((p, field(l, "chunk=")?, field(l, "start_ms=")?, field(l, "end_ms=")?))
+        })
+        .collect();
+    let mut chunks: Vec<u64> = prefill.iter().map(|p| p.1).collect();
+    chunks.sort_unstable();
+    chunks.dedup();
+    assert!(chunks.len() >= 3, "three chunks or more: {chunks:?}\n{dump}");
+    assert!(prefill.iter().any(|p| p.0 == "cpu") && prefill.iter().any(|p| p.0 != "cpu"), "{dump}");
+    let overlap = prefill.iter().any(|a| prefill.iter().any(|b| a.0 != b.0 && a.2 < b.3 && b.2 < a.3));
+    assert!(overlap, "two of the request's jobs overlap on different processors:\n{dump}");
+    assert!(jobs.iter().any(|l| l.contains("processor=gpu kind=decode")), "decode on the GPU:\n{dump}");
+    let margins = cpu_margins(&prompt, &ids);
+    eprintln!("the CPU's margin over each token the daemon gave: {margins:?}");
+    assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
+}

@@ -303,6 +303,29 @@ struct Hetero {
     opened: Option<(Arc<QnnDevice>, Arc<GpuDevice>)>,
 }
 
+/// The layer parts whose projections `plan` gives wholly to the GPU at `chunk` tokens.
+fn gpu_only_parts(
+    plan: &HeteroPlan,
+    layers: usize,
+    chunk: usize,
+) -> std::collections::HashSet<(usize, llmd_device::SubgraphKind)> {
+    use llmd_device::{SubgraphKind as K, WeightRole as R};
+    let parts: [(K, &[R]); 4] = [
+        (K::AttnQkv, &[R::Wq, R::Wk, R::Wv]),
+        (K::AttnOut, &[R::Wo]),
+        (K::FfnGateUp, &[R::Gate, R::Up]),
+        (K::FfnDown, &[R::Down]),
+    ];
+    let gpu = |l: usize, r: R| {
+        plan.pieces(l, r, chunk).is_some_and(|ps| ps.iter().all(|p| p.dev == llmd_engine::sched::Processor::Gpu))
+    };
+    (0..layers)
+        .flat_map(|l| {
+            parts.iter().filter(move |(_, roles)| roles.iter().all(|&r| gpu(l, r))).map(move |(k, _)| (l, *k))
+        })
+        .collect()
+}
+
 /// The token counts HeteroLLM's plan is made for: `[hetero] sizes` and one (decode).
 fn hetero_counts(h: &HeteroSettings) -> Vec<usize> {
     let mut counts = h.sizes.clone();
@@ -362,11 +385,18 @@ impl Hetero {
         }
         let cuts = planned.to_json();
         // Every block on the host (the CPU: norms, RoPE, attention, SwiGLU, the head); each
-        // projection's parts on the NPU and the GPU as the plan cuts it.
+        // projection's parts on the NPU and the GPU as the plan cuts it. In a prompt's chunks
+        // (layer parts, out of order), a part whose projections the plan gives wholly to the
+        // GPU at the chunk's size runs there whole (HeteroLLM: norms and SwiGLU on the GPU), on
+        // the GPU's lane beside the CPU's attention of another chunk.
         let host = model.transformer.planner().backends().next().map(|d| d.name.clone()).unwrap_or_default();
+        let chunk = h.sizes.iter().copied().max().unwrap_or(1);
+        let on_gpu = gpu_only_parts(&planned, model.config().n_layers, chunk);
+        let names = vec![host, device.desc().name.clone(), gpu.desc().name.clone()];
+        let pick = move |sg: llmd_device::Subgraph| if on_gpu.contains(&(sg.layer, sg.kind)) { 2 } else { 0 };
         let devs = Devices::new(
             vec![device.clone() as Arc<dyn llmd_device::Device>, gpu.clone() as Arc<dyn llmd_device::Device>],
-            Arc::new(llmd_engine::sched::Pinned { names: vec![host], pick: |_| 0 }),
+            Arc::new(llmd_engine::sched::Pinned { names, pick }),
         )
         .with_splitter(Arc::new(planned));
         let graphs = model.transformer.prepare_splits(&devs).map_err(|e| e.to_string())?;
@@ -475,7 +505,9 @@ impl Backend for Planned {
                 let mut p = self.hetero.prepare_plan(model)?;
                 p.takes = Some(Takes {
                     chunk: Some(self.hetero.hetero.sizes.iter().copied().max().unwrap_or(self.int8.settings.chunk)),
-                    chunks_per_job: 1,
+                    // Out of order across chunks: the GPU's parts of one beside the CPU's
+                    // attention of another.
+                    chunks_per_job: self.int8.settings.ooe_chunks.max(1),
                     decode: plan.decode == DecodePlan::HeteroTensor,
                     one_sequence_at_a_time: true,
                 });
