@@ -1776,6 +1776,9 @@ fn the_hetero_backend_serves_the_default_model_on_a_partitioned_plan_with_the_cp
     assert!(npu_pieces >= matmuls && gpu_pieces >= matmuls, "{line}");
     let fast = npu.lines().find(|l| l.contains("fast sync ")).unwrap_or_else(|| panic!("no fast-sync line:\n{npu}"));
     assert!(fast.contains(&format!(": {split} waits for the GPU")), "a fast-sync wait per cut matmul: {fast}");
+    // Per operator kind: how soon after the GPU's part finished the waiter woke.
+    let kinds: Vec<&str> = npu.lines().filter(|l| l.contains("fast sync ") && l.contains(" wake_p50_us=")).collect();
+    assert!(kinds.len() >= 7 && kinds.iter().all(|l| field(l, "waits=").is_some_and(|w| w > 0)), "{npu}");
     assert!(
         npu.lines().filter(|l| l.contains("npu_job request=") && l.contains(" tokens=1 sequences=1 ")).count() >= 10,
         "decode steps on the plan:\n{npu}"

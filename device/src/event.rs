@@ -9,8 +9,8 @@ use std::sync::{Arc, Condvar, Mutex};
 #[derive(Clone)]
 pub struct Event(Arc<(Mutex<Outcome>, Condvar)>);
 
-/// Not yet signalled (None), or the work's result.
-type Outcome = Option<Result<(), DeviceError>>;
+/// Not yet signalled (None), or the work's result and when it was signalled.
+type Outcome = Option<(Result<(), DeviceError>, std::time::Instant)>;
 
 impl Default for Event {
     fn default() -> Self {
@@ -41,21 +41,27 @@ impl Event {
     pub fn signal(&self, r: Result<(), DeviceError>) {
         let mut s = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
         if s.is_none() {
-            *s = Some(r);
+            *s = Some((r, std::time::Instant::now()));
             self.0 .1.notify_all();
         }
     }
 
     /// The outcome, if signalled.
     pub fn state(&self) -> Option<Result<(), DeviceError>> {
-        self.0 .0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0 .0.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|o| o.0.clone())
+    }
+
+    /// When it was signalled (the producer finished: a runtime's completion callback), if it
+    /// was.
+    pub fn signalled_at(&self) -> Option<std::time::Instant> {
+        self.0 .0.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|o| o.1)
     }
 
     /// Blocks until signalled; the work's outcome.
     pub fn wait(&self) -> Result<(), DeviceError> {
         let mut s = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(r) = s.as_ref() {
+            if let Some((r, _)) = s.as_ref() {
                 return r.clone();
             }
             s = self.0 .1.wait(s).unwrap_or_else(|e| e.into_inner());

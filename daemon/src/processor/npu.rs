@@ -427,7 +427,7 @@ impl Hetero {
         let lines = Box::new(move |devs: &Devices, name: &str| {
             let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
             let (st, sync) = (&devs.stats, &devs.sync);
-            vec![
+            let mut lines = vec![
                 format!(
                     "hetero {name}: {} matmuls, {} cut between the NPU and the GPU; {} NPU pieces, {} GPU pieces",
                     c(&st.matmuls),
@@ -440,7 +440,16 @@ impl Hetero {
                     c(&sync.waits),
                     c(&sync.polled_ns) as f64 / 1e6
                 ),
-            ]
+            ];
+            // Per operator kind (projection and token count): how soon after the GPU's part
+            // finished the NPU thread woke (its completion callback to the waiter seeing it).
+            for w in sync.wake_stats() {
+                lines.push(format!(
+                    "fast sync {name} {}: waits={} wake_p50_us={:.0} wake_p99_us={:.0} polling_ms={:.2}",
+                    w.key, w.waits, w.p50_us, w.p99_us, w.polled_ms
+                ));
+            }
+            lines
         });
         Ok(Prepared { devs, graphs, how, modelled: Some(modelled), lines, takes: None })
     }

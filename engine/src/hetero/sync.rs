@@ -209,6 +209,31 @@ pub struct FastSync {
     /// Waits done, and time spent polling in them (nanoseconds).
     pub waits: std::sync::atomic::AtomicU64,
     pub polled_ns: std::sync::atomic::AtomicU64,
+    /// Per operator kind: its waits' wake latencies after the producer finished (the last
+    /// [`WAKES_KEPT`], µs) and their polling.
+    wakes: std::sync::Mutex<std::collections::BTreeMap<String, Wakes>>,
+}
+
+/// Wake latencies kept per operator kind.
+pub const WAKES_KEPT: usize = 4096;
+
+#[derive(Debug, Default)]
+struct Wakes {
+    waits: u64,
+    polled_ns: u64,
+    latency_us: std::collections::VecDeque<f64>,
+}
+
+/// One operator kind's waits (see [`FastSync::wake_stats`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct WakeStats {
+    pub key: String,
+    pub waits: u64,
+    /// Wake latency after the producer finished, µs: median and 99th percentile of the kept.
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// CPU time spent polling in them, ms.
+    pub polled_ms: f64,
 }
 
 impl FastSync {
@@ -216,8 +241,9 @@ impl FastSync {
         Self::default()
     }
 
-    /// Waits for `flag` to reach `seq` for operator `key` submitted at `submitted`.
-    pub fn wait(&self, key: &str, flag: &dyn Signal, seq: u64, submitted: Instant) {
+    /// Waits for `flag` to reach `seq` for operator `key` submitted at `submitted`; when the
+    /// wait ended (the waiter saw the flag).
+    pub fn wait(&self, key: &str, flag: &dyn Signal, seq: u64, submitted: Instant) -> (Instant, Duration) {
         let predicted = self.predictor.lock().ok().and_then(|p| p.predict(key));
         let st = match self.waiter.lock() {
             Ok(mut w) => w.wait(flag, seq, submitted, predicted),
@@ -225,6 +251,40 @@ impl FastSync {
         };
         self.waits.fetch_add(1, Ordering::Relaxed);
         self.polled_ns.fetch_add(st.polled.as_nanos() as u64, Ordering::Relaxed);
+        (Instant::now(), st.polled)
+    }
+
+    /// Records a wait of operator `key` that ended at `woke`, its producers having finished at
+    /// `finished` (their completion as the runtime signalled it), `polled` of it polling.
+    pub fn record_wake(&self, key: &str, finished: Instant, woke: Instant, polled: Duration) {
+        if let Ok(mut w) = self.wakes.lock() {
+            let e = w.entry(key.to_owned()).or_default();
+            e.waits += 1;
+            e.polled_ns += polled.as_nanos() as u64;
+            if e.latency_us.len() == WAKES_KEPT {
+                e.latency_us.pop_front();
+            }
+            e.latency_us.push_back(woke.saturating_duration_since(finished).as_secs_f64() * 1e6);
+        }
+    }
+
+    /// Per operator kind, the waits recorded with [`Self::record_wake`].
+    pub fn wake_stats(&self) -> Vec<WakeStats> {
+        let Ok(w) = self.wakes.lock() else { return Vec::new() };
+        w.iter()
+            .map(|(key, e)| {
+                let mut v: Vec<f64> = e.latency_us.iter().copied().collect();
+                v.sort_by(f64::total_cmp);
+                let at = |q: f64| v.get(((v.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+                WakeStats {
+                    key: key.clone(),
+                    waits: e.waits,
+                    p50_us: at(0.5),
+                    p99_us: at(0.99),
+                    polled_ms: e.polled_ns as f64 / 1e6,
+                }
+            })
+            .collect()
     }
 
     /// Records how long operator `key` took (submission to the producer's completion).

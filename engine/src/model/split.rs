@@ -228,9 +228,14 @@ impl Devices {
             let busy = !done();
             // Every layer runs the same operators: one prediction per role and token count.
             let key = format!("{role:?}.{n}");
-            self.sync.wait(&key, &Polled(&done), 1, submitted);
+            let (woke, polled) = self.sync.wait(&key, &Polled(&done), 1, submitted);
             if busy {
                 self.sync.observe(&key, submitted.elapsed());
+                // The wake's latency after the last producer finished (its event signalled by
+                // the runtime's completion callback), when the waiter had to wait.
+                if let Some(finished) = work.iter().filter_map(|(_, _, ev)| ev.signalled_at()).max() {
+                    self.sync.record_wake(&key, finished, woke, polled);
+                }
             }
         }
         let mut result = Ok(());
