@@ -2030,3 +2030,49 @@ fn under_the_8gen3_profile_auto_reads_a_prompt_across_processors_out_of_order_an
     eprintln!("the CPU's margin over each token the daemon gave: {margins:?}");
     assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
 }
+
+/// A GPU failing at its 2nd decode step (an OpenCL error: `LLMD_OPENCL_FAIL_AFTER` set to the
+/// kernels of one decode step, measured on a first daemon): the step is rolled back and run on
+/// the CPU, the request completes with the CPU's tokens (teacher-forced: each the CPU's own or
+/// a near tie), and the model decodes on the CPU from then on while `dump` says why.
+#[test]
+fn a_gpu_failing_at_its_2nd_decode_step_leaves_the_request_to_the_cpu_with_the_cpus_tokens() {
+    if opencl_missing() {
+        return;
+    }
+    let prompt = "The capital of France is";
+    let kernels = |conn: &Connection| {
+        let g = gpu_dump(conn);
+        g.lines().find_map(|l| l.trim().split_once(" kernels,").and_then(|(n, _)| n.parse::<u64>().ok()))
+    };
+    let ready = |conn: &Connection| {
+        let t = Instant::now();
+        while !gpu_dump(conn).contains(" ready:") {
+            assert!(t.elapsed() < GPU_READY, "the GPU never got the model ready:\n{}", gpu_dump(conn));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    // One decode step's kernels (the first token comes from the prompt's logits, on the CPU).
+    let d = Daemon::start("backend = \"gpu\"\n");
+    let conn = d.connect();
+    ready(&conn);
+    let before = kernels(&conn).unwrap_or(0);
+    let one = run(&session(&conn), &greedy(prompt, 2));
+    assert_eq!(one.ids.len(), 2);
+    let per_step = kernels(&conn).expect("the GPU counts its kernels") - before;
+    assert!(per_step > 0, "{}", gpu_dump(&conn));
+    drop(conn);
+    drop(d);
+    let d = Daemon::start_after("backend = \"gpu\"\n", Some(&format!("export LLMD_OPENCL_FAIL_AFTER={per_step}")));
+    let conn = d.connect();
+    ready(&conn);
+    let o = run(&session(&conn), &greedy(prompt, 8));
+    assert_eq!(o.error, None);
+    assert_eq!(o.ids.len(), 8, "the request completed");
+    let gpu = gpu_dump(&conn);
+    assert!(gpu.contains("failed, on the CPU") && gpu.contains("LLMD_OPENCL_FAIL_AFTER"), "{gpu}");
+    assert_eq!(gpu.matches("gpu_job").count(), 2, "one step done, the second failed:\n{gpu}");
+    let margins = cpu_margins(prompt, &o.ids);
+    eprintln!("{per_step} kernels per decode step; the CPU's margin over each token: {margins:?}");
+    assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
+}

@@ -17,6 +17,10 @@
 //! enqueued with their arguments in one call; reads block, kernels do not, and
 //! [`Context::on_done`] calls back once the queue has reached a point. The context counts what
 //! crosses between host and device and how often the host waited ([`Stats`]).
+//!
+//! **A failing device** for tests: `LLMD_OPENCL_FAIL_AFTER=N` fails every kernel enqueue after
+//! the process's first `N` with `CL_OUT_OF_RESOURCES`, as a device that stops mid-request (the
+//! QNN emulator's `LLMD_QNN_EMU_FAIL_AFTER` does the same for the NPU).
 
 use opencl_sys as cl;
 use std::ffi::{c_void, CString};
@@ -654,6 +658,15 @@ impl Context {
         if global.contains(&0) {
             return Ok(());
         }
+        if let Some(n) = fail_after() {
+            static ENQUEUED: AtomicU64 = AtomicU64::new(0);
+            if ENQUEUED.fetch_add(1, Ordering::Relaxed) >= n {
+                return Err(ClError::Invalid(format!(
+                    "{}: clEnqueueNDRangeKernel: CL_OUT_OF_RESOURCES (-5) ({FAIL_AFTER_ENV}={n})",
+                    kernel.name
+                )));
+            }
+        }
         let _one_at_a_time = kernel.args.lock().unwrap_or_else(|e| e.into_inner());
         for (i, a) in args.iter().enumerate() {
             let i = i as u32;
@@ -990,4 +1003,13 @@ mod tests {
         let e = Library::open(Some(Path::new("libc.so.6"))).unwrap_err();
         assert!(matches!(e, ClError::Symbol { symbol: "clGetPlatformIDs", .. }), "{e}");
     }
+}
+
+/// The variable that makes kernel enqueues fail after a count (see the crate's doc).
+pub const FAIL_AFTER_ENV: &str = "LLMD_OPENCL_FAIL_AFTER";
+
+/// `LLMD_OPENCL_FAIL_AFTER`, read once.
+fn fail_after() -> Option<u64> {
+    static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.trim().parse().ok()))
 }
