@@ -986,6 +986,15 @@ unsafe extern "C" fn notify(_ev: cl::cl_event, status: cl::cl_int, user: *mut c_
     done(if status == cl::CL_COMPLETE { Ok(()) } else { Err(status) });
 }
 
+/// The variable that makes kernel enqueues fail after a count (see the crate's doc).
+pub const FAIL_AFTER_ENV: &str = "LLMD_OPENCL_FAIL_AFTER";
+
+/// `LLMD_OPENCL_FAIL_AFTER`, read once.
+fn fail_after() -> Option<u64> {
+    static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.trim().parse().ok()))
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -1003,13 +1012,4 @@ mod tests {
         let e = Library::open(Some(Path::new("libc.so.6"))).unwrap_err();
         assert!(matches!(e, ClError::Symbol { symbol: "clGetPlatformIDs", .. }), "{e}");
     }
-}
-
-/// The variable that makes kernel enqueues fail after a count (see the crate's doc).
-pub const FAIL_AFTER_ENV: &str = "LLMD_OPENCL_FAIL_AFTER";
-
-/// `LLMD_OPENCL_FAIL_AFTER`, read once.
-fn fail_after() -> Option<u64> {
-    static N: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    *N.get_or_init(|| std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.trim().parse().ok()))
 }
