@@ -1648,6 +1648,28 @@ fn profile_file(dir: &std::path::Path, name: &str, fast_cpu: bool) -> std::path:
     file
 }
 
+/// Waits until the GPU has `conn`'s model ready.
+fn wait_gpu_ready(conn: &Connection) {
+    let t = Instant::now();
+    while !gpu_dump(conn).contains(" ready:") {
+        assert!(t.elapsed() < GPU_READY, "the GPU never got the model ready:\n{}", gpu_dump(conn));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Once the GPU has the model, 8 greedy tokens after `prompt` in a new session; the ids and
+/// the daemon's dump after them.
+fn long_prompt_reply(conn: &Connection, prompt: &str) -> (Vec<i32>, String) {
+    wait_gpu_ready(conn);
+    let s = session(conn);
+    let (cb, _keep, rx) = client::callback();
+    s.generate(&greedy(prompt, 8), &cb).expect("submitted");
+    let got = collect_timed(rx, None);
+    let ids = got.ids();
+    assert_eq!(ids.len(), 8, "{:?}", got.events.last());
+    (ids, conn.admin().expect("admin").dumpState().expect("dump"))
+}
+
 /// `backend = "auto"` with emulated devices allowed (llmd's emulator as the NPU, PoCL or
 /// Intel's CPU runtime as the GPU) follows each model's plan: under a profile that makes INT8
 /// chunked prefill the faster, a 520-token prompt goes to the NPU as W8A8 chunks, decode to
@@ -1677,19 +1699,8 @@ fn auto_follows_each_models_plan_and_makes_it_again_when_the_profile_changes() {
     assert!(npu.contains("plan Int8Chunked prefill, Gpu decode (made: none stored"), "{npu}");
     let plans = dir.join("state/plans/smollm2-135m-instruct.q4_1.phone.json");
     assert!(plans.is_file(), "the plan is stored: {npu}");
-    let t = Instant::now();
-    while !gpu_dump(&conn).contains(" ready:") {
-        assert!(t.elapsed() < GPU_READY, "the GPU never got the model ready:\n{}", gpu_dump(&conn));
-        std::thread::sleep(Duration::from_millis(100));
-    }
     let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(35);
-    let s = session(&conn);
-    let (cb, _keep, rx) = client::callback();
-    s.generate(&greedy(&prompt, 8), &cb).expect("submitted");
-    let got = collect_timed(rx, None);
-    let ids = got.ids();
-    assert_eq!(ids.len(), 8, "{:?}", got.events.last());
-    let dump = conn.admin().expect("admin").dumpState().expect("dump");
+    let (ids, dump) = long_prompt_reply(&conn, &prompt);
     let jobs: Vec<&str> = dump.lines().filter(|l| l.trim_start().starts_with("job request=")).collect();
     let mine = |p: &str, k: &str| jobs.iter().filter(|l| l.contains(&format!("processor={p} kind={k}"))).count();
     let chunks: usize = jobs
@@ -1996,19 +2007,8 @@ fn under_the_8gen3_profile_auto_reads_a_prompt_across_processors_out_of_order_an
     let conn = d.connect();
     let npu = wait_npu(&conn, "ready:");
     assert!(npu.contains("plan Fp16Partitioned prefill, Gpu decode"), "{npu}");
-    let t = Instant::now();
-    while !gpu_dump(&conn).contains(" ready:") {
-        assert!(t.elapsed() < GPU_READY, "the GPU never got the model ready:\n{}", gpu_dump(&conn));
-        std::thread::sleep(Duration::from_millis(100));
-    }
     let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(35);
-    let s = session(&conn);
-    let (cb, _keep, rx) = client::callback();
-    s.generate(&greedy(&prompt, 8), &cb).expect("submitted");
-    let got = collect_timed(rx, None);
-    let ids = got.ids();
-    assert_eq!(ids.len(), 8, "{:?}", got.events.last());
-    let dump = conn.admin().expect("admin").dumpState().expect("dump");
+    let (ids, dump) = long_prompt_reply(&conn, &prompt);
     let jobs: Vec<&str> = dump.lines().filter(|l| l.trim_start().starts_with("job request=")).collect();
     let prefill: Vec<(String, u64, u64, u64)> = jobs
         .iter()
@@ -2045,17 +2045,10 @@ fn a_gpu_failing_at_its_2nd_decode_step_leaves_the_request_to_the_cpu_with_the_c
         let g = gpu_dump(conn);
         g.lines().find_map(|l| l.trim().split_once(" kernels,").and_then(|(n, _)| n.parse::<u64>().ok()))
     };
-    let ready = |conn: &Connection| {
-        let t = Instant::now();
-        while !gpu_dump(conn).contains(" ready:") {
-            assert!(t.elapsed() < GPU_READY, "the GPU never got the model ready:\n{}", gpu_dump(conn));
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
     // One decode step's kernels (the first token comes from the prompt's logits, on the CPU).
     let d = Daemon::start("backend = \"gpu\"\n");
     let conn = d.connect();
-    ready(&conn);
+    wait_gpu_ready(&conn);
     let before = kernels(&conn).unwrap_or(0);
     let one = run(&session(&conn), &greedy(prompt, 2));
     assert_eq!(one.ids.len(), 2);
@@ -2065,7 +2058,7 @@ fn a_gpu_failing_at_its_2nd_decode_step_leaves_the_request_to_the_cpu_with_the_c
     drop(d);
     let d = Daemon::start_after("backend = \"gpu\"\n", Some(&format!("export LLMD_OPENCL_FAIL_AFTER={per_step}")));
     let conn = d.connect();
-    ready(&conn);
+    wait_gpu_ready(&conn);
     let o = run(&session(&conn), &greedy(prompt, 8));
     assert_eq!(o.error, None);
     assert_eq!(o.ids.len(), 8, "the request completed");
