@@ -73,7 +73,8 @@ pub enum HeteroPlan {
     Even,
 }
 
-/// HeteroLLM's partitioned execution (`[hetero]`, used with `backend = "hetero"`).
+/// HeteroLLM's partitioned execution (`[hetero]`, used with `backend = "hetero"`, and by
+/// `"auto"` for a model whose plan is HeteroLLM's).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HeteroConfig {

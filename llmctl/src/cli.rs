@@ -490,16 +490,27 @@ pub struct Job {
     pub ok: bool,
 }
 
-/// The dump's sections: each name (a line at the left margin) and its indented lines.
+/// The dump's sections: each name (a line at the left margin) and its indented lines; the last,
+/// `CONFIG`, is TOML at the margin and keeps its lines as they are.
 pub fn sections(dump: &str) -> Vec<(String, Vec<String>)> {
     let mut out: Vec<(String, Vec<String>)> = Vec::new();
+    let mut config = false;
     for line in dump.lines() {
+        if config {
+            if let Some((_, lines)) = out.last_mut() {
+                lines.push(line.to_owned());
+            }
+            continue;
+        }
         if line.is_empty() {
             continue;
         }
         match (line.starts_with(' '), out.last_mut()) {
             (true, Some((_, lines))) => lines.push(line.trim().to_owned()),
-            _ => out.push((line.trim().to_owned(), Vec::new())),
+            _ => {
+                config = line == "CONFIG";
+                out.push((line.trim().to_owned(), Vec::new()))
+            }
         }
     }
     out
@@ -547,8 +558,8 @@ pub fn job_bars(jobs: &[Job]) -> Vec<crate::gantt::Bar> {
 pub fn dump(conn: &Connection, a: &DumpArgs) -> Result<(), String> {
     let text = conn.admin()?.dumpState().map_err(|e| client::describe(&e))?;
     let mut all = jobs(&text);
+    all.retain(|j| a.request.is_none_or(|r| j.request == r));
     if let Some(file) = &a.timeline {
-        all.retain(|j| a.request.is_none_or(|r| j.request == r));
         let title = match a.request {
             Some(r) => format!("llmd: request {r}'s jobs (measured)"),
             None => "llmd: recent jobs (measured)".to_owned(),

@@ -242,9 +242,8 @@ pub fn run(a: &PlanArgs) -> Result<(), String> {
         } else {
             pass_bars(&pre, shape.layers, 0.0, "prefill", 0)
         };
-        // Decode after an INT8 prefill runs on the GPU alone (llm.npu decodes elsewhere);
-        // after a float one, HeteroLLM's tensor-level plan.
-        let decode = if recommend.starts_with("INT8") { &rows[0].2 } else { &dec };
+        // Decode where the plan puts it: the GPU alone, or HeteroLLM's tensor-level cut.
+        let decode = if plan.decode == choose::DecodePlan::HeteroTensor { &dec } else { &rows[0].2 };
         for step in 0..SVG_DECODE_STEPS {
             let (b, end) = pass_bars(decode, shape.layers, t, &format!("decode {step}"), 1000 + step as u64);
             bars.extend(b);

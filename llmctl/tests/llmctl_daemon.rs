@@ -381,6 +381,9 @@ fn dump_json_lists_a_requests_jobs_per_processor_and_the_timeline_draws_them() {
     assert_eq!(ids.len(), 4);
     let doc: serde_json::Value = serde_json::from_str(&llmctl(&["dump", "--json"])).expect("dump --json is JSON");
     assert!(doc["sections"]["DEVICES"].is_array(), "{doc}");
+    let config = doc["sections"]["CONFIG"].as_array().expect("the config's lines");
+    assert!(config.iter().any(|l| l.as_str().is_some_and(|l| l.starts_with("backend = "))), "{doc}");
+    assert!(doc["sections"].get("[npu]").is_none(), "the config's TOML is not taken for sections: {doc}");
     let jobs = doc["jobs"].as_array().expect("jobs");
     let request = jobs.iter().find(|j| j["kind"] == "prefill").expect("a prefill job")["request"].as_u64().expect("id");
     let mine: Vec<&serde_json::Value> = jobs.iter().filter(|j| j["request"] == request).collect();
@@ -396,6 +399,10 @@ fn dump_json_lists_a_requests_jobs_per_processor_and_the_timeline_draws_them() {
             assert!(j.get(k).is_some(), "{k} in {j}");
         }
     }
+    let only: serde_json::Value =
+        serde_json::from_str(&llmctl(&["dump", "--json", "--request", &request.to_string()])).expect("JSON");
+    let only = only["jobs"].as_array().expect("jobs");
+    assert!(!only.is_empty() && only.iter().all(|j| j["request"] == request), "--request filters: {only:?}");
     // The timeline of that request: one lane per processor, a bar per job, in time order.
     let svg_file = d.dir.join("timeline.svg");
     llmctl(&["dump", "--timeline", svg_file.to_str().expect("path"), "--request", &request.to_string()]);

@@ -112,7 +112,7 @@ impl Processors {
     /// it).
     pub fn devices(&self) -> String {
         format!(
-            "\nDEVICES\n  {}\n  {}\n  cpu taken: what the others do not take\n  threads spawned={} by the engine since start (its lanes, workers and helpers; none per operator)\n",
+            "\nDEVICES\n  {}\n  {}\n  cpu taken: what the others do not take\n  threads spawned={} by the engine since start (its lanes, workers and helpers)\n",
             self.npu.taken(),
             self.gpu.taken(),
             llmd_engine::sched::threads_spawned()

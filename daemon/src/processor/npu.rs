@@ -151,9 +151,9 @@ pub fn from_config(config: &Config) -> Arc<Processor> {
         (ConfigBackend::Auto, Some(h)) => Some(PlanSettings {
             soc: h.soc.clone(),
             dir: config.residency.state_dir.as_ref().map(|d| d.join("plans")),
-            // The GPU's own rules for `auto` decide whether OpenCL is probed at all.
-            gpu: super::gpu::auto_refusal(config)
-                .is_none()
+            // The GPU's own rules for `auto` decide whether OpenCL is probed at all; with an
+            // int8 KV cache the GPU processor does not decode (its attention reads f16).
+            gpu: (super::gpu::auto_refusal(config).is_none() && config.kv_cache_type != crate::config::KvCacheType::Q8)
                 .then(|| GpuOptions { gpu_only: !allow_emulated, ..h.gpu.clone() }),
             refuse_emulated_gpu: !allow_emulated,
         }),

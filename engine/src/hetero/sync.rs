@@ -215,7 +215,7 @@ pub struct FastSync {
 }
 
 /// Wake latencies kept per operator kind.
-pub const WAKES_KEPT: usize = 4096;
+pub const WAKES_KEPT: usize = 1024;
 
 #[derive(Debug, Default)]
 struct Wakes {

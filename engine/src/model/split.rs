@@ -226,8 +226,9 @@ impl Devices {
         if mixed {
             let done = || work.iter().all(|(_, _, ev)| ev.state().is_some());
             let busy = !done();
-            // Every layer runs the same operators: one prediction per role and token count.
-            let key = format!("{role:?}.{n}");
+            // Every layer runs the same operators: one prediction per role and token count
+            // (rounded up to a power of two, so a prompt's odd tails share their size's).
+            let key = format!("{role:?}.{}", n.next_power_of_two());
             let (woke, polled) = self.sync.wait(&key, &Polled(&done), 1, submitted);
             if busy {
                 self.sync.observe(&key, submitted.elapsed());

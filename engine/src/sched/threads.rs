@@ -7,11 +7,6 @@ use llmd_device::Processor;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 
-/// Runs `dag` on real threads — one per processor its subgraphs use, the NPU's being the
-/// caller's own (so QNN is only ever called from the thread that owns it) — each taking its next
-/// job from one shared [`Scheduler`] (profiled times `t` for the scores) and running `work(job)`;
-/// returns the timeline measured. The first error stops every lane and is returned; a lane that
-/// panics stops the others, and the panic goes on in the caller.
 /// Threads the engine has spawned since the process started (its lanes, workers and helpers):
 /// `dump` shows it, so that a thread spawned per operator shows as this growing with every one.
 static SPAWNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -26,6 +21,11 @@ pub(crate) fn count_spawned(n: u64) {
     SPAWNED.fetch_add(n, Ordering::Relaxed);
 }
 
+/// Runs `dag` on real threads — one per processor its subgraphs use, the NPU's being the
+/// caller's own (so QNN is only ever called from the thread that owns it) — each taking its next
+/// job from one shared [`Scheduler`] (profiled times `t` for the scores) and running `work(job)`;
+/// returns the timeline measured. The first error stops every lane and is returned; a lane that
+/// panics stops the others, and the panic goes on in the caller.
 pub fn run_threads<E: Send>(
     dag: &Dag,
     policy: Policy,
