@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build --release --quiet -p llmd-daemon -p llmctl --bins
+# llmd's QNN emulator beside llmd (the NPU of bench-load-devices.toml)
+cargo build --release --quiet -p qnn-emu-sys
 . scripts/serve-llmd.sh
 serve_llmd "${LLMD_BENCH_LOG:-}" --config "${LLMD_BENCH_CONFIG:-daemon/config/bench-load.toml}" --model models/SmolLM2-135M-Instruct.Q4_1.gguf
 target/release/llmctl --socket "$sock" bench --load "$@"

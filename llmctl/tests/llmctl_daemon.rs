@@ -360,9 +360,13 @@ fn status_says_why_the_gpu_is_not_used_and_the_daemon_serves_on_the_cpu() {
 
 #[test]
 fn dump_json_lists_a_requests_jobs_per_processor_and_the_timeline_draws_them() {
-    // The NPU path over llmd's emulator (beside the llmd binary), chunks of 32 rows: a prompt
-    // of ~100 tokens is several NPU prefill jobs, then decode on the CPU.
-    let d = Daemon::start("backend = \"npu\"\n[npu]\nchunk = 32\nooe_chunks = 1\n");
+    // The NPU path over llmd's emulator (as cargo built it for these tests), chunks of 32
+    // rows: a prompt of ~100 tokens is several NPU prefill jobs, then decode on the CPU.
+    let emulator = llmd_qnn_emu::built_library().unwrap_or_else(|e| panic!("{e}"));
+    let d = Daemon::start(&format!(
+        "backend = \"npu\"\n[npu]\nlibrary = {:?}\nchunk = 32\nooe_chunks = 1\n",
+        emulator.display().to_string()
+    ));
     let conn = d.connect();
     let socket = d.socket.to_str().expect("path").to_owned();
     let llmctl = |args: &[&str]| {
