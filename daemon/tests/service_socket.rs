@@ -1599,11 +1599,11 @@ fn auto_takes_the_emulator_and_a_cpu_opencl_device_only_when_emulated_devices_ar
     eprintln!("{npu}");
 }
 
-/// A W8A8 prefill's token may differ from the CPU's only where the CPU's top two logits are
-/// this close: the NPU path's logits differ from the CPU's by up to about this much on the
-/// default model (measured: `npu_accuracy` and `llmctl npu-accuracy`'s next-token agreement
-/// of ~97% with shadow execution; every disagreement seen there was within 1.0).
-const NPU_NEAR_TIE_LOGITS: f32 = 1.0;
+/// A token the daemon gave (on the NPU's W8A8 or fp16 graphs, or the GPU) may differ from the
+/// CPU's only where the CPU's top two logits are this close. **Decision** (ours): half a logit,
+/// a near tie; these tests' runs gave margins of 0.0 (both NPU plans) and 0.16 (the GPU's step
+/// before it failed).
+const NEAR_TIE_LOGITS: f32 = 0.5;
 
 /// For each of `ids` after `prompt` (teacher-forced, on the CPU in-process): how far the CPU's
 /// best logit is above the logit of the id given (0 where the CPU agrees).
@@ -1646,6 +1646,18 @@ fn profile_file(dir: &std::path::Path, name: &str, fast_cpu: bool) -> std::path:
     let file = dir.join("socs.toml");
     std::fs::write(&file, text.join("\n")).expect("profile written");
     file
+}
+
+/// `backend = "auto"` with emulated devices allowed (the emulator as NPU, chunks of
+/// [`NPU_CHUNK`]), the SoC profile `phone` of `dir/socs.toml` ([`profile_file`]) and the state
+/// directory `dir/state`.
+fn auto_config(dir: &std::path::Path) -> String {
+    format!(
+        "[devices]\nallow_emulated = true\nsoc = \"phone\"\nsoc_file = {:?}\n[npu]\nlibrary = {:?}\nchunk = {NPU_CHUNK}\n[residency]\nstate_dir = {:?}\n",
+        dir.join("socs.toml").display().to_string(),
+        common::emulator_library().display().to_string(),
+        dir.join("state").display().to_string()
+    )
 }
 
 /// Whether two prefill records of the dump's `JOBS` lines overlap in time on different
@@ -1699,16 +1711,9 @@ fn auto_follows_each_models_plan_and_makes_it_again_when_the_profile_changes() {
     let dir = std::env::temp_dir().join(format!("llmd-plans-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("dir");
-    let socs = profile_file(&dir, "phone", true);
-    let config = |soc: &str| {
-        format!(
-            "[devices]\nallow_emulated = true\nsoc = {soc:?}\nsoc_file = {:?}\n[npu]\nlibrary = {:?}\nchunk = {NPU_CHUNK}\n[residency]\nstate_dir = {:?}\n",
-            socs.display().to_string(),
-            common::emulator_library().display().to_string(),
-            dir.join("state").display().to_string()
-        )
-    };
-    let d = Daemon::start(&config("phone"));
+    profile_file(&dir, "phone", true);
+    let config = auto_config(&dir);
+    let d = Daemon::start(&config);
     let conn = d.connect();
     let npu = wait_npu(&conn, "ready:");
     assert!(npu.contains("plan Int8Chunked prefill, Gpu decode (made: none stored"), "{npu}");
@@ -1746,18 +1751,18 @@ fn auto_follows_each_models_plan_and_makes_it_again_when_the_profile_changes() {
     let margins = cpu_margins(&prompt, &ids);
     eprintln!("the CPU's margin over each token the daemon gave (0: the CPU's own): {margins:?}");
     for (i, m) in margins.iter().enumerate() {
-        assert!(*m <= NPU_NEAR_TIE_LOGITS, "token {i} is {m} below the CPU's best: {margins:?}");
+        assert!(*m <= NEAR_TIE_LOGITS, "token {i} is {m} below the CPU's best: {margins:?}");
     }
     drop(conn);
     drop(d);
     // The next start loads it; the profile changed (the 8 Gen 3's CPU figures) makes it again:
     // HeteroLLM's partitioned prefill for this model.
-    let d = Daemon::start(&config("phone"));
+    let d = Daemon::start(&config);
     let npu = wait_npu(&d.connect(), "ready:");
     assert!(npu.contains("plan Int8Chunked prefill, Gpu decode (loaded from"), "{npu}");
     drop(d);
     profile_file(&dir, "phone", false);
-    let d = Daemon::start(&config("phone"));
+    let d = Daemon::start(&config);
     let npu = wait_npu(&d.connect(), "ready:");
     assert!(npu.contains("plan Fp16Partitioned prefill, Gpu decode (made: the profile changed"), "{npu}");
     drop(d);
@@ -1964,13 +1969,8 @@ fn an_npu_failing_at_its_4th_graph_under_auto_leaves_the_request_to_the_cpu_and_
     let dir = std::env::temp_dir().join(format!("llmd-npu-fault-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("dir");
-    let socs = profile_file(&dir, "phone", true);
-    let config = format!(
-        "[devices]\nallow_emulated = true\nsoc = \"phone\"\nsoc_file = {:?}\n[npu]\nlibrary = {:?}\nchunk = {NPU_CHUNK}\n[residency]\nstate_dir = {:?}\n",
-        socs.display().to_string(),
-        common::emulator_library().display().to_string(),
-        dir.join("state").display().to_string()
-    );
+    profile_file(&dir, "phone", true);
+    let config = auto_config(&dir);
     let d = Daemon::start_after(&config, Some("export LLMD_QNN_EMU_FAIL_AFTER=3"));
     let conn = d.connect();
     let npu = wait_npu(&conn, "ready:");
@@ -1990,7 +1990,7 @@ fn an_npu_failing_at_its_4th_graph_under_auto_leaves_the_request_to_the_cpu_and_
     );
     let margins = cpu_margins(&prompt, &ids);
     eprintln!("the CPU's margin over each token the daemon gave: {margins:?}");
-    assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
+    assert!(margins.iter().all(|m| *m <= NEAR_TIE_LOGITS), "{margins:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -2033,7 +2033,7 @@ fn under_the_8gen3_profile_auto_reads_a_prompt_across_processors_out_of_order_an
     assert!(jobs.iter().any(|l| l.contains("processor=gpu kind=decode")), "decode on the GPU:\n{dump}");
     let margins = cpu_margins(&prompt, &ids);
     eprintln!("the CPU's margin over each token the daemon gave: {margins:?}");
-    assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
+    assert!(margins.iter().all(|m| *m <= NEAR_TIE_LOGITS), "{margins:?}");
 }
 
 /// A GPU failing at its 2nd decode step (an OpenCL error: `LLMD_OPENCL_FAIL_AFTER` set to the
@@ -2072,5 +2072,5 @@ fn a_gpu_failing_at_its_2nd_decode_step_leaves_the_request_to_the_cpu_with_the_c
     assert_eq!(gpu.matches("gpu_job").count(), 2, "one step done, the second failed:\n{gpu}");
     let margins = cpu_margins(prompt, &o.ids);
     eprintln!("{per_step} kernels per decode step; the CPU's margin over each token: {margins:?}");
-    assert!(margins.iter().all(|m| *m <= NPU_NEAR_TIE_LOGITS), "{margins:?}");
+    assert!(margins.iter().all(|m| *m <= NEAR_TIE_LOGITS), "{margins:?}");
 }
