@@ -9,7 +9,7 @@
 #   scripts/fuzz.sh --list                          the targets
 #
 # Needs the nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz --locked`).
-# Limits, as issue 27 counts them: an input taking more than 10 s is a hang (-timeout=10), more
+# Limits: an input taking more than 10 s is a hang (-timeout=10), more
 # than 2 GB of memory an out-of-memory (-rss_limit_mb=2048, also the largest single malloc).
 # Each target reads its seeds (fuzz/corpus/TARGET, committed) and grows a working corpus
 # (fuzz/work/TARGET, not committed). Crashing inputs land in fuzz/artifacts/TARGET/: fix the
@@ -52,7 +52,7 @@ children_cpu() {
 
 totals() {
   # Columns: date | target | seconds | jobs | executions | cov | ft | crashes | corpus | sanitizer
-  # | commit | CPU seconds. The CPU column was added later: older rows count seconds x jobs.
+  # | commit | CPU seconds. A row with an empty CPU column counts seconds x jobs.
   awk -F'|' '/^\| 20/ {
       t=$3; gsub(/ /,"",t); s=$4+0; j=$5+0; e=$6+0; c=$9; gsub(/ /,"",c)
       m=$13; gsub(/ /,"",m); cpu[t]+=(m != "" ? m+0 : s*j); ex[t]+=e; n[t]++; split(c, k, "/"); cr[t]+=k[1]+k[2]+k[3]

@@ -2,7 +2,7 @@
 # Installs the llama.cpp peer for `llmctl bench --compare-llamacpp`: PyPI llama-cpp-python 0.3.36,
 # built from source (about 15 minutes on 2 cores the first time). Not needed by the tests.
 #
-# Built with explicit instruction sets instead of -march=native: the native build crashed with a
+# Built with explicit instruction sets instead of -march=native: the native build crashes with a
 # general-protection fault in libggml-cpu.so on its first decode on this machine kind (a Xeon with
 # AMX). The build enables AVX2/FMA/F16C/AVX-512 (F, VNNI, VBMI, BF16) and leaves AMX off, which is
 # what our own kernels use, so the comparison is like for like. A crashing installed build is
@@ -30,6 +30,9 @@ if grep -qw avx512_vnni /proc/cpuinfo; then
   grep -qw avx512_bf16 /proc/cpuinfo && flags="$flags -DGGML_AVX512_BF16=ON"
 fi
 flags="$flags -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"
+# Its run-time dependencies (llama-cpp-python 0.3.36's own requirements), then the package itself
+# without them, so a forced rebuild does not reinstall numpy.
+python3 -m pip install --quiet "diskcache>=5.6.1" "numpy>=1.20.0" "typing-extensions>=4.5.0" "jinja2>=2.11.3"
 CMAKE_ARGS="$flags" python3 -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
   --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
 works || { echo "setup-llamacpp: the built llama-cpp-python does not run" >&2; exit 1; }

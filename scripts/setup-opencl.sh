@@ -16,6 +16,6 @@ have_pocl || { echo "setup-opencl: PoCL is still missing after installing it" >&
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/llmd/pocl"
 mkdir -p "$cache"
 # PoCL's kernel cache outside the repository; one PoCL worker thread (with its default two on a
-# 2-core machine, the host's own loop ran at 63% speed).
+# 2-core machine, the host's own loop runs at 63% speed).
 echo "export POCL_CACHE_DIR=$cache"
 echo "export POCL_MAX_PTHREAD_COUNT=1"

@@ -1,6 +1,6 @@
 //! The socket's connections: llmd accepts them itself and counts them per uid, so that one
 //! app's idle connections cannot use up the daemon's file descriptors and lock everyone else
-//! out (with a 128-descriptor limit, 40 idle clients of three connections each did).
+//! out (with a 128-descriptor limit, 40 idle clients of three connections each would).
 //!
 //! rsbinder's own accept loop has no per-uid bound: its `max_connections` is one daemon-wide
 //! count that leaves every client over it — an operator's `llmctl status` included — waiting in

@@ -1,4 +1,4 @@
-//! Model files checked against what llmd saw when it registered them (#27 G).
+//! Model files checked against what llmd saw when it registered them.
 //!
 //! At start each model's file (each regular file of an HF directory) is fingerprinted: its
 //! identity and times from `stat` (device, inode, size, modification and change times) and a

@@ -101,8 +101,8 @@ mod tests {
         assert!(check(&open, other, Access::Admin, "dump").is_err());
     }
 
-    /// #27 H: with no `allowed_uids` and no `open`, only admins may use the service (before,
-    /// an empty list admitted every uid).
+    /// With no `allowed_uids` and no `open`, only admins may use the service (an empty list
+    /// admits no app's uid, not every uid).
     #[test]
     fn the_default_policy_admits_admins_only() {
         let p = Permissions::default();

@@ -1,4 +1,4 @@
-//! #27: the permission matrix — every AIDL method × caller class, with the expected result of
+//! The permission matrix — every AIDL method × caller class, with the expected result of
 //! each cell, on the socket transport (each caller's uid comes from its peer credentials: the
 //! classes other than llmd's own uid are this test binary run again as that uid by `setpriv`).
 //! The same table is in `docs/RELIABILITY.md` (`## Permission matrix`).
@@ -399,9 +399,9 @@ fn the_permission_matrix_holds() {
     );
 }
 
-/// #27 H: with no `[permissions]` at all the service is closed: an app's uid is refused every
-/// call, the shell and llmd's own uid are served. Before, an empty `allowed_uids` (the
-/// default) admitted every uid.
+/// With no `[permissions]` at all the service is closed: an app's uid is refused every
+/// call, the shell and llmd's own uid are served. An empty `allowed_uids` (the default)
+/// admits no app's uid.
 #[test]
 fn with_no_permissions_configured_only_admins_are_served() {
     let d = start_daemon("");

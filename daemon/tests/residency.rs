@@ -416,7 +416,7 @@ fn a_failed_spill_is_a_drop_and_stale_spills_are_removed_at_start() {
     let _ = std::fs::remove_file(dir.0.join("state/kv"));
 }
 
-/// #27 faults: repeated pressure storms (the pressure file flipping high and low every 75–125
+/// Repeated pressure storms (the pressure file flipping high and low every 75–125
 /// ms, faster than the daemon sheds and reloads) while a request streams and a conversation
 /// sits idle: every request served through a storm streams the tokens it streams in calm, the
 /// model comes back after each storm, and the idle conversation continues where it was.
@@ -501,7 +501,7 @@ fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
     out
 }
 
-/// #27 faults: SIGTERM while a request runs and a spilled context waits leaves the state
+/// SIGTERM while a request runs and a spilled context waits leaves the state
 /// directory consistent (no half-written file, the usage history whole JSON) and the next
 /// start restores it: the dead run's spill removed, the history kept, the model served.
 #[test]
@@ -578,11 +578,11 @@ fn refused_as_changed(what: &str, r: Result<impl std::fmt::Debug, rsbinder::Stat
     );
 }
 
-/// #27 G: a model file corrupted in place (same size, bytes changed) is refused with
+/// A model file corrupted in place (same size, bytes changed) is refused with
 /// MODEL_LOAD_FAILED saying its file changed — at the next request when it is resident, at the
 /// load when it is not, and by the periodic check with no request at all (then evicted) —
-/// while the other models are served. Before, it was served silently (a resident model from
-/// the weights it had read; a model loaded after the change from the corrupted bytes).
+/// while the other models are served. Unchecked, it would be served silently (a resident model
+/// from the weights it had read; a model loaded after the change from the corrupted bytes).
 #[test]
 fn a_model_file_changed_in_place_is_refused_not_served() {
     let _one = lock();

@@ -250,8 +250,8 @@ fn cancel_stops_within_one_step_and_returns_kv_memory() {
 
 /// Tokens the pacing holds when a cancel lands are dropped, not sent after `cancel` returned:
 /// the turn is rolled back, and the client asked to stop. With a 60 s interval every token
-/// after the first is held; before, the cancel flushed them all (a fast CI machine saw 3 late
-/// tokens at the default 16 ms).
+/// after the first is held, so a cancel that flushed them would send them all late (at the
+/// default 16 ms a fast CI machine holds ~3).
 #[test]
 fn a_cancel_drops_the_tokens_the_pacing_held() {
     let d = Daemon::start("[scheduler]\nstream_interval_ms = 60000\n");
@@ -562,7 +562,7 @@ fn priorities_are_validated_and_capped_and_dump_shows_the_queue() {
     // A foreground hint from a uid capped at background runs as background.
     let (cb, _tx, rx) = client::callback();
     s.generate(&greedy(&"word ".repeat(400), 16), &cb).expect("queued");
-    // Polled while the request is in flight: a fixed sleep outlived the whole request on a
+    // Polled while the request is in flight: a fixed sleep can outlast the whole request on a
     // fast machine (416 tokens done in under 300 ms).
     let admin = conn.admin().expect("admin");
     let mut seen = None;
@@ -753,10 +753,10 @@ fn helper_clients_as_another_uid() {
 }
 
 /// Idle clients of one uid hold at most `limits.max_connections_per_uid` connections (32 by
-/// default; each client holds three): with llmd's descriptors limited to 128, more were
-/// accepted until none was left (~40 clients), after which no one's connection was answered —
-/// not another app's, not an operator's `status`. Now the flooding uid's client over its cap is
-/// refused at once, and another uid and an admin are served.
+/// default; each client holds three): with llmd's descriptors limited to 128, uncapped idle
+/// clients (~40) would take every descriptor, after which no one's connection would be
+/// answered — not another app's, not an operator's `status`. The flooding uid's client over
+/// its cap is refused at once, and another uid and an admin are served.
 #[test]
 fn idle_connections_of_one_uid_lock_out_neither_another_uid_nor_an_admin() {
     // The socket open to every uid (the daemon decides per connection and call).
@@ -897,7 +897,7 @@ fn a_stopped_client_loses_its_request_and_session_while_others_are_served() {
     );
     // Its connections are gone too, and the scheduler's books of its uid (the worker publishes
     // them at its next turn, a moment after the request's end shows in the status: on a loaded
-    // machine that moment was seen to pass the dump).
+    // machine that moment can come after the dump).
     let t = Instant::now();
     loop {
         let dump = watch.admin().expect("admin").dumpState().expect("dump");
@@ -929,7 +929,7 @@ fn wait_all_ended(watch: &Connection, since: Instant, within: Duration, how: &st
     }
 }
 
-/// #27 faults: a client killed in the middle of its stream (SIGKILL: its sockets close with
+/// A client killed in the middle of its stream (SIGKILL: its sockets close with
 /// no goodbye) loses its request and session at once, its KV memory is freed, and the daemon
 /// goes on serving others.
 #[test]
@@ -976,15 +976,15 @@ fn rss_kb(pid: u32) -> u64 {
 /// What a big request may leave behind once it is over and the daemon idle, above what a small
 /// one left: the worker threads' reusable buffers, sized for the largest chunk. Measured on the
 /// default model with a ~1,500-token prompt: 1.4–1.5 MB kept with the trim on return to idle
-/// (three runs); 9.0, 9.0 and 19.7 MB without it (the issue saw 42–68 MB on its machine). On a
-/// loaded machine (CI runs these tests side by side) about one run in ten keeps 6.2 MB (session
-/// 30, with two busy loops beside the test: 6,160 kB once in ten runs of `bba8431`, 6,208 kB
-/// once in eight runs after it, still there after 3 s more of idle checks; 6,296 kB in one CI
-/// run): memory still held, most likely another thread's chunk buffers, not the idle trim's
+/// (three runs); 9.0, 9.0 and 19.7 MB without it (42–68 MB on another machine). On a
+/// loaded machine (CI runs these tests side by side) about one run in ten keeps 6.2 MB (with
+/// two busy loops beside the test: 6,160 kB once in ten runs, 6,208 kB once in eight runs,
+/// still there after 3 s more of idle checks; 6,296 kB in one CI run): memory still held,
+/// most likely another thread's chunk buffers, not the idle trim's
 /// timing. The bound sits above that and below the untrimmed figures.
 const RSS_KEPT_AFTER_BURST_KB: u64 = 8 * 1024;
 
-/// #27 J: memory a big request takes is given back to the system when the daemon goes idle.
+/// Memory a big request takes is given back to the system when the daemon goes idle.
 #[test]
 fn memory_a_big_request_takes_is_given_back_once_idle() {
     let d = Daemon::start("");
@@ -1018,9 +1018,9 @@ fn memory_a_big_request_takes_is_given_back_once_idle() {
 /// with it, 9% (10.7 MB).
 const KV_KEPT_AFTER_CLOSE_SHARE: f64 = 0.25;
 
-/// #27 J, found again by the soak: sessions closed while the daemon is idle free their KV caches
-/// on the clients' threads, after the worker's trim on going idle; those pages must go back too
-/// (88 MB stayed resident after a 30-second soak's clients had closed every session).
+/// Sessions closed while the daemon is idle free their KV caches on the clients' threads,
+/// after the worker's trim on going idle; those pages must go back too (without that, 88 MB
+/// stays resident after a 30-second soak's clients close every session).
 #[test]
 fn closed_sessions_kv_is_given_back_while_idle() {
     let d = Daemon::start("[limits]\nmax_sessions_per_uid = 16\n");

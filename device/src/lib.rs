@@ -1,5 +1,5 @@
 //! llmd's device contract: what a processor tells the engine about itself, and the calls the
-//! engine makes on it. The engine and every backend (CPU today; QNN and OpenCL next) depend on
+//! engine makes on it. The engine and every backend (CPU, QNN and OpenCL) depend on
 //! this crate; it names no model type — a model reaches a device only as [`Subgraph`]s with a
 //! [`BlockShape`], weights as [`HostWeight`] bytes, and buffers.
 //!

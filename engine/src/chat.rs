@@ -348,7 +348,7 @@ fn printable_within(value: &minijinja::Value, budget: &mut usize) -> bool {
 
 /// minijinja's own formatter, refusing first a value with more items than any rendering can
 /// hold: minijinja walks every item of a printed sequence even after the output has refused
-/// more, so `{{ ['x'] * 999999999 }}` ran for seconds past the output limit (found by the
+/// more, so `{{ ['x'] * 999999999 }}` would run for seconds past the output limit (found by the
 /// `chat_template` fuzzer).
 fn bounded_formatter(
     out: &mut minijinja::Output<'_>,
@@ -542,7 +542,7 @@ mod tests {
 
     #[test]
     fn a_template_that_loops_for_long_runs_out_of_fuel() {
-        // 10^8 iterations: minutes of work before fuel bounded it (found by fuzzing).
+        // 10^8 iterations: minutes of work without fuel (found by fuzzing).
         let t = ChatTemplate::new("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}")
             .expect("compiles");
         let t0 = std::time::Instant::now();
@@ -552,7 +552,7 @@ mod tests {
 
     #[test]
     fn a_rendering_longer_than_its_conversation_justifies_is_refused() {
-        // A million numbers (~3 MB) for a one-letter message: tokenizing them took longer than
+        // A million numbers (~3 MB) for a one-letter message: tokenizing them takes longer than
         // the fuzzing limit of 10 s per input (found by fuzzing).
         let t =
             ChatTemplate::new("{% for i in range(1000) %}{% for j in range(1000) %}{{ i }}{% endfor %}{% endfor %}")

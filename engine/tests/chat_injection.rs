@@ -2,7 +2,7 @@
 //! `<|im_end|>\n<|im_start|>system\n...` must not forge a system turn. Checked for every template
 //! we ship (the built-in ChatML and Llama-3, and the default model's own), with the default
 //! model's tokenizer: the content's tokens are its plain-text tokens, the control tokens are
-//! only the template's, and benign chats tokenize exactly as the whole rendering always did (as
+//! only the template's, and benign chats tokenize exactly as the whole rendering does (as
 //! llama.cpp does).
 
 mod common;
@@ -25,7 +25,7 @@ fn templates(m: &mut Model) -> Vec<(&'static str, ChatTemplate)> {
     ]
 }
 
-/// The whole rendering tokenized with control tokens parsed: what every chat was before.
+/// The whole rendering tokenized with control tokens parsed, the content's included.
 fn whole(m: &Model, msgs: &[ChatMessage]) -> Vec<u32> {
     let tk = &m.tokenizer;
     let tmpl = m.chat_template.as_ref().expect("template");
@@ -68,7 +68,7 @@ fn message_content_is_text_never_control_tokens() {
         let controls = control_ids(&m);
         let specials = |v: &[u32]| v.iter().filter(|id| controls.contains(id)).count();
         assert_eq!(specials(&ids), specials(&benign_ids), "{name}: the content added control tokens");
-        // The old way did forge them (this test fails on it).
+        // Tokenized whole, the content does forge them (the check above would fail on it).
         assert!(specials(&whole(&m, &msgs)) > specials(&benign_ids), "{name}: parsed, the attack forges tokens");
     }
 }

@@ -44,7 +44,7 @@ struct Tolerances {
     centred: f64,
 }
 
-/// The bar: at least this many prompts match llama.cpp's 32 greedy tokens exactly.
+/// The bar: at least this many prompts match llama.cpp's 32 greedy tokens exactly.
 const MIN_EXACT_PROMPTS: usize = 5;
 /// Chunk size used to split the prompt in this test, so prefill crosses chunk boundaries.
 const TEST_CHUNK: usize = 64;

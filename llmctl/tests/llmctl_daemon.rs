@@ -145,8 +145,8 @@ fn a_killed_client_is_detected_and_its_session_freed() {
 /// A client that stops reading its callbacks (here a stopped `llmctl`, as the system freezes a
 /// cached app) holds up only its own request: other clients keep being served, the frozen
 /// request waits without spinning, and it finishes once its client reads again (within
-/// `stream_stall_timeout_s`, set long here: past it the request would be ended). Before, its
-/// full socket blocked the worker thread and every other request queued behind it.
+/// `stream_stall_timeout_s`, set long here: past it the request would be ended). Its full
+/// socket blocks neither the worker thread nor any other request.
 #[test]
 fn a_frozen_client_holds_up_only_its_own_request() {
     // One `onTokens` per token, so the stopped client's socket fills as fast as it can.
@@ -161,7 +161,7 @@ fn a_frozen_client_holds_up_only_its_own_request() {
     };
     signal("-STOP");
     // Long enough for the stopped client's socket to fill at full decoding speed (~200
-    // tokens/s here; it had blocked the worker within ~3 s).
+    // tokens/s here; it is full within ~3 s).
     std::thread::sleep(Duration::from_secs(8));
     // Another client is served, within a bound far below the 120 s `run` would wait.
     let (tx, rx) = std::sync::mpsc::channel();

@@ -1,4 +1,4 @@
-//! #27 privacy: a marker word in every kind of prompt — raw text, chat messages (system and
+//! Privacy: a marker word in every kind of prompt — raw text, chat messages (system and
 //! user), token counts, stop sequences, model ids, requests refused for every reason, a
 //! cancelled one, one past its deadline — and in the model's output (a prompt it echoes), sent
 //! through every entry point (the AIDL methods directly, and `llmctl run`, `run --chat`,

@@ -266,7 +266,7 @@ use llmd_engine::chat::SANDBOX_ARG as RENDER_CHAT_TEMPLATE;
 /// SIGTERM and SIGINT: blocked in every thread from the start of `main` (threads inherit the
 /// mask) and taken by `sigwait` when llmd has started. A handler would not do: an OpenCL
 /// runtime built on LLVM (PoCL) installs handlers of its own for them that restore the default
-/// action and raise the signal again, so that `kill` ended llmd by the signal (exit 143)
+/// action and raise the signal again, so that `kill` would end llmd by the signal (exit 143)
 /// instead of draining it. (Children get an empty mask: std resets it before `exec`.)
 fn stop_signals() -> nix::sys::signal::SigSet {
     use nix::sys::signal::{SigSet, Signal};

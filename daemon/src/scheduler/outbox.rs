@@ -3,21 +3,21 @@
 //! A client that stops reading its callbacks (an app the system froze, a stuck process) then
 //! holds up only its own request: once [`MAX_UNSENT`] are waiting, the worker leaves the request
 //! out of its passes until the client takes them, and its deadline and cancellation still
-//! apply. Sent on the worker thread, one frozen client's full socket had stopped every other
-//! app's generation (measured: requests behind it queued until they timed out). A failed send
+//! apply. Sent on the worker thread, one frozen client's full socket would stop every other
+//! app's generation (measured: requests behind it queue until they time out). A failed send
 //! means the client is gone: the request is cancelled.
 //!
 //! Tokens are paced: a request's first tokens go out at once (its time to first token), later
 //! ones are held and sent together once `stream_interval_ms` (config) has passed since the last
 //! `onTokens`, and whatever is held goes out before `onCompleted`/`onError` — except on a
 //! cancel, which drops them: the turn is rolled back, and a client that asked to stop gets at
-//! most the unit that was running when its cancel landed (with the pacing, a fast machine held
-//! several tokens and sent them after `cancel` had returned). No screen shows text faster than
+//! most the unit that was running when its cancel landed (with the pacing, a fast machine holds
+//! several tokens, which a flush would send after `cancel` returned). No screen shows text faster than
 //! a frame, and every callback costs both processes a transaction and a wake-up: at 16 ms a
 //! phone app gets at most ~60 `onTokens` a second instead of one per token.
 //!
 //! A send the client has not taken for `stream_stall_timeout_s` ([`Outbox::stalled_for`]) ends
-//! the request (the worker's check, at every pass): a stopped client no longer holds its
+//! the request (the worker's check, at every pass): a stopped client does not hold its
 //! request slot and its KV memory for as long as it is stopped. The send itself stays with the
 //! delivery thread, never the worker; on the socket, rsbinder ends a connection whose client
 //! takes nothing of a send for that long, which frees the thread and closes the client's
@@ -396,9 +396,9 @@ pub(crate) mod tests {
         until("the stall to end with the send", || o.stalled_for() == Duration::ZERO);
     }
 
-    /// Without a thread of its own, the outbox once sent from the caller's thread — the
-    /// worker's: a client that did not read then stopped every other client's requests. Now the
-    /// request is cancelled and nothing is sent from there.
+    /// Without a thread of its own, the outbox cancels the request and sends nothing from the
+    /// caller's thread — the worker's, where a client that does not read would stop every other
+    /// client's requests.
     #[test]
     fn without_a_delivery_thread_the_caller_never_waits_on_the_client() {
         let sink = Recorder::stopped();

@@ -184,13 +184,13 @@ impl<E: Engine> Worker<E> {
                 if std::mem::take(&mut worked) {
                     // Idle again: the pass buffers of the requests that just ended are free,
                     // but the allocator keeps freed pages for reuse, so a long prompt's peak
-                    // stayed resident (#27 J: 23–68 MB after one long prompt). One trim per
+                    // would stay resident (23–68 MB after one long prompt). One trim per
                     // return to idle, off every request's path.
                     llmd_alloc_sys::note_freed();
                 }
                 // While idle, sessions closed or reset by their clients (or the idle sweep)
                 // free their KV caches on other threads; the pages go back at the next check
-                // (88 MB stayed resident after a soak's clients had closed every session).
+                // (without that, 88 MB stays resident after a soak's clients close every session).
                 let job = loop {
                     llmd_alloc_sys::release_if_freed();
                     match self.rx.recv_timeout(IDLE_RELEASE_CHECK) {

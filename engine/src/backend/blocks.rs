@@ -349,7 +349,7 @@ impl Pass<'_> {
         capture: Option<Capture>,
     ) -> Result<(), BackendError> {
         // The caches' next rows, fetched while Q, K and V are computed (B=8 pass ~1–2% faster,
-        // measured alternating pass by pass: the append had waited ~0.6 ms per pass on them).
+        // measured alternating pass by pass: unfetched, the append waits ~0.6 ms per pass on them).
         Self::prepare_append(st, batch, kv_layer);
         match capture {
             Some(f) => {

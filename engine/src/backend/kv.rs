@@ -318,7 +318,7 @@ impl KvCache {
     /// Makes room in layer `layer` for `rows` new positions and prefetches the first of them
     /// (at most [`PREFETCH_ROWS`]), so that the append that follows ([`Self::attention_input`],
     /// [`append_head`]) does not wait on memory: the rows written last were evicted long since,
-    /// and those cache misses were most of a decode step's append time. A prompt chunk's many
+    /// and unfetched, those cache misses are most of a decode step's append time. A prompt chunk's many
     /// rows are written in order, which the hardware prefetcher follows; prefetching them all
     /// would only flush L1.
     pub(crate) fn prepare_append(&mut self, layer: usize, rows: usize) {

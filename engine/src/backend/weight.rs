@@ -225,7 +225,7 @@ pub(crate) struct Packed {
 /// 1/254 of each block's largest weight). Float matrices (F32, F16, BF16) are not converted:
 /// they run on the float row kernels, as llama.cpp runs them, and the load says so.
 ///
-/// Decision (K-quant issue): a quantized type without kernels of its own is converted once at
+/// Decision: a quantized type without kernels of its own is converted once at
 /// load, never run on a per-row integer path, and the load log names the type, the tensors and
 /// the bytes before and after; a type the engine cannot read at all is refused by name.
 pub fn convert_kind(ty: GgmlType) -> Option<PackKind> {

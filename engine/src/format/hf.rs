@@ -285,7 +285,7 @@ mod tests {
 
     #[test]
     fn a_huge_head_size_with_llama3_scaling_is_refused_before_its_divisors_are_made() {
-        // head_dim / 2 divisors were computed before the configuration was validated: 2^39 of
+        // head_dim / 2 divisors made before the configuration is validated would be 2^39 of
         // them (2 TB) for this file, an abort, not an error.
         let cfg = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2, "vocab_size": 300, "head_dim": 1099511627776,

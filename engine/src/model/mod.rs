@@ -201,8 +201,8 @@ impl Transformer {
     ///
     /// A large batch of decode steps ([`split_plan`]) is cut into one part per thread, each
     /// running every layer over its sequences on its own thread: the threads then meet once
-    /// per pass instead of at ~190 parallel steps, where a thread that ran late (another
-    /// process, the daemon's own threads, the host) held the other one up at every barrier.
+    /// per pass instead of at ~190 parallel steps, where a thread that runs late (another
+    /// process, the daemon's own threads, the host) holds the other one up at every barrier.
     /// Each part reads the layers' weights for itself, which only a compute-bound batch can
     /// afford; the output head then runs once over every sequence, on all threads (B=8 pass
     /// 0.968–0.982 of the head run per part, alternated in `batchbench`).

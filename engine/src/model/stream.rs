@@ -290,7 +290,7 @@ pub(crate) fn load<T: Send + 'static>(
         let meta = meta.clone();
         std::thread::spawn(move || {
             // At normal priority: the load returns only once this is done, and run niced it
-            // was starved until the prefill ended and then became the cold start's tail.
+            // is starved until the prefill ends and then becomes the cold start's tail.
             let r = setup(&meta);
             (r, secs())
         })

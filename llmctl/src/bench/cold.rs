@@ -105,7 +105,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Where the converted file for `gguf` at `bits` lives (converted on first use; the name
-/// carries the converter's policy, 2 since source tensors are kept, so older files are not reused).
+/// carries the converter's policy — 2, source tensors kept — so a file of another policy is not reused).
 fn llmd_path_for(gguf: &Path, bits: Option<f64>) -> PathBuf {
     let dir = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)

@@ -141,8 +141,8 @@ pub struct LoadArgs {
     pub foreground: u64,
     /// Length of the mixed phase (and of the foreground clients' phase alone), in seconds. At
     /// 70 s two foreground clients send ~115 prompts a phase, so the nearest-rank p99 is the
-    /// second slowest or later; at 30 s (~49 prompts) it was the slowest prompt itself, and one
-    /// collision or hiccup decided the ratio.
+    /// second slowest or later; at 30 s (~49 prompts) it is the slowest prompt itself, and one
+    /// collision or hiccup decides the ratio.
     #[arg(long, default_value_t = 70, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub duration_s: u64,
     /// Requests in the idle phase (about as many as the mixed phase's foreground requests, so

@@ -49,7 +49,7 @@ static FREED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new
 /// Notes that a large block (a session's KV cache) was freed, on whatever thread freed it, so
 /// that the next [`release_if_freed`] gives the allocator's free pages back: the allocator keeps
 /// them for reuse, and a client's closed sessions otherwise stay resident (88 MB after a
-/// 30-second soak of 8 clients, issue #27).
+/// 30-second soak of 8 clients).
 pub fn note_freed() {
     FREED.store(true, std::sync::atomic::Ordering::Release);
 }

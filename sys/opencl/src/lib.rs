@@ -199,7 +199,7 @@ impl Library {
     /// Every device of every platform.
     pub fn devices(&self) -> Result<Vec<DeviceInfo>, ClError> {
         // The ICD loader (ocl-icd 2.3) reads its vendor files at the first clGetPlatformIDs
-        // without a lock: two threads enumerating at once saw no platform at all (seen in the
+        // without a lock: two threads enumerating at once can see no platform at all (seen in the
         // tests). Enumeration is serialised process-wide.
         static ENUMERATE: Mutex<()> = Mutex::new(());
         let _one = ENUMERATE.lock().unwrap_or_else(|e| e.into_inner());

@@ -885,7 +885,7 @@ pub mod cost {
     pub const OPS_PER_S: f64 = 1.97e12;
 
     /// One execution's fixed cost on chip `soc` (the only profile: the Snapdragon 8 Gen 3's,
-    /// used for every chip until others are measured).
+    /// used for every chip).
     pub fn launch_ns(_soc: u32) -> u64 {
         LAUNCH_NS
     }

@@ -130,7 +130,7 @@ fn an_op_qnn_does_not_have_is_a_typed_error() {
     assert_eq!(e.code, 0, "{e}");
 }
 
-/// The W8A8 arithmetic the NPU path will use, on Qualcomm's library against ideal rounding of the
+/// The W8A8 arithmetic the NPU path uses, on Qualcomm's library against ideal rounding of the
 /// exact integer result: uint8 activations with a zero point, int8 symmetric weights, int32 bias,
 /// uint8 output. Every output within 1 LSB; the share that differs is printed and bounded
 /// (the design's first probe saw 7-9% differ on its data; this data: 0.8%, 4 of 512).

@@ -540,7 +540,7 @@ fn tile_tasks<'a>(
     for (m, (&(rows, tiles), out)) in shapes.iter().zip(outs.iter_mut()).enumerate() {
         // Each matrix gets its share of the tasks by its share of the tiles, in runs as even as
         // it allows: Q, K and V of 36, 12 and 12 tiles make 18, 18, 12 and 12 for 4 tasks (2 per
-        // thread), not 15, 15, 6, 12 and 12 (runs of a fixed length left one thread 6 tiles
+        // thread), not 15, 15, 6, 12 and 12 (runs of a fixed length leave one thread 6 tiles
         // more). B=8 pass 0.9–1.3% faster in four runs, one sequence 0.5–1.2% in three,
         // alternating pass by pass.
         let pieces = match tiles {
@@ -903,8 +903,8 @@ impl Backend for CpuBackend {
         let per_task = units.div_ceil(self.desc.threads * TASKS_PER_THREAD).max(1);
         // Tasks: runs of up to `per_task` units of one sequence. A one-token item whose units
         // are its KV heads appends each head's new key and value in the task that then attends
-        // over that head (`fold`): on the calling thread, the appends of a B=8 pass had been
-        // serial work while the workers waited. Other items' new rows are appended here first.
+        // over that head (`fold`): on the calling thread, the appends of a B=8 pass would be
+        // serial work while the workers wait. Other items' new rows are appended here first.
         type Fold<'a> = (&'a mut [Vec<half::f16>], &'a mut [Vec<half::f16>], &'a [f32], &'a [f32]);
         type Task<'a> = Mutex<(usize, usize, &'a mut [f32], Option<Fold<'a>>)>;
         let mut tasks: Vec<Task<'_>> = Vec::new();

@@ -177,8 +177,8 @@ fn sustained(threads: usize, iters: u64, macs_per_iter: u64, run: impl Fn(u64) +
 /// summing its part: the best of five passes each plainly (the hardware prefetchers alone) and
 /// with a software prefetch into L2 as far ahead as the decode kernels run
 /// (`arch::x86::kpacked::STREAM_PREFETCH_BYTES`), the better of the two. The decode ceiling the
-/// benchmark reports divides this by the bytes a token reads; a plain sum alone read 26–28 GB/s
-/// where the 1.5B's decode streamed ~30 GB/s, so it was no ceiling.
+/// benchmark reports divides this by the bytes a token reads; a plain sum alone reads 26–28 GB/s
+/// where the 1.5B's decode streams ~30 GB/s, so it is no ceiling.
 pub fn read_peak_bytes_per_s(bytes: usize, threads: usize) -> f64 {
     let words = (bytes / 8).max(1 << 16);
     let buf: Vec<u64> = (0..words as u64).collect();

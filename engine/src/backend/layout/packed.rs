@@ -50,10 +50,10 @@
 //! (llama.cpp's portable kernels' arithmetic: `sumi`, then `sumf += d · sumi`). One conversion
 //! and one FMA per 512 multiply-adds instead of per 64, and four tokens share each unpacked
 //! block: a batched decode pass's head runs at the memory's speed instead of the FMA pipes'
-//! (B=8 pass measured below in docs/BENCHMARKS.md). Decision (session 10): only the head, because
+//! (B=8 pass measured below in docs/BENCHMARKS.md). Decision: only the head, because
 //! its results are final. Every other matmul's output is re-quantized to int8 before the next
 //! one, where a one-ulp difference can flip a rounding and grow through the layers (summing in
-//! this order everywhere broke the golden test's agreement with llama.cpp: session 9); logits
+//! this order everywhere breaks the golden test's agreement with llama.cpp); logits
 //! move by float rounding only (~1e-6 relative), far below the golden test's tolerances and
 //! below any greedy margin it meets. Every kernel equals [`reference_order`] in both orders.
 

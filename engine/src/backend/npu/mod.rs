@@ -1,4 +1,4 @@
-//! The NPU (issue 28): prompt chunks' linear layers as quantized QNN graphs, and HeteroLLM's
+//! The NPU: prompt chunks' linear layers as quantized QNN graphs, and HeteroLLM's
 //! fp16 matmul pieces, run through `qnn-sys` on Qualcomm's HTP library (on a phone; on a host,
 //! its x86-64 build) or on our emulator provider. This module is the engine's only importer
 //! of `qnn-sys` (`tools/confined_imports.py` checks it).

@@ -47,8 +47,8 @@ const BUFFERED_NT: usize = 6;
 /// one line with each chunk's arithmetic. Decode reads every weight once, so it is won or lost
 /// on keeping the memory busy. The 1.5B Q4_K_M (`llmctl bench --local --prefill 1
 /// --decode-prompt 16 --decode-tokens 64 --threads 2`, tok/s, same machine and session):
-/// - the hardware prefetchers alone: 17.2 (session 16);
-/// - record `b` of the next tile, all its lines at once (what this replaced): 23.5, 24.1, 23.2,
+/// - the hardware prefetchers alone: 17.2 (measured apart from the rest);
+/// - record `b` of the next tile, all its lines at once: 23.5, 24.1, 23.2,
 ///   22.3;
 /// - a fixed distance, all the record's lines at once: 23.6, 23.9 — the burst fills the line
 ///   fill buffers and the demand loads queue behind it; a group's lines with each group: 27.2,
@@ -549,13 +549,13 @@ unsafe fn tile_k<const KIND: u8>(
             return;
         }
         // Every token's accumulators in one contiguous buffer (in L1), each row written once
-        // at the end: loading and storing them in the output rows per super-block touched a
+        // at the end: loading and storing them in the output rows per super-block would touch a
         // line of a different page per token each time (the rows are a matrix's width apart).
         let mut accs = vec![_mm512_setzero_ps(); nt];
         let mut buf = [_mm512_setzero_si512(); 64];
         // AMX for the kinds of 32-column groups (Q4_K, Q5_K) only: each group's sums go through
         // memory to be scaled, and with 16-column groups (Q2_K, Q3_K, Q6_K) twice as often,
-        // which made them slower than VNNI (`kkbench`, 256 tokens, 8960 × 1536, one thread,
+        // which makes them slower than VNNI (`kkbench`, 256 tokens, 8960 × 1536, one thread,
         // G MAC/s: Q4_K 292.8 against 242.1 on VNNI, Q6_K 163.6 against 169.4). On AMX the
         // tokens go in spans of at most [`AMX_MAX_TOKENS`] (see there), each over the whole
         // tile (its records, read again per span, stay in cache).
@@ -682,7 +682,7 @@ pub const AMX_TOKENS: usize = 16;
 /// empty cache (`cargo run --release -p llmd-engine --example prefillbench -- MODEL 2
 /// 64,128,256 4`, best of 4, tok/s), AMX over whole blocks 253.4 / 247.4 / 221.9 against VNNI's
 /// 227.2 / 245.9 / 229.9 (profiled at 256 tokens the AMX blocks took 6,669 samples against
-/// VNNI's 6,217); in spans of 64, with the sums no longer zeroed, 271.5 / 261.6 / 231.4 against
+/// VNNI's 6,217); in spans of 64, without zeroing the sums, 271.5 / 261.6 / 231.4 against
 /// 225.2 / 236.4 / 224.0. At 256 tokens spans of 32, 64, 128 and whole blocks, alternated
 /// twice, were 228.5 / 224.8, 224.8 / 232.6, 230.5 / 242.4, 232.3 / 242.9 against VNNI's
 /// 223.4 / 237.8: within this machine's drift. Why AMX gains less at 256 tokens is not settled.

@@ -150,11 +150,11 @@ unsafe fn tile512<const KIND: u8>(
     // group `j` of `groups` prefetches the records of the blocks `b` with `b % groups == j`, so
     // the prefetches spread over the whole tile's work. Measured with `batchbench`, B=8,
     // variants alternating pass by pass, median ms per pass in three runs: into L2 vs into L1
-    // (both from the first group, the old way) 15.5/19.2/19.4 vs 16.8/20.5/21.2; spread vs
+    // (both from the first group) 15.5/19.2/19.4 vs 16.8/20.5/21.2; spread vs
     // first group only (both L2) 18.0/18.1/18.5 vs 18.7/18.8/19.1; L2 vs L1 (both spread)
     // 18.5/19.1/19.4 vs 18.5/19.5/20.1, no prefetch 20.4/21.0/21.7 in those runs. Into L1 the
     // next tile evicts this one's weights, which the later token groups re-read. One sequence:
-    // 4.9/4.6/4.2 against 5.4/4.9/4.5 the old way.
+    // 4.9/4.6/4.2 against 5.4/4.9/4.5 into L1 from the first group.
     // Q8_0 tiles carry twice the bytes per multiply-add (the output head of tied-embedding
     // models is Q8_0 and partly memory-bound even at B=8), so they prefetch the tile after
     // next: B=8 pass 1–3% faster (means 16.52/14.64/14.19 against 15.99/14.52/13.83 ms,
@@ -370,8 +370,8 @@ macro_rules! pair_scales {
 }
 
 /// [`group512`] for two tokens, in assembly. The compiler's version of that loop keeps the
-/// block's 8 weight vectors live at once, so 5 of the 16 lanes went to the stack and the rest
-/// were copied between registers every block; with the lanes pinned here (token `j`'s lane `k`
+/// block's 8 weight vectors live at once, so 5 of the 16 lanes go to the stack and the rest
+/// are copied between registers every block; with the lanes pinned here (token `j`'s lane `k`
 /// in `zmm(16 + 8j + k)` for the whole tile) and each chunk's weights live only while used,
 /// nothing spills: B=8 passes measured 11.6–13.8 ms against 14.3–19.5 (`batchbench`,
 /// alternated runs). Same operations on the same values in the same order per lane as
