@@ -256,7 +256,7 @@ impl NpuConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// Every `*.gguf` file and HF directory here is a model; its id is the name without extension.
+    /// Every `*.gguf` and `*.llmd` file and HF directory here is a model; its id is the name without extension.
     pub models_dir: Option<PathBuf>,
     /// Model files or HF directories served in addition to `models_dir`.
     pub models: Vec<PathBuf>,

@@ -78,7 +78,7 @@ impl SessionBinder {
     fn count_tokens(&self, caller: Caller, text: &str) -> Result<i32, ServiceError> {
         let shared = self.shared()?;
         check_count_text(text, &shared.config.limits)?;
-        let model = shared.acquire_model(&self.core.model_id, caller.uid)?;
+        let model = shared.acquire_model_for(&self.core.model_id, caller.uid, false)?;
         let ids =
             model.tokenizer.encode(text, false, false).map_err(|e| ServiceError::InvalidArgument(e.to_string()))?;
         Ok(ids.len() as i32)

@@ -14,7 +14,7 @@ struct Args {
     /// TOML configuration file (flags below override it).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Directory of models (*.gguf files, HF directories); a model's id is its file name without extension.
+    /// Directory of models (*.gguf and *.llmd files, HF directories); a model's id is its file name without extension.
     #[arg(long, value_name = "DIR")]
     models_dir: Option<PathBuf>,
     /// Serve this model file or HF directory (may be repeated).
