@@ -1766,6 +1766,15 @@ fn auto_follows_each_models_plan_and_makes_it_again_when_the_profile_changes() {
     let npu = wait_npu(&d.connect(), "ready:");
     assert!(npu.contains("plan Fp16Partitioned prefill, Gpu decode (made: the profile changed"), "{npu}");
     drop(d);
+    // A plan another version of the planner stored is made again, not followed.
+    let mut stored: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&plans).expect("the plan")).expect("the plan reads");
+    stored["key"]["planner"] = serde_json::json!(0);
+    std::fs::write(&plans, stored.to_string()).expect("written");
+    let d = Daemon::start(&config);
+    let npu = wait_npu(&d.connect(), "ready:");
+    assert!(npu.contains("plan Fp16Partitioned prefill, Gpu decode (made: the planner changed"), "{npu}");
+    drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -495,33 +495,19 @@ impl Backend for Planned {
         let said = format!("plan {:?} prefill, {:?} decode ({told}): {}", plan.prefill, plan.decode, plan.why);
         tracing::info!(model = %model.name, plan = %said, "NPU plan");
         let mut prepared = match plan.prefill {
-            PrefillPlan::Int8Chunked => {
-                let mut p = self.int8.prepare(model)?;
-                let s = &self.int8.settings;
-                p.takes = Some(Takes {
-                    chunk: Some(s.chunk),
-                    chunks_per_job: s.ooe_chunks.max(1),
-                    decode: false,
-                    one_sequence_at_a_time: false,
-                });
-                p
-            }
-            PrefillPlan::Fp16Partitioned => {
-                if self.hetero.opened.is_none() {
-                    let gpu = self.gpu.clone().map_err(|e| format!("the plan needs the GPU: {e}"))?;
-                    self.hetero.open_with(gpu).map_err(|r| r.reason)?;
+            PrefillPlan::Int8Chunked => self.prepare_int8(model)?,
+            // **Decision:** a partitioned plan that cannot be prepared (its GPU or its fp16
+            // graphs fail) falls back to INT8 chunks on the NPU, which the planner ranked
+            // second but still above the CPU; the reason is in the model's `how`.
+            PrefillPlan::Fp16Partitioned => match self.prepare_fp16(model, &plan) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(model = %model.name, "the partitioned plan could not be prepared ({e}): INT8 chunks instead");
+                    let mut p = self.prepare_int8(model)?;
+                    p.how = format!("the partitioned plan could not be prepared ({e}): INT8 chunks instead; {}", p.how);
+                    p
                 }
-                let mut p = self.hetero.prepare_plan(model)?;
-                p.takes = Some(Takes {
-                    chunk: Some(self.hetero.hetero.sizes.iter().copied().max().unwrap_or(self.int8.settings.chunk)),
-                    // Out of order across chunks: the GPU's parts of one beside the CPU's
-                    // attention of another.
-                    chunks_per_job: self.int8.settings.ooe_chunks.max(1),
-                    decode: plan.decode == DecodePlan::HeteroTensor,
-                    one_sequence_at_a_time: true,
-                });
-                p
-            }
+            },
             PrefillPlan::Cpu => return Err(format!("the plan reads prompts on the CPU: {}", plan.why)),
         };
         prepared.how = format!("{said}; {}", prepared.how);
@@ -534,6 +520,37 @@ impl Backend for Planned {
 }
 
 impl Planned {
+    /// llm.npu's INT8 chunked prefill for `model`, out of order.
+    fn prepare_int8(&mut self, model: &Arc<Model>) -> Result<Prepared, String> {
+        let mut p = self.int8.prepare(model)?;
+        let s = &self.int8.settings;
+        p.takes = Some(Takes {
+            chunk: Some(s.chunk),
+            chunks_per_job: s.ooe_chunks.max(1),
+            decode: false,
+            one_sequence_at_a_time: false,
+        });
+        Ok(p)
+    }
+
+    /// HeteroLLM's fp16 partitioned prefill for `model` (and decode, where `plan` cuts it).
+    fn prepare_fp16(&mut self, model: &Arc<Model>, plan: &Plan) -> Result<Prepared, String> {
+        if self.hetero.opened.is_none() {
+            let gpu = self.gpu.clone().map_err(|e| format!("the plan needs the GPU: {e}"))?;
+            self.hetero.open_with(gpu).map_err(|r| r.reason)?;
+        }
+        let mut p = self.hetero.prepare_plan(model)?;
+        p.takes = Some(Takes {
+            chunk: Some(self.hetero.hetero.sizes.iter().copied().max().unwrap_or(self.int8.settings.chunk)),
+            // Out of order across chunks: the GPU's parts of one beside the CPU's attention of
+            // another.
+            chunks_per_job: self.int8.settings.ooe_chunks.max(1),
+            decode: plan.decode == DecodePlan::HeteroTensor,
+            one_sequence_at_a_time: true,
+        });
+        Ok(p)
+    }
+
     /// The plan of a model whose NPU job failed, made again without the NPU.
     fn replan_without_npu(&mut self, model: &Arc<Model>) -> String {
         let (plan, told) = plan_for(&self.plan, model, Present { npu: false, gpu: self.gpu.is_ok() });
@@ -541,12 +558,14 @@ impl Planned {
     }
 }
 
-/// `model`'s plan with the processors `present`: the stored one when its key (the profile, the
-/// model's shape and size, the processors, the prompt length planned for) is the same, else
+/// `model`'s plan with the processors `present`: the stored one when its key (the planner's
+/// version, the profile, the model's shape and size, the processors, the prompt length planned
+/// for) is the same, else
 /// made and stored. Also says which, and why it was made.
 fn plan_for(p: &PlanSettings, model: &Arc<Model>, present: Present) -> (Plan, String) {
     let shape = choose::shape_of(model, &model.name);
     let key = serde_json::json!({
+        "planner": choose::PLANNER_VERSION,
         "profile": p.soc,
         "model": {"name": model.name, "shape": shape, "weight_bytes": model.transformer.weights.size_bytes()},
         "present": present,
@@ -566,10 +585,11 @@ fn plan_for(p: &PlanSettings, model: &Arc<Model>, present: Present) -> (Plan, St
             }
             Err(_) => "the stored one does not read".to_owned(),
         },
-        Some(v) => ["profile", "model", "present", "prompt"]
+        Some(v) => ["planner", "profile", "model", "present", "prompt"]
             .iter()
             .filter(|k| v["key"][**k] != key[**k])
             .map(|k| match *k {
+                "planner" => "the planner changed",
                 "present" => "the devices present changed",
                 "model" => "the model changed",
                 "profile" => "the profile changed",

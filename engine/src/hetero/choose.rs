@@ -31,6 +31,10 @@ pub const INT8_WORTH_X: f64 = 1.25;
 pub const HETERO_DECODE_WORTH_X: f64 = 1.5;
 /// The prompt length the daemon plans a model for (llm.npu's workloads: 500–1,800 tokens).
 pub const PLAN_PROMPT: usize = 512;
+/// The planner's rules, as a number a stored plan is keyed by: raise it with any change to
+/// [`choose`], the cost models it prices with, or the constants above, so that plans stored by
+/// an older llmd are made again rather than followed.
+pub const PLANNER_VERSION: u32 = 1;
 
 /// The processors a device has (that `auto` may take).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
