@@ -220,21 +220,8 @@ pub struct ModelProbe {
 /// Reads a model's header only (GGUF metadata, llmd header, HF config): no tokenizer is built,
 /// no weight is read.
 pub fn probe(path: &Path) -> Result<ModelProbe, EngineError> {
-    let io = |source| FormatError::Io { path: path.display().to_string(), source };
     if format::llmd::path_is_llmd(path) {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::File::open(path).map_err(io)?;
-        let len = f.metadata().map_err(io)?.len();
-        let mut head = vec![0u8; format::llmd::HEADER_BYTES.min(len as usize)];
-        f.read_exact_at(&mut head, 0).map_err(io)?;
-        if head.len() == format::llmd::HEADER_BYTES {
-            let off = u64::from_le_bytes(head[32..40].try_into().unwrap_or_default());
-            if off <= len && off <= format::llmd::MAX_METADATA + format::llmd::REGION_ALIGN as u64 {
-                head.resize(off as usize, 0);
-                f.read_exact_at(&mut head, 0).map_err(io)?;
-            }
-        }
-        let (_, meta) = format::llmd::parse_head(&head, len)?;
+        let (_, meta, len) = format::llmd::read_head(path)?;
         return Ok(probe_of_llmd(meta, len));
     }
     if format::is_hf_dir(path) {

@@ -373,14 +373,18 @@ pub fn chat(conn: &Connection, args: &ChatArgs) -> Result<(), String> {
 
 #[derive(clap::Args, Debug)]
 pub struct ModelsArgs {
-    /// Instead of asking the daemon: list this GGUF file's matrices by weight type, with the
-    /// kernel each type runs on on this machine.
+    /// Instead of asking the daemon: list this GGUF or llmd file's matrices by weight type, with
+    /// the kernel each type runs on on this machine (and an llmd file's EdgeFlow channels by
+    /// bit-width).
     #[arg(long, value_name = "FILE")]
     pub local: Option<std::path::PathBuf>,
 }
 
 /// `llmctl models --local FILE`: the file's 2-D tensors by type, and what each type runs on.
 pub fn models_local(path: &std::path::Path) -> Result<(), String> {
+    if llmd_engine::format::llmd::path_is_llmd(path) {
+        return models_local_llmd(path);
+    }
     let f = llmd_engine::format::gguf::GgufFile::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut by: std::collections::BTreeMap<&'static str, (usize, u64, llmd_engine::quant::GgmlType)> =
         Default::default();
@@ -398,6 +402,56 @@ pub fn models_local(path: &std::path::Path) -> Result<(), String> {
             bytes as f64 / 1e6,
             llmd_engine::backend::cpu::type_kernel(ty)
         );
+    }
+    Ok(())
+}
+
+/// [`models_local`] of an llmd file: its matrices by how they are stored (GGML blocks, K-quant
+/// records, EdgeFlow channels), the kernel each runs on, and the EdgeFlow channels by bit-width
+/// (read from each tensor's bit-width array; no other tensor data is read).
+fn models_local_llmd(path: &std::path::Path) -> Result<(), String> {
+    use llmd_engine::format::llmd::{self, TensorKind};
+    use llmd_engine::quant::{edgeflow, GgmlType};
+    use std::os::unix::fs::FileExt;
+    let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let (header, meta, _) = llmd::read_head(path).map_err(|e| fail(&e))?;
+    let file = std::fs::File::open(path).map_err(|e| fail(&e))?;
+    let mut by: std::collections::BTreeMap<String, (usize, u64, String)> = Default::default();
+    let mut widths = [0usize; 9];
+    for t in meta.tensors.iter().filter(|t| t.rows > 1 && t.cols > 1) {
+        let (name, kernel) = match t.kind {
+            TensorKind::Ggml { type_id } | TensorKind::KPacked { type_id, .. } => {
+                let ty = GgmlType::from_id(type_id).ok_or_else(|| fail(&format!("{}: type {type_id}", t.name)))?;
+                let records = matches!(t.kind, TensorKind::KPacked { .. });
+                let name = if records { format!("{} records", ty.name()) } else { ty.name().to_string() };
+                (name, llmd_engine::backend::cpu::type_kernel(ty))
+            }
+            TensorKind::Edgeflow => {
+                let rows = usize::try_from(t.rows).map_err(|e| fail(&e))?;
+                let mut bits = vec![0u8; llmd::edgeflow_prefix(rows).0];
+                file.read_exact_at(&mut bits, header.data_offset + t.offset).map_err(|e| fail(&e))?;
+                let w = edgeflow::unpack_bit_widths(&bits, rows).ok_or_else(|| fail(&"a short bit-width array"))?;
+                for b in w {
+                    widths[usize::from(b).min(8)] += 1;
+                }
+                let kernel = llmd_engine::backend::cpu::type_kernel(GgmlType::Q8_0);
+                ("EdgeFlow".to_string(), format!("{kernel} (unpacked at load)"))
+            }
+        };
+        let e = by.entry(name).or_insert((0, 0, kernel));
+        e.0 += 1;
+        e.1 += t.len;
+    }
+    crate::out!("{:<12} {:>8} {:>10}  KERNEL (this machine)", "TYPE", "MATRICES", "MB");
+    for (name, (n, bytes, kernel)) in by {
+        crate::out!("{:<12} {:>8} {:>10.1}  {}", name, n, bytes as f64 / 1e6, kernel);
+    }
+    let channels: usize = widths.iter().sum();
+    if channels > 0 {
+        let mean = widths.iter().enumerate().map(|(b, n)| b * n).sum::<usize>() as f64 / channels as f64;
+        let counts: Vec<String> =
+            widths.iter().enumerate().filter(|(_, n)| **n > 0).map(|(b, n)| format!("{b} bits: {n}")).collect();
+        crate::out!("EdgeFlow channels: {} (mean {mean:.2} bits; method {})", counts.join(", "), meta.quant.method);
     }
     Ok(())
 }

@@ -63,6 +63,26 @@ fn convert_then_run_and_score() {
         s(&out4),
     ]));
     assert_eq!(r["average_bits"], 4.0);
+    // `models --local` reads the llmd files: the kept file's Q4_1 matrices, and the 4-bit one's
+    // EdgeFlow channels by bit-width, as convert counted them.
+    let listed = |p: &Path| {
+        let o = llmctl(&["models", "--local", s(p)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let kept = listed(&out8);
+    assert!(kept.lines().any(|l| l.starts_with("Q4_1") && l.contains(" 210 ")), "{kept}");
+    let four = listed(&out4);
+    assert!(four.lines().any(|l| l.starts_with("EdgeFlow") && l.contains(" 210 ")), "{four}");
+    let counts: Vec<String> = r["channels_by_bits"]
+        .as_array()
+        .expect("channels_by_bits")
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| n.as_u64() != Some(0))
+        .map(|(b, n)| format!("{b} bits: {n}"))
+        .collect();
+    assert!(four.contains(&format!("EdgeFlow channels: {} (mean 4.00 bits", counts.join(", "))), "{four}\n{r}");
     let run = llmctl(&["run", "--local", "--model", s(&out8), "--max-tokens", "4", "The capital of France is"]);
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     assert!(String::from_utf8_lossy(&run.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&run.stdout));

@@ -143,6 +143,26 @@ pub fn is_llmd(first: &[u8]) -> bool {
     first.len() >= 8 && &first[..8] == MAGIC
 }
 
+/// Reads the header and metadata of the llmd file at `path` (checked as [`parse_head`] does) and
+/// its length; no tensor data is read.
+pub fn read_head(path: &Path) -> Result<(Header, Metadata, u64), FormatError> {
+    use std::os::unix::fs::FileExt;
+    let io = |source| FormatError::Io { path: path.display().to_string(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let file_len = file.metadata().map_err(io)?.len();
+    let mut head = vec![0u8; HEADER_BYTES.min(usize::try_from(file_len).unwrap_or(usize::MAX))];
+    file.read_exact_at(&mut head, 0).map_err(io)?;
+    if head.len() == HEADER_BYTES && is_llmd(&head) {
+        let data_offset = u64::from_le_bytes(head[32..40].try_into().unwrap_or_default());
+        if data_offset <= file_len && data_offset <= MAX_METADATA + REGION_ALIGN as u64 {
+            head.resize(data_offset as usize, 0);
+            file.read_exact_at(&mut head, 0).map_err(io)?;
+        }
+    }
+    let (header, meta) = parse_head(&head, file_len)?;
+    Ok((header, meta, file_len))
+}
+
 /// Whether the file at `path` is an llmd model file (by its magic).
 pub fn path_is_llmd(path: &Path) -> bool {
     use std::io::Read;

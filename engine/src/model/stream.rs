@@ -37,7 +37,6 @@ use crate::quant::{self, GgmlType};
 use half::f16;
 use llmd_alloc_sys::HugeArena;
 use std::collections::{BTreeMap, HashMap};
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -156,20 +155,7 @@ pub(crate) fn load<T: Send + 'static>(
 ) -> Result<(Metadata, T, ModelWeights, Option<Prefilled>, LoadReport), EngineError> {
     let t0 = Instant::now();
     let secs = move || t0.elapsed().as_secs_f64();
-    let io = |source| FormatError::Io { path: path.display().to_string(), source };
-    let file = std::fs::File::open(path).map_err(io)?;
-    let file_len = file.metadata().map_err(io)?.len();
-    let mut head = vec![0u8; llmd::HEADER_BYTES.min(file_len as usize)];
-    file.read_exact_at(&mut head, 0).map_err(io)?;
-    if head.len() == llmd::HEADER_BYTES && llmd::is_llmd(&head) {
-        let data_offset = u64::from_le_bytes(head[32..40].try_into().unwrap_or_default());
-        if data_offset <= file_len && data_offset <= llmd::MAX_METADATA + llmd::REGION_ALIGN as u64 {
-            head.resize(data_offset as usize, 0);
-            file.read_exact_at(&mut head, 0).map_err(io)?;
-        }
-    }
-    let (header, meta) = llmd::parse_head(&head, file_len)?;
-    drop(head);
+    let (header, meta, file_len) = llmd::read_head(path)?;
     let map = Arc::new(ModelBytes::map(path)?);
     let c = meta.config.clone();
     let data_offset = header.data_offset;
