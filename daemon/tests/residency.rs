@@ -416,10 +416,6 @@ fn a_failed_spill_is_a_drop_and_stale_spills_are_removed_at_start() {
     let _ = std::fs::remove_file(dir.0.join("state/kv"));
 }
 
-/// Repeated pressure storms (the pressure file flipping high and low every 75–125
-/// ms, faster than the daemon sheds and reloads) while a request streams and a conversation
-/// sits idle: every request served through a storm streams the tokens it streams in calm, the
-/// model comes back after each storm, and the idle conversation continues where it was.
 /// A disk that fills during a spill: every spill's temporary file is `/dev/full` (a symlink
 /// in its place), whose writes fail with ENOSPC as a full file system's do. The spill becomes
 /// a drop: nothing is left in the spill folder, the event says "dropped", and the conversation
@@ -456,6 +452,10 @@ fn a_disk_full_during_a_spill_leaves_nothing_behind_and_the_conversation_goes_on
     assert!(!second.is_empty(), "the conversation continues after a failed spill");
 }
 
+/// Repeated pressure storms (the pressure file flipping high and low every 75–125
+/// ms, faster than the daemon sheds and reloads) while a request streams and a conversation
+/// sits idle: every request served through a storm streams the tokens it streams in calm, the
+/// model comes back after each storm, and the idle conversation continues where it was.
 #[test]
 fn repeated_pressure_storms_lose_no_request_and_no_conversation() {
     let _one = lock();
