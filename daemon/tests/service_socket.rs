@@ -1660,18 +1660,22 @@ fn auto_config(dir: &std::path::Path) -> String {
     )
 }
 
-/// Whether two prefill records of the dump's `JOBS` lines overlap in time on different
-/// processors for different chunks: out-of-order work (a chunk's own records on two processors
-/// always overlap, as its CPU and device steps take turns layer by layer).
-fn cross_chunk_overlap(jobs: &[&str]) -> bool {
-    let spans: Vec<(String, u64, u64, u64)> = jobs
-        .iter()
+/// The prefill records of the dump's `JOBS` lines: (processor, chunk, start ms, end ms).
+fn prefill_spans(jobs: &[&str]) -> Vec<(String, u64, u64, u64)> {
+    jobs.iter()
         .filter(|l| l.contains("kind=prefill"))
         .filter_map(|l| {
             let p = l.split_whitespace().find_map(|w| w.strip_prefix("processor="))?.to_owned();
             Some((p, field(l, "chunk=")?, field(l, "start_ms=")?, field(l, "end_ms=")?))
         })
-        .collect();
+        .collect()
+}
+
+/// Whether two prefill records of the dump's `JOBS` lines overlap in time on different
+/// processors for different chunks: out-of-order work (a chunk's own records on two processors
+/// always overlap, as its CPU and device steps take turns layer by layer).
+fn cross_chunk_overlap(jobs: &[&str]) -> bool {
+    let spans = prefill_spans(jobs);
     spans.iter().any(|a| spans.iter().any(|b| a.0 != b.0 && a.1 != b.1 && a.2 < b.3 && b.2 < a.3))
 }
 
@@ -2025,14 +2029,7 @@ fn under_the_8gen3_profile_auto_reads_a_prompt_across_processors_out_of_order_an
     let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(35);
     let (ids, dump) = long_prompt_reply(&conn, &prompt);
     let jobs: Vec<&str> = dump.lines().filter(|l| l.trim_start().starts_with("job request=")).collect();
-    let prefill: Vec<(String, u64, u64, u64)> = jobs
-        .iter()
-        .filter(|l| l.contains("kind=prefill"))
-        .filter_map(|l| {
-            let p = l.split_whitespace().find_map(|w| w.strip_prefix("processor="))?.to_owned();
-            Some((p, field(l, "chunk=")?, field(l, "start_ms=")?, field(l, "end_ms=")?))
-        })
-        .collect();
+    let prefill = prefill_spans(&jobs);
     let mut chunks: Vec<u64> = prefill.iter().map(|p| p.1).collect();
     chunks.sort_unstable();
     chunks.dedup();

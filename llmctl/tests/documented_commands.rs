@@ -312,6 +312,10 @@ fn run_daemon_line(cmd: &mut Command, line: &str, work: &Path) -> Result<(), Str
         .and_then(|i| words.get(i + 1))
         .ok_or("a documented llmd line names its --socket")?;
     let socket = work.join(socket);
+    // A daemon the reader started by hand may serve that path: never take its socket away.
+    if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+        return Err(format!("a daemon already serves {}: stop it to run this test", socket.display()));
+    }
     let _ = std::fs::remove_file(&socket);
     let mut child = cmd.spawn().map_err(|e| e.to_string())?;
     wait_for(&socket, &mut child, STARTUP)?;
