@@ -20,6 +20,7 @@ pub mod quantsim;
 pub mod sampling;
 pub mod sched;
 pub mod sequence;
+pub mod shadowattn;
 pub mod smooth;
 pub mod tokenizer;
 

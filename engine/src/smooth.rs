@@ -129,10 +129,15 @@ impl Smoothing {
             if kv.len() + part.len() > c.context_length {
                 kv = model.transformer.new_kv();
             }
-            model.transformer.forward_capture(&mut kv, part, &mut |li, site, x, cols| {
-                let s = &mut stats[li * 4 + site as usize];
-                s.add(x, cols, if k == 0 { OBJECTIVE_TOKENS } else { 0 });
-            })?;
+            model.transformer.forward_capture(
+                &mut kv,
+                part,
+                crate::backend::blocks::Logits::Last,
+                &mut |li, site, x, cols| {
+                    let s = &mut stats[li * 4 + site as usize];
+                    s.add(x, cols, if k == 0 { OBJECTIVE_TOKENS } else { 0 });
+                },
+            )?;
         }
         let w = &model.transformer.weights;
         let mut out = Smoothing {

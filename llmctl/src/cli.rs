@@ -114,6 +114,9 @@ pub struct RunArgs {
     pub npu: crate::npu::NpuArgs,
     #[command(flatten)]
     pub gpu: crate::gpu::GpuArgs,
+    /// Prompt attention with --local (a daemon's is set by its configuration).
+    #[command(flatten)]
+    pub attn: crate::attention::AttentionArgs,
     /// The prompt; "-" reads it from standard input.
     pub prompt: String,
 }
@@ -195,6 +198,8 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     } else {
         Model::load(&model_path, &opts).map_err(|e| format!("{}: {e}", model_path.display()))?
     };
+    let mut model = model;
+    crate::attention::apply(&mut model, &args.attn)?;
     let load_time = load_start.elapsed();
     let prompt = if args.chat {
         let mut msgs = Vec::new();
@@ -296,6 +301,9 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
 
 /// `llmctl run` through the daemon: the same output contract as `--local`; Ctrl-C cancels.
 pub fn run_remote(conn: &Connection, args: &RunArgs) -> Result<(), String> {
+    if args.attn.shadow() {
+        return Err("--attention belongs to --local: a daemon's attention is set in its configuration".into());
+    }
     let prompt_text = read_prompt(&args.prompt)?;
     let opened = std::time::Instant::now();
     // Opening a session loads its model if it is not resident (the time shows it).

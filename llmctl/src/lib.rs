@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod attention;
 pub mod bench;
 pub mod cli;
 pub mod client;

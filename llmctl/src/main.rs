@@ -46,6 +46,9 @@ enum Command {
     Convert(modeltools::ConvertArgs),
     /// Perplexity of a model on a text file (windows of `--ctx` tokens).
     Perplexity(modeltools::PerplexityArgs),
+    /// shadowAttn's pilot against float attention on a text: per layer and overall, the share
+    /// of the float top-k keys the INT8 pilot picks (prints `{"recall": …}` last).
+    AttentionRecall(llmctl::attention::RecallArgs),
     /// The NPU path's quantization schemes side by side on a text (llm.npu's Table 6 in kind):
     /// perplexity and next-token agreement with the float model for W8A8, SmoothQuant,
     /// LLM.int8() and shadow outlier execution at several pruning rates (simulated quantization).
@@ -116,6 +119,7 @@ fn main() -> ExitCode {
         Command::Convert(args) => modeltools::convert(args),
         Command::Models(cli::ModelsArgs { local: Some(path) }) => cli::models_local(path),
         Command::Perplexity(args) => modeltools::perplexity(args),
+        Command::AttentionRecall(args) => llmctl::attention::recall(args),
         Command::NpuAccuracy(args) => modeltools::npu_accuracy(args),
         Command::NpuModel(args) => llmctl::npu_model::run(args),
         Command::Plan(args) => llmctl::plan::run(args),
@@ -133,6 +137,7 @@ fn main() -> ExitCode {
             Command::Bench(_)
             | Command::Convert(_)
             | Command::Perplexity(_)
+            | Command::AttentionRecall(_)
             | Command::NpuAccuracy(_)
             | Command::NpuModel(_)
             | Command::Plan(_)

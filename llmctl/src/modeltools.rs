@@ -151,6 +151,8 @@ pub struct PerplexityArgs {
     pub backend: crate::npu::BackendChoice,
     #[command(flatten)]
     pub npu: crate::npu::NpuArgs,
+    #[command(flatten)]
+    pub attn: crate::attention::AttentionArgs,
 }
 
 /// `−log p(target)` from one row of logits, in f64.
@@ -165,8 +167,9 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
     if a.ctx < 2 {
         return Err("--ctx must be at least 2".into());
     }
-    let model = Model::load(&a.model, &LoadOptions { threads: a.threads, ..Default::default() })
+    let mut model = Model::load(&a.model, &LoadOptions { threads: a.threads, ..Default::default() })
         .map_err(|e| format!("{}: {e}", a.model.display()))?;
+    crate::attention::apply(&mut model, &a.attn)?;
     if a.ctx > model.config().context_length {
         return Err(format!("--ctx {} exceeds the model's context of {}", a.ctx, model.config().context_length));
     }

@@ -4,6 +4,7 @@
 //! the same code, so their results agree bit for bit.
 
 use super::kv::{self, KvCache};
+use super::sparse::{SparseAttn, MIN_SPARSE_ROWS};
 use super::weight::WeightMatrix;
 use super::{AttentionItem, AttentionShape, Backend, OpDesc, OpKind, Planner};
 use crate::error::BackendError;
@@ -69,7 +70,7 @@ pub type Batch<'a, 'b> = [(&'a mut KvCache, &'b [u32])];
 pub use llmd_device::GroupSite as CaptureSite;
 
 /// A capture hook: `(layer, site, rows, columns)`.
-pub type Capture<'a> = &'a mut dyn FnMut(usize, CaptureSite, &[f32], usize);
+pub type Capture<'a> = &'a mut dyn FnMut(usize, CaptureSite, &mut [f32], usize);
 
 /// The tokens of one forward pass, between layers: the residual stream and where each
 /// sequence's tokens sit in it.
@@ -205,6 +206,9 @@ pub struct Pass<'a> {
     /// executor's `SplitLinears` (groups and projections where the devices' splitter places
     /// them: a simulated scheme's too, `quantsim::SimDevice`).
     pub(crate) linears: Option<&'a dyn Linears>,
+    /// shadowAttn: prompt rows' attention (a sequence's rows of a pass, at least
+    /// `sparse::MIN_SPARSE_ROWS`) sparse under these settings; `None`: every row dense.
+    pub sparse: Option<&'a SparseAttn>,
 }
 
 /// A runner of a layer's linear groups — QKV, O, gate/up, down, without biases — in place of the
@@ -354,12 +358,12 @@ impl Pass<'_> {
         match capture {
             Some(f) => {
                 self.attn_qkv(st, li, w.qkv(), Some(&mut *f))?;
-                self.attn_core(st, batch, kv_layer, w.rope_freqs)?;
+                self.attn_core(st, batch, li, kv_layer, w.rope_freqs)?;
                 self.attn_out(st, li, w.wo, Some(f))
             }
             None => {
                 self.attn_qkv(st, li, w.qkv(), None)?;
-                self.attn_core(st, batch, kv_layer, w.rope_freqs)?;
+                self.attn_core(st, batch, li, kv_layer, w.rope_freqs)?;
                 self.attn_out(st, li, w.wo, None)
             }
         }
@@ -404,11 +408,13 @@ impl Pass<'_> {
     }
 
     /// Attention's middle part: RoPE, then every sequence's attention over its own cache, which
-    /// receives the new keys and values first (in the step itself where the backend can).
+    /// receives the new keys and values first (in the step itself where the backend can); a
+    /// sequence's prompt rows sparse where [`Self::sparse`] says so (layer `li` of its settings).
     pub fn attn_core(
         &self,
         st: &mut PassState,
         batch: &mut Batch,
+        li: usize,
         kv_layer: usize,
         rope_freqs: Option<&[f32]>,
     ) -> Result<(), BackendError> {
@@ -421,12 +427,14 @@ impl Pass<'_> {
         rope_op.rope(q, positions, &c.rope(c.n_heads), rope_freqs)?;
         rope_op.rope(k, positions, &c.rope(c.n_kv_heads), rope_freqs)?;
         let mut items = Vec::with_capacity(batch.len());
+        let mut sparse_items = Vec::new();
         let mut rest: &mut [f32] = attn;
         for ((kv, _), &(off, len, start)) in batch.iter_mut().zip(spans.iter()) {
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len * qd);
             rest = tail;
             if len > 0 {
-                items.push(AttentionItem {
+                let to = if self.sparse.is_some() && len >= MIN_SPARSE_ROWS { &mut sparse_items } else { &mut items };
+                to.push(AttentionItem {
                     shape: AttentionShape {
                         n_heads: c.n_heads,
                         n_kv_heads: c.n_kv_heads,
@@ -444,7 +452,11 @@ impl Pass<'_> {
                 });
             }
         }
-        self.op(OpKind::Attention, n)?.attention_many(&mut items)
+        let op = self.op(OpKind::Attention, n)?;
+        if let (Some(sa), false) = (self.sparse, sparse_items.is_empty()) {
+            op.attention_sparse(&mut sparse_items, li, sa)?;
+        }
+        op.attention_many(&mut items)
     }
 
     /// Attention's last part: the O group and the residual.

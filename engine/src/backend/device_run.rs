@@ -128,7 +128,7 @@ pub fn run_subgraph(
         }
         return Ok(());
     }
-    let pass = Pass { c: shape, planner, linears: None };
+    let pass = Pass { c: shape, planner, linears: None, sparse: None };
     check_bindings(io.tokens, io.positions, io.seqs)?;
     let spans: Vec<_> = io.seqs.iter().map(|s| (s.offset, s.len, s.start)).collect();
     let positions: Vec<usize> = io.positions.iter().map(|&p| p as usize).collect();
@@ -198,7 +198,7 @@ pub fn run_subgraph(
                         let rope_freqs = if shape.rope_freqs { Some(v(0)?) } else { None };
                         with_caches(io.kv, io.seqs, |batch| {
                             Pass::prepare_append(&st, batch, 0);
-                            pass.attn_core(&mut st, batch, 0, rope_freqs).map_err(e)
+                            pass.attn_core(&mut st, batch, sg.layer, 0, rope_freqs).map_err(e)
                         })?
                     }
                     SubgraphKind::AttnOut => pass.attn_out(&mut st, sg.layer, m(0)?, None).map_err(e)?,

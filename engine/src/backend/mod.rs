@@ -11,6 +11,7 @@ pub mod layout;
 pub mod npu;
 mod ops;
 mod planner;
+pub mod sparse;
 pub mod weight;
 
 pub use ops::*;

@@ -209,6 +209,18 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// shadowAttn's sparse attention of several sequences' prompt rows, layer `layer` of `sa`: an
+    /// INT8 pilot's Q·Kᵀ picks each query row's keys, exact attention runs over only those.
+    /// A backend without a pilot refuses it.
+    fn attention_sparse(
+        &self,
+        _items: &mut [AttentionItem<'_>],
+        _layer: usize,
+        _sa: &crate::backend::sparse::SparseAttn,
+    ) -> Result<(), BackendError> {
+        Err(BackendError::NoBackend(format!("sparse attention on {}", self.descriptor().name)))
+    }
+
     /// `gate = silu(gate) * up`, elementwise.
     fn swiglu(&self, gate: &mut [f32], up: &[f32]) -> Result<(), BackendError>;
 }

@@ -91,13 +91,34 @@ pub struct Transformer {
     devices: Option<devices::Devices>,
     /// How new KV caches store keys and values.
     pub kv_type: kv::KvType,
+    /// shadowAttn: prompt rows' attention sparse under these settings (`None`: dense).
+    sparse: Option<std::sync::Arc<crate::backend::sparse::SparseAttn>>,
 }
 
 impl Transformer {
     pub fn new(config: ModelConfig, weights: ModelWeights, planner: Planner) -> Self {
         let shape =
             config.block_shape(weights.layers.first().is_some_and(|l| l.bq.is_some()), weights.rope_freqs.is_some());
-        Self { config, weights, shape, planner, devices: None, kv_type: kv::KvType::F16 }
+        Self { config, weights, shape, planner, devices: None, kv_type: kv::KvType::F16, sparse: None }
+    }
+
+    /// Runs later passes' prompt rows with shadowAttn's sparse attention under `sa` (checked
+    /// against the model's shape), or dense again (`None`).
+    pub fn set_sparse_attention(
+        &mut self,
+        sa: Option<std::sync::Arc<crate::backend::sparse::SparseAttn>>,
+    ) -> Result<(), BackendError> {
+        if let Some(s) = &sa {
+            s.check(self.config.n_layers, self.config.n_heads)
+                .map_err(|detail| BackendError::Shape { op: "sparse attention", detail })?;
+        }
+        self.sparse = sa;
+        Ok(())
+    }
+
+    /// The sparse attention settings later passes run under, if any.
+    pub fn sparse_attention(&self) -> Option<&std::sync::Arc<crate::backend::sparse::SparseAttn>> {
+        self.sparse.as_ref()
     }
 
     /// Runs later passes across the host and `devices`, each subgraph where `cost` prices it
@@ -147,7 +168,7 @@ impl Transformer {
     }
 
     fn pass(&self) -> Pass<'_> {
-        Pass { c: &self.shape, planner: &self.planner, linears: None }
+        Pass { c: &self.shape, planner: &self.planner, linears: None, sparse: self.sparse.as_deref() }
     }
 
     /// The forward pass: sequence `i` of `batch` runs `batch[i].1` at the positions after what
@@ -315,11 +336,13 @@ impl Transformer {
     }
 
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`
-    /// (calibration); returns the last token's logits.
+    /// (calibration), which may also change it (shadowAttn's importance profiling zeroes heads'
+    /// attention outputs); returns the logits `which` asks for.
     pub fn forward_capture(
         &self,
         kv: &mut KvCache,
         tokens: &[u32],
+        which: Logits,
         capture: Capture,
     ) -> Result<Vec<f32>, BackendError> {
         let p = self.pass();
@@ -329,7 +352,7 @@ impl Transformer {
         for (li, l) in w.layers.iter().enumerate() {
             p.layer(&mut st, batch, li, l.blocks(w.rope_freqs.as_deref()), Some(&mut *capture))?;
         }
-        let out = p.finish(st, batch, &w.output_norm, &w.output, Logits::Last)?.pop().unwrap_or_default();
+        let out = p.finish(st, batch, &w.output_norm, &w.output, which)?.pop().unwrap_or_default();
         w.check_files()?;
         Ok(out)
     }

@@ -493,7 +493,13 @@ impl<'a> Exec<'a> {
         which: Logits,
         stop: Option<&'a (dyn Fn() -> bool + Sync)>,
     ) -> Self {
-        Self { t, devs, p: Pass { c: &t.shape, planner: &t.planner, linears }, which, stop }
+        Self {
+            t,
+            devs,
+            p: Pass { c: &t.shape, planner: &t.planner, linears, sparse: t.sparse.as_deref() },
+            which,
+            stop,
+        }
     }
 
     /// Runs step `sg` of chunk `ch` on `d` (0: the host), over `batch` (the chunk's sequences'
@@ -539,7 +545,7 @@ impl<'a> Exec<'a> {
             SubgraphKind::AttnQkv => p.attn_qkv(st, l, layer()?.0.qkv(), None)?,
             SubgraphKind::AttnCore => {
                 Pass::prepare_append(st, batch, l);
-                p.attn_core(st, batch, l, layer()?.0.rope_freqs)?
+                p.attn_core(st, batch, l, l, layer()?.0.rope_freqs)?
             }
             SubgraphKind::AttnOut => p.attn_out(st, l, layer()?.0.wo, None)?,
             SubgraphKind::FfnGateUp => {

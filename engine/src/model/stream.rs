@@ -289,7 +289,7 @@ pub(crate) fn load<T: Send + 'static>(
         .map(|r| RegionTiming { name: r.name.clone(), bytes: r.len, ..Default::default() })
         .collect();
     let shape = c.block_shape(false, false);
-    let pass = Pass { c: &shape, planner, linears: None };
+    let pass = Pass { c: &shape, planner, linears: None, sparse: None };
     let mut kv = prompt.map(|_| KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, kv_type));
     let mut state = None;
     let mut parts: HashMap<String, Part> = HashMap::new();

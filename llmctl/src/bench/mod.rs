@@ -125,6 +125,9 @@ pub struct BenchArgs {
     pub npu: crate::npu::NpuArgs,
     #[command(flatten)]
     pub gpu: crate::gpu::GpuArgs,
+    /// Prompt attention of --local (llama.cpp's, with --compare-llamacpp, stays dense).
+    #[command(flatten)]
+    pub attn: crate::attention::AttentionArgs,
     /// Python interpreter for --compare-llamacpp.
     #[arg(long, default_value = "python3", env = "LLMD_BENCH_PYTHON")]
     pub python: String,

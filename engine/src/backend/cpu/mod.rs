@@ -12,9 +12,11 @@ pub mod device;
 pub mod features;
 pub mod kpacked;
 pub mod packed;
+pub mod pilot;
 pub mod pool;
 pub mod rows;
 pub mod sgemm;
+mod sparse;
 pub mod unpack;
 
 pub use packed::{int8_peak_macs_per_s, read_peak_bytes_per_s};
@@ -200,7 +202,7 @@ fn attend_one(
 /// Dot products to softmax weights in place: each times `scale` (f32), `exp_sub` (see
 /// `attn_kernels::exp_ref`) of each score minus the largest, the sum in f64, then each weight
 /// times 1/sum rounded to f16 (llama.cpp's order).
-fn softmax_rounded(p: &mut [f32], scale: f32, kern: &AttnKernels) {
+pub(super) fn softmax_rounded(p: &mut [f32], scale: f32, kern: &AttnKernels) {
     let max = (kern.scale_max)(p, scale);
     let mut sum = 0f64;
     (kern.exp_sub)(p, max);
@@ -959,6 +961,15 @@ impl Backend for CpuBackend {
             });
         });
         Ok(())
+    }
+
+    fn attention_sparse(
+        &self,
+        items: &mut [AttentionItem<'_>],
+        layer: usize,
+        sa: &crate::backend::sparse::SparseAttn,
+    ) -> Result<(), BackendError> {
+        self.sparse_attention(items, layer, sa)
     }
 
     fn swiglu(&self, gate: &mut [f32], up: &[f32]) -> Result<(), BackendError> {
