@@ -49,6 +49,9 @@ enum Command {
     /// shadowAttn's pilot against float attention on a text: per layer and overall, the share
     /// of the float top-k keys the INT8 pilot picks (prints `{"recall": …}` last).
     AttentionRecall(llmctl::attention::RecallArgs),
+    /// shadowAttn's attention kernel on a phone, MODELLED (the head-wise pipeline's greedy plan
+    /// over the paper's own NPU and CPU figures): dense on one mid core against the NPU pilot.
+    AttentionModel(llmctl::attention::ModelArgs),
     /// The NPU path's quantization schemes side by side on a text (llm.npu's Table 6 in kind):
     /// perplexity and next-token agreement with the float model for W8A8, SmoothQuant,
     /// LLM.int8() and shadow outlier execution at several pruning rates (simulated quantization).
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
         Command::Models(cli::ModelsArgs { local: Some(path) }) => cli::models_local(path),
         Command::Perplexity(args) => modeltools::perplexity(args),
         Command::AttentionRecall(args) => llmctl::attention::recall(args),
+        Command::AttentionModel(args) => llmctl::attention::model(args),
         Command::NpuAccuracy(args) => modeltools::npu_accuracy(args),
         Command::NpuModel(args) => llmctl::npu_model::run(args),
         Command::Plan(args) => llmctl::plan::run(args),
@@ -138,6 +142,7 @@ fn main() -> ExitCode {
             | Command::Convert(_)
             | Command::Perplexity(_)
             | Command::AttentionRecall(_)
+            | Command::AttentionModel(_)
             | Command::NpuAccuracy(_)
             | Command::NpuModel(_)
             | Command::Plan(_)

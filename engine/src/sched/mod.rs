@@ -21,6 +21,7 @@
 //!   splitter; the executor (`model/split.rs`) runs the parts through the device contract.
 
 mod graph;
+pub mod heads;
 mod order;
 mod split;
 mod threads;

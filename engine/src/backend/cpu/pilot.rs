@@ -66,16 +66,28 @@ pub struct PilotQueries {
 impl PilotQueries {
     /// Quantizes `rows` (each `d` long) at `scale`, reusing the buffers.
     pub fn fill(&mut self, rows: &[&[f32]], d: usize, scale: f32) {
-        let inv = 1.0 / scale;
         self.d = d;
         self.i8s.clear();
         self.u8s.clear();
         for r in rows {
-            for &x in r.iter() {
-                let q = quantize_i8(x, inv);
-                self.i8s.push(q);
-                self.u8s.push((q as i32 + 128) as u8);
-            }
+            self.push(r, scale);
+        }
+    }
+
+    /// [`Self::fill`] from rows laid end to end.
+    pub fn fill_flat(&mut self, rows: &[f32], d: usize, scale: f32) {
+        self.d = d;
+        self.i8s.clear();
+        self.u8s.clear();
+        self.push(rows, scale);
+    }
+
+    fn push(&mut self, x: &[f32], scale: f32) {
+        let inv = 1.0 / scale;
+        for &x in x {
+            let q = quantize_i8(x, inv);
+            self.i8s.push(q);
+            self.u8s.push((q as i32 + 128) as u8);
         }
     }
 }
@@ -152,9 +164,117 @@ pub fn scores_portable(q: &PilotQueries, k: &PilotKeys, visible: &[usize], out: 
     }
 }
 
+/// Scratch of [`top_k`], reused across rows.
+#[derive(Default)]
+pub struct TopKScratch {
+    sample: Vec<i32>,
+    band: Vec<i32>,
+    above: Vec<u32>,
+    ties: Vec<u32>,
+    hist: Vec<u32>,
+}
+
+/// Rows shorter than this take the portable selection (the sample would be most of the row).
+const TOP_K_SIMD_MIN: usize = 256;
+
+/// [`crate::backend::sparse::top_k`] (the same indices): with AVX-512, the k-th largest score
+/// found by bisection on counts of scores at least a value (16 per instruction), bracketed first
+/// by a sorted sample of 64, then one pass splitting the row at it.
+pub fn top_k(scores: &[i32], k: usize, sc: &mut TopKScratch, out: &mut Vec<u32>) {
+    let n = scores.len();
+    #[cfg(target_arch = "x86_64")]
+    if n >= TOP_K_SIMD_MIN && k > 0 && k < n && super::features::features().avx512f {
+        use super::arch::x86::pilot::{count_ge, split_at};
+        // SAFETY: AVX-512 F checked just above.
+        let count = |t: i64| if t > i32::MAX as i64 { 0 } else { unsafe { count_ge(scores, t as i32) } };
+        let step = n / 64;
+        sc.sample.clear();
+        sc.sample.extend((0..64).map(|i| scores[i * step + step / 2]));
+        sc.sample.sort_unstable_by(|a, b| b.cmp(a));
+        let r = k * 64 / n;
+        let (mut lo, mut hi) = (sc.sample[(r + 6).min(63)] as i64, sc.sample[r.saturating_sub(6)] as i64);
+        // Wanted: at least k scores >= lo, fewer than k >= hi + 1; else the row's whole range.
+        if count(lo) < k {
+            lo = scores.iter().copied().min().unwrap_or(i32::MIN) as i64;
+        }
+        if count(hi + 1) >= k {
+            hi = scores.iter().copied().max().unwrap_or(i32::MAX) as i64;
+        }
+        // The largest t with k scores >= t: the k-th largest score, by bisection over the
+        // bracket's scores alone (copied out once), counting those above it once.
+        let above_band = count(hi + 1);
+        sc.band.clear();
+        // SAFETY: AVX-512 F checked above; `lo` and `hi` are scores or the row's bounds.
+        unsafe { super::arch::x86::pilot::band(scores, lo as i32, hi as i32, &mut sc.band) };
+        let band_ge = |band: &[i32], t: i64| {
+            if t > i32::MAX as i64 {
+                0
+            } else {
+                // SAFETY: AVX-512 F checked above.
+                unsafe { count_ge(band, t as i32) }
+            }
+        };
+        while lo < hi {
+            let mid = lo + (hi - lo + 1) / 2;
+            if above_band + band_ge(&sc.band, mid) >= k {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        sc.above.clear();
+        sc.ties.clear();
+        // SAFETY: AVX-512 F checked above.
+        unsafe { split_at(scores, lo as i32, &mut sc.above, &mut sc.ties) };
+        let need = k - sc.above.len();
+        let ties = &sc.ties[sc.ties.len() - need..];
+        out.clear();
+        let (a, t) = (&sc.above, ties);
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() || j < t.len() {
+            if j == t.len() || (i < a.len() && a[i] < t[j]) {
+                out.push(a[i]);
+                i += 1;
+            } else {
+                out.push(t[j]);
+                j += 1;
+            }
+        }
+        return;
+    }
+    crate::backend::sparse::top_k(scores, k, &mut sc.hist, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_k_equals_the_portable_selection_for_any_row() {
+        let mut s = 0x2545F4914F6CDD1Du64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let (mut sc, mut a, mut b, mut hist) = (TopKScratch::default(), Vec::new(), Vec::new(), Vec::new());
+        for case in 0..300 {
+            let n = 200 + (next() % 3000) as usize;
+            let range = [2u64, 50, 5_000, 2_000_000, u32::MAX as u64][case % 5];
+            let row: Vec<i32> = (0..n).map(|_| (next() % range) as i64 as i32 - (range / 2) as i32).collect();
+            for k in [1, n / 5, n / 5 + 1, n / 2, n - 1, n] {
+                top_k(&row, k, &mut sc, &mut a);
+                crate::backend::sparse::top_k(&row, k, &mut hist, &mut b);
+                assert_eq!(a, b, "n {n} k {k} range {range}");
+            }
+        }
+        // Extremes of the i32 range.
+        let row: Vec<i32> = (0..300).map(|i| if i % 3 == 0 { i32::MAX } else { i32::MIN }).collect();
+        top_k(&row, 150, &mut sc, &mut a);
+        crate::backend::sparse::top_k(&row, 150, &mut hist, &mut b);
+        assert_eq!(a, b);
+    }
 
     #[test]
     fn the_kernel_equals_the_portable_sums_for_any_rows_keys_and_saturation() {

@@ -9,7 +9,7 @@ use super::attn_kernels::AttnKernels;
 use super::pilot::{self, PilotKeys, PilotQueries};
 use super::{softmax_rounded, CpuBackend};
 use crate::backend::kv::KvLayer;
-use crate::backend::sparse::{absmax_scale, kept, top_k, top_k_f32, SparseAttn};
+use crate::backend::sparse::{absmax_scale, kept, top_k_f32, SparseAttn};
 use crate::backend::{AttentionItem, AttentionShape};
 use crate::error::BackendError;
 use half::f16;
@@ -24,7 +24,7 @@ struct Scratch {
     q: PilotQueries,
     qs: Vec<f32>,
     scores: Vec<i32>,
-    hist: Vec<u32>,
+    topk: pilot::TopKScratch,
     idx: Vec<u32>,
     truth: Vec<u32>,
     k: Vec<f16>,
@@ -168,6 +168,7 @@ impl CpuBackend {
             SPARSE.with(|sc| {
                 let sc = &mut *sc.borrow_mut();
                 let visible: Vec<usize> = (t0..t0 + rows).map(|t| s.start + t + 1).collect();
+                let mut qrows: Vec<&[f32]> = Vec::with_capacity(rows);
                 sc.scores.resize(rows * stride, 0);
                 let (mut hit, mut all, mut tied) = (0u64, 0u64, 0u64);
                 for h in 0..nh {
@@ -176,21 +177,20 @@ impl CpuBackend {
                         *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some("pilot keys missing");
                         return;
                     };
-                    let qrows: Vec<&[f32]> =
-                        (t0..t0 + rows).map(|t| &q[t * q_row + h * hd..t * q_row + (h + 1) * hd]).collect();
+                    qrows.clear();
+                    qrows.extend((t0..t0 + rows).map(|t| &q[t * q_row + h * hd..t * q_row + (h + 1) * hd]));
                     let smooth = &prep[kvh].1;
                     sc.qs.clear();
                     for r in &qrows {
                         sc.qs.extend(r.iter().zip(smooth).map(|(x, s)| x * s));
                     }
-                    let srows: Vec<&[f32]> = sc.qs.chunks_exact(hd).collect();
-                    sc.q.fill(&srows, hd, scales[h].0);
+                    sc.q.fill_flat(&sc.qs, hd, scales[h].0);
                     pilot::scores(&sc.q, pk, &visible, &mut sc.scores, stride);
                     let ratio = sa.ratio(layer, h);
                     for (r, &vis) in visible.iter().enumerate() {
                         let kr = kept(ratio, vis);
                         let row = &sc.scores[r * stride..r * stride + vis];
-                        top_k(row, kr, &mut sc.hist, &mut sc.idx);
+                        pilot::top_k(row, kr, &mut sc.topk, &mut sc.idx);
                         // The query rounded to f16, as dense attention rounds it.
                         sc.qh.clear();
                         sc.qh.extend_from_slice(qrows[r]);
@@ -217,12 +217,21 @@ impl CpuBackend {
                                 .max();
                             tied += u64::from(rest_max == Some(kth));
                         }
-                        sc.k.clear();
-                        sc.v.clear();
-                        for &j in &sc.idx {
+                        // Kept rows copied element by element (a loop the compiler unrolls;
+                        // `extend_from_slice` calls memmove per 128-byte row).
+                        let kk = sc.idx.len() * hd;
+                        sc.k.resize(kk, f16::ZERO);
+                        sc.v.resize(kk, f16::ZERO);
+                        for ((&j, kd), vd) in
+                            sc.idx.iter().zip(sc.k.chunks_exact_mut(hd)).zip(sc.v.chunks_exact_mut(hd))
+                        {
                             let j = j as usize;
-                            sc.k.extend_from_slice(&k[kvh][j * hd..(j + 1) * hd]);
-                            sc.v.extend_from_slice(&v[kvh][j * hd..(j + 1) * hd]);
+                            for (d, s) in kd.iter_mut().zip(&k[kvh][j * hd..(j + 1) * hd]) {
+                                *d = *s;
+                            }
+                            for (d, s) in vd.iter_mut().zip(&v[kvh][j * hd..(j + 1) * hd]) {
+                                *d = *s;
+                            }
                         }
                         sc.p.clear();
                         sc.p.resize(sc.idx.len(), 0.0);

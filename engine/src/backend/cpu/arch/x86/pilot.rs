@@ -48,3 +48,84 @@ pub unsafe fn scores_vnni(
         }
     }
 }
+
+/// How many of `row` are at least `t`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn count_ge(row: &[i32], t: i32) -> usize {
+    let tv = _mm512_set1_epi32(t);
+    let mut n = 0u32;
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        // SAFETY: `c` is 16 readable i32s; the load is unaligned.
+        let v = unsafe { _mm512_loadu_si512(c.as_ptr() as *const __m512i) };
+        n += _mm512_cmpge_epi32_mask(v, tv).count_ones();
+    }
+    n as usize + chunks.remainder().iter().filter(|&&s| s >= t).count()
+}
+
+/// Appends to `above` the indices of `row` whose value exceeds `t`, and to `ties` those equal to
+/// it, each ascending.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn split_at(row: &[i32], t: i32, above: &mut Vec<u32>, ties: &mut Vec<u32>) {
+    above.reserve(row.len() + 16);
+    ties.reserve(row.len() + 16);
+    let tv = _mm512_set1_epi32(t);
+    let step = _mm512_set1_epi32(16);
+    let mut idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        // SAFETY: `c` is 16 readable i32s; each vector is stored after the lists' lengths, within
+        // the 16 spare values reserved beyond any count they can reach; the lengths then grow by
+        // the number of lanes stored, all written.
+        unsafe {
+            let v = _mm512_loadu_si512(c.as_ptr() as *const __m512i);
+            let gt = _mm512_cmpgt_epi32_mask(v, tv);
+            let eq = _mm512_cmpeq_epi32_mask(v, tv);
+            let a = _mm512_maskz_compress_epi32(gt, idx);
+            _mm512_storeu_si512(above.as_mut_ptr().add(above.len()) as *mut __m512i, a);
+            above.set_len(above.len() + gt.count_ones() as usize);
+            if eq != 0 {
+                let e = _mm512_maskz_compress_epi32(eq, idx);
+                _mm512_storeu_si512(ties.as_mut_ptr().add(ties.len()) as *mut __m512i, e);
+                ties.set_len(ties.len() + eq.count_ones() as usize);
+            }
+            idx = _mm512_add_epi32(idx, step);
+        }
+    }
+    let base = row.len() - chunks.remainder().len();
+    for (j, &s) in chunks.remainder().iter().enumerate() {
+        if s > t {
+            above.push((base + j) as u32);
+        } else if s == t {
+            ties.push((base + j) as u32);
+        }
+    }
+}
+
+/// Appends to `band` the values of `row` within `lo..=hi`, in order.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn band(row: &[i32], lo: i32, hi: i32, band: &mut Vec<i32>) {
+    band.reserve(row.len() + 16);
+    let (lv, hv) = (_mm512_set1_epi32(lo), _mm512_set1_epi32(hi));
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        // SAFETY: `c` is 16 readable i32s; the vector is stored after `band`'s length, within the
+        // 16 spare values reserved; the length grows by the lanes stored.
+        unsafe {
+            let v = _mm512_loadu_si512(c.as_ptr() as *const __m512i);
+            let m = _mm512_cmpge_epi32_mask(v, lv) & _mm512_cmple_epi32_mask(v, hv);
+            _mm512_storeu_si512(band.as_mut_ptr().add(band.len()) as *mut __m512i, _mm512_maskz_compress_epi32(m, v));
+            band.set_len(band.len() + m.count_ones() as usize);
+        }
+    }
+    band.extend(chunks.remainder().iter().copied().filter(|&s| s >= lo && s <= hi));
+}
