@@ -164,8 +164,9 @@ pub fn scores_portable(q: &PilotQueries, k: &PilotKeys, visible: &[usize], out: 
     }
 }
 
-/// Scratch of [`top_k`], reused across rows.
+/// Scratch of [`top_k`], reused across rows (the sample, band and lists only with AVX-512).
 #[derive(Default)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct TopKScratch {
     sample: Vec<i32>,
     band: Vec<i32>,
@@ -175,12 +176,14 @@ pub struct TopKScratch {
 }
 
 /// Rows shorter than this take the portable selection (the sample would be most of the row).
+#[cfg(target_arch = "x86_64")]
 const TOP_K_SIMD_MIN: usize = 256;
 
 /// [`crate::backend::sparse::top_k`] (the same indices): with AVX-512, the k-th largest score
 /// found by bisection on counts of scores at least a value (16 per instruction), bracketed first
 /// by a sorted sample of 64, then one pass splitting the row at it.
 pub fn top_k(scores: &[i32], k: usize, sc: &mut TopKScratch, out: &mut Vec<u32>) {
+    #[cfg(target_arch = "x86_64")]
     let n = scores.len();
     #[cfg(target_arch = "x86_64")]
     if n >= TOP_K_SIMD_MIN && k > 0 && k < n && super::features::features().avx512f {
