@@ -182,6 +182,41 @@ pub struct GpuConfig {
     pub fp16: Option<bool>,
 }
 
+/// How prompt chunks attend (`attention.mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionMode {
+    /// Every query over every visible key.
+    #[default]
+    Dense,
+    /// shadowAttn: an INT8 pilot picks each query row's keys, exact attention over those.
+    Shadow,
+}
+
+/// Prompt attention (`[attention]`): dense, or shadowAttn's sparse attention on the CPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AttentionConfig {
+    pub mode: AttentionMode,
+    /// The mean share of visible keys each query row keeps, in (0, 1].
+    pub ratio: f64,
+    /// Scale buckets per layer of the pilot, 1..=25.
+    pub buckets: usize,
+    /// The paper's head-specific ratios (a profile pass per head and layer, once per model).
+    pub head_ratios: bool,
+}
+
+impl Default for AttentionConfig {
+    fn default() -> Self {
+        Self {
+            mode: AttentionMode::Dense,
+            ratio: 0.2,
+            buckets: llmd_engine::backend::sparse::DEFAULT_BUCKETS,
+            head_ratios: false,
+        }
+    }
+}
+
 /// The NPU path (`[npu]`, used with `backend = "npu"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -287,6 +322,7 @@ pub struct Config {
     pub gpu: GpuConfig,
     pub hetero: HeteroConfig,
     pub devices: DevicesConfig,
+    pub attention: AttentionConfig,
     pub limits: Limits,
     pub permissions: Permissions,
     pub scheduler: SchedulerConfig,
@@ -513,6 +549,7 @@ impl Default for Config {
             gpu: GpuConfig::default(),
             hetero: HeteroConfig::default(),
             devices: DevicesConfig::default(),
+            attention: AttentionConfig::default(),
             limits: Limits::default(),
             permissions: Permissions::default(),
             scheduler: SchedulerConfig::default(),
@@ -582,6 +619,13 @@ impl Config {
         }
         if self.prefill_chunk == 0 {
             return bad("prefill_chunk must be at least 1".into());
+        }
+        let a = &self.attention;
+        if !(a.ratio > 0.0 && a.ratio <= 1.0) {
+            return bad(format!("attention.ratio {} must be above 0 and at most 1", a.ratio));
+        }
+        if !(1..=25).contains(&a.buckets) {
+            return bad(format!("attention.buckets {} must be 1..=25", a.buckets));
         }
         let n = &self.npu;
         if !(1..=4096).contains(&n.chunk) {

@@ -397,6 +397,7 @@ fn dump(shared: &Shared, pressure: &Pressure) -> String {
         ps.evicted
     );
     out.push_str(&shared.processors.dump());
+    out.push_str(&shared.attention.dump());
     let _ = writeln!(out, "\nRESIDENCY EVENTS (most recent last)");
     for e in shared.residency.events() {
         let secs = e.at.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

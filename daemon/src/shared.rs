@@ -29,6 +29,8 @@ pub struct Shared {
     pub connections: Arc<crate::connections::Gate>,
     /// The NPU and the GPU (each on its thread, or off).
     pub processors: crate::processor::Processors,
+    /// Each resident model's prompt attention (`[attention]`).
+    pub attention: crate::attention::Attention,
 }
 
 impl Shared {
@@ -59,7 +61,10 @@ impl Shared {
             }
         }
         let connections = Arc::new(crate::connections::Gate::from_config(&config));
+        let attention =
+            crate::attention::Attention::new(config.attention.clone(), config.residency.state_dir.as_deref());
         let shared = Arc::new(Self {
+            attention,
             connections,
             config,
             residency,
@@ -199,6 +204,7 @@ impl Shared {
             None => self.residency.acquire(id, &format!("request (uid {uid})"), self.kv_bytes())?,
         };
         self.processors.prepare(&m);
+        self.attention.prepare(id, &m);
         if !record {
             return Ok(m);
         }

@@ -2080,3 +2080,81 @@ fn a_gpu_failing_at_its_2nd_decode_step_leaves_the_request_to_the_cpu_with_the_c
     eprintln!("{per_step} kernels per decode step; the CPU's margin over each token: {margins:?}");
     assert!(margins.iter().all(|m| *m <= NEAR_TIE_LOGITS), "{margins:?}");
 }
+
+/// Longest a model's shadowAttn profile may take to be made after it loads (uniform ratios: one
+/// pass over 256 calibration tokens, well under a second here).
+const ATTENTION_READY: Duration = Duration::from_secs(60);
+
+/// The `ATTENTION` section of the daemon's dump, once its model line matches `what`.
+fn wait_attention(conn: &Connection, what: &str) -> String {
+    let t = Instant::now();
+    loop {
+        let dump = conn.admin().expect("admin").dumpState().expect("dump");
+        let after = dump.split("\nATTENTION\n").nth(1).unwrap_or_default();
+        let section = after.split("\n\n").next().unwrap_or_default().to_owned();
+        if section.contains(what) {
+            return section;
+        }
+        assert!(t.elapsed() < ATTENTION_READY, "attention never showed {what:?}:\n{section}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `[attention] mode = "shadow"` on the product path: the profile is made after the model loads
+/// while the first prompt is served; then a prompt of several chunks runs sparse and its reply is
+/// the engine's in-process reply under the same settings; a second turn goes on from the
+/// session's cache; a cancel mid-prefill ends the request and the session goes on.
+#[test]
+fn shadow_attention_is_made_at_load_then_serves_long_prompts_turns_and_cancels() {
+    let d = Daemon::start("[attention]\nmode = \"shadow\"\n");
+    let conn = d.connect();
+    let s = session(&conn);
+    // The model loads with this session; its profile is made beside the first prompt.
+    let first = run(&s, &greedy("The capital of France is", 4));
+    assert!(first.error.is_none(), "{first:?}");
+    let section = wait_attention(&conn, "sparse: profile made");
+    assert!(section.contains("mode=shadow ratio=0.2 buckets=9 ratios=uniform"), "{section}");
+    // A prompt of three chunks, in a fresh session.
+    let prompt = "The history of computing is long and varied, and it began with counting. ".repeat(40);
+    let s2 = session(&conn);
+    let before = field(&section, "sparse_rows=").expect("sparse rows");
+    let long = run(&s2, &greedy(&prompt, 8));
+    assert!(long.error.is_none(), "{long:?}");
+    let section = wait_attention(&conn, "sparse_rows=");
+    let after = field(&section, "sparse_rows=").expect("sparse rows");
+    let m = llmd_engine::Model::load(&model(), &llmd_engine::LoadOptions { threads: 2, ..Default::default() })
+        .expect("model");
+    let n = m.tokenizer.encode(&prompt, false, m.tokenizer.add_bos).expect("encode").len();
+    assert!(n > llmd_engine::generate::DEFAULT_PREFILL_CHUNK, "{n} tokens: more than one chunk");
+    assert!(after - before >= (n as u64 - 1) * m.config().n_layers as u64, "{before} -> {after} sparse rows for {n}");
+    let cal = m.tokenizer.encode(llmd_engine::prefill::CALIBRATION_TEXT, false, false).expect("encode");
+    let (profile, _) = llmd_engine::shadowattn::Profile::load_or_build(None, &m.transformer, &cal, false, &|_, _| {})
+        .expect("profile");
+    m.transformer.set_sparse_attention(Some(std::sync::Arc::new(profile.settings(0.2, true, 9)))).expect("fits");
+    let req = llmd_engine::generate::GenerateRequest {
+        prompt: llmd_engine::generate::Prompt::Text(prompt.clone()),
+        sampling: llmd_engine::sampling::SamplingParams::greedy(),
+        max_tokens: 8,
+        stop: vec![],
+    };
+    let mut ids = Vec::new();
+    m.generate(&req, |_, i| {
+        ids.extend(i.iter().map(|&t| t as i32));
+        llmd_engine::generate::Flow::Continue
+    })
+    .expect("local generation");
+    assert_eq!(long.ids, ids, "the daemon's shadow reply is the engine's in-process one");
+    // A second turn on the same session reads its prompt over the kept cache.
+    let second = run(&s2, &greedy(" What came after counting?", 6));
+    assert!(second.error.is_none(), "{second:?}");
+    let grown = field(&wait_attention(&conn, "sparse_rows="), "sparse_rows=").expect("sparse rows");
+    assert!(grown > after, "the second turn's prompt ran sparse too ({after} -> {grown})");
+    // A cancel while a long prompt is read: cancelled, nothing emitted, the session goes on.
+    let (cb, _tx, rx) = client::callback();
+    let id = s2.generate(&greedy(&prompt.repeat(3), 8), &cb).expect("queued");
+    std::thread::sleep(Duration::from_millis(300));
+    s2.cancel(id).expect("cancel accepted");
+    assert_eq!(until_the_end(&rx), (ErrorCode::CANCELLED, 0));
+    let after_cancel = run(&s2, &greedy(" And then?", 4));
+    assert!(after_cancel.error.is_none(), "{after_cancel:?}");
+}

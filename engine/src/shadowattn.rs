@@ -21,7 +21,6 @@ use crate::error::{BackendError, EngineError};
 use crate::model::Transformer;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// Calibration tokens a profile reads at most.
 pub const PROFILE_TOKENS: usize = 256;
@@ -57,14 +56,19 @@ pub struct Profile {
     pub centres: Vec<(f32, f32)>,
 }
 
-/// Mean NLL of `tokens` under `t` (dense unless `t` has sparse attention set), each position's
-/// next token scored; `edit` sees every O group's input (the heads' attention outputs).
-fn loss(t: &Transformer, tokens: &[u32], edit: &mut dyn FnMut(usize, &mut [f32])) -> Result<f64, EngineError> {
+/// Mean NLL of `tokens` under `t` (dense, or sparse under `sparse`), each position's next token
+/// scored; `edit` sees every O group's input (the heads' attention outputs).
+fn loss(
+    t: &Transformer,
+    tokens: &[u32],
+    sparse: Option<&SparseAttn>,
+    edit: &mut dyn FnMut(usize, &mut [f32]),
+) -> Result<f64, EngineError> {
     let mut kv = t.new_kv();
     let vocab = t.weights.output.rows;
     let (mut total, mut n) = (0f64, 0usize);
     for (ci, chunk) in tokens.chunks(PROFILE_CHUNK).enumerate() {
-        let logits = t.forward_capture(&mut kv, chunk, Logits::All, &mut |li, site, x, _| {
+        let logits = t.forward_capture(&mut kv, chunk, Logits::All, sparse, &mut |li, site, x, _| {
             if site == CaptureSite::O {
                 edit(li, x)
             }
@@ -84,10 +88,10 @@ fn loss(t: &Transformer, tokens: &[u32], edit: &mut dyn FnMut(usize, &mut [f32])
 impl Profile {
     /// Profiles `t` on `tokens` (the first [`PROFILE_TOKENS`]): one pass at exact scales for the
     /// pilot's mean scales, and with `importance` one dense pass and one per head and per layer
-    /// with it zeroed. `progress(done, of)` after each pass. Leaves `t`'s sparse attention as it
-    /// found it.
+    /// with it zeroed. `progress(done, of)` after each pass. `t`'s own attention setting is not
+    /// read or changed (it may be serving meanwhile).
     pub fn build(
-        t: &mut Transformer,
+        t: &Transformer,
         tokens: &[u32],
         importance: bool,
         progress: &dyn Fn(usize, usize),
@@ -103,8 +107,6 @@ impl Profile {
         let key = format!("{:016x}", crate::prefill::calfile::key(t, tokens));
         let c = t.config.clone();
         let (nl, nh, hd) = (c.n_layers, c.n_heads, c.head_dim);
-        let before = t.sparse_attention().cloned();
-        t.set_sparse_attention(None)?;
         let passes = if importance { 2 + nl * nh + nl } else { 1 };
         let mut done = 0;
         let mut step = || {
@@ -113,7 +115,7 @@ impl Profile {
         };
         let (mut base, mut layer_loss, mut head_loss) = (0.0, Vec::new(), Vec::new());
         if importance {
-            base = loss(t, tokens, &mut |_, _| {})?;
+            base = loss(t, tokens, None, &mut |_, _| {})?;
             step();
         }
         let zero = |x: &mut [f32], heads: std::ops::Range<usize>| {
@@ -122,7 +124,7 @@ impl Profile {
             }
         };
         for l in (0..nl).filter(|_| importance) {
-            layer_loss.push(loss(t, tokens, &mut |li, x| {
+            layer_loss.push(loss(t, tokens, None, &mut |li, x| {
                 if li == l {
                     zero(x, 0..nh)
                 }
@@ -131,7 +133,7 @@ impl Profile {
         }
         for l in (0..nl).filter(|_| importance) {
             for h in 0..nh {
-                head_loss.push(loss(t, tokens, &mut |li, x| {
+                head_loss.push(loss(t, tokens, None, &mut |li, x| {
                     if li == l {
                         zero(x, h..h + 1)
                     }
@@ -141,11 +143,8 @@ impl Profile {
         }
         let mut exact = SparseAttn::uniform(nl, nh, 1.0, None);
         exact.probe = Some(Probe::new(nl, false));
-        let exact = Arc::new(exact);
-        t.set_sparse_attention(Some(exact.clone()))?;
-        let seen = loss(t, tokens, &mut |_, _| {});
-        t.set_sparse_attention(before)?;
-        seen?;
+        exact.check(nl, nh).map_err(|detail| BackendError::Shape { op: "sparse attention", detail })?;
+        loss(t, tokens, Some(&exact), &mut |_, _| {})?;
         step();
         let data = exact.probe.as_ref().map(|p| p.data()).unwrap_or_default();
         let centres = data
@@ -203,6 +202,7 @@ impl Profile {
             centres: Some(self.centres.clone()),
             grid: bucket_grid(buckets, DEFAULT_STEP),
             probe: None,
+            sparse_rows: Default::default(),
         }
     }
 
@@ -216,7 +216,7 @@ impl Profile {
     /// Returns it and whether it was read.
     pub fn load_or_build(
         dir: Option<&Path>,
-        t: &mut Transformer,
+        t: &Transformer,
         tokens: &[u32],
         importance: bool,
         progress: &dyn Fn(usize, usize),

@@ -133,6 +133,7 @@ impl Smoothing {
                 &mut kv,
                 part,
                 crate::backend::blocks::Logits::Last,
+                None,
                 &mut |li, site, x, cols| {
                     let s = &mut stats[li * 4 + site as usize];
                     s.add(x, cols, if k == 0 { OBJECTIVE_TOKENS } else { 0 });

@@ -87,7 +87,7 @@ fn settings(model: &mut Model, a: &AttentionArgs, probe: Option<Probe>) -> Resul
     );
     let start = Instant::now();
     let (profile, cached) =
-        Profile::load_or_build(dir.as_deref(), &mut model.transformer, &tokens, a.head_ratios, &|done, of| {
+        Profile::load_or_build(dir.as_deref(), &model.transformer, &tokens, a.head_ratios, &|done, of| {
             pb.set_length(of as u64);
             pb.set_position(done as u64);
         })

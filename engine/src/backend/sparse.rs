@@ -43,6 +43,8 @@ pub struct SparseAttn {
     pub grid: Vec<(f32, f32)>,
     /// Measurements taken while attention runs (recall against float top-k, scales seen).
     pub probe: Option<Probe>,
+    /// Query rows attended sparse so far, summed over layers.
+    pub sparse_rows: std::sync::atomic::AtomicU64,
 }
 
 impl SparseAttn {
@@ -55,7 +57,13 @@ impl SparseAttn {
             centres,
             grid: bucket_grid(DEFAULT_BUCKETS, DEFAULT_STEP),
             probe: None,
+            sparse_rows: Default::default(),
         }
+    }
+
+    /// Query rows attended sparse so far, summed over layers.
+    pub fn rows(&self) -> u64 {
+        self.sparse_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Checks the settings against a model's shape.

@@ -91,34 +91,35 @@ pub struct Transformer {
     devices: Option<devices::Devices>,
     /// How new KV caches store keys and values.
     pub kv_type: kv::KvType,
-    /// shadowAttn: prompt rows' attention sparse under these settings (`None`: dense).
-    sparse: Option<std::sync::Arc<crate::backend::sparse::SparseAttn>>,
+    /// shadowAttn: prompt rows' attention sparse under these settings (`None`: dense); set
+    /// while the model serves (a daemon's profile finished after load), each pass reads it once.
+    sparse: std::sync::RwLock<Option<std::sync::Arc<crate::backend::sparse::SparseAttn>>>,
 }
 
 impl Transformer {
     pub fn new(config: ModelConfig, weights: ModelWeights, planner: Planner) -> Self {
         let shape =
             config.block_shape(weights.layers.first().is_some_and(|l| l.bq.is_some()), weights.rope_freqs.is_some());
-        Self { config, weights, shape, planner, devices: None, kv_type: kv::KvType::F16, sparse: None }
+        Self { config, weights, shape, planner, devices: None, kv_type: kv::KvType::F16, sparse: Default::default() }
     }
 
     /// Runs later passes' prompt rows with shadowAttn's sparse attention under `sa` (checked
     /// against the model's shape), or dense again (`None`).
     pub fn set_sparse_attention(
-        &mut self,
+        &self,
         sa: Option<std::sync::Arc<crate::backend::sparse::SparseAttn>>,
     ) -> Result<(), BackendError> {
         if let Some(s) = &sa {
             s.check(self.config.n_layers, self.config.n_heads)
                 .map_err(|detail| BackendError::Shape { op: "sparse attention", detail })?;
         }
-        self.sparse = sa;
+        *self.sparse.write().unwrap_or_else(|e| e.into_inner()) = sa;
         Ok(())
     }
 
     /// The sparse attention settings later passes run under, if any.
-    pub fn sparse_attention(&self) -> Option<&std::sync::Arc<crate::backend::sparse::SparseAttn>> {
-        self.sparse.as_ref()
+    pub fn sparse_attention(&self) -> Option<std::sync::Arc<crate::backend::sparse::SparseAttn>> {
+        self.sparse.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Runs later passes across the host and `devices`, each subgraph where `cost` prices it
@@ -167,8 +168,8 @@ impl Transformer {
         KvCache::with_type(self.config.n_layers, self.config.kv_dim(), self.config.head_dim, self.kv_type)
     }
 
-    fn pass(&self) -> Pass<'_> {
-        Pass { c: &self.shape, planner: &self.planner, linears: None, sparse: self.sparse.as_deref() }
+    fn pass<'a>(&'a self, sparse: Option<&'a crate::backend::sparse::SparseAttn>) -> Pass<'a> {
+        Pass { c: &self.shape, planner: &self.planner, linears: None, sparse }
     }
 
     /// The forward pass: sequence `i` of `batch` runs `batch[i].1` at the positions after what
@@ -274,7 +275,8 @@ impl Transformer {
                 return out;
             }
         }
-        let p = self.pass();
+        let sa = self.sparse_attention();
+        let p = self.pass(sa.as_deref());
         let w = &self.weights;
         let Some(mut st) = p.begin(batch, &w.token_embd)? else {
             return Ok(vec![Vec::new(); batch.len()]);
@@ -296,7 +298,8 @@ impl Transformer {
         parts: usize,
     ) -> Option<Result<Vec<Vec<f32>>, BackendError>> {
         type PartOut = Option<Result<Option<PassState>, BackendError>>;
-        let p = self.pass();
+        let sa = self.sparse_attention();
+        let p = self.pass(sa.as_deref());
         let w = &self.weights;
         let n = batch.len();
         let mut runs = Vec::with_capacity(parts);
@@ -337,15 +340,17 @@ impl Transformer {
 
     /// [`Self::forward`] for one sequence that shows every linear group's input to `capture`
     /// (calibration), which may also change it (shadowAttn's importance profiling zeroes heads'
-    /// attention outputs); returns the logits `which` asks for.
+    /// attention outputs); returns the logits `which` asks for. Attention is dense, or sparse
+    /// under `sparse` (shadowAttn's calibration of its scales), whatever the model's setting.
     pub fn forward_capture(
         &self,
         kv: &mut KvCache,
         tokens: &[u32],
         which: Logits,
+        sparse: Option<&crate::backend::sparse::SparseAttn>,
         capture: Capture,
     ) -> Result<Vec<f32>, BackendError> {
-        let p = self.pass();
+        let p = self.pass(sparse);
         let w = &self.weights;
         let batch = &mut [(kv, tokens)];
         let Some(mut st) = p.begin(batch, &w.token_embd)? else { return Ok(Vec::new()) };

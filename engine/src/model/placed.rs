@@ -241,7 +241,8 @@ impl Transformer {
         // A stop flag is asked by the host's projections too, whatever the splitter.
         let splits =
             if devs.splitter.splits() || stop.is_some() { Some(self.split_linears_until(devs, stop)?) } else { None };
-        let ex = Exec::new(self, devs, splits.as_ref().map(|s| s as &dyn Linears), which, stop);
+        let sa = self.sparse_attention();
+        let ex = Exec::new(self, devs, splits.as_ref().map(|s| s as &dyn Linears), sa.as_deref(), which, stop);
         let Some(st) = ex.p.state(batch)? else {
             return Ok(vec![Vec::new(); batch.len()]);
         };
@@ -353,7 +354,8 @@ impl Transformer {
         }
         kv.move_all_home()?;
         let linears = self.split_linears_until(devs, stop)?;
-        let ex = Exec::new(self, devs, Some(&linears), Logits::Last, stop);
+        let sa = self.sparse_attention();
+        let ex = Exec::new(self, devs, Some(&linears), sa.as_deref(), Logits::Last, stop);
         let parts: Vec<&[u32]> = tokens.chunks(chunk).collect();
         let dag = self.dag_of(devs, &steps, &placement, parts.len(), chunk)?;
         let mut run = || -> Result<(Vec<f32>, Timeline), BackendError> {
@@ -490,16 +492,11 @@ impl<'a> Exec<'a> {
         t: &'a Transformer,
         devs: &'a Devices,
         linears: Option<&'a dyn Linears>,
+        sparse: Option<&'a crate::backend::sparse::SparseAttn>,
         which: Logits,
         stop: Option<&'a (dyn Fn() -> bool + Sync)>,
     ) -> Self {
-        Self {
-            t,
-            devs,
-            p: Pass { c: &t.shape, planner: &t.planner, linears, sparse: t.sparse.as_deref() },
-            which,
-            stop,
-        }
+        Self { t, devs, p: Pass { c: &t.shape, planner: &t.planner, linears, sparse }, which, stop }
     }
 
     /// Runs step `sg` of chunk `ch` on `d` (0: the host), over `batch` (the chunk's sequences'

@@ -213,7 +213,7 @@ fn each_group(t: &Transformer, tokens: &[u32], f: crate::backend::blocks::Captur
         if kv.len() + part.len() > t.config.context_length {
             kv = t.new_kv();
         }
-        t.forward_capture(&mut kv, part, crate::backend::blocks::Logits::Last, &mut |li, site, x, cols| {
+        t.forward_capture(&mut kv, part, crate::backend::blocks::Logits::Last, None, &mut |li, site, x, cols| {
             f(li, site, x, cols)
         })?;
     }
@@ -270,7 +270,7 @@ fn ranges(t: &Transformer, tokens: &[u32]) -> Result<Calibration, EngineError> {
         if kv.len() + part.len() > c.context_length {
             kv = t.new_kv();
         }
-        t.forward_capture(&mut kv, part, crate::backend::blocks::Logits::Last, &mut |li, site, x, cols| {
+        t.forward_capture(&mut kv, part, crate::backend::blocks::Logits::Last, None, &mut |li, site, x, cols| {
             let n = x.len() / cols.max(1);
             let r = &mut layers[li][site as usize];
             widen(&mut r.input, x);

@@ -151,6 +151,7 @@ impl CpuBackend {
             .zip(built)
             .filter_map(|(w, b)| b.into_inner().unwrap_or_else(|e| e.into_inner()).map(|k| (*w, k)))
             .collect();
+        sa.sparse_rows.fetch_add(s.n_tokens as u64, std::sync::atomic::Ordering::Relaxed);
         let measure = sa.probe.as_ref().is_some_and(|p| p.measures_recall());
         let kern = AttnKernels::best();
         let scale = 1.0 / (hd as f32).sqrt();
