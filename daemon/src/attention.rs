@@ -64,10 +64,13 @@ impl Attention {
                     return;
                 }
             };
+            // Stops once this thread holds the model's last reference (it was evicted): a
+            // profile must not keep an evicted model's memory.
             let progress = |done: usize, of: usize| {
                 if let Stage::Building { done: d, of: o, .. } = &mut *stage.lock().unwrap_or_else(|p| p.into_inner()) {
                     (*d, *o) = (done, of);
                 }
+                Arc::strong_count(&m) > 1
             };
             let made = Profile::load_or_build(dir.as_deref(), &m.transformer, &tokens, cfg.head_ratios, &progress);
             let next = match made {

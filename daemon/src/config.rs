@@ -621,8 +621,11 @@ impl Config {
             return bad("prefill_chunk must be at least 1".into());
         }
         let a = &self.attention;
-        if !(a.ratio > 0.0 && a.ratio <= 1.0) {
-            return bad(format!("attention.ratio {} must be above 0 and at most 1", a.ratio));
+        if !(a.ratio >= 0.001 && a.ratio <= 1.0) {
+            return bad(format!("attention.ratio {} must be between 0.001 and 1", a.ratio));
+        }
+        if a.mode == AttentionMode::Shadow && self.kv_cache_type == KvCacheType::Q8 {
+            return bad("attention.mode \"shadow\" needs kv_cache_type = \"f16\" (the pilot reads f16 keys)".into());
         }
         if !(1..=25).contains(&a.buckets) {
             return bad(format!("attention.buckets {} must be 1..=25", a.buckets));

@@ -21,7 +21,8 @@
 //!    and `outbox` (each request's callbacks); it reaches models and sessions only through its
 //!    `Engine` trait, and Binder clients through the outbox's `Sink`.
 //! 7. `policy` (pure rules, clock injected), then the leaves: `error` (the one error → code
-//!    map), `config`, `attention` (each resident model's shadowAttn profile and stage), `permission`, `residency`, `integrity` (model files against their
+//!    map), `config`, `attention` (each resident model's shadowAttn profile and stage),
+//!    `permission`, `residency`, `integrity` (model files against their
 //!    fingerprints), `models`, `connections` (the socket's accept loop and its per-uid
 //!    connection caps), `processor` (one thread type for the NPU and the GPU: each owns its
 //!    devices and every resident model's device set, and runs the jobs the engine hands it —

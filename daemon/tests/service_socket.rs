@@ -2128,7 +2128,7 @@ fn shadow_attention_is_made_at_load_then_serves_long_prompts_turns_and_cancels()
     assert!(n > llmd_engine::generate::DEFAULT_PREFILL_CHUNK, "{n} tokens: more than one chunk");
     assert!(after - before >= (n as u64 - 1) * m.config().n_layers as u64, "{before} -> {after} sparse rows for {n}");
     let cal = m.tokenizer.encode(llmd_engine::prefill::CALIBRATION_TEXT, false, false).expect("encode");
-    let (profile, _) = llmd_engine::shadowattn::Profile::load_or_build(None, &m.transformer, &cal, false, &|_, _| {})
+    let (profile, _) = llmd_engine::shadowattn::Profile::load_or_build(None, &m.transformer, &cal, false, &|_, _| true)
         .expect("profile");
     m.transformer.set_sparse_attention(Some(std::sync::Arc::new(profile.settings(0.2, true, 9)))).expect("fits");
     let req = llmd_engine::generate::GenerateRequest {

@@ -8,10 +8,11 @@
 //! - zeroing a head zeroes its attention output before the O projection; zeroing a layer zeroes
 //!   every head of its attention (the block then adds nothing to the residual);
 //! - importance below zero (zeroing helped) counts as zero; the products `head · layer` are
-//!   floored at an eighth of their median and clamped at eight times it (the paper's "clamping
-//!   extremely large points", with a floor so no head keeps almost nothing), then scaled so their
-//!   mean ratio is the global one; a ratio above 1 is capped and its excess shared among the
-//!   others in proportion, so the mean stays the global ratio;
+//!   floored at their median and clamped at four times it ([`PRODUCT_FLOOR`], [`PRODUCT_CLAMP`]:
+//!   the paper's "clamping extremely large points", with a floor so no head keeps almost
+//!   nothing), then scaled so their mean ratio is the global one; a ratio above 1 is capped and
+//!   its excess shared among the others in proportion, so the mean stays the global ratio;
+//! - the profile's passes use an f16 KV cache whatever the model's (the pilot reads f16 keys).
 //! - the profile reads at most [`PROFILE_TOKENS`] calibration tokens (time: one pass per head and
 //!   per layer).
 
@@ -27,14 +28,14 @@ pub const PROFILE_TOKENS: usize = 256;
 /// Prompt rows per pass while profiling (as the CPU's default prefill chunk).
 const PROFILE_CHUNK: usize = 128;
 /// Bumped when what a profile holds or how it is made changes.
-pub const PROFILE_VERSION: u32 = 1;
+pub const PROFILE_VERSION: u32 = 2;
 /// The floor and clamp of Eq. 3's products, as multiples of their median. Measured on the default
 /// model (Jargon File, `--ctx 2048`, 4,094 tokens, ratio 0.2, perplexity; dense 17.73, uniform
 /// 18.79): floor 1/8 and clamp 8 gave ratios 0.010–0.613 and 22.66 (8,188 tokens; uniform 15.19,
 /// dense 14.22); floor 1/2, clamp 2: 19.36; floor 1, no clamp: 20.65; floor 1, clamp 4: 19.15,
 /// the least harm, kept.
-const PRODUCT_FLOOR: f64 = 1.0;
-const PRODUCT_CLAMP: f64 = 4.0;
+pub const PRODUCT_FLOOR: f64 = 1.0;
+pub const PRODUCT_CLAMP: f64 = 4.0;
 
 /// A model's shadowAttn profile.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -64,7 +65,9 @@ fn loss(
     sparse: Option<&SparseAttn>,
     edit: &mut dyn FnMut(usize, &mut [f32]),
 ) -> Result<f64, EngineError> {
-    let mut kv = t.new_kv();
+    let c = &t.config;
+    let mut kv =
+        crate::backend::kv::KvCache::with_type(c.n_layers, c.kv_dim(), c.head_dim, crate::backend::kv::KvType::F16);
     let vocab = t.weights.output.rows;
     let (mut total, mut n) = (0f64, 0usize);
     for (ci, chunk) in tokens.chunks(PROFILE_CHUNK).enumerate() {
@@ -88,13 +91,13 @@ fn loss(
 impl Profile {
     /// Profiles `t` on `tokens` (the first [`PROFILE_TOKENS`]): one pass at exact scales for the
     /// pilot's mean scales, and with `importance` one dense pass and one per head and per layer
-    /// with it zeroed. `progress(done, of)` after each pass. `t`'s own attention setting is not
-    /// read or changed (it may be serving meanwhile).
+    /// with it zeroed. `progress(done, of)` after each pass; false from it stops the profile (an
+    /// error). `t`'s own attention setting is not read or changed (it may be serving meanwhile).
     pub fn build(
         t: &Transformer,
         tokens: &[u32],
         importance: bool,
-        progress: &dyn Fn(usize, usize),
+        progress: &dyn Fn(usize, usize) -> bool,
     ) -> Result<Self, EngineError> {
         let tokens = &tokens[..tokens.len().min(PROFILE_TOKENS)];
         if tokens.len() < 2 {
@@ -109,14 +112,18 @@ impl Profile {
         let (nl, nh, hd) = (c.n_layers, c.n_heads, c.head_dim);
         let passes = if importance { 2 + nl * nh + nl } else { 1 };
         let mut done = 0;
-        let mut step = || {
+        let mut step = || -> Result<(), EngineError> {
             done += 1;
-            progress(done, passes)
+            if progress(done, passes) {
+                Ok(())
+            } else {
+                Err(BackendError::Shape { op: "shadowAttn profile", detail: "stopped".into() }.into())
+            }
         };
         let (mut base, mut layer_loss, mut head_loss) = (0.0, Vec::new(), Vec::new());
         if importance {
             base = loss(t, tokens, None, &mut |_, _| {})?;
-            step();
+            step()?;
         }
         let zero = |x: &mut [f32], heads: std::ops::Range<usize>| {
             for row in x.chunks_exact_mut(nh * hd) {
@@ -129,7 +136,7 @@ impl Profile {
                     zero(x, 0..nh)
                 }
             })?);
-            step();
+            step()?;
         }
         for l in (0..nl).filter(|_| importance) {
             for h in 0..nh {
@@ -138,15 +145,22 @@ impl Profile {
                         zero(x, h..h + 1)
                     }
                 })?);
-                step();
+                step()?;
             }
         }
         let mut exact = SparseAttn::uniform(nl, nh, 1.0, None);
         exact.probe = Some(Probe::new(nl, false));
         exact.check(nl, nh).map_err(|detail| BackendError::Shape { op: "sparse attention", detail })?;
         loss(t, tokens, Some(&exact), &mut |_, _| {})?;
-        step();
+        step()?;
         let data = exact.probe.as_ref().map(|p| p.data()).unwrap_or_default();
+        if let Some(l) = data.scales.iter().position(|s| s.2 == 0 || !(s.0 > 0.0 && s.1 > 0.0)) {
+            return Err(BackendError::Shape {
+                op: "shadowAttn profile",
+                detail: format!("the pilot saw no scales at layer {l} (a chunk of one row?)"),
+            }
+            .into());
+        }
         let centres = data
             .scales
             .iter()
@@ -219,7 +233,7 @@ impl Profile {
         t: &Transformer,
         tokens: &[u32],
         importance: bool,
-        progress: &dyn Fn(usize, usize),
+        progress: &dyn Fn(usize, usize) -> bool,
     ) -> Result<(Self, bool), EngineError> {
         let used = &tokens[..tokens.len().min(PROFILE_TOKENS)];
         let key = format!("{:016x}", crate::prefill::calfile::key(t, used));
@@ -251,7 +265,7 @@ impl Profile {
             && ((p.head_loss.len() == nl * nh && p.layer_loss.len() == nl)
                 || (p.head_loss.is_empty() && p.layer_loss.is_empty()))
             && p.centres.len() == nl
-            && p.centres.iter().all(|&(q, k)| q > 0.0 && k > 0.0 && q.is_finite() && k.is_finite())
+            && p.centres.iter().all(|&(q, k)| q >= 1e-20 && k >= 1e-20 && q.is_finite() && k.is_finite())
             && p.head_loss.iter().chain(&p.layer_loss).chain([&p.loss]).all(|x| x.is_finite());
         fine.then_some(p)
     }

@@ -27,7 +27,14 @@ pub struct AttentionArgs {
     /// Prompt chunks' attention: dense, or shadow (shadowAttn; decode steps stay dense).
     #[arg(long, value_enum, default_value = "dense")]
     pub attention: AttentionMode,
-    /// shadowAttn: the mean share of visible keys each query row keeps (0 < R <= 1).
+    #[command(flatten)]
+    pub shadow: ShadowArgs,
+}
+
+/// shadowAttn's settings (with `--attention shadow`, and for `attention-recall`).
+#[derive(Args, Debug, Clone)]
+pub struct ShadowArgs {
+    /// shadowAttn: the mean share of visible keys each query row keeps (0.001 to 1).
     #[arg(long, default_value_t = DEFAULT_RATIO)]
     pub ratio: f32,
     /// shadowAttn: head-specific ratios (the paper's Eq. 1–3: each head's and layer's loss
@@ -51,6 +58,15 @@ pub struct AttentionArgs {
     pub attention_cache: Option<String>,
 }
 
+impl ShadowArgs {
+    fn check(&self) -> Result<(), String> {
+        if !(self.ratio >= 0.001 && self.ratio <= 1.0) {
+            return Err(format!("--ratio {} must be between 0.001 and 1", self.ratio));
+        }
+        Ok(())
+    }
+}
+
 impl AttentionArgs {
     pub fn shadow(&self) -> bool {
         self.attention == AttentionMode::Shadow
@@ -59,20 +75,21 @@ impl AttentionArgs {
 
 /// Sets `model`'s prompt attention as `a` asks; prints what it did on standard error. Returns
 /// the settings (None: dense).
-pub fn apply(model: &mut Model, a: &AttentionArgs) -> Result<Option<Arc<SparseAttn>>, String> {
+pub fn apply(model: &Model, a: &AttentionArgs) -> Result<Option<Arc<SparseAttn>>, String> {
     if !a.shadow() {
         return Ok(None);
     }
-    if !(a.ratio > 0.0 && a.ratio <= 1.0) {
-        return Err(format!("--ratio {} is outside (0, 1]", a.ratio));
+    a.shadow.check()?;
+    if model.transformer.kv_type == llmd_engine::backend::kv::KvType::Q8 {
+        return Err("--attention shadow needs the f16 KV cache (the pilot reads f16 keys): drop --kv-type q8".into());
     }
-    let sa = settings(model, a, None)?;
+    let sa = settings(model, &a.shadow, None)?;
     model.transformer.set_sparse_attention(Some(sa.clone())).map_err(|e| e.to_string())?;
     Ok(Some(sa))
 }
 
 /// The sparse settings for `model` under `a` (the profile read or built), with `probe`.
-fn settings(model: &mut Model, a: &AttentionArgs, probe: Option<Probe>) -> Result<Arc<SparseAttn>, String> {
+fn settings(model: &Model, a: &ShadowArgs, probe: Option<Probe>) -> Result<Arc<SparseAttn>, String> {
     let text = match &a.attention_calibration {
         Some(f) => std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?,
         None => llmd_engine::prefill::CALIBRATION_TEXT.to_owned(),
@@ -90,6 +107,7 @@ fn settings(model: &mut Model, a: &AttentionArgs, probe: Option<Probe>) -> Resul
         Profile::load_or_build(dir.as_deref(), &model.transformer, &tokens, a.head_ratios, &|done, of| {
             pb.set_length(of as u64);
             pb.set_position(done as u64);
+            true
         })
         .map_err(|e| format!("shadowAttn profile: {e}"))?;
     pb.finish_and_clear();
@@ -132,7 +150,7 @@ pub struct RecallArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub attn: AttentionArgs,
+    pub attn: ShadowArgs,
 }
 
 /// Prompt rows per chunk while measuring recall (as `perplexity`'s CPU windows).
@@ -144,10 +162,8 @@ pub fn recall(a: &RecallArgs) -> Result<(), String> {
     if a.ctx < 2 {
         return Err("--ctx must be at least 2".into());
     }
-    if !(a.attn.ratio > 0.0 && a.attn.ratio <= 1.0) {
-        return Err(format!("--ratio {} is outside (0, 1]", a.attn.ratio));
-    }
-    let mut model = Model::load(&a.model, &LoadOptions { threads: a.threads, ..Default::default() })
+    a.attn.check()?;
+    let model = Model::load(&a.model, &LoadOptions { threads: a.threads, ..Default::default() })
         .map_err(|e| format!("{}: {e}", a.model.display()))?;
     if a.ctx > model.config().context_length {
         return Err(format!("--ctx {} exceeds the model's context of {}", a.ctx, model.config().context_length));
@@ -160,7 +176,7 @@ pub fn recall(a: &RecallArgs) -> Result<(), String> {
         return Err(format!("the text has {} tokens, fewer than one window of {}", toks.len(), a.ctx));
     }
     let nl = model.config().n_layers;
-    let sa = settings(&mut model, &a.attn, Some(Probe::new(nl, true)))?;
+    let sa = settings(&model, &a.attn, Some(Probe::new(nl, true)))?;
     model.transformer.set_sparse_attention(Some(sa.clone())).map_err(|e| e.to_string())?;
     let start = Instant::now();
     let pb = ProgressBar::new(windows as u64);

@@ -198,8 +198,7 @@ pub fn run_local(args: &RunArgs) -> Result<(), String> {
     } else {
         Model::load(&model_path, &opts).map_err(|e| format!("{}: {e}", model_path.display()))?
     };
-    let mut model = model;
-    crate::attention::apply(&mut model, &args.attn)?;
+    crate::attention::apply(&model, &args.attn)?;
     let load_time = load_start.elapsed();
     let prompt = if args.chat {
         let mut msgs = Vec::new();

@@ -167,9 +167,9 @@ pub fn perplexity(a: &PerplexityArgs) -> Result<(), String> {
     if a.ctx < 2 {
         return Err("--ctx must be at least 2".into());
     }
-    let mut model = Model::load(&a.model, &LoadOptions { threads: a.threads, ..Default::default() })
+    let model = Model::load(&a.model, &LoadOptions { threads: a.threads, ..Default::default() })
         .map_err(|e| format!("{}: {e}", a.model.display()))?;
-    crate::attention::apply(&mut model, &a.attn)?;
+    crate::attention::apply(&model, &a.attn)?;
     if a.ctx > model.config().context_length {
         return Err(format!("--ctx {} exceeds the model's context of {}", a.ctx, model.config().context_length));
     }

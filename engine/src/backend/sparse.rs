@@ -104,10 +104,10 @@ impl SparseAttn {
 
 /// The kept keys of a row of `visible` keys at `ratio`: `max(1, ceil(ratio · visible))`.
 pub fn kept(ratio: f32, visible: usize) -> usize {
-    // An f32 ratio is not its decimal (0.2f32 is 0.2000000030): a millionth off before rounding
-    // up, so 0.2 of 10 keys is 2.
-    let x = ratio as f64 * visible as f64;
-    ((x - x * 1e-6).ceil() as usize).clamp(1, visible.max(1))
+    // An f32 ratio is not its decimal (0.2f32 is 0.2000000030): taken to its nearest millionth
+    // first, so 0.2 of 10 keys is 2 (and a ratio of 1 keeps every key at any length).
+    let r = (ratio as f64 * 1e6).round() / 1e6;
+    ((r * visible as f64 - 1e-9).ceil() as usize).clamp(1, visible.max(1))
 }
 
 /// `n` buckets' multiplier pairs at step `sigma` (see the module's notes), centre first.
@@ -353,6 +353,9 @@ mod tests {
         assert_eq!(kept(0.2, 11), 3);
         assert_eq!(kept(1.0, 7), 7);
         assert_eq!(kept(0.001, 100), 1);
+        assert_eq!(kept(1.0, 5_000_000), 5_000_000);
+        assert_eq!(kept(0.3, 10), 3);
+        assert_eq!(kept(0.3, 11), 4);
     }
 
     #[test]

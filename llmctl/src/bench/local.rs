@@ -164,7 +164,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), String> {
     .map_err(|e| format!("{}: {e}", model_path.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut model = model;
-    crate::attention::apply(&mut model, &args.attn)?;
+    crate::attention::apply(&model, &args.attn)?;
     let gpu = match args.backend {
         crate::npu::BackendChoice::Gpu => {
             let g = crate::gpu::open(&args.gpu)?;

@@ -127,7 +127,7 @@ impl CpuBackend {
     }
 }
 
-fn check_attention(s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &[f32]) -> Result<(), BackendError> {
+pub(super) fn check_attention(s: &AttentionShape, q: &[f32], kv: KvLayer<'_>, out: &[f32]) -> Result<(), BackendError> {
     let q_row = s.n_heads * s.head_dim;
     let kv_row = s.n_kv_heads * s.head_dim;
     let total = s.start + s.n_tokens;

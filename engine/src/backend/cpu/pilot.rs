@@ -12,8 +12,8 @@ pub const KEY_TILE: usize = 16;
 /// bytes per group of 4 dimensions) with each key's offset term.
 #[derive(Default)]
 pub struct PilotKeys {
-    pub n: usize,
-    pub d: usize,
+    n: usize,
+    d: usize,
     plain: Vec<i8>,
     tiles: Vec<i8>,
     bias: Vec<i32>,
@@ -58,9 +58,9 @@ impl PilotKeys {
 /// (`vpdpbusd` multiplies unsigned by signed; the keys' offset term takes the 128 back out).
 #[derive(Default)]
 pub struct PilotQueries {
-    pub d: usize,
-    pub i8s: Vec<i8>,
-    pub u8s: Vec<u8>,
+    d: usize,
+    i8s: Vec<i8>,
+    u8s: Vec<u8>,
 }
 
 impl PilotQueries {
@@ -124,6 +124,9 @@ pub fn scores(q: &PilotQueries, k: &PilotKeys, visible: &[usize], out: &mut [i32
     let d = k.d;
     let rows = visible.len();
     assert!(q.d == d && q.i8s.len() >= rows * d && stride >= stride_for(k.n) && out.len() >= rows * stride);
+    // The kernel's own reads: the unsigned queries, and every tile and offset term of the keys.
+    assert!(k.tiles.is_empty() || (q.u8s.len() >= rows * d && k.tiles.len() >= stride_for(k.n) * d));
+    assert!(k.tiles.is_empty() || k.bias.len() >= stride_for(k.n));
     assert!(visible.iter().all(|&v| v <= k.n));
     #[cfg(target_arch = "x86_64")]
     if !k.tiles.is_empty() && vnni() {

@@ -46,6 +46,9 @@ impl CpuBackend {
         sa: &SparseAttn,
     ) -> Result<(), BackendError> {
         for it in items.iter_mut() {
+            if let crate::backend::kv::KvInput::Ready(kv) = &it.kv {
+                super::check_attention(&it.shape, it.q, *kv, it.out)?;
+            }
             let kv = it.append_all()?;
             let KvLayer::F16 { k, v } = kv else {
                 // An int8 cache: dense attention (the pilot reads f16 keys).
