@@ -29,7 +29,8 @@ pub const PROFILE_TOKENS: usize = 256;
 const PROFILE_CHUNK: usize = 128;
 /// Bumped when what a profile holds or how it is made changes.
 pub const PROFILE_VERSION: u32 = 2;
-/// The floor and clamp of Eq. 3's products, as multiples of their median. Measured on the default
+/// The floor and clamp of Eq. 3's products, as multiples of their median. Chosen on earlier code
+/// (k rounded up from the f32 ratio; docs/BENCHMARKS.md has today's figures), the default
 /// model (Jargon File, `--ctx 2048`, 4,094 tokens, ratio 0.2, perplexity; dense 17.73, uniform
 /// 18.79): floor 1/8 and clamp 8 gave ratios 0.010–0.613 and 22.66 (8,188 tokens; uniform 15.19,
 /// dense 14.22); floor 1/2, clamp 2: 19.36; floor 1, no clamp: 20.65; floor 1, clamp 4: 19.15,
